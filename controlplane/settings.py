@@ -1,0 +1,160 @@
+"""Gantry settings: the one place that reads the environment (see README)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from controlplane.env import (
+    env_bool,
+    env_float,
+    env_int,
+    env_list,
+    env_port_range,
+    env_str,
+)
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+DEBUG = env_bool("DEBUG", False)
+_DEV_SECRET = "gantry-insecure-development-key-do-not-use-in-production"
+SECRET_KEY = env_str("SECRET_KEY", _DEV_SECRET if DEBUG else None)
+if not DEBUG and SECRET_KEY == _DEV_SECRET:
+    raise ImproperlyConfigured("SECRET_KEY: the development key is refused when DEBUG is off")
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+GANTRY_DATA_DIR = Path(env_str("GANTRY_DATA_DIR", str(BASE_DIR / "var"))).resolve()
+DATABASES = {
+    "default": dj_database_url.parse(
+        env_str("DATABASE_URL", f"sqlite:///{GANTRY_DATA_DIR / 'gantry.sqlite3'}"),
+        conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 0, minimum=0),
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # The demo's worker and web server write concurrently: wait for the lock.
+    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+# --- Gantry's own ---------------------------------------------------------
+# The name this process's host is known by; a worker listens on gpu.<name>.
+GANTRY_HOST_NAME = env_str("GANTRY_HOST_NAME", socket.gethostname().split(".")[0])
+# The address Triton servers on this host bind to and clients use to reach them.
+GANTRY_HOST_ADDRESS = env_str("GANTRY_HOST_ADDRESS", "127.0.0.1")
+GANTRY_HEARTBEAT_INTERVAL = env_int("GANTRY_HEARTBEAT_INTERVAL", 10, minimum=1, maximum=3600)
+GANTRY_HOST_OFFLINE_AFTER_BEATS = env_int("GANTRY_HOST_OFFLINE_AFTER_BEATS", 3, minimum=1)
+GANTRY_TRITON_READY_TIMEOUT = env_int("GANTRY_TRITON_READY_TIMEOUT", 900, minimum=5)
+GANTRY_TRITON_PORT_RANGE = env_port_range("GANTRY_TRITON_PORT_RANGE", (18000, 18999))
+GANTRY_CRASH_RESTART_LIMIT = env_int("GANTRY_CRASH_RESTART_LIMIT", 3, minimum=0)
+GANTRY_GPU_MEMORY_HEADROOM = env_float("GANTRY_GPU_MEMORY_HEADROOM", 0.95, minimum=0.1, maximum=1.0)
+# Checkpoints may only be registered from under these folders (a worker
+# mounts or reads nothing else). Empty means the data dir's models/ only.
+GANTRY_MODEL_ROOTS = [Path(p).resolve() for p in env_list("GANTRY_MODEL_ROOTS", [str(GANTRY_DATA_DIR / "models")])]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "channels",
+    "controlplane",
+    "deployments",
+    "playground",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "controlplane.urls"
+ASGI_APPLICATION = "controlplane.asgi.application"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "dashboard"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = GANTRY_DATA_DIR / "static"
+WHITENOISE_USE_FINDERS = True
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.SessionAuthentication",
+        "rest_framework.authentication.TokenAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "EXCEPTION_HANDLER": "deployments.api.exception_handler",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+}
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": "gantry:channels"},
+    }
+}
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_IGNORE_RESULT = True
+# GPU work is long and not evenly sized: take one message at a time, and
+# acknowledge late so a message whose worker died is delivered again; tasks
+# re-check the database row, so a redelivery never repeats finished work.
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600, minimum=60)}
+CELERY_TASK_SOFT_TIME_LIMIT = GANTRY_TRITON_READY_TIMEOUT + 120
+CELERY_TASK_TIME_LIMIT = GANTRY_TRITON_READY_TIMEOUT + 180
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO").upper()},
+    "loggers": {"daphne": {"level": "WARNING"}, "django.channels.server": {"level": "WARNING"}},
+}

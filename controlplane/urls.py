@@ -1,0 +1,12 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("api/", include("deployments.api_urls")),
+    path("api/", include("playground.urls")),
+    path("", include("deployments.urls")),
+]

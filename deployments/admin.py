@@ -1,0 +1,95 @@
+"""The admin is for auditors: records are shown, the timeline is read-only."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+
+from deployments.models import Deployment, DeploymentModel, EngineBuild, Event, Gpu, GpuHost, RegisteredModel
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    def has_add_permission(self, request, obj=None) -> bool:  # noqa: ANN001
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # noqa: ANN001
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:  # noqa: ANN001
+        return False
+
+
+class GpuInline(admin.TabularInline):
+    model = Gpu
+    extra = 0
+    can_delete = False
+    readonly_fields = [f.name for f in Gpu._meta.fields]
+
+    def has_add_permission(self, request, obj=None) -> bool:  # noqa: ANN001
+        return False
+
+
+@admin.register(GpuHost)
+class GpuHostAdmin(ReadOnlyAdmin):
+    list_display = ["name", "address", "last_heartbeat", "driver_version", "cuda_version"]
+    search_fields = ["name", "address"]
+    inlines = [GpuInline]
+
+
+@admin.register(RegisteredModel)
+class RegisteredModelAdmin(ReadOnlyAdmin):
+    list_display = ["name", "kind", "architecture", "size_bytes", "fingerprint", "created_by", "created_at"]
+    list_filter = ["kind", "architecture"]
+    search_fields = ["name", "hub_id", "fingerprint"]
+
+
+@admin.register(EngineBuild)
+class EngineBuildAdmin(ReadOnlyAdmin):
+    list_display = [
+        "id",
+        "model",
+        "host",
+        "status",
+        "trtllm_version",
+        "compute_capability",
+        "builder_image",
+        "created_by",
+        "created_at",
+    ]
+    list_filter = ["status", "compute_capability", "trtllm_version", "builder_image", "model"]
+
+
+class PlacementInline(admin.TabularInline):
+    model = DeploymentModel
+    extra = 0
+    can_delete = False
+    readonly_fields = [f.name for f in DeploymentModel._meta.fields]
+
+    def has_add_permission(self, request, obj=None) -> bool:  # noqa: ANN001
+        return False
+
+
+class EventInline(admin.TabularInline):
+    model = Event
+    fk_name = "deployment"
+    extra = 0
+    can_delete = False
+    fields = ["created_at", "source", "kind", "from_status", "to_status", "message"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None) -> bool:  # noqa: ANN001
+        return False
+
+
+@admin.register(Deployment)
+class DeploymentAdmin(ReadOnlyAdmin):
+    list_display = ["name", "host", "runtime", "status", "desired_state", "generation", "http_port", "created_by"]
+    list_filter = ["status", "runtime", "host"]
+    search_fields = ["name"]
+    inlines = [PlacementInline, EventInline]
+
+
+@admin.register(Event)
+class EventAdmin(ReadOnlyAdmin):
+    list_display = ["created_at", "source", "kind", "deployment", "host", "from_status", "to_status", "message"]
+    list_filter = ["kind", "source"]
+    search_fields = ["message"]

@@ -1,0 +1,337 @@
+"""The REST API under /api/: thin views over selectors and services."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers, status
+from rest_framework.exceptions import ValidationError as DRFValidationError
+from rest_framework.generics import get_object_or_404
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from deployments import selectors, services
+from deployments.errors import InvalidTransition, NotFound, PermissionDenied, ValidationFailed
+from deployments.events import event_payload
+from deployments.models import (
+    Deployment,
+    DeploymentModel,
+    Gpu,
+    GpuHost,
+    InstanceKind,
+    ModelKind,
+    RegisteredModel,
+    Runtime,
+)
+from deployments.permissions import ReadOrOperate
+
+_STATUS_FOR = {
+    ValidationFailed: status.HTTP_400_BAD_REQUEST,
+    NotFound: status.HTTP_404_NOT_FOUND,
+    PermissionDenied: status.HTTP_403_FORBIDDEN,
+    InvalidTransition: status.HTTP_409_CONFLICT,
+}
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    """Map Gantry's errors to status codes; keep a ``detail`` line on every error."""
+    for error_type, code in _STATUS_FOR.items():
+        if isinstance(exc, error_type):
+            body: dict[str, Any] = {"detail": str(exc)}
+            if isinstance(exc, ValidationFailed):
+                body["errors"] = exc.errors
+            return Response(body, status=code)
+    response = drf_exception_handler(exc, context)
+    if response is not None and isinstance(exc, DRFValidationError):
+        response.data = {"detail": _flatten(exc.detail), "errors": exc.detail}
+    return response
+
+
+def _flatten(detail: Any, prefix: str = "") -> str:
+    if isinstance(detail, dict):
+        return "; ".join(_flatten(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}") for k, v in detail.items())
+    if isinstance(detail, list):
+        if all(not isinstance(item, (dict, list)) for item in detail):
+            return f"{prefix}: {' '.join(str(item) for item in detail)}" if prefix else " ".join(map(str, detail))
+        return "; ".join(_flatten(item, f"{prefix}[{i}]") for i, item in enumerate(detail) if item)
+    return f"{prefix}: {detail}" if prefix else str(detail)
+
+
+class StrictSerializer(serializers.Serializer):
+    """Refuses fields it does not know, so a typo is an error, not a silent default."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        unknown = sorted(set(data) - set(self.fields)) if isinstance(data, dict) else []
+        unknown_errors = {name: ["is not a known field"] for name in unknown}
+        try:
+            value = super().to_internal_value(data)
+        except DRFValidationError as exc:
+            errors = exc.detail if isinstance(exc.detail, dict) else {"non_field_errors": exc.detail}
+            raise DRFValidationError({**errors, **unknown_errors}) from exc
+        if unknown_errors:
+            raise DRFValidationError(unknown_errors)
+        return value
+
+
+# --- read shapes -------------------------------------------------------------
+
+
+class GpuOut(serializers.ModelSerializer):
+    class Meta:
+        model = Gpu
+        fields = [
+            "index",
+            "uuid",
+            "name",
+            "compute_capability",
+            "memory_total_bytes",
+            "memory_used_bytes",
+            "utilization_percent",
+            "updated_at",
+        ]
+
+
+class HostOut(serializers.ModelSerializer):
+    gpus = GpuOut(many=True, read_only=True)
+    is_online = serializers.BooleanField(read_only=True)
+    queue = serializers.CharField(read_only=True)
+
+    class Meta:
+        model = GpuHost
+        fields = [
+            "name",
+            "address",
+            "is_online",
+            "last_heartbeat",
+            "driver_version",
+            "cuda_version",
+            "nvml_error",
+            "agent_version",
+            "queue",
+            "gpus",
+        ]
+
+
+class ModelOut(serializers.ModelSerializer):
+    class Meta:
+        model = RegisteredModel
+        fields = [
+            "id",
+            "name",
+            "kind",
+            "path",
+            "hub_id",
+            "revision",
+            "architecture",
+            "model_type",
+            "hidden_size",
+            "num_layers",
+            "max_position_embeddings",
+            "torch_dtype",
+            "size_bytes",
+            "fingerprint",
+            "created_at",
+        ]
+
+
+class PlacementOut(serializers.ModelSerializer):
+    model = serializers.CharField(source="registered_model.name")
+    kind = serializers.CharField(source="registered_model.kind")
+
+    class Meta:
+        model = DeploymentModel
+        fields = [
+            "triton_name",
+            "model",
+            "kind",
+            "backend",
+            "engine_build",
+            "max_batch_size",
+            "preferred_batch_sizes",
+            "max_queue_delay_us",
+            "instance_count",
+            "instance_kind",
+            "gpu_ids",
+            "gpu_memory_fraction",
+        ]
+
+
+class DeploymentOut(serializers.ModelSerializer):
+    host = serializers.CharField(source="host.name")
+    models = PlacementOut(source="placements", many=True)
+
+    class Meta:
+        model = Deployment
+        fields = [
+            "id",
+            "name",
+            "host",
+            "runtime",
+            "image",
+            "http_port",
+            "grpc_port",
+            "metrics_port",
+            "desired_state",
+            "status",
+            "status_message",
+            "status_changed_at",
+            "generation",
+            "models",
+            "created_at",
+        ]
+
+
+# --- write shapes ------------------------------------------------------------
+
+_slug = serializers.RegexField(
+    r"^[a-z0-9][a-z0-9_.-]{0,62}$",
+    error_messages={"invalid": "use 1-63 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"},
+)
+
+
+class ModelIn(StrictSerializer):
+    name = _slug
+    kind = serializers.ChoiceField(choices=ModelKind.choices)
+    path = serializers.CharField(max_length=1024)
+    hub_id = serializers.CharField(max_length=255, required=False, default="", allow_blank=True)
+    revision = serializers.CharField(max_length=64, required=False, default="", allow_blank=True)
+
+
+class PlacementIn(StrictSerializer):
+    model = serializers.CharField(max_length=63)
+    triton_name = serializers.RegexField(r"^[a-z0-9][a-z0-9_.-]{0,62}$", required=False, default="", allow_blank=True)
+    max_batch_size = serializers.IntegerField(min_value=1, max_value=4096, default=32)
+    preferred_batch_sizes = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=4096), max_length=16, default=list
+    )
+    max_queue_delay_us = serializers.IntegerField(min_value=0, max_value=10_000_000, default=2000)
+    instance_count = serializers.IntegerField(min_value=1, max_value=64, default=1)
+    instance_kind = serializers.ChoiceField(choices=InstanceKind.choices, default=InstanceKind.AUTO)
+    gpu_ids = serializers.ListField(
+        child=serializers.IntegerField(min_value=0, max_value=63), max_length=64, default=list
+    )
+    gpu_memory_fraction = serializers.FloatField(min_value=0.01, max_value=1.0, default=0.1)
+
+
+class PortsIn(StrictSerializer):
+    http = serializers.IntegerField(min_value=1024, max_value=65535)
+    grpc = serializers.IntegerField(min_value=1024, max_value=65535)
+    metrics = serializers.IntegerField(min_value=1024, max_value=65535)
+
+
+class DeploymentIn(StrictSerializer):
+    name = _slug
+    host = serializers.CharField(max_length=63)
+    runtime = serializers.ChoiceField(choices=Runtime.choices, default=Runtime.PROCESS)
+    ports = PortsIn(required=False)
+    models = PlacementIn(many=True, allow_empty=False)
+
+
+# --- views -------------------------------------------------------------------
+
+
+class HostList(APIView):
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request) -> Response:
+        return Response(HostOut(selectors.host_list(), many=True).data)
+
+
+class HostDetail(APIView):
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request, name: str) -> Response:
+        return Response(HostOut(get_object_or_404(selectors.host_list(), name=name)).data)
+
+
+class ModelList(APIView):
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request) -> Response:
+        return Response(ModelOut(selectors.model_list(), many=True).data)
+
+    def post(self, request: Request) -> Response:
+        data = validated(ModelIn, request)
+        model = services.model_register(user=request.user, **data)
+        return Response(ModelOut(model).data, status=status.HTTP_201_CREATED)
+
+
+class ModelDetail(APIView):
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request, pk: int) -> Response:
+        return Response(ModelOut(get_object_or_404(selectors.model_list(), pk=pk)).data)
+
+
+class DeploymentList(APIView):
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request) -> Response:
+        return Response(DeploymentOut(selectors.deployment_list(), many=True).data)
+
+    def post(self, request: Request) -> Response:
+        data = validated(DeploymentIn, request)
+        ports = data.get("ports")
+        deployment = services.deployment_create(
+            name=data["name"],
+            host_name=data["host"],
+            runtime=data["runtime"],
+            ports=(ports["http"], ports["grpc"], ports["metrics"]) if ports else None,
+            placements=[
+                services.PlacementSpec(
+                    model=p["model"],
+                    triton_name=p["triton_name"],
+                    max_batch_size=p["max_batch_size"],
+                    preferred_batch_sizes=tuple(p["preferred_batch_sizes"]),
+                    max_queue_delay_us=p["max_queue_delay_us"],
+                    instance_count=p["instance_count"],
+                    instance_kind=p["instance_kind"],
+                    gpu_ids=tuple(p["gpu_ids"]),
+                    gpu_memory_fraction=p["gpu_memory_fraction"],
+                )
+                for p in data["models"]
+            ],
+            user=request.user,
+        )
+        deployment = selectors.deployment_list().get(pk=deployment.pk)
+        return Response(DeploymentOut(deployment).data, status=status.HTTP_201_CREATED)
+
+
+class DeploymentDetail(APIView):
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request, pk: int) -> Response:
+        return Response(DeploymentOut(get_object_or_404(selectors.deployment_list(), pk=pk)).data)
+
+
+class DeploymentAction(APIView):
+    """POST /api/deployments/<id>/start/ or /stop/ (no body)."""
+
+    permission_classes = [ReadOrOperate]
+    action: str = ""
+
+    def post(self, request: Request, pk: int) -> Response:
+        if request.data:
+            raise DRFValidationError({"body": ["must be empty"]})
+        service = {"start": services.deployment_start, "stop": services.deployment_stop}[self.action]
+        service(deployment_id=pk, user=request.user)
+        deployment = selectors.deployment_list().get(pk=pk)
+        return Response(DeploymentOut(deployment).data, status=status.HTTP_202_ACCEPTED)
+
+
+class DeploymentEvents(APIView):
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request, pk: int) -> Response:
+        get_object_or_404(Deployment, pk=pk)
+        return Response([event_payload(e) for e in selectors.deployment_events(pk)])
+
+
+def validated(serializer_class: type[serializers.Serializer], request: Request) -> dict[str, Any]:
+    if not isinstance(request.data, dict):
+        raise DRFValidationError({"body": ["must be a JSON object"]})
+    serializer = serializer_class(data=request.data)
+    serializer.is_valid(raise_exception=True)
+    return serializer.validated_data

@@ -1,0 +1,15 @@
+from django.urls import path
+
+from deployments import api
+
+urlpatterns = [
+    path("hosts/", api.HostList.as_view(), name="api-hosts"),
+    path("hosts/<str:name>/", api.HostDetail.as_view(), name="api-host"),
+    path("models/", api.ModelList.as_view(), name="api-models"),
+    path("models/<int:pk>/", api.ModelDetail.as_view(), name="api-model"),
+    path("deployments/", api.DeploymentList.as_view(), name="api-deployments"),
+    path("deployments/<int:pk>/", api.DeploymentDetail.as_view(), name="api-deployment"),
+    path("deployments/<int:pk>/start/", api.DeploymentAction.as_view(action="start"), name="api-deployment-start"),
+    path("deployments/<int:pk>/stop/", api.DeploymentAction.as_view(action="stop"), name="api-deployment-stop"),
+    path("deployments/<int:pk>/events/", api.DeploymentEvents.as_view(), name="api-deployment-events"),
+]

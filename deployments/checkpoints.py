@@ -1,0 +1,93 @@
+"""Reading a HuggingFace-format checkpoint folder: its config.json, size and
+a content fingerprint. Pure file reading, no ML libraries."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deployments.errors import ValidationFailed
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "tokenizer_config.json")
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    architecture: str
+    model_type: str
+    hidden_size: int | None
+    num_layers: int | None
+    max_position_embeddings: int | None
+    torch_dtype: str
+    size_bytes: int
+    fingerprint: str
+    tokenizer_files: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def under_roots(path: Path, roots: list[Path]) -> bool:
+    resolved = path.resolve()
+    return any(resolved == root or root in resolved.parents for root in roots)
+
+
+def inspect_checkpoint(path: Path, *, roots: list[Path], field_name: str = "path") -> CheckpointInfo:
+    """Validate and describe the checkpoint in ``path``.
+
+    Raises ValidationFailed naming ``field_name`` when the folder is outside the
+    configured roots, missing, or not a HuggingFace checkpoint.
+    """
+    if not path.is_absolute():
+        raise ValidationFailed({field_name: "must be an absolute path"})
+    if not under_roots(path, roots):
+        allowed = ", ".join(str(r) for r in roots)
+        raise ValidationFailed({field_name: f"must be under one of the configured model roots ({allowed})"})
+    if not path.is_dir():
+        raise ValidationFailed({field_name: f"{path} is not a folder on this host"})
+    config_path = path / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError as exc:
+        raise ValidationFailed({field_name: f"{path} has no config.json: not a HuggingFace checkpoint"}) from exc
+    except (OSError, ValueError) as exc:
+        raise ValidationFailed({field_name: f"{config_path} is not valid JSON: {exc}"}) from exc
+    if not isinstance(config, dict):
+        raise ValidationFailed({field_name: f"{config_path} must hold a JSON object"})
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
+        raise ValidationFailed({field_name: f"{path} holds no weights (*.safetensors or *.bin)"})
+
+    architectures = config.get("architectures") or []
+    return CheckpointInfo(
+        architecture=str(architectures[0]) if architectures else "",
+        model_type=str(config.get("model_type", "")),
+        hidden_size=_int_or_none(config.get("hidden_size") or config.get("d_model")),
+        num_layers=_int_or_none(config.get("num_hidden_layers") or config.get("n_layer")),
+        max_position_embeddings=_int_or_none(config.get("max_position_embeddings") or config.get("n_positions")),
+        torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or ""),
+        size_bytes=sum(p.stat().st_size for p in files),
+        fingerprint=fingerprint(path, files),
+        tokenizer_files=[name for name in TOKENIZER_FILES if (path / name).is_file()],
+        config=config,
+    )
+
+
+def fingerprint(root: Path, files: list[Path]) -> str:
+    """sha256 over each file's relative path and content, in a stable order."""
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(str(file.relative_to(root)).encode())
+        digest.update(b"\0")
+        with file.open("rb") as handle:
+            while chunk := handle.read(_CHUNK):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and value > 0 else None

@@ -1,0 +1,45 @@
+"""One websocket consumer: authenticate in connect(), check the object exists,
+join its group, and forward what services publish. Read-only: the browser
+acts through the REST API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from deployments.events import DASHBOARD_GROUP, deployment_group
+from deployments.models import Deployment
+from deployments.permissions import can_view
+
+
+class LiveConsumer(AsyncJsonWebsocketConsumer):
+    group: str = ""
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if not can_view(user):
+            await self.close(code=4401)
+            return
+        kwargs = self.scope["url_route"]["kwargs"]
+        if kwargs["topic"] == "dashboard":
+            self.group = DASHBOARD_GROUP
+        else:
+            if not await database_sync_to_async(Deployment.objects.filter(pk=kwargs["pk"]).exists)():
+                await self.close(code=4404)
+                return
+            self.group = deployment_group(kwargs["pk"])
+        await self.channel_layer.group_add(self.group, self.channel_name)
+        await self.accept()
+
+    async def disconnect(self, code: int) -> None:
+        if self.group:
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        # Nothing to receive: commands go through the REST API.
+        await self.send_json({"type": "error", "detail": "this socket is read-only; use the REST API"})
+
+    async def gantry_message(self, message: dict[str, Any]) -> None:
+        await self.send_json(message["payload"])

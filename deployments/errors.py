@@ -1,0 +1,37 @@
+"""Gantry's own errors. Outside-system modules translate SDK errors into
+TransientError / PermanentError; services raise the rest. The API maps each
+to a status code in one place (deployments.api.exception_handler)."""
+
+from __future__ import annotations
+
+
+class GantryError(Exception):
+    """Base of every error Gantry raises on purpose."""
+
+
+class ValidationFailed(GantryError):
+    """Bad input: ``errors`` maps each field to the rules it broke."""
+
+    def __init__(self, errors: dict[str, list[str] | str]) -> None:
+        self.errors = {field: [msg] if isinstance(msg, str) else list(msg) for field, msg in errors.items()}
+        super().__init__("; ".join(f"{field}: {' '.join(msgs)}" for field, msgs in self.errors.items()))
+
+
+class NotFound(GantryError):
+    pass
+
+
+class InvalidTransition(GantryError):
+    """A status change the state machine does not allow from the current state."""
+
+
+class PermissionDenied(GantryError):
+    pass
+
+
+class TransientError(GantryError):
+    """An outside system failed in a way that may pass: retry later."""
+
+
+class PermanentError(GantryError):
+    """An outside system refused in a way that retrying will not fix."""

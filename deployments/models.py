@@ -1,0 +1,278 @@
+"""Gantry's domain: GPU hosts, registered checkpoints, engine builds,
+deployments with their model placements, and the append-only event timeline.
+
+Status fields are only ever changed through ``deployments.states`` and the
+services; nothing here flips a status in ``save()`` or a signal.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
+from django.db import models
+from django.utils import timezone
+
+# Triton model names and host names end up in paths, queue names and URLs.
+slug_validator = RegexValidator(
+    r"^[a-z0-9][a-z0-9_.-]{0,62}$",
+    "use 1-63 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit",
+)
+
+
+class GpuHost(models.Model):
+    name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
+    address = models.CharField(
+        max_length=255, blank=True, help_text="Where clients reach Triton servers on this host (GANTRY_HOST_ADDRESS)."
+    )
+    driver_version = models.CharField(max_length=64, blank=True)
+    cuda_version = models.CharField(max_length=32, blank=True)
+    agent_version = models.CharField(max_length=32, blank=True)
+    nvml_error = models.CharField(max_length=255, blank=True, help_text="Why NVML gave no inventory, if so.")
+    last_heartbeat = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_online(self) -> bool:
+        if self.last_heartbeat is None:
+            return False
+        allowed = settings.GANTRY_HEARTBEAT_INTERVAL * settings.GANTRY_HOST_OFFLINE_AFTER_BEATS
+        return timezone.now() - self.last_heartbeat <= timedelta(seconds=allowed)
+
+    @property
+    def queue(self) -> str:
+        return f"gpu.{self.name}"
+
+
+class Gpu(models.Model):
+    host = models.ForeignKey(GpuHost, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField()
+    uuid = models.CharField(max_length=64)
+    name = models.CharField(max_length=128)
+    compute_capability = models.CharField(max_length=8, help_text="major.minor, e.g. 9.0 for SM90")
+    memory_total_bytes = models.BigIntegerField()
+    memory_used_bytes = models.BigIntegerField(default=0)
+    utilization_percent = models.PositiveSmallIntegerField(default=0)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["host__name", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["host", "index"], name="gpu_unique_index_per_host"),
+            models.UniqueConstraint(fields=["uuid"], name="gpu_unique_uuid"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.host.name}:{self.index} {self.name}"
+
+    @property
+    def sm(self) -> str:
+        return "SM" + self.compute_capability.replace(".", "")
+
+
+class ModelKind(models.TextChoices):
+    LLM = "llm", "LLM (TensorRT-LLM)"
+    EMBEDDING = "embedding", "Embedding"
+    RERANKER = "reranker", "Reranker"
+    PYTHON = "python", "Custom Python"
+
+
+class RegisteredModel(models.Model):
+    name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
+    kind = models.CharField(max_length=16, choices=ModelKind.choices)
+    path = models.CharField(max_length=1024, help_text="Checkpoint folder on the GPU hosts.")
+    hub_id = models.CharField(max_length=255, blank=True, help_text="Where it came from, for the record.")
+    revision = models.CharField(max_length=64, blank=True)
+    architecture = models.CharField(max_length=128, blank=True)
+    model_type = models.CharField(max_length=64, blank=True)
+    hidden_size = models.PositiveIntegerField(null=True, blank=True)
+    num_layers = models.PositiveIntegerField(null=True, blank=True)
+    max_position_embeddings = models.PositiveIntegerField(null=True, blank=True)
+    torch_dtype = models.CharField(max_length=32, blank=True)
+    size_bytes = models.BigIntegerField(default=0)
+    fingerprint = models.CharField(max_length=64, help_text="sha256 over the checkpoint's files and contents.")
+    config = models.JSONField(default=dict, help_text="The checkpoint's config.json as read.")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class BuildStatus(models.TextChoices):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class EngineBuild(models.Model):
+    """A TensorRT-LLM engine compiled from a registered checkpoint (see issue: engine builds)."""
+
+    model = models.ForeignKey(RegisteredModel, on_delete=models.PROTECT, related_name="builds")
+    host = models.ForeignKey(GpuHost, on_delete=models.PROTECT, related_name="builds")
+    spec = models.JSONField(default=dict, help_text="The normalized build spec.")
+    status = models.CharField(max_length=16, choices=BuildStatus.choices, default=BuildStatus.PENDING)
+    status_message = models.TextField(blank=True)
+    builder_image = models.CharField(max_length=255, blank=True)
+    image_digest = models.CharField(max_length=128, blank=True)
+    trtllm_version = models.CharField(max_length=32, blank=True)
+    gpu_name = models.CharField(max_length=128, blank=True)
+    compute_capability = models.CharField(max_length=8, blank=True)
+    tp_size = models.PositiveSmallIntegerField(default=1)
+    pp_size = models.PositiveSmallIntegerField(default=1)
+    output_dir = models.CharField(max_length=1024, blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"build {self.pk} of {self.model.name}"
+
+
+class DeploymentStatus(models.TextChoices):
+    PENDING = "pending"
+    LAUNCHING = "launching"
+    LOADING = "loading"
+    READY = "ready"
+    DEGRADED = "degraded"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class DesiredState(models.TextChoices):
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+class Runtime(models.TextChoices):
+    PROCESS = "process", "Local tritonserver process"
+    DOCKER = "docker", "Docker container"
+
+
+class Deployment(models.Model):
+    name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
+    host = models.ForeignKey(GpuHost, on_delete=models.PROTECT, related_name="deployments")
+    runtime = models.CharField(max_length=16, choices=Runtime.choices, default=Runtime.PROCESS)
+    image = models.CharField(max_length=255, blank=True, help_text="Triton image (docker runtime only).")
+    http_port = models.PositiveIntegerField(validators=[MinValueValidator(1024), MaxValueValidator(65535)])
+    grpc_port = models.PositiveIntegerField(validators=[MinValueValidator(1024), MaxValueValidator(65535)])
+    metrics_port = models.PositiveIntegerField(validators=[MinValueValidator(1024), MaxValueValidator(65535)])
+    desired_state = models.CharField(max_length=16, choices=DesiredState.choices, default=DesiredState.STOPPED)
+    status = models.CharField(max_length=16, choices=DeploymentStatus.choices, default=DeploymentStatus.PENDING)
+    status_message = models.TextField(blank=True)
+    status_changed_at = models.DateTimeField(default=timezone.now)
+    generation = models.PositiveIntegerField(default=1)
+    # Where the runtime can find what it started: a process id for the process
+    # runtime. Cleared when the server is gone.
+    runtime_handle = models.CharField(max_length=128, blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(fields=["host", "http_port"], name="deployment_unique_http_port"),
+            models.UniqueConstraint(fields=["host", "grpc_port"], name="deployment_unique_grpc_port"),
+            models.UniqueConstraint(fields=["host", "metrics_port"], name="deployment_unique_metrics_port"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def group_name(self) -> str:
+        return f"deployment.{self.pk}"
+
+
+class Backend(models.TextChoices):
+    PYTHON = "python"
+    TENSORRTLLM = "tensorrtllm"
+
+
+class InstanceKind(models.TextChoices):
+    AUTO = "auto", "GPU when the host has one, else CPU"
+    CPU = "KIND_CPU"
+    GPU = "KIND_GPU"
+
+
+class DeploymentModel(models.Model):
+    """One model placed in a deployment's Triton model repository."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="placements")
+    triton_name = models.CharField(max_length=63, validators=[slug_validator])
+    registered_model = models.ForeignKey(RegisteredModel, on_delete=models.PROTECT, related_name="placements")
+    engine_build = models.ForeignKey(
+        EngineBuild, null=True, blank=True, on_delete=models.PROTECT, related_name="placements"
+    )
+    backend = models.CharField(max_length=16, choices=Backend.choices, default=Backend.PYTHON)
+    max_batch_size = models.PositiveIntegerField(default=32, validators=[MinValueValidator(1), MaxValueValidator(4096)])
+    preferred_batch_sizes = models.JSONField(default=list, blank=True)
+    max_queue_delay_us = models.PositiveIntegerField(default=2000, validators=[MaxValueValidator(10_000_000)])
+    instance_count = models.PositiveSmallIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(64)]
+    )
+    instance_kind = models.CharField(max_length=16, choices=InstanceKind.choices, default=InstanceKind.AUTO)
+    gpu_ids = models.JSONField(default=list, blank=True)
+    gpu_memory_fraction = models.FloatField(default=0.1, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)])
+
+    class Meta:
+        ordering = ["triton_name"]
+        constraints = [
+            models.UniqueConstraint(fields=["deployment", "triton_name"], name="placement_unique_name"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name}/{self.triton_name}"
+
+
+class EventQuerySet(models.QuerySet):
+    def update(self, **kwargs):  # noqa: ANN003, ANN201 - Django's signature
+        raise TypeError("events are append-only")
+
+
+class Event(models.Model):
+    """Append-only timeline of everything that happened, and who did it."""
+
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    source = models.CharField(max_length=128, help_text="user:<name>, worker:<host> or system")
+    kind = models.CharField(max_length=64)
+    deployment = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.CASCADE, related_name="events")
+    host = models.ForeignKey(GpuHost, null=True, blank=True, on_delete=models.CASCADE, related_name="events")
+    build = models.ForeignKey(EngineBuild, null=True, blank=True, on_delete=models.CASCADE, related_name="events")
+    model = models.ForeignKey(RegisteredModel, null=True, blank=True, on_delete=models.CASCADE, related_name="events")
+    from_status = models.CharField(max_length=16, blank=True)
+    to_status = models.CharField(max_length=16, blank=True)
+    message = models.TextField(blank=True)
+    data = models.JSONField(default=dict, blank=True)
+
+    objects = EventQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["created_at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.kind} {self.message[:60]}"
+
+    def save(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        if self.pk is not None:
+            raise TypeError("events are append-only")
+        super().save(*args, **kwargs)

@@ -1,0 +1,40 @@
+"""Roles. Any active signed-in user may look; operators and admins may act.
+
+An operator is a member of the group named by OPERATOR_GROUP, or a superuser.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework.permissions import SAFE_METHODS, BasePermission
+
+OPERATOR_GROUP = "gantry-operators"
+
+
+def can_view(user: Any) -> bool:
+    return bool(user and user.is_authenticated and user.is_active)
+
+
+def can_operate(user: Any) -> bool:
+    if not can_view(user):
+        return False
+    return user.is_superuser or user.groups.filter(name=OPERATOR_GROUP).exists()
+
+
+class ReadOrOperate(BasePermission):
+    """Reads for every signed-in user, writes for operators."""
+
+    message = "this needs the operator role (group 'gantry-operators') or an admin"
+
+    def has_permission(self, request, view) -> bool:  # noqa: ANN001
+        if request.method in SAFE_METHODS:
+            return can_view(request.user)
+        return can_operate(request.user)
+
+
+class CanView(BasePermission):
+    """Any signed-in active user, whatever the method."""
+
+    def has_permission(self, request, view) -> bool:  # noqa: ANN001
+        return can_view(request.user)

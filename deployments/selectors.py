@@ -1,0 +1,31 @@
+"""Reads: the querysets pages, the API and consumers share."""
+
+from __future__ import annotations
+
+from django.db.models import Prefetch, QuerySet
+
+from deployments.models import Deployment, DeploymentModel, Event, GpuHost, RegisteredModel
+
+
+def host_list() -> QuerySet[GpuHost]:
+    return GpuHost.objects.prefetch_related("gpus")
+
+
+def model_list() -> QuerySet[RegisteredModel]:
+    return RegisteredModel.objects.select_related("created_by")
+
+
+def deployment_list() -> QuerySet[Deployment]:
+    placements = DeploymentModel.objects.select_related("registered_model", "engine_build")
+    return Deployment.objects.select_related("host", "created_by").prefetch_related(
+        Prefetch("placements", queryset=placements)
+    )
+
+
+def deployment_events(deployment_id: int, *, limit: int = 200) -> list[Event]:
+    recent = Event.objects.filter(deployment_id=deployment_id).select_related("host").order_by("-created_at", "-id")
+    return list(reversed(recent[:limit]))
+
+
+def deployments_on_host(host_name: str) -> QuerySet[Deployment]:
+    return deployment_list().filter(host__name=host_name)

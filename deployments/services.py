@@ -1,0 +1,436 @@
+"""Every write Gantry makes goes through a function here.
+
+Views, API views, consumers and worker tasks are thin doors into these
+services. Status changes go through ``deployment_transition``: a conditional
+update against the table in deployments.states, an event, and a publish.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from controlplane.celery import app as celery_app
+from deployments import events, states
+from deployments.checkpoints import inspect_checkpoint
+from deployments.errors import InvalidTransition, NotFound, PermissionDenied, ValidationFailed
+from deployments.models import (
+    Backend,
+    Deployment,
+    DeploymentModel,
+    DeploymentStatus,
+    DesiredState,
+    Gpu,
+    GpuHost,
+    InstanceKind,
+    ModelKind,
+    RegisteredModel,
+    Runtime,
+)
+from deployments.permissions import can_operate
+
+log = logging.getLogger(__name__)
+
+# Kinds this version can place in a deployment, and the backend each uses.
+SERVABLE_KINDS = {ModelKind.EMBEDDING: Backend.PYTHON}
+
+
+def _require_operator(user: Any) -> None:
+    if user is not None and not can_operate(user):
+        raise PermissionDenied("this needs the operator role (group 'gantry-operators') or an admin")
+
+
+# --- hosts -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuReport:
+    index: int
+    uuid: str
+    name: str
+    compute_capability: str
+    memory_total_bytes: int
+    memory_used_bytes: int = 0
+    utilization_percent: int = 0
+
+
+def host_heartbeat(
+    *,
+    name: str,
+    address: str = "",
+    driver_version: str = "",
+    cuda_version: str = "",
+    nvml_error: str = "",
+    agent_version: str = "",
+    gpus: list[GpuReport],
+) -> GpuHost:
+    """Record a host agent's beat and its GPU inventory; register the host on first beat."""
+    now = timezone.now()
+    with transaction.atomic():
+        host, created = GpuHost.objects.select_for_update().get_or_create(
+            name=name, defaults={"address": address or "127.0.0.1"}
+        )
+        was_online = host.is_online
+        host.address = address or host.address
+        host.driver_version = driver_version
+        host.cuda_version = cuda_version
+        host.nvml_error = nvml_error[:255]
+        host.agent_version = agent_version
+        host.last_heartbeat = now
+        host.save()
+        seen = set()
+        for gpu in gpus:
+            seen.add(gpu.index)
+            # A GPU swapped into the same slot keeps the slot's row but gets the new uuid.
+            Gpu.objects.filter(uuid=gpu.uuid).exclude(host=host, index=gpu.index).delete()
+            Gpu.objects.update_or_create(
+                host=host,
+                index=gpu.index,
+                defaults={
+                    "uuid": gpu.uuid,
+                    "name": gpu.name,
+                    "compute_capability": gpu.compute_capability,
+                    "memory_total_bytes": gpu.memory_total_bytes,
+                    "memory_used_bytes": gpu.memory_used_bytes,
+                    "utilization_percent": gpu.utilization_percent,
+                },
+            )
+        host.gpus.exclude(index__in=seen).delete()
+        if created or not was_online:
+            events.record(
+                kind="host.registered" if created else "host.online",
+                source=f"worker:{name}",
+                host=host,
+                message=f"{name} {'registered' if created else 'back online'} with {len(gpus)} GPU(s)",
+                data={"gpus": [g.name for g in gpus], "driver": driver_version, "cuda": cuda_version},
+            )
+    return host
+
+
+# --- registered models -------------------------------------------------------
+
+
+def model_register(
+    *,
+    name: str,
+    kind: str,
+    path: str,
+    hub_id: str = "",
+    revision: str = "",
+    user: Any = None,
+) -> RegisteredModel:
+    """Register a HuggingFace-format checkpoint folder after reading its config.json."""
+    _require_operator(user)
+    if kind not in ModelKind.values:
+        raise ValidationFailed({"kind": f"must be one of {', '.join(ModelKind.values)}"})
+    if RegisteredModel.objects.filter(name=name).exists():
+        raise ValidationFailed({"name": f"a model named {name!r} is already registered"})
+    info = inspect_checkpoint(Path(path), roots=settings.GANTRY_MODEL_ROOTS)
+    if kind == ModelKind.EMBEDDING and not info.tokenizer_files:
+        raise ValidationFailed({"path": "an embedding model needs its tokenizer files beside config.json"})
+    try:
+        with transaction.atomic():
+            model = RegisteredModel.objects.create(
+                name=name,
+                kind=kind,
+                path=str(Path(path).resolve()),
+                hub_id=hub_id,
+                revision=revision,
+                architecture=info.architecture,
+                model_type=info.model_type,
+                hidden_size=info.hidden_size,
+                num_layers=info.num_layers,
+                max_position_embeddings=info.max_position_embeddings,
+                torch_dtype=info.torch_dtype,
+                size_bytes=info.size_bytes,
+                fingerprint=info.fingerprint,
+                config=info.config,
+                created_by=user if getattr(user, "is_authenticated", False) else None,
+            )
+            events.record(
+                kind="model.registered",
+                source=events.source_of(user),
+                actor=user,
+                model=model,
+                message=f"registered {name} ({info.architecture or info.model_type}, "
+                f"{info.size_bytes / 1e6:.0f} MB, fingerprint {info.fingerprint[:12]})",
+            )
+    except IntegrityError as exc:
+        raise ValidationFailed({"name": f"a model named {name!r} is already registered"}) from exc
+    return model
+
+
+# --- deployments -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    model: str
+    triton_name: str = ""
+    max_batch_size: int = 32
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_us: int = 2000
+    instance_count: int = 1
+    instance_kind: str = InstanceKind.AUTO
+    gpu_ids: tuple[int, ...] = ()
+    gpu_memory_fraction: float = 0.1
+
+
+def _allocate_ports(host: GpuHost) -> tuple[int, int, int]:
+    """The lowest free triple of ports in the configured range on ``host``."""
+    low, high = settings.GANTRY_TRITON_PORT_RANGE
+    used: set[int] = set()
+    for row in Deployment.objects.filter(host=host).values_list("http_port", "grpc_port", "metrics_port"):
+        used.update(row)
+    for base in range(low, high - 1, 3):
+        triple = (base, base + 1, base + 2)
+        if not used.intersection(triple):
+            return triple
+    raise ValidationFailed({"host": f"no free ports left in GANTRY_TRITON_PORT_RANGE on {host.name}"})
+
+
+def _validate_placements(host: GpuHost, specs: list[PlacementSpec]) -> list[tuple[PlacementSpec, RegisteredModel]]:
+    if not specs:
+        raise ValidationFailed({"models": "a deployment needs at least one model"})
+    errors: dict[str, list[str]] = {}
+    resolved = []
+    names: set[str] = set()
+    gpu_indexes = set(host.gpus.values_list("index", flat=True))
+    per_gpu_fraction: dict[int, float] = {}
+    for i, spec in enumerate(specs):
+        where = f"models[{i}]"
+        model = RegisteredModel.objects.filter(name=spec.model).first()
+        if model is None:
+            errors.setdefault(f"{where}.model", []).append(f"no registered model named {spec.model!r}")
+            continue
+        if model.kind not in SERVABLE_KINDS:
+            errors.setdefault(f"{where}.model", []).append(
+                f"{model.name} is a {model.kind} model; this version deploys {', '.join(SERVABLE_KINDS)} models only"
+            )
+        triton_name = spec.triton_name or model.name
+        if triton_name in names:
+            errors.setdefault(f"{where}.triton_name", []).append(f"{triton_name!r} is used twice in this deployment")
+        names.add(triton_name)
+        if spec.preferred_batch_sizes and max(spec.preferred_batch_sizes) > spec.max_batch_size:
+            errors.setdefault(f"{where}.preferred_batch_sizes", []).append("must not exceed max_batch_size")
+        if spec.instance_kind == InstanceKind.GPU and not gpu_indexes:
+            errors.setdefault(f"{where}.instance_kind", []).append(f"{host.name} has no GPUs")
+        unknown = sorted(set(spec.gpu_ids) - gpu_indexes)
+        if unknown:
+            errors.setdefault(f"{where}.gpu_ids", []).append(f"{host.name} has no GPU with index {unknown}")
+        for gpu in spec.gpu_ids or (sorted(gpu_indexes)[:1] if spec.instance_kind != InstanceKind.CPU else []):
+            per_gpu_fraction[gpu] = per_gpu_fraction.get(gpu, 0.0) + spec.gpu_memory_fraction
+        resolved.append((spec, model))
+    headroom = settings.GANTRY_GPU_MEMORY_HEADROOM
+    for gpu, total in sorted(per_gpu_fraction.items()):
+        if total > headroom + 1e-9:
+            errors.setdefault("models", []).append(
+                f"GPU {gpu}: memory fractions add up to {total:.2f}, above the headroom limit {headroom:.2f}"
+            )
+    if errors:
+        raise ValidationFailed(errors)
+    return resolved
+
+
+def deployment_create(
+    *,
+    name: str,
+    host_name: str,
+    placements: list[PlacementSpec],
+    runtime: str = Runtime.PROCESS,
+    ports: tuple[int, int, int] | None = None,
+    user: Any = None,
+) -> Deployment:
+    """Create a stopped deployment of one or more models on a host (nothing starts yet)."""
+    _require_operator(user)
+    if Deployment.objects.filter(name=name).exists():
+        raise ValidationFailed({"name": f"a deployment named {name!r} already exists"})
+    host = GpuHost.objects.filter(name=host_name).first()
+    if host is None:
+        raise ValidationFailed({"host": f"no GPU host named {host_name!r} has announced itself"})
+    if runtime != Runtime.PROCESS:
+        raise ValidationFailed({"runtime": "only the 'process' runtime is available in this version"})
+    if ports is not None:
+        if len(set(ports)) != 3:
+            raise ValidationFailed({"ports": "http, grpc and metrics ports must differ"})
+        taken = Deployment.objects.filter(host=host).filter(
+            Q(http_port__in=ports) | Q(grpc_port__in=ports) | Q(metrics_port__in=ports)
+        )
+        if taken.exists():
+            raise ValidationFailed(
+                {"ports": f"one of {list(ports)} is already used by {taken.first().name} on {host.name}"}
+            )
+    resolved = _validate_placements(host, placements)
+    try:
+        with transaction.atomic():
+            http_port, grpc_port, metrics_port = ports or _allocate_ports(host)
+            deployment = Deployment.objects.create(
+                name=name,
+                host=host,
+                runtime=runtime,
+                http_port=http_port,
+                grpc_port=grpc_port,
+                metrics_port=metrics_port,
+                created_by=user if getattr(user, "is_authenticated", False) else None,
+            )
+            for spec, model in resolved:
+                DeploymentModel.objects.create(
+                    deployment=deployment,
+                    triton_name=spec.triton_name or model.name,
+                    registered_model=model,
+                    backend=SERVABLE_KINDS[model.kind],
+                    max_batch_size=spec.max_batch_size,
+                    preferred_batch_sizes=list(spec.preferred_batch_sizes),
+                    max_queue_delay_us=spec.max_queue_delay_us,
+                    instance_count=spec.instance_count,
+                    instance_kind=spec.instance_kind,
+                    gpu_ids=list(spec.gpu_ids),
+                    gpu_memory_fraction=spec.gpu_memory_fraction,
+                )
+            events.record(
+                kind="deployment.created",
+                source=events.source_of(user),
+                actor=user,
+                deployment=deployment,
+                to_status=deployment.status,
+                message=f"created on {host.name} with {', '.join(m.name for _, m in resolved)} "
+                f"(ports {http_port}/{grpc_port}/{metrics_port})",
+            )
+    except IntegrityError as exc:
+        # Another request took the name or the ports between our check and insert.
+        raise ValidationFailed({"name": f"{name!r} or its ports were taken concurrently; try again"}) from exc
+    return deployment
+
+
+def deployment_transition(
+    *,
+    deployment_id: int,
+    to: str,
+    source: str,
+    message: str = "",
+    actor: Any = None,
+    only_from: frozenset[str] | None = None,
+    runtime_handle: str | None = None,
+    desired_state: str | None = None,
+    data: dict[str, Any] | None = None,
+) -> Deployment:
+    """Move a deployment to ``to`` if the table allows it from its current status.
+
+    ``only_from`` narrows the allowed sources further (a worker that finished
+    loading only moves ``loading`` to ``ready``). A compare-and-swap update
+    makes concurrent callers safe: if the row changed under us, nothing is
+    written and InvalidTransition is raised.
+    """
+    allowed_from = states.sources_of(to)
+    if only_from is not None:
+        allowed_from = allowed_from & only_from
+    with transaction.atomic():
+        current = Deployment.objects.filter(pk=deployment_id).values_list("status", flat=True).first()
+        if current is None:
+            raise NotFound(f"deployment {deployment_id} does not exist")
+        fields: dict[str, Any] = {"status": to, "status_message": message, "status_changed_at": timezone.now()}
+        if runtime_handle is not None:
+            fields["runtime_handle"] = runtime_handle
+        if desired_state is not None:
+            fields["desired_state"] = desired_state
+        changed = Deployment.objects.filter(pk=deployment_id, status=current, status__in=allowed_from).update(**fields)
+        if not changed:
+            raise InvalidTransition(f"cannot go from {current} to {to}")
+        deployment = Deployment.objects.select_related("host").get(pk=deployment_id)
+        events.record(
+            kind="deployment.status",
+            source=source,
+            actor=actor,
+            deployment=deployment,
+            from_status=current,
+            to_status=to,
+            message=message,
+            data=data,
+        )
+    return deployment
+
+
+def _enqueue(task_name: str, deployment: Deployment) -> None:
+    queue = deployment.host.queue
+    transaction.on_commit(lambda: celery_app.send_task(task_name, args=[deployment.pk], queue=queue))
+
+
+def deployment_start(*, deployment_id: int, user: Any = None) -> Deployment:
+    """Ask the deployment's host to launch it; refused unless it is at rest."""
+    _require_operator(user)
+    deployment = _get_deployment(deployment_id)
+    if deployment.status not in states.sources_of(DeploymentStatus.LAUNCHING):
+        raise InvalidTransition(
+            f"{deployment.name} is {deployment.status}; only a stopped, failed or new deployment can start"
+        )
+    with transaction.atomic():
+        deployment = deployment_transition(
+            deployment_id=deployment_id,
+            to=DeploymentStatus.LAUNCHING,
+            source=events.source_of(user),
+            actor=user,
+            message=f"start requested; waiting for {deployment.host.name}",
+            desired_state=DesiredState.RUNNING,
+        )
+        _enqueue("workers.tasks.launch_deployment", deployment)
+    return deployment
+
+
+def deployment_stop(*, deployment_id: int, user: Any = None) -> Deployment:
+    """Ask the deployment's host to stop its server; refused when nothing runs."""
+    _require_operator(user)
+    deployment = _get_deployment(deployment_id)
+    if deployment.status not in states.sources_of(DeploymentStatus.STOPPING):
+        raise InvalidTransition(f"{deployment.name} is {deployment.status}; there is nothing to stop")
+    with transaction.atomic():
+        deployment = deployment_transition(
+            deployment_id=deployment_id,
+            to=DeploymentStatus.STOPPING,
+            source=events.source_of(user),
+            actor=user,
+            message="stop requested",
+            desired_state=DesiredState.STOPPED,
+        )
+        _enqueue("workers.tasks.stop_deployment", deployment)
+    return deployment
+
+
+def _get_deployment(deployment_id: int) -> Deployment:
+    deployment = Deployment.objects.select_related("host").filter(pk=deployment_id).first()
+    if deployment is None:
+        raise NotFound(f"deployment {deployment_id} does not exist")
+    return deployment
+
+
+def deployment_relaunch(*, deployment_id: int, source: str, attempt: int) -> Deployment:
+    """Restart a failed deployment that should be running (a crashed server)."""
+    with transaction.atomic():
+        deployment = deployment_transition(
+            deployment_id=deployment_id,
+            to=DeploymentStatus.LAUNCHING,
+            source=source,
+            only_from=frozenset({DeploymentStatus.FAILED}),
+            message=f"restarting after a crash (attempt {attempt})",
+        )
+        events.record(
+            kind="deployment.crash_restart",
+            source=source,
+            deployment=deployment,
+            message=f"automatic restart {attempt} of {settings.GANTRY_CRASH_RESTART_LIMIT}",
+        )
+        _enqueue("workers.tasks.launch_deployment", deployment)
+    return deployment
+
+
+def record_deployment_event(*, deployment_id: int, kind: str, source: str, message: str) -> None:
+    """Note something about a deployment on its timeline without changing its status."""
+    with transaction.atomic():
+        deployment = _get_deployment(deployment_id)
+        events.record(kind=kind, source=source, deployment=deployment, message=message)

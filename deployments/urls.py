@@ -1,0 +1,9 @@
+from django.urls import path
+
+from deployments import views
+
+urlpatterns = [
+    path("", views.dashboard, name="dashboard"),
+    path("models/<int:pk>/", views.model_detail, name="model"),
+    path("deployments/<int:pk>/", views.deployment_detail, name="deployment"),
+]

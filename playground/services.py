@@ -1,0 +1,48 @@
+"""Querying a ready deployment's models through Gantry (Triton has no user
+auth of its own, so signed-in users reach models here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from deployments.errors import InvalidTransition, NotFound, ValidationFailed
+from deployments.models import Deployment, DeploymentStatus, ModelKind
+from workers.triton.client import TritonClient
+
+MAX_TEXTS = 64
+MAX_TEXT_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    model: str
+    embeddings: list[list[float]]
+    similarity: list[list[float]]
+
+
+def embed_texts(*, deployment_id: int, texts: list[str], model: str = "") -> EmbeddingResult:
+    """Embeddings of ``texts`` from an embedding model of a ready deployment, and their cosine similarities."""
+    deployment = Deployment.objects.select_related("host").filter(pk=deployment_id).first()
+    if deployment is None:
+        raise NotFound(f"deployment {deployment_id} does not exist")
+    if deployment.status not in {DeploymentStatus.READY, DeploymentStatus.DEGRADED}:
+        raise InvalidTransition(f"{deployment.name} is {deployment.status}; start it and wait until it is ready")
+    embedders = deployment.placements.filter(registered_model__kind=ModelKind.EMBEDDING)
+    placement = embedders.filter(triton_name=model).first() if model else embedders.first()
+    if placement is None:
+        raise ValidationFailed({"model": f"{deployment.name} serves no embedding model named {model!r}"})
+    client = TritonClient(f"{deployment.host.address}:{deployment.http_port}")
+    try:
+        vectors = client.embed(placement.triton_name, texts)
+    finally:
+        client.close()
+    # Rows are L2-normalized by the model; normalize again so any embedder's output compares fairly.
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    unit = vectors / np.clip(norms, 1e-12, None)
+    return EmbeddingResult(
+        model=placement.triton_name,
+        embeddings=vectors.astype(float).tolist(),
+        similarity=np.round(unit @ unit.T, 6).astype(float).tolist(),
+    )

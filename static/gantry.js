@@ -1,0 +1,169 @@
+// Gantry's browser side: REST for reads and actions, a websocket for live
+// updates. On every (re)connect the page re-reads current state over REST,
+// then follows the socket, so nothing missed while disconnected stays stale.
+"use strict";
+
+const Gantry = (() => {
+  function csrfToken() {
+    const match = document.cookie.match(/(?:^|;\s*)csrftoken=([^;]+)/);
+    return match ? decodeURIComponent(match[1]) : "";
+  }
+
+  async function api(method, path, body) {
+    const options = { method, headers: { "Accept": "application/json" }, credentials: "same-origin" };
+    if (method !== "GET") {
+      options.headers["X-CSRFToken"] = csrfToken();
+      if (body !== undefined) {
+        options.headers["Content-Type"] = "application/json";
+        options.body = JSON.stringify(body);
+      }
+    }
+    const response = await fetch(path, options);
+    const data = await response.json().catch(() => ({}));
+    if (!response.ok) {
+      const error = new Error(data.detail || `${response.status} ${response.statusText}`);
+      error.status = response.status;
+      throw error;
+    }
+    return data;
+  }
+
+  function live(path, { onMessage, onOpen, indicator }) {
+    let delay = 500;
+    function connect() {
+      const scheme = location.protocol === "https:" ? "wss" : "ws";
+      const socket = new WebSocket(`${scheme}://${location.host}${path}`);
+      socket.onopen = () => {
+        delay = 500;
+        if (indicator) indicator.textContent = "live";
+        onOpen && onOpen();
+      };
+      socket.onmessage = (event) => onMessage(JSON.parse(event.data));
+      socket.onclose = () => {
+        if (indicator) indicator.textContent = "reconnecting…";
+        setTimeout(connect, delay);
+        delay = Math.min(delay * 2, 10000);
+      };
+    }
+    connect();
+  }
+
+  function setStatus(element, status) {
+    element.textContent = status;
+    element.className = `status status-${status}`;
+  }
+
+  function text(tag, value, className) {
+    const element = document.createElement(tag);
+    element.textContent = value;
+    if (className) element.className = className;
+    return element;
+  }
+
+  function eventRow(event) {
+    const row = document.createElement("tr");
+    row.dataset.eventId = event.id;
+    const what = event.to_status ? `${event.from_status || "–"} → ${event.to_status}` : event.kind;
+    row.append(text("td", new Date(event.at).toLocaleTimeString()), text("td", event.source),
+               text("td", what), text("td", event.message));
+    if (event.data && event.data.log_tail) {
+      const details = document.createElement("details");
+      details.append(text("summary", "server log"), text("pre", event.data.log_tail));
+      row.lastChild.append(details);
+    }
+    return row;
+  }
+
+  function deploymentPage(id) {
+    const badge = document.querySelector("#deployment [data-status]");
+    const message = document.getElementById("status-message");
+    const desired = document.getElementById("desired");
+    const events = document.getElementById("events");
+    const indicator = document.getElementById("live-indicator");
+    const actionError = document.getElementById("action-error");
+
+    function render(deployment) {
+      setStatus(badge, deployment.status);
+      message.textContent = deployment.status_message;
+      desired.textContent = deployment.desired_state;
+    }
+    function addEvent(event) {
+      if (!events.querySelector(`[data-event-id="${event.id}"]`)) events.prepend(eventRow(event));
+    }
+    async function refresh() {
+      render(await api("GET", `/api/deployments/${id}/`));
+      events.replaceChildren();
+      (await api("GET", `/api/deployments/${id}/events/`)).forEach(addEvent);
+    }
+    live(`/ws/deployments/${id}/`, {
+      indicator,
+      onOpen: refresh,
+      onMessage: (event) => {
+        if (event.type !== "event") return;
+        addEvent(event);
+        if (event.to_status) {
+          setStatus(badge, event.to_status);
+          message.textContent = event.message;
+        }
+      },
+    });
+    for (const action of ["start", "stop"]) {
+      const button = document.getElementById(action);
+      if (!button) continue;
+      button.addEventListener("click", async () => {
+        actionError.hidden = true;
+        try {
+          render(await api("POST", `/api/deployments/${id}/${action}/`));
+        } catch (error) {
+          actionError.textContent = error.message;
+          actionError.hidden = false;
+        }
+      });
+    }
+    document.getElementById("embed").addEventListener("click", () => embed(id));
+  }
+
+  async function embed(id) {
+    const error = document.getElementById("embed-error");
+    const result = document.getElementById("embed-result");
+    const texts = document.getElementById("texts").value.split("\n").map((t) => t.trim()).filter(Boolean);
+    error.hidden = true;
+    result.replaceChildren();
+    try {
+      const data = await api("POST", `/api/deployments/${id}/embed/`, { texts });
+      const list = document.createElement("ol");
+      data.embeddings.forEach((vector, i) => {
+        const preview = vector.slice(0, 6).map((x) => x.toFixed(4)).join(", ");
+        list.append(text("li", `${texts[i]} → [${preview}, …] (${vector.length} numbers)`));
+      });
+      const table = document.createElement("table");
+      table.className = "similarity";
+      const head = document.createElement("tr");
+      head.append(text("th", "cosine"));
+      texts.forEach((_, j) => head.append(text("th", `#${j + 1}`)));
+      table.append(head);
+      data.similarity.forEach((row, i) => {
+        const tr = document.createElement("tr");
+        tr.append(text("th", `#${i + 1}`));
+        row.forEach((value) => tr.append(text("td", value.toFixed(3))));
+        table.append(tr);
+      });
+      result.append(text("p", `model ${data.model}, ${data.embeddings[0].length} dimensions`), list, table);
+    } catch (err) {
+      error.textContent = err.message;
+      error.hidden = false;
+    }
+  }
+
+  function dashboard() {
+    live("/ws/dashboard/", {
+      onMessage: (event) => {
+        if (event.type !== "event" || !event.deployment || !event.to_status) return;
+        const badge = document.querySelector(`[data-deployment="${event.deployment}"] [data-status]`);
+        if (badge) setStatus(badge, event.to_status);
+      },
+    });
+  }
+
+  return { api, deploymentPage, dashboard };
+})();

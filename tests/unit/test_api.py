@@ -1,0 +1,145 @@
+"""REST API behaviour, including the bad-input paths: each gets a 4xx with a
+message naming the field and rule, and leaves stored data unchanged."""
+
+import pytest
+from rest_framework.test import APIClient
+
+from deployments.models import Deployment, DeploymentStatus, Event, RegisteredModel
+
+
+def _create(api, **overrides):
+    body = {"name": "demo", "host": "cpu-host", "models": [{"model": "minilm"}]}
+    body.update(overrides)
+    return api.post("/api/deployments/", body, format="json")
+
+
+def test_create_deployment_allocates_distinct_ports(api, host, minilm):
+    first = _create(api)
+    second = _create(api, name="demo-2")
+    assert first.status_code == 201, first.data
+    assert second.status_code == 201, second.data
+    ports_1 = {first.data[k] for k in ("http_port", "grpc_port", "metrics_port")}
+    ports_2 = {second.data[k] for k in ("http_port", "grpc_port", "metrics_port")}
+    assert len(ports_1) == 3 and not ports_1 & ports_2
+    assert first.data["status"] == "pending"
+    assert first.data["models"][0]["triton_name"] == "minilm"
+
+
+def test_deployment_of_unknown_model_is_refused(api, host):
+    response = _create(api, models=[{"model": "nope"}])
+    assert response.status_code == 400
+    assert "models[0].model" in response.data["errors"]
+    assert "no registered model named 'nope'" in response.data["detail"]
+    assert Deployment.objects.count() == 0
+
+
+def test_deployment_on_unknown_host_is_refused(api, minilm):
+    response = _create(api, host="elsewhere")
+    assert response.status_code == 400
+    assert response.data["errors"] == {"host": ["no GPU host named 'elsewhere' has announced itself"]}
+
+
+def test_malformed_body_is_refused(api, host, minilm):
+    response = api.post("/api/deployments/", "{not json", content_type="application/json")
+    assert response.status_code == 400
+    assert "JSON parse error" in response.data["detail"]
+    assert Deployment.objects.count() == 0
+
+
+def test_unknown_field_and_bad_values_are_named(api, host, minilm):
+    response = _create(api, replicas=3, models=[{"model": "minilm", "max_batch_size": 0}])
+    assert response.status_code == 400
+    assert "replicas" in response.data["errors"]
+    assert "max_batch_size" in response.data["detail"]
+
+
+def test_bad_name_is_refused_with_the_rule(api, host, minilm):
+    response = _create(api, name="Has Spaces")
+    assert response.status_code == 400
+    assert "lowercase letters" in response.data["detail"]
+
+
+def test_taken_ports_are_refused(api, host, minilm):
+    first = _create(api)
+    ports = {"http": first.data["http_port"], "grpc": 19001, "metrics": 19002}
+    response = _create(api, name="demo-2", ports=ports)
+    assert response.status_code == 400
+    assert "already used by demo" in response.data["detail"]
+
+
+def test_start_of_running_deployment_is_refused(api, host, minilm):
+    deployment_id = _create(api).data["id"]
+    assert api.post(f"/api/deployments/{deployment_id}/start/").status_code == 202
+    events_before = Event.objects.count()
+    response = api.post(f"/api/deployments/{deployment_id}/start/")
+    assert response.status_code == 409
+    assert "only a stopped, failed or new deployment can start" in response.data["detail"]
+    assert Deployment.objects.get(pk=deployment_id).status == DeploymentStatus.LAUNCHING
+    assert Event.objects.count() == events_before
+
+
+def test_start_of_missing_deployment_is_404(api, host):
+    assert api.post("/api/deployments/999/start/").status_code == 404
+
+
+def test_anonymous_requests_are_refused(db):
+    assert APIClient().get("/api/deployments/").status_code == 403
+
+
+def test_viewer_can_read_but_not_act(viewer, host, minilm, api):
+    deployment_id = _create(api).data["id"]
+    client = APIClient()
+    client.force_authenticate(viewer)
+    assert client.get(f"/api/deployments/{deployment_id}/").status_code == 200
+    assert client.post(f"/api/deployments/{deployment_id}/start/").status_code == 403
+    assert _create(client, name="mine").status_code == 403
+
+
+def test_register_model_reads_its_config(api, minilm_path):
+    response = api.post("/api/models/", {"name": "mini", "kind": "embedding", "path": str(minilm_path)}, format="json")
+    assert response.status_code == 201, response.data
+    assert response.data["architecture"] == "BertModel"
+    assert response.data["hidden_size"] == 384
+    assert len(response.data["fingerprint"]) == 64
+
+
+def test_register_model_from_missing_folder_is_refused(api, tmp_path):
+    response = api.post(
+        "/api/models/", {"name": "x", "kind": "embedding", "path": str(tmp_path / "none")}, format="json"
+    )
+    assert response.status_code == 400
+    assert "is not a folder" in response.data["errors"]["path"][0]
+    assert RegisteredModel.objects.count() == 0
+
+
+def test_register_model_outside_roots_is_refused(api, minilm_path, settings):
+    settings.GANTRY_MODEL_ROOTS = [minilm_path.parent.parent / "elsewhere"]
+    response = api.post("/api/models/", {"name": "x", "kind": "embedding", "path": str(minilm_path)}, format="json")
+    assert response.status_code == 400
+    assert "configured model roots" in response.data["errors"]["path"][0]
+
+
+def test_over_headroom_gpu_plan_is_refused(api, gpu_host, minilm):
+    response = _create(
+        api,
+        host="gpu-host",
+        models=[
+            {"model": "minilm", "triton_name": "a", "gpu_memory_fraction": 0.6, "gpu_ids": [0]},
+            {"model": "minilm", "triton_name": "b", "gpu_memory_fraction": 0.5, "gpu_ids": [0]},
+        ],
+    )
+    assert response.status_code == 400
+    assert "above the headroom limit 0.95" in response.data["detail"]
+
+
+@pytest.mark.parametrize("path", ["/", "/deployments/1/", "/models/1/"])
+def test_pages_need_login(client, db, path):
+    response = client.get(path)
+    assert response.status_code == 302 and response["Location"].startswith("/login/")
+
+
+def test_dashboard_renders_for_a_signed_in_user(client, operator, host, minilm):
+    client.force_login(operator)
+    page = client.get("/")
+    assert page.status_code == 200
+    assert b"cpu-host" in page.content and b"minilm" in page.content

@@ -1,0 +1,63 @@
+"""The host agent: runs inside the worker that consumes this host's queue.
+
+On start and then every GANTRY_HEARTBEAT_INTERVAL seconds it reports the
+host's name, address and GPU inventory (NVML), and reconciles the host's
+deployments with the servers that really run here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from celery.signals import worker_ready, worker_shutdown
+from django.conf import settings
+from django.db import close_old_connections
+
+from controlplane.celery import host_queue
+from deployments import services
+from workers import deployer, nvml
+
+log = logging.getLogger(__name__)
+AGENT_VERSION = "0.1.0"
+_stop = threading.Event()
+
+
+def beat_once() -> None:
+    """One heartbeat with the current inventory, then one reconcile pass."""
+    inventory = nvml.read_inventory()
+    services.host_heartbeat(
+        name=settings.GANTRY_HOST_NAME,
+        address=settings.GANTRY_HOST_ADDRESS,
+        driver_version=inventory.driver_version,
+        cuda_version=inventory.cuda_version,
+        nvml_error=inventory.error,
+        agent_version=AGENT_VERSION,
+        gpus=inventory.gpus,
+    )
+    deployer.reconcile_host()
+
+
+def run_forever() -> None:
+    while not _stop.is_set():
+        close_old_connections()
+        try:
+            beat_once()
+        except Exception:  # noqa: BLE001 - the agent must outlive a bad beat (database restart, ...)
+            log.exception("host agent beat failed")
+        _stop.wait(settings.GANTRY_HEARTBEAT_INTERVAL)
+
+
+@worker_ready.connect
+def _start_agent(sender, **kwargs) -> None:  # noqa: ANN001
+    queues = set(sender.app.amqp.queues.consume_from or {})
+    if host_queue(settings.GANTRY_HOST_NAME) not in queues:
+        return
+    _stop.clear()
+    threading.Thread(target=run_forever, name="gantry-host-agent", daemon=True).start()
+    log.info("host agent started for %s", settings.GANTRY_HOST_NAME)
+
+
+@worker_shutdown.connect
+def _stop_agent(**kwargs) -> None:  # noqa: ANN003
+    _stop.set()

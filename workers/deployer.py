@@ -1,0 +1,290 @@
+"""What a GPU host does for a deployment: write its model repository, start
+and stop its Triton server, and keep its status true to what runs.
+
+Every status change goes through deployments.services.deployment_transition;
+every step re-reads the row, so a task delivered twice, or one racing a stop,
+ends in the state the database asks for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from django.conf import settings
+from django.utils import timezone
+
+from deployments import services
+from deployments.errors import GantryError, InvalidTransition, PermanentError, TransientError
+from deployments.models import (
+    Deployment,
+    DeploymentStatus,
+    DesiredState,
+    Event,
+    InstanceKind,
+)
+from workers.runtimes import process
+from workers.triton.client import TritonClient
+from workers.triton.config import Batching, EmbeddingModelSpec, Instances
+from workers.triton.repository import write_repository
+
+log = logging.getLogger(__name__)
+S = DeploymentStatus
+
+
+def source() -> str:
+    return f"worker:{settings.GANTRY_HOST_NAME}"
+
+
+@dataclass(frozen=True)
+class Paths:
+    root: Path
+
+    @property
+    def repository(self) -> Path:
+        return self.root / "repository"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "tritonserver.log"
+
+
+def paths_for(deployment: Deployment) -> Paths:
+    return Paths(settings.GANTRY_DATA_DIR / "deployments" / f"{deployment.pk}-{deployment.name}")
+
+
+def _load(deployment_id: int) -> Deployment | None:
+    return (
+        Deployment.objects.select_related("host")
+        .prefetch_related("placements__registered_model", "host__gpus")
+        .filter(pk=deployment_id)
+        .first()
+    )
+
+
+def model_specs(deployment: Deployment) -> list[EmbeddingModelSpec]:
+    """Triton model specs for the deployment's placements on its host."""
+    host_gpus = sorted(gpu.index for gpu in deployment.host.gpus.all())
+    specs = []
+    for placement in deployment.placements.all():
+        model = placement.registered_model
+        kind = placement.instance_kind
+        if kind == InstanceKind.AUTO:
+            kind = InstanceKind.GPU if host_gpus else InstanceKind.CPU
+        gpus = tuple(placement.gpu_ids) if kind == InstanceKind.GPU else ()
+        if kind == InstanceKind.GPU and not gpus:
+            gpus = (host_gpus[0],)
+        if not model.hidden_size:
+            raise PermanentError(f"{model.name}: its config.json gives no hidden_size")
+        specs.append(
+            EmbeddingModelSpec(
+                name=placement.triton_name,
+                checkpoint_path=model.path,
+                embedding_dim=model.hidden_size,
+                batching=Batching(
+                    max_batch_size=placement.max_batch_size,
+                    preferred_batch_sizes=tuple(placement.preferred_batch_sizes),
+                    max_queue_delay_us=placement.max_queue_delay_us,
+                ),
+                instances=Instances(count=placement.instance_count, kind=str(kind), gpus=gpus),
+                gpu_memory_fraction=placement.gpu_memory_fraction,
+            )
+        )
+    return specs
+
+
+def _client(deployment: Deployment) -> TritonClient:
+    return TritonClient(f"{settings.GANTRY_HOST_ADDRESS}:{deployment.http_port}")
+
+
+def _status(deployment_id: int) -> str | None:
+    return Deployment.objects.filter(pk=deployment_id).values_list("status", flat=True).first()
+
+
+def _fail(deployment: Deployment, reason: str, *, log_path: Path | None = None, only_from: frozenset[str]) -> None:
+    tail = process.log_tail(log_path) if log_path else ""
+    try:
+        services.deployment_transition(
+            deployment_id=deployment.pk,
+            to=S.FAILED,
+            source=source(),
+            only_from=only_from,
+            runtime_handle="",
+            message=reason,
+            data={"log_tail": tail} if tail else None,
+        )
+    except InvalidTransition:
+        log.info("deployment %s moved on before it could be marked failed", deployment.pk)
+
+
+def launch(deployment_id: int) -> None:
+    """Start the deployment's Triton server and wait until every model is ready."""
+    deployment = _load(deployment_id)
+    if deployment is None or deployment.status != S.LAUNCHING:
+        log.info("launch of %s skipped: status is %s", deployment_id, deployment and deployment.status)
+        return
+    paths = paths_for(deployment)
+    if deployment.runtime_handle and process.is_running(deployment.runtime_handle, paths.repository):
+        # A redelivered task: the server from the first delivery still runs.
+        process.stop(deployment.runtime_handle, paths.repository)
+    try:
+        specs = model_specs(deployment)
+        names = write_repository(paths.repository, specs)
+        handle = process.start(
+            process.LaunchSpec(
+                repository=paths.repository,
+                models=names,
+                http_port=deployment.http_port,
+                grpc_port=deployment.grpc_port,
+                metrics_port=deployment.metrics_port,
+                log_path=paths.log,
+                bind_address=settings.GANTRY_HOST_ADDRESS,
+            ),
+            data_dir=settings.GANTRY_DATA_DIR,
+        )
+    except (GantryError, OSError) as exc:
+        _fail(deployment, f"launch failed: {exc}", only_from=frozenset({S.LAUNCHING}))
+        return
+    try:
+        services.deployment_transition(
+            deployment_id=deployment_id,
+            to=S.LOADING,
+            source=source(),
+            only_from=frozenset({S.LAUNCHING}),
+            runtime_handle=handle,
+            message=f"tritonserver pid {handle} loading {', '.join(names)}",
+        )
+    except InvalidTransition:
+        # Stopped while we were starting: undo our own start.
+        process.stop(handle, paths.repository)
+        return
+    _await_ready(deployment, handle, names, paths)
+
+
+def _await_ready(deployment: Deployment, handle: str, names: list[str], paths: Paths) -> None:
+    def keep_waiting() -> bool:
+        return process.is_running(handle, paths.repository) and _status(deployment.pk) == S.LOADING
+
+    client = _client(deployment)
+    try:
+        client.wait_until_ready(names, timeout_s=settings.GANTRY_TRITON_READY_TIMEOUT, keep_waiting=keep_waiting)
+    except PermanentError:
+        if _status(deployment.pk) != S.LOADING:
+            return  # stopped or failed elsewhere; the stop task owns the server now
+        _fail(deployment, "tritonserver exited while loading", log_path=paths.log, only_from=frozenset({S.LOADING}))
+        process.stop(handle, paths.repository)
+        return
+    except TransientError as exc:
+        process.stop(handle, paths.repository)
+        _fail(deployment, f"tritonserver {exc}", log_path=paths.log, only_from=frozenset({S.LOADING}))
+        return
+    finally:
+        client.close()
+    try:
+        services.deployment_transition(
+            deployment_id=deployment.pk,
+            to=S.READY,
+            source=source(),
+            only_from=frozenset({S.LOADING}),
+            message=f"ready: {', '.join(names)} on port {deployment.http_port}",
+        )
+    except InvalidTransition:
+        log.info("deployment %s left loading before it became ready", deployment.pk)
+
+
+def stop(deployment_id: int) -> None:
+    """Stop the deployment's server; the status says stopped once it is gone."""
+    deployment = _load(deployment_id)
+    if deployment is None or deployment.status != S.STOPPING:
+        return
+    paths = paths_for(deployment)
+    if deployment.runtime_handle:
+        process.stop(deployment.runtime_handle, paths.repository)
+    try:
+        services.deployment_transition(
+            deployment_id=deployment_id,
+            to=S.STOPPED,
+            source=source(),
+            only_from=frozenset({S.STOPPING}),
+            runtime_handle="",
+            message="tritonserver stopped",
+        )
+    except InvalidTransition:
+        log.info("deployment %s left stopping before the stop finished", deployment_id)
+
+
+def _recent_crash_restarts(deployment: Deployment) -> int:
+    since = timezone.now() - timedelta(minutes=10)
+    return Event.objects.filter(deployment=deployment, kind="deployment.crash_restart", created_at__gte=since).count()
+
+
+def reconcile_host() -> None:
+    """Make this host's deployments match what runs: notice crashed servers and
+    models that are not ready, and restart a crashed server that should run."""
+    running_states = [S.LOADING, S.READY, S.DEGRADED]
+    deployments = Deployment.objects.select_related("host").filter(
+        host__name=settings.GANTRY_HOST_NAME, status__in=running_states
+    )
+    for deployment in deployments:
+        paths = paths_for(deployment)
+        if not process.is_running(deployment.runtime_handle, paths.repository):
+            _handle_crash(deployment, paths)
+            continue
+        if deployment.status == S.LOADING:
+            continue  # the launch task is waiting on it
+        _check_models(deployment)
+
+
+def _handle_crash(deployment: Deployment, paths: Paths) -> None:
+    _fail(
+        deployment,
+        "tritonserver exited unexpectedly",
+        log_path=paths.log,
+        only_from=frozenset({S.LOADING, S.READY, S.DEGRADED}),
+    )
+    if deployment.desired_state != DesiredState.RUNNING:
+        return
+    restarts = _recent_crash_restarts(deployment)
+    if restarts >= settings.GANTRY_CRASH_RESTART_LIMIT:
+        services.record_deployment_event(
+            deployment_id=deployment.pk,
+            kind="deployment.crash_loop",
+            source=source(),
+            message=f"not restarting: {restarts} crash restarts in the last 10 minutes",
+        )
+        return
+    try:
+        services.deployment_relaunch(deployment_id=deployment.pk, source=source(), attempt=restarts + 1)
+    except InvalidTransition:
+        pass
+
+
+def _check_models(deployment: Deployment) -> None:
+    names = list(deployment.placements.values_list("triton_name", flat=True))
+    client = _client(deployment)
+    try:
+        state = client.readiness(names)
+    finally:
+        client.close()
+    not_ready = [name for name, ok in state.models.items() if not ok]
+    try:
+        if not_ready and deployment.status == S.READY:
+            services.deployment_transition(
+                deployment_id=deployment.pk,
+                to=S.DEGRADED,
+                source=source(),
+                only_from=frozenset({S.READY}),
+                message=f"not ready: {', '.join(not_ready)}",
+            )
+        elif not not_ready and deployment.status == S.DEGRADED:
+            services.deployment_transition(
+                deployment_id=deployment.pk,
+                to=S.READY,
+                source=source(),
+                only_from=frozenset({S.DEGRADED}),
+                message="all models ready again",
+            )
+    except InvalidTransition:
+        pass

@@ -1,0 +1,229 @@
+"""The process runtime: tritonserver as a local process, from the
+nvidia-pytriton wheel's build of Triton.
+
+The server runs in its own session (so a worker restart does not take serving
+models down with it); its process id is the handle Gantry stores. A handle is
+only trusted while /proc shows that id running this deployment's repository,
+so a recycled process id is never signalled.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deployments.errors import PermanentError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    repository: Path
+    models: list[str]
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: Path
+    bind_address: str = "127.0.0.1"
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def _triton_dist() -> Path:
+    try:
+        import pytriton
+    except ImportError as exc:  # pragma: no cover - depends on the host's install
+        raise PermanentError("nvidia-pytriton is not installed on this host (pip install 'gantry[worker]')") from exc
+    return Path(pytriton.__file__).parent / "tritonserver"
+
+
+def _libs_dir() -> Path:
+    return _triton_dist().parent.parent / "nvidia_pytriton.libs"
+
+
+def prepare_backends(data_dir: Path) -> Path:
+    """A backends/ folder whose python backend has the stub for this interpreter.
+
+    The wheel ships one stub per CPython version; Triton looks for the stub
+    beside libtriton_python.so. Done once per host under a file lock.
+    """
+    target = data_dir / "triton" / f"backends-py{sys.version_info.major}.{sys.version_info.minor}"
+    marker = target / ".complete"
+    if marker.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists():
+            return target
+        dist = _triton_dist()
+        stub = (
+            dist
+            / "python_backend_stubs"
+            / f"{sys.version_info.major}.{sys.version_info.minor}"
+            / ("triton_python_backend_stub")
+        )
+        if not stub.exists():
+            raise PermanentError(f"the Triton wheel has no python-backend stub for Python {sys.version_info[:2]}")
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(dist / "backends", target, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(stub, target / "python" / "triton_python_backend_stub")
+        marker.touch()
+    return target
+
+
+def server_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment under which tritonserver and its python stubs find their libraries.
+
+    The stub links libpython dynamically: put this interpreter's own libpython
+    first so the stub runs the same Python (and extension ABI) as this
+    environment, and this environment's bin/ first on PATH so the embedded
+    interpreter picks up its site-packages.
+    """
+    env = dict(os.environ)
+    lib_dirs = []
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        lib_dirs.append(str(sysconfig.get_config_var("LIBDIR")))
+    lib_dirs.append(str(_libs_dir()))
+    if env.get("LD_LIBRARY_PATH"):
+        lib_dirs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = ":".join(lib_dirs)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}"
+    # Checkpoints are local folders: never reach for a model hub.
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env.update(extra or {})
+    return env
+
+
+def command_line(spec: LaunchSpec, backends: Path) -> list[str]:
+    args = [
+        str(_triton_dist() / "bin" / "tritonserver"),
+        f"--model-repository={spec.repository}",
+        f"--backend-directory={backends}",
+        "--model-control-mode=explicit",
+        *[f"--load-model={name}" for name in spec.models],
+        f"--http-address={spec.bind_address}",
+        f"--http-port={spec.http_port}",
+        f"--grpc-address={spec.bind_address}",
+        f"--grpc-port={spec.grpc_port}",
+        f"--metrics-address={spec.bind_address}",
+        f"--metrics-port={spec.metrics_port}",
+        "--allow-metrics=true",
+        "--log-verbose=0",
+    ]
+    return args
+
+
+def start(spec: LaunchSpec, *, data_dir: Path) -> str:
+    """Start tritonserver for ``spec``; return its handle (the process id)."""
+    backends = prepare_backends(data_dir)
+    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(spec.log_path, "ab") as log_file:
+        try:
+            process = subprocess.Popen(  # noqa: S603 - fixed binary, arguments built above
+                command_line(spec, backends),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=server_environment(spec.extra_env),
+                cwd=spec.repository.parent,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise PermanentError(f"could not start tritonserver: {exc}") from exc
+    log.info("started tritonserver pid %s for %s", process.pid, spec.repository)
+    return str(process.pid)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _proc_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, process group) of ``pid``, or None when it does not exist."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return fields[0], int(fields[2])
+
+
+def is_running(handle: str, repository: Path) -> bool:
+    """True while ``handle`` is a live tritonserver serving ``repository``."""
+    if not handle.isdigit():
+        return False
+    pid = int(handle)
+    _reap(pid)
+    state = _proc_state(pid)
+    if state is None or state[0] in {"Z", "X"}:
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"--model-repository={repository}".encode() in cmdline
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group ``pgid`` (the server and its python stubs)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            state = _proc_state(int(entry.name))
+            if state is not None and state[1] == pgid and state[0] not in {"Z", "X"}:
+                members.append(int(entry.name))
+    return members
+
+
+def stop(handle: str, repository: Path, *, grace_s: float = 30.0) -> None:
+    """Stop the server and everything it started; returns once they are gone."""
+    if not handle.isdigit():
+        return
+    pgid = int(handle)
+    if is_running(handle, repository):
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and is_running(handle, repository):
+            time.sleep(0.2)
+    # Stubs normally exit with their server; make sure none is left behind.
+    if is_running(handle, repository) or group_members(pgid):
+        _signal_group(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (is_running(handle, repository) or group_members(pgid)):
+            time.sleep(0.1)
+    _reap(pgid)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of a server log, for failure messages."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - 16384))
+            text = handle.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,18 @@
+"""Celery tasks run by the worker on each GPU host. Thin: they take ids and
+call one function; the database row decides whether there is work to do."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from workers import agent, deployer  # noqa: F401 - importing agent connects it to worker start
+
+
+@shared_task(name="workers.tasks.launch_deployment")
+def launch_deployment(deployment_id: int) -> None:
+    deployer.launch(deployment_id)
+
+
+@shared_task(name="workers.tasks.stop_deployment")
+def stop_deployment(deployment_id: int) -> None:
+    deployer.stop(deployment_id)

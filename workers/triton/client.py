@@ -1,0 +1,98 @@
+"""Talking to a running Triton server over HTTP with tritonclient.
+
+Callers get numpy arrays and Gantry's TransientError / PermanentError, never
+tritonclient's exceptions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from deployments.errors import PermanentError, TransientError
+
+_CONNECT_TIMEOUT_S = 5.0
+_NETWORK_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Readiness:
+    live: bool
+    ready: bool
+    models: dict[str, bool]
+
+    @property
+    def all_models_ready(self) -> bool:
+        return bool(self.models) and all(self.models.values())
+
+
+class TritonClient:
+    """A small client for one server, addressed as host:http_port."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._client = httpclient.InferenceServerClient(
+            url, connection_timeout=_CONNECT_TIMEOUT_S, network_timeout=_NETWORK_TIMEOUT_S
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def readiness(self, models: list[str]) -> Readiness:
+        """Server liveness/readiness and each model's readiness; unreachable reads as not live."""
+        try:
+            live = self._client.is_server_live()
+            ready = live and self._client.is_server_ready()
+            status = {name: live and self._client.is_model_ready(name) for name in models}
+        except (InferenceServerException, OSError, ConnectionError):
+            return Readiness(live=False, ready=False, models={name: False for name in models})
+        return Readiness(live=live, ready=ready, models=status)
+
+    def wait_until_ready(
+        self,
+        models: list[str],
+        *,
+        timeout_s: float,
+        keep_waiting: Callable[[], bool] = lambda: True,
+        poll_s: float = 0.5,
+    ) -> Readiness:
+        """Poll until the server and every model are ready.
+
+        Raises TransientError on timeout and PermanentError when
+        ``keep_waiting`` says the wait no longer matters (the server died, or
+        the deployment was stopped meanwhile).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.readiness(models)
+            if state.ready and state.all_models_ready:
+                return state
+            if not keep_waiting():
+                raise PermanentError("stopped waiting for readiness")
+            if time.monotonic() >= deadline:
+                missing = [name for name, ok in state.models.items() if not ok]
+                raise TransientError(
+                    f"not ready after {timeout_s:.0f}s (server live={state.live}, models not ready: {missing})"
+                )
+            time.sleep(poll_s)
+
+    def embed(self, model: str, texts: list[str]) -> np.ndarray:
+        """Embeddings of ``texts`` from a Gantry embedding model, one row per text."""
+        batch = np.array([[t.encode("utf-8")] for t in texts], dtype=object)
+        request = httpclient.InferInput("TEXT", list(batch.shape), "BYTES")
+        request.set_data_from_numpy(batch)
+        try:
+            result = self._client.infer(model, [request], outputs=[httpclient.InferRequestedOutput("EMBEDDING")])
+        except InferenceServerException as exc:
+            status = str(exc.status() or "")
+            if status in {"400", "404", "StatusCode.INVALID_ARGUMENT", "StatusCode.NOT_FOUND"}:
+                raise PermanentError(f"{model}: {exc.message()}") from exc
+            raise TransientError(f"{model}: {exc.message()}") from exc
+        except (OSError, ConnectionError) as exc:
+            raise TransientError(f"{model}: server unreachable at {self.url}: {exc}") from exc
+        return result.as_numpy("EMBEDDING")
