@@ -1,0 +1,163 @@
+"""Real processes for end-to-end tests: the ASGI server (daphne) and a Celery
+worker pinned to a fresh host queue, both on the test PostgreSQL database and
+the test Redis. Everything started here is stopped by process id."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import dj_database_url
+import pytest
+import requests
+from django.conf import settings
+from django.contrib.auth.models import User
+from rest_framework.authtoken.models import Token
+
+from deployments.models import GpuHost
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2):  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 20) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@dataclass
+class Stack:
+    host_name: str
+    web_url: str
+    ws_url: str
+    token: str
+    user: User
+    data_dir: Path
+    env: dict[str, str]
+    worker: subprocess.Popen
+    log_dir: Path
+
+    def session(self) -> requests.Session:
+        session = requests.Session()
+        session.headers["Authorization"] = f"Token {self.token}"
+        return session
+
+    def start_worker(self) -> subprocess.Popen:
+        self.worker = _spawn(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "controlplane",
+                "worker",
+                "-Q",
+                f"gpu.{self.host_name}",
+                "-n",
+                f"test@{self.host_name}",
+                "-c",
+                "2",
+                "-l",
+                "INFO",
+                "--without-mingle",
+                "--without-gossip",
+            ],
+            self.env,
+            self.log_dir / "worker.log",
+        )
+        return self.worker
+
+
+def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "ab")  # noqa: SIM115 - closed when the process ends
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.fixture
+def stack(transactional_db, tmp_path: Path, operator: User) -> Iterator[Stack]:  # noqa: ANN001
+    """daphne + a Celery worker for a fresh host name, sharing the test database."""
+    db = settings.DATABASES["default"]
+    database_url = f"postgres://{db['USER']}:{db.get('PASSWORD') or ''}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
+    assert dj_database_url.parse(database_url)["NAME"].startswith("test_")
+    host_name = f"e2e-{uuid.uuid4().hex[:8]}"
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    triton_base = min(free_port(), 65000)
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "GANTRY_HOST_NAME": host_name,
+        "GANTRY_DATA_DIR": str(data_dir),
+        "GANTRY_HEARTBEAT_INTERVAL": "1",
+        "GANTRY_TRITON_READY_TIMEOUT": "180",
+        # Triton ports for this test's deployments start at a port the OS just found free.
+        "GANTRY_TRITON_PORT_RANGE": f"{triton_base}-{triton_base + 29}",
+        "PYTHONUNBUFFERED": "1",
+    }
+    settings.GANTRY_TRITON_PORT_RANGE = (triton_base, triton_base + 29)
+    web_port = free_port()
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    web = _spawn(
+        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(web_port), "controlplane.asgi:application"],
+        env,
+        log_dir / "web.log",
+    )
+    token = Token.objects.create(user=operator).key
+    result = Stack(
+        host_name=host_name,
+        web_url=f"http://127.0.0.1:{web_port}",
+        ws_url=f"ws://127.0.0.1:{web_port}",
+        token=token,
+        user=operator,
+        data_dir=data_dir,
+        env=env,
+        worker=None,  # type: ignore[arg-type]
+        log_dir=log_dir,
+    )
+    result.start_worker()
+    try:
+        wait_for(lambda: _web_answers(result.web_url), 30, "the ASGI server")
+        wait_for(lambda: GpuHost.objects.filter(name=host_name).exists(), 60, "the worker's first heartbeat")
+        yield result
+    finally:
+        stop_process(result.worker)
+        stop_process(web)
+        for log in sorted(log_dir.iterdir()):
+            tail = log.read_text(errors="replace").splitlines()[-40:]
+            sys.stderr.write(f"--- {log.name} (last lines) ---\n" + "\n".join(tail) + "\n")
+
+
+def _web_answers(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/login/", timeout=1).status_code == 200
+    except requests.RequestException:
+        return False

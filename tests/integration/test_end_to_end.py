@@ -1,0 +1,145 @@
+"""The walking skeleton end to end, with real processes: REST -> Celery worker
+-> tritonserver -> readiness -> websocket event -> inference -> stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from deployments.models import Deployment, Event
+from tests.integration.conftest import Stack, wait_for
+from workers.runtimes import process
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+SENTENCES = ["A man is playing a guitar.", "Someone plays an instrument.", "The stock market fell sharply today."]
+
+
+def _register_and_create(stack: Stack, minilm_path: Path) -> dict:
+    http = stack.session()
+    model = http.post(
+        f"{stack.web_url}/api/models/",
+        json={"name": "minilm", "kind": "embedding", "path": str(minilm_path)},
+        timeout=30,
+    )
+    assert model.status_code == 201, model.text
+    created = http.post(
+        f"{stack.web_url}/api/deployments/",
+        json={
+            "name": "e2e",
+            "host": stack.host_name,
+            "models": [{"model": "minilm", "max_batch_size": 16, "preferred_batch_sizes": [4, 8]}],
+        },
+        timeout=30,
+    )
+    assert created.status_code == 201, created.text
+    return created.json()
+
+
+def _socket(stack: Stack, deployment_id: int):
+    return connect(
+        f"{stack.ws_url}/ws/deployments/{deployment_id}/",
+        additional_headers={"Authorization": f"Token {stack.token}", "Origin": stack.web_url},
+        open_timeout=10,
+    )
+
+
+def _wait_for_status(socket, wanted: str, timeout_s: float) -> list[dict]:
+    """Receive events until one moves the deployment to ``wanted``; return all seen."""
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        event = json.loads(socket.recv(timeout=max(0.1, deadline - time.monotonic())))
+        seen.append(event)
+        if event.get("to_status") == wanted:
+            return seen
+        if event.get("to_status") == "failed" and wanted != "failed":
+            pytest.fail(f"deployment failed: {event['message']}\n{event['data'].get('log_tail', '')}")
+    pytest.fail(f"no {wanted} event within {timeout_s}s; saw {[e.get('to_status') for e in seen]}")
+
+
+def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack, minilm_path: Path):
+    deployment = _register_and_create(stack, minilm_path)
+    http = stack.session()
+    with _socket(stack, deployment["id"]) as socket:
+        started = http.post(f"{stack.web_url}/api/deployments/{deployment['id']}/start/", timeout=30)
+        assert started.status_code == 202, started.text
+        seen = _wait_for_status(socket, "ready", timeout_s=240)
+    assert [e["to_status"] for e in seen if e["to_status"]] == ["launching", "loading", "ready"]
+
+    row = Deployment.objects.get(pk=deployment["id"])
+    pid = int(row.runtime_handle)
+    repository = stack.data_dir / "deployments" / f"{row.pk}-{row.name}" / "repository"
+    assert process.is_running(row.runtime_handle, repository)
+
+    # Straight to Triton with tritonclient: 384 numbers per sentence, unit length.
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{row.http_port}")
+    batch = np.array([[s.encode()] for s in SENTENCES], dtype=object)
+    request = httpclient.InferInput("TEXT", list(batch.shape), "BYTES")
+    request.set_data_from_numpy(batch)
+    vectors = client.infer("minilm", [request]).as_numpy("EMBEDDING")
+    client.close()
+    assert vectors.shape == (3, 384)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
+
+    # And through Gantry's playground endpoint, as the browser does.
+    played = http.post(f"{stack.web_url}/api/deployments/{row.pk}/embed/", json={"texts": SENTENCES}, timeout=60)
+    assert played.status_code == 200, played.text
+    similarity = np.array(played.json()["similarity"])
+    np.testing.assert_allclose(np.array(played.json()["embeddings"]), vectors, atol=1e-5)
+    assert similarity[0, 1] > similarity[0, 2] + 0.2  # the two music sentences are the close pair
+
+    # A second start is refused and changes nothing.
+    again = http.post(f"{stack.web_url}/api/deployments/{row.pk}/start/", timeout=30)
+    assert again.status_code == 409
+
+    with _socket(stack, row.pk) as socket:
+        stopped = http.post(f"{stack.web_url}/api/deployments/{row.pk}/stop/", timeout=30)
+        assert stopped.status_code == 202
+        _wait_for_status(socket, "stopped", timeout_s=60)
+    row.refresh_from_db()
+    assert row.status == "stopped" and row.runtime_handle == ""
+    assert not process.is_running(str(pid), repository)
+    assert process.group_members(pid) == []  # no tritonserver or python stub left
+
+
+def test_crashed_tritonserver_is_noticed_and_restarted(stack: Stack, minilm_path: Path):
+    deployment = _register_and_create(stack, minilm_path)
+    http = stack.session()
+    with _socket(stack, deployment["id"]) as socket:
+        http.post(f"{stack.web_url}/api/deployments/{deployment['id']}/start/", timeout=30)
+        _wait_for_status(socket, "ready", timeout_s=240)
+        first_pid = int(Deployment.objects.get(pk=deployment["id"]).runtime_handle)
+        os.killpg(first_pid, signal.SIGKILL)  # the server dies under us
+        seen = _wait_for_status(socket, "failed", timeout_s=30)
+        assert "exited unexpectedly" in seen[-1]["message"]
+        _wait_for_status(socket, "ready", timeout_s=240)
+    row = Deployment.objects.get(pk=deployment["id"])
+    assert int(row.runtime_handle) != first_pid
+    assert Event.objects.filter(deployment=row, kind="deployment.crash_restart").count() == 1
+    http.post(f"{stack.web_url}/api/deployments/{row.pk}/stop/", timeout=30)
+    wait_for(lambda: Deployment.objects.get(pk=row.pk).status == "stopped", 60, "the stop")
+
+
+def test_websocket_refuses_anonymous_clients(stack: Stack):
+    with pytest.raises(InvalidStatus) as refused:
+        with connect(f"{stack.ws_url}/ws/dashboard/", additional_headers={"Origin": stack.web_url}):
+            pass
+    assert refused.value.response.status_code == 403
+
+
+def test_websocket_refuses_foreign_origins(stack: Stack):
+    headers = {"Authorization": f"Token {stack.token}", "Origin": "http://evil.example"}
+    with pytest.raises(InvalidStatus) as refused:
+        with connect(f"{stack.ws_url}/ws/dashboard/", additional_headers=headers):
+            pass
+    assert refused.value.response.status_code == 403
