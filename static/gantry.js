@@ -82,7 +82,15 @@ const Gantry = (() => {
     const indicator = document.getElementById("live-indicator");
     const actionError = document.getElementById("action-error");
 
+    const AT_REST = ["pending", "stopped", "failed"];
+    function enableActions(status) {
+      const start = document.getElementById("start");
+      const stop = document.getElementById("stop");
+      if (start) start.disabled = !AT_REST.includes(status);
+      if (stop) stop.disabled = ["pending", "stopped", "stopping"].includes(status);
+    }
     function render(deployment) {
+      enableActions(deployment.status);
       setStatus(badge, deployment.status);
       message.textContent = deployment.status_message;
       desired.textContent = deployment.desired_state;
@@ -102,6 +110,7 @@ const Gantry = (() => {
         if (event.type !== "event") return;
         addEvent(event);
         if (event.to_status) {
+          enableActions(event.to_status);
           setStatus(badge, event.to_status);
           message.textContent = event.message;
         }

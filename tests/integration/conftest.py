@@ -20,9 +20,11 @@ import pytest
 import requests
 from django.conf import settings
 from django.contrib.auth.models import User
+from django.db import connection
 from rest_framework.authtoken.models import Token
 
 from deployments.models import GpuHost
+from workers.runtimes import process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -151,9 +153,23 @@ def stack(transactional_db, tmp_path: Path, operator: User) -> Iterator[Stack]: 
     finally:
         stop_process(result.worker)
         stop_process(web)
+        # Whatever a failed test left serving: stop it by process id.
+        for handle, repository in process.servers_under(data_dir):
+            process.stop(handle, repository)
+        # Let PostgreSQL notice the stopped processes' sessions end, so the
+        # test database can be flushed and dropped.
+        wait_for(lambda: _other_sessions() == 0, 15, "the stopped processes' database sessions to close")
         for log in sorted(log_dir.iterdir()):
             tail = log.read_text(errors="replace").splitlines()[-40:]
             sys.stderr.write(f"--- {log.name} (last lines) ---\n" + "\n".join(tail) + "\n")
+
+
+def _other_sessions() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        return cursor.fetchone()[0]
 
 
 def _web_answers(url: str) -> bool:

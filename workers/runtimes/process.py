@@ -190,6 +190,30 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def servers_under(root: Path) -> list[tuple[str, Path]]:
+    """(handle, repository) of every tritonserver serving a repository under ``root``.
+
+    Finds servers whatever the database says, e.g. ones whose start was never
+    recorded because the worker died in between.
+    """
+    found = []
+    binary = str(_triton_dist() / "bin" / "tritonserver").encode()
+    prefix = f"--model-repository={root}/".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not argv or argv[0] != binary:
+            continue
+        for arg in argv:
+            if arg.startswith(prefix) and is_running(entry.name, Path(arg.split(b"=", 1)[1].decode())):
+                found.append((entry.name, Path(arg.split(b"=", 1)[1].decode())))
+    return found
+
+
 def stop(handle: str, repository: Path, *, grace_s: float = 30.0) -> None:
     """Stop the server and everything it started; returns once they are gone."""
     if not handle.isdigit():

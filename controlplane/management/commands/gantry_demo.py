@@ -29,6 +29,7 @@ from deployments import services, states
 from deployments.errors import GantryError
 from deployments.models import Deployment, DeploymentStatus, GpuHost, RegisteredModel
 from workers import deployer
+from workers.runtimes import process as triton_process
 
 DEMO_MODEL = "all-minilm-l6-v2"
 
@@ -47,6 +48,8 @@ class Command(BaseCommand):
     def handle(self, *args, **options) -> None:  # noqa: ANN002, ANN003
         self.children: list[tuple[str, subprocess.Popen]] = []
         settings.GANTRY_DATA_DIR.mkdir(parents=True, exist_ok=True)
+        # Installed explicitly: a shell that starts us in the background ignores SIGINT.
+        signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGTERM, _interrupt)
         try:
             self._ensure_redis()
@@ -209,8 +212,11 @@ class Command(BaseCommand):
 
     def _stop_deployments(self, timeout_s: float = 60) -> None:
         """Stop this host's servers through the normal path, while the worker runs."""
-        active = Deployment.objects.filter(host__name=settings.GANTRY_HOST_NAME, status__in=states.ACTIVE)
-        for deployment in active:
+
+        def active():  # noqa: ANN202 - a fresh query each time
+            return Deployment.objects.filter(host__name=settings.GANTRY_HOST_NAME, status__in=states.ACTIVE)
+
+        for deployment in active():
             if deployment.status != DeploymentStatus.STOPPING:
                 try:
                     services.deployment_stop(deployment_id=deployment.pk)
@@ -218,8 +224,11 @@ class Command(BaseCommand):
                     continue
             self.stdout.write(f"stopping deployment {deployment.name}…")
         deadline = time.monotonic() + timeout_s
-        while active.exists() and time.monotonic() < deadline:
+        while active().exists() and time.monotonic() < deadline:
             time.sleep(0.5)
         # Whatever the worker could not stop (it died, say), stop here directly.
-        for deployment in active:
+        for deployment in active():
             deployer.stop(deployment.pk)
+        for handle, repository in triton_process.servers_under(settings.GANTRY_DATA_DIR):
+            self.stdout.write(f"stopping a tritonserver the database did not know (pid {handle})")
+            triton_process.stop(handle, repository)

@@ -1,0 +1,80 @@
+"""The user's path in a real headless Chromium: log in, open the model, create
+a deployment, start it, watch it become ready without reloading, embed
+sentences in the playground, stop it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from deployments import services
+from tests.integration.conftest import Stack
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture
+def page(monkeypatch):
+    from playwright.sync_api import sync_playwright
+
+    # Playwright's sync API keeps an event loop running in this thread; the
+    # test's own ORM calls are still synchronous and safe.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail("chromium is not installed (make test installs it)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield browser.new_page()
+        finally:
+            browser.close()
+
+
+def test_user_deploys_queries_and_stops_from_the_browser(stack: Stack, page, minilm_path: Path, tmp_path: Path):
+    from playwright.sync_api import expect
+
+    model = services.model_register(name="minilm", kind="embedding", path=str(minilm_path))
+    page.goto(f"{stack.web_url}/")
+    page.fill("input[name=username]", stack.user.username)
+    page.fill("input[name=password]", "operator-pass")
+    page.click("button[type=submit]")
+    expect(page.get_by_text(stack.host_name).first).to_be_visible()
+
+    page.click(f"a[href='/models/{model.pk}/']")
+    page.fill("input[name=name]", "browser-demo")
+    page.select_option("select[name=host]", stack.host_name)
+    page.click("#deploy-form button[type=submit]")
+    expect(page.locator("h1")).to_contain_text("browser-demo")
+    badge = page.locator("#deployment [data-status]")
+    expect(badge).to_have_text("pending")
+    expect(page.locator("#live-indicator")).to_have_text("live")
+
+    page.click("#start")
+    # No reload: the websocket moves the badge through launching and loading to ready.
+    expect(badge).to_have_text("ready", timeout=240_000)
+    timeline = page.locator("#events").inner_text()
+    for status in ("launching", "loading", "ready"):
+        assert status in timeline
+
+    page.click("#embed")
+    result = page.locator("#embed-result")
+    expect(result).to_contain_text("384 dimensions", timeout=60_000)
+    expect(result).to_contain_text("(384 numbers)")
+    page.screenshot(path=str(tmp_path / "deployment-ready.png"), full_page=True)
+
+    page.click("#stop")
+    expect(badge).to_have_text("stopped", timeout=60_000)
