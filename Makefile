@@ -35,6 +35,7 @@ lint: venv
 
 test: venv lint
 	scripts/ensure-services.sh
+	scripts/ensure-packages.sh chromium
 	$(TEST_ENV) $(PY) -m pytest $(PYTEST_ARGS)
 
 gpu-test: venv

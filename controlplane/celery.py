@@ -12,7 +12,11 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
 app = Celery("gantry")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["workers"])
+app.autodiscover_tasks(["deployments", "workers"])
+
+
+# Control-plane work (periodic sweeps) runs on its own queue, never on a GPU host.
+CONTROL_QUEUE = "control"
 
 
 def host_queue(host_name: str) -> str:

@@ -150,6 +150,14 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBIL
 CELERY_TASK_SOFT_TIME_LIMIT = GANTRY_TRITON_READY_TIMEOUT + 120
 CELERY_TASK_TIME_LIMIT = GANTRY_TRITON_READY_TIMEOUT + 180
 
+CELERY_BEAT_SCHEDULE = {
+    "sweep-hosts": {
+        "task": "deployments.tasks.sweep_hosts",
+        "schedule": float(GANTRY_HEARTBEAT_INTERVAL),
+        "options": {"queue": "control", "expires": float(GANTRY_HEARTBEAT_INTERVAL)},
+    }
+}
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -31,6 +31,9 @@ class GpuHost(models.Model):
     agent_version = models.CharField(max_length=32, blank=True)
     nvml_error = models.CharField(max_length=255, blank=True, help_text="Why NVML gave no inventory, if so.")
     last_heartbeat = models.DateTimeField(null=True, blank=True)
+    offline_since = models.DateTimeField(
+        null=True, blank=True, help_text="Set by the control plane's sweep when the host missed its beats."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

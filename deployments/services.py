@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -77,13 +78,14 @@ def host_heartbeat(
         host, created = GpuHost.objects.select_for_update().get_or_create(
             name=name, defaults={"address": address or "127.0.0.1"}
         )
-        was_online = host.is_online
+        came_back = host.offline_since is not None
         host.address = address or host.address
         host.driver_version = driver_version
         host.cuda_version = cuda_version
         host.nvml_error = nvml_error[:255]
         host.agent_version = agent_version
         host.last_heartbeat = now
+        host.offline_since = None
         host.save()
         seen = set()
         for gpu in gpus:
@@ -103,7 +105,7 @@ def host_heartbeat(
                 },
             )
         host.gpus.exclude(index__in=seen).delete()
-        if created or not was_online:
+        if created or came_back:
             events.record(
                 kind="host.registered" if created else "host.online",
                 source=f"worker:{name}",
@@ -112,6 +114,34 @@ def host_heartbeat(
                 data={"gpus": [g.name for g in gpus], "driver": driver_version, "cuda": cuda_version},
             )
     return host
+
+
+def hosts_sweep() -> list[str]:
+    """Mark hosts that missed GANTRY_HOST_OFFLINE_AFTER_BEATS beats offline, once each.
+
+    Nothing is torn down: their deployments' status is simply no longer
+    known, and the host's next beat brings it back.
+    """
+    allowed = settings.GANTRY_HEARTBEAT_INTERVAL * settings.GANTRY_HOST_OFFLINE_AFTER_BEATS
+    threshold = timezone.now() - timedelta(seconds=allowed)
+    marked = []
+    for host in GpuHost.objects.filter(last_heartbeat__lt=threshold, offline_since=None):
+        with transaction.atomic():
+            # Compare-and-swap: a beat or another sweep may have got here first.
+            changed = GpuHost.objects.filter(pk=host.pk, offline_since=None, last_heartbeat=host.last_heartbeat).update(
+                offline_since=timezone.now()
+            )
+            if not changed:
+                continue
+            events.record(
+                kind="host.offline",
+                source="system",
+                host=host,
+                message=f"{host.name} missed {settings.GANTRY_HOST_OFFLINE_AFTER_BEATS} heartbeats "
+                f"(last at {host.last_heartbeat:%H:%M:%S}); its deployments' state is unknown",
+            )
+            marked.append(host.name)
+    return marked
 
 
 # --- registered models -------------------------------------------------------

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from deployments import services
 from tests.integration.conftest import Stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -27,12 +26,10 @@ CHROMIUM_ARGS = [
 
 
 @pytest.fixture
-def page(monkeypatch):
+def page():
+    # Playwright's sync API runs an event loop in this thread: tests make their
+    # database calls in fixtures set up before this one, never while it runs.
     from playwright.sync_api import sync_playwright
-
-    # Playwright's sync API keeps an event loop running in this thread; the
-    # test's own ORM calls are still synchronous and safe.
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 
     if not Path(CHROMIUM).exists():
         pytest.fail("chromium is not installed (make test installs it)")
@@ -44,10 +41,10 @@ def page(monkeypatch):
             browser.close()
 
 
-def test_user_deploys_queries_and_stops_from_the_browser(stack: Stack, page, minilm_path: Path, tmp_path: Path):
+def test_user_deploys_queries_and_stops_from_the_browser(stack: Stack, minilm, page, tmp_path: Path):
     from playwright.sync_api import expect
 
-    model = services.model_register(name="minilm", kind="embedding", path=str(minilm_path))
+    model = minilm
     page.goto(f"{stack.web_url}/")
     page.fill("input[name=username]", stack.user.username)
     page.fill("input[name=password]", "operator-pass")

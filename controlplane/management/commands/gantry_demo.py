@@ -54,6 +54,7 @@ class Command(BaseCommand):
         try:
             self._ensure_redis()
             call_command("migrate", interactive=False, verbosity=0)
+            call_command("collectstatic", interactive=False, verbosity=0)
             admin_line = self._ensure_admin()
             self._spawn(
                 "worker",

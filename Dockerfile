@@ -1,0 +1,19 @@
+# One image for the control plane (web, beat) and the GPU-host worker.
+# The worker also needs the host's GPUs (see docker-compose.yml) and runs
+# tritonserver from the nvidia-pytriton wheel as a local process.
+FROM python:3.11-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 GANTRY_DATA_DIR=/var/lib/gantry
+WORKDIR /app
+COPY pyproject.toml requirements.lock ./
+COPY controlplane controlplane
+COPY deployments deployments
+COPY workers workers
+COPY playground playground
+RUN pip install --no-cache-dir -c requirements.lock ".[worker]"
+COPY manage.py ./
+COPY templates templates
+COPY static static
+RUN SECRET_KEY=collectstatic-only python manage.py collectstatic --noinput
+EXPOSE 8000
+CMD ["daphne", "-b", "0.0.0.0", "-p", "8000", "controlplane.asgi:application"]
