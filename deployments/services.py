@@ -459,6 +459,20 @@ def deployment_relaunch(*, deployment_id: int, source: str, attempt: int) -> Dep
     return deployment
 
 
+def deployment_redrive(*, deployment_id: int, source: str, message: str) -> None:
+    """Send a launching deployment's launch task again (the first was lost with its worker).
+
+    A duplicate is harmless: a launch task acts only on a launching row, and
+    only one of two racing launches can move it on.
+    """
+    with transaction.atomic():
+        deployment = Deployment.objects.select_related("host").select_for_update().get(pk=deployment_id)
+        if deployment.status != DeploymentStatus.LAUNCHING:
+            raise InvalidTransition(f"{deployment.name} is {deployment.status}, not launching")
+        events.record(kind="deployment.redrive", source=source, deployment=deployment, message=message)
+        _enqueue("workers.tasks.launch_deployment", deployment)
+
+
 def record_deployment_event(*, deployment_id: int, kind: str, source: str, message: str) -> None:
     """Note something about a deployment on its timeline without changing its status."""
     with transaction.atomic():

@@ -220,21 +220,73 @@ def _recent_crash_restarts(deployment: Deployment) -> int:
     return Event.objects.filter(deployment=deployment, kind="deployment.crash_restart", created_at__gte=since).count()
 
 
+# A launch task moves its deployment out of launching within seconds; one that
+# stays longer was lost with its worker (or its message), and is driven again.
+LAUNCH_STALL_S = 60
+
+
 def reconcile_host() -> None:
-    """Make this host's deployments match what runs: notice crashed servers and
-    models that are not ready, and restart a crashed server that should run."""
-    running_states = [S.LOADING, S.READY, S.DEGRADED]
+    """Make this host's deployments match what runs, without waiting on the broker.
+
+    Notices crashed servers (and restarts those that should run), models that
+    are not ready, launches lost with a dead worker, and servers that finished
+    loading while no task was waiting for them.
+    """
     deployments = Deployment.objects.select_related("host").filter(
-        host__name=settings.GANTRY_HOST_NAME, status__in=running_states
+        host__name=settings.GANTRY_HOST_NAME, status__in=[S.LAUNCHING, S.LOADING, S.READY, S.DEGRADED]
     )
+    now = timezone.now()
     for deployment in deployments:
         paths = paths_for(deployment)
-        if not process.is_running(deployment.runtime_handle, paths.repository):
+        if deployment.status == S.LAUNCHING:
+            if (now - deployment.status_changed_at).total_seconds() > LAUNCH_STALL_S:
+                _redrive_launch(deployment)
+        elif not process.is_running(deployment.runtime_handle, paths.repository):
             _handle_crash(deployment, paths)
-            continue
-        if deployment.status == S.LOADING:
-            continue  # the launch task is waiting on it
-        _check_models(deployment)
+        elif deployment.status == S.LOADING:
+            _check_loading(deployment, paths, now)
+        else:
+            _check_models(deployment)
+
+
+def _redrive_launch(deployment: Deployment) -> None:
+    since = timezone.now() - timedelta(seconds=LAUNCH_STALL_S)
+    if Event.objects.filter(deployment=deployment, kind="deployment.redrive", created_at__gte=since).exists():
+        return
+    services.deployment_redrive(
+        deployment_id=deployment.pk,
+        source=source(),
+        message=f"still launching after {LAUNCH_STALL_S}s: its launch task was lost; launching again",
+    )
+
+
+def _check_loading(deployment: Deployment, paths: Paths, now) -> None:  # noqa: ANN001
+    """A loading server whose launch task died with its worker: finish the launch's job."""
+    names = list(deployment.placements.values_list("triton_name", flat=True))
+    client = _client(deployment)
+    try:
+        state = client.readiness(names)
+    finally:
+        client.close()
+    try:
+        if state.ready and state.all_models_ready:
+            services.deployment_transition(
+                deployment_id=deployment.pk,
+                to=S.READY,
+                source=source(),
+                only_from=frozenset({S.LOADING}),
+                message=f"ready: {', '.join(names)} on port {deployment.http_port}",
+            )
+        elif (now - deployment.status_changed_at).total_seconds() > settings.GANTRY_TRITON_READY_TIMEOUT:
+            process.stop(deployment.runtime_handle, paths.repository)
+            _fail(
+                deployment,
+                f"tritonserver not ready after {settings.GANTRY_TRITON_READY_TIMEOUT}s",
+                log_path=paths.log,
+                only_from=frozenset({S.LOADING}),
+            )
+    except InvalidTransition:
+        pass  # the launch task got there first
 
 
 def _handle_crash(deployment: Deployment, paths: Paths) -> None:

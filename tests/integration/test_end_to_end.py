@@ -130,6 +130,25 @@ def test_crashed_tritonserver_is_noticed_and_restarted(stack: Stack, minilm_path
     wait_for(lambda: Deployment.objects.get(pk=row.pk).status == "stopped", 60, "the stop")
 
 
+def test_worker_killed_while_loading_converges_after_restart(stack: Stack, minilm_path: Path):
+    deployment = _register_and_create(stack, minilm_path)
+    http = stack.session()
+    with _socket(stack, deployment["id"]) as socket:
+        http.post(f"{stack.web_url}/api/deployments/{deployment['id']}/start/", timeout=30)
+        _wait_for_status(socket, "loading", timeout_s=60)
+        os.killpg(stack.worker.pid, signal.SIGKILL)  # the worker dies mid-launch; its server lives on
+        stack.worker.wait()
+        server_pid = Deployment.objects.get(pk=deployment["id"]).runtime_handle
+        stack.start_worker()
+        seen = _wait_for_status(socket, "ready", timeout_s=240)
+    assert seen[-1]["source"] == f"worker:{stack.host_name}"
+    row = Deployment.objects.get(pk=deployment["id"])
+    assert row.runtime_handle == server_pid  # the restarted worker adopted the server, started no second one
+    assert [h for h, _ in process.servers_under(stack.data_dir)] == [server_pid]
+    http.post(f"{stack.web_url}/api/deployments/{row.pk}/stop/", timeout=30)
+    wait_for(lambda: Deployment.objects.get(pk=row.pk).status == "stopped", 60, "the stop")
+
+
 def test_websocket_refuses_anonymous_clients(stack: Stack):
     with pytest.raises(InvalidStatus) as refused:
         with connect(f"{stack.ws_url}/ws/dashboard/", additional_headers={"Origin": stack.web_url}):
