@@ -22,3 +22,11 @@ CONTROL_QUEUE = "control"
 def host_queue(host_name: str) -> str:
     """The queue a host's worker listens on."""
     return f"gpu.{host_name}"
+
+
+def host_worker_argv(python: str, host_name: str, *, concurrency: int = 2) -> list[str]:
+    """The command line of a GPU host's worker: consumes only that host's queue."""
+    return [
+        python, "-m", "celery", "-A", "controlplane", "worker",
+        "-Q", host_queue(host_name), "-n", f"gantry@{host_name}", "-c", str(concurrency), "-l", "INFO",
+    ]  # fmt: skip

@@ -26,7 +26,7 @@ from deployments.models import (
     InstanceKind,
 )
 from workers.runtimes import process
-from workers.triton.client import TritonClient
+from workers.triton.client import Readiness, TritonClient
 from workers.triton.config import Batching, EmbeddingModelSpec, Instances
 from workers.triton.repository import write_repository
 
@@ -183,13 +183,7 @@ def _await_ready(deployment: Deployment, handle: str, names: list[str], paths: P
     finally:
         client.close()
     try:
-        services.deployment_transition(
-            deployment_id=deployment.pk,
-            to=S.READY,
-            source=source(),
-            only_from=frozenset({S.LOADING}),
-            message=f"ready: {', '.join(names)} on port {deployment.http_port}",
-        )
+        _mark_ready(deployment, names)
     except InvalidTransition:
         log.info("deployment %s left loading before it became ready", deployment.pk)
 
@@ -260,23 +254,30 @@ def _redrive_launch(deployment: Deployment) -> None:
     )
 
 
-def _check_loading(deployment: Deployment, paths: Paths, now) -> None:  # noqa: ANN001
-    """A loading server whose launch task died with its worker: finish the launch's job."""
-    names = list(deployment.placements.values_list("triton_name", flat=True))
+def _readiness(deployment: Deployment) -> Readiness:
     client = _client(deployment)
     try:
-        state = client.readiness(names)
+        return client.readiness(list(deployment.placements.values_list("triton_name", flat=True)))
     finally:
         client.close()
+
+
+def _mark_ready(deployment: Deployment, names: list[str]) -> None:
+    services.deployment_transition(
+        deployment_id=deployment.pk,
+        to=S.READY,
+        source=source(),
+        only_from=frozenset({S.LOADING}),
+        message=f"ready: {', '.join(names)} on port {deployment.http_port}",
+    )
+
+
+def _check_loading(deployment: Deployment, paths: Paths, now) -> None:  # noqa: ANN001
+    """A loading server whose launch task died with its worker: finish the launch's job."""
+    state = _readiness(deployment)
     try:
         if state.ready and state.all_models_ready:
-            services.deployment_transition(
-                deployment_id=deployment.pk,
-                to=S.READY,
-                source=source(),
-                only_from=frozenset({S.LOADING}),
-                message=f"ready: {', '.join(names)} on port {deployment.http_port}",
-            )
+            _mark_ready(deployment, list(state.models))
         elif (now - deployment.status_changed_at).total_seconds() > settings.GANTRY_TRITON_READY_TIMEOUT:
             process.stop(deployment.runtime_handle, paths.repository)
             _fail(
@@ -314,12 +315,7 @@ def _handle_crash(deployment: Deployment, paths: Paths) -> None:
 
 
 def _check_models(deployment: Deployment) -> None:
-    names = list(deployment.placements.values_list("triton_name", flat=True))
-    client = _client(deployment)
-    try:
-        state = client.readiness(names)
-    finally:
-        client.close()
+    state = _readiness(deployment)
     not_ready = [name for name, ok in state.models.items() if not ok]
     try:
         if not_ready and deployment.status == S.READY:

@@ -23,6 +23,7 @@ from django.contrib.auth.models import User
 from django.db import connection
 from rest_framework.authtoken.models import Token
 
+from controlplane.celery import host_worker_argv
 from deployments.models import GpuHost
 from workers.runtimes import process
 
@@ -74,24 +75,7 @@ class Stack:
 
     def start_worker(self) -> subprocess.Popen:
         self.worker = _spawn(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "controlplane",
-                "worker",
-                "-Q",
-                f"gpu.{self.host_name}",
-                "-n",
-                f"test@{self.host_name}",
-                "-c",
-                "2",
-                "-l",
-                "INFO",
-                "--without-mingle",
-                "--without-gossip",
-            ],
+            [*host_worker_argv(sys.executable, self.host_name), "--without-mingle", "--without-gossip"],
             self.env,
             self.log_dir / "worker.log",
         )

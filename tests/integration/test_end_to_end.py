@@ -67,6 +67,11 @@ def _wait_for_status(socket, wanted: str, timeout_s: float) -> list[dict]:
     pytest.fail(f"no {wanted} event within {timeout_s}s; saw {[e.get('to_status') for e in seen]}")
 
 
+def _stop(stack: Stack, deployment_id: int) -> None:
+    assert stack.session().post(f"{stack.web_url}/api/deployments/{deployment_id}/stop/", timeout=30).status_code == 202
+    wait_for(lambda: Deployment.objects.get(pk=deployment_id).status == "stopped", 60, "the stop")
+
+
 def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack, minilm_path: Path):
     deployment = _register_and_create(stack, minilm_path)
     http = stack.session()
@@ -126,8 +131,7 @@ def test_crashed_tritonserver_is_noticed_and_restarted(stack: Stack, minilm_path
     row = Deployment.objects.get(pk=deployment["id"])
     assert int(row.runtime_handle) != first_pid
     assert Event.objects.filter(deployment=row, kind="deployment.crash_restart").count() == 1
-    http.post(f"{stack.web_url}/api/deployments/{row.pk}/stop/", timeout=30)
-    wait_for(lambda: Deployment.objects.get(pk=row.pk).status == "stopped", 60, "the stop")
+    _stop(stack, row.pk)
 
 
 def test_worker_killed_while_loading_converges_after_restart(stack: Stack, minilm_path: Path):
@@ -145,8 +149,7 @@ def test_worker_killed_while_loading_converges_after_restart(stack: Stack, minil
     row = Deployment.objects.get(pk=deployment["id"])
     assert row.runtime_handle == server_pid  # the restarted worker adopted the server, started no second one
     assert [h for h, _ in process.servers_under(stack.data_dir)] == [server_pid]
-    http.post(f"{stack.web_url}/api/deployments/{row.pk}/stop/", timeout=30)
-    wait_for(lambda: Deployment.objects.get(pk=row.pk).status == "stopped", 60, "the stop")
+    _stop(stack, row.pk)
 
 
 def test_websocket_refuses_anonymous_clients(stack: Stack):

@@ -25,6 +25,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from controlplane.celery import host_worker_argv
 from deployments import services, states
 from deployments.errors import GantryError
 from deployments.models import Deployment, DeploymentStatus, GpuHost, RegisteredModel
@@ -56,25 +57,7 @@ class Command(BaseCommand):
             call_command("migrate", interactive=False, verbosity=0)
             call_command("collectstatic", interactive=False, verbosity=0)
             admin_line = self._ensure_admin()
-            self._spawn(
-                "worker",
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "controlplane",
-                    "worker",
-                    "-Q",
-                    f"gpu.{settings.GANTRY_HOST_NAME}",
-                    "-n",
-                    f"gantry@{settings.GANTRY_HOST_NAME}",
-                    "-c",
-                    "2",
-                    "-l",
-                    "INFO",
-                ],
-            )
+            self._spawn("worker", host_worker_argv(sys.executable, settings.GANTRY_HOST_NAME))
             self._spawn(
                 "web",
                 [
