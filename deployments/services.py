@@ -40,7 +40,7 @@ from deployments.permissions import can_operate
 log = logging.getLogger(__name__)
 
 # Kinds this version can place in a deployment, and the backend each uses.
-SERVABLE_KINDS = {ModelKind.EMBEDDING: Backend.PYTHON}
+SERVABLE_KINDS = {ModelKind.EMBEDDING: Backend.PYTHON, ModelKind.RERANKER: Backend.PYTHON}
 
 
 def _require_operator(user: Any) -> None:
@@ -163,8 +163,8 @@ def model_register(
     if RegisteredModel.objects.filter(name=name).exists():
         raise ValidationFailed({"name": f"a model named {name!r} is already registered"})
     info = inspect_checkpoint(Path(path), roots=settings.GANTRY_MODEL_ROOTS)
-    if kind == ModelKind.EMBEDDING and not info.tokenizer_files:
-        raise ValidationFailed({"path": "an embedding model needs its tokenizer files beside config.json"})
+    if kind in SERVABLE_KINDS and not info.tokenizer_files:
+        raise ValidationFailed({"path": f"a {kind} model needs its tokenizer files beside config.json"})
     try:
         with transaction.atomic():
             model = RegisteredModel.objects.create(

@@ -11,7 +11,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 
 from deployments import selectors, services
 from deployments.errors import GantryError, ValidationFailed
-from deployments.models import InstanceKind
+from deployments.models import InstanceKind, ModelKind, RegisteredModel
 from deployments.permissions import can_operate
 
 
@@ -37,16 +37,23 @@ class DeployForm(forms.Form):
     )
     instance_count = forms.IntegerField(min_value=1, max_value=64, initial=1)
     instance_kind = forms.ChoiceField(choices=InstanceKind.choices, initial=InstanceKind.AUTO)
+    also = forms.MultipleChoiceField(
+        required=False,
+        label="Also serve in the same Triton server",
+        widget=forms.CheckboxSelectMultiple,
+    )
 
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *args, model: RegisteredModel, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
         self.fields["host"].choices = [(h.name, h.name) for h in selectors.host_list()]
+        others = selectors.model_list().filter(kind__in=services.SERVABLE_KINDS).exclude(pk=model.pk)
+        self.fields["also"].choices = [(m.name, f"{m.name} ({m.kind})") for m in others]
 
 
 @login_required
 def model_detail(request: HttpRequest, pk: int) -> HttpResponse:
     model = get_object_or_404(selectors.model_list(), pk=pk)
-    form = DeployForm(request.POST or None, initial={"name": model.name.replace(".", "-")[:50]})
+    form = DeployForm(request.POST or None, model=model, initial={"name": model.name.replace(".", "-")[:50]})
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
         try:
@@ -55,12 +62,13 @@ def model_detail(request: HttpRequest, pk: int) -> HttpResponse:
                 host_name=data["host"],
                 placements=[
                     services.PlacementSpec(
-                        model=model.name,
+                        model=name,
                         max_batch_size=data["max_batch_size"],
                         max_queue_delay_us=data["max_queue_delay_us"],
                         instance_count=data["instance_count"],
                         instance_kind=data["instance_kind"],
                     )
+                    for name in [model.name, *data["also"]]
                 ],
                 user=request.user,
             )
@@ -90,5 +98,10 @@ def deployment_detail(request: HttpRequest, pk: int) -> HttpResponse:
     return render(
         request,
         "deployments/deployment_detail.html",
-        {"deployment": deployment, "can_operate": can_operate(request.user)},
+        {
+            "deployment": deployment,
+            "can_operate": can_operate(request.user),
+            "embedders": [p for p in deployment.placements.all() if p.registered_model.kind == ModelKind.EMBEDDING],
+            "rerankers": [p for p in deployment.placements.all() if p.registered_model.kind == ModelKind.RERANKER],
+        },
     )

@@ -22,27 +22,60 @@ class EmbeddingResult:
     similarity: list[list[float]]
 
 
-def embed_texts(*, deployment_id: int, texts: list[str], model: str = "") -> EmbeddingResult:
-    """Embeddings of ``texts`` from an embedding model of a ready deployment, and their cosine similarities."""
+def _ready_placement(deployment_id: int, kind: str, model: str) -> tuple[Deployment, str]:
     deployment = Deployment.objects.select_related("host").filter(pk=deployment_id).first()
     if deployment is None:
         raise NotFound(f"deployment {deployment_id} does not exist")
     if deployment.status not in {DeploymentStatus.READY, DeploymentStatus.DEGRADED}:
         raise InvalidTransition(f"{deployment.name} is {deployment.status}; start it and wait until it is ready")
-    embedders = deployment.placements.filter(registered_model__kind=ModelKind.EMBEDDING)
-    placement = embedders.filter(triton_name=model).first() if model else embedders.first()
+    candidates = deployment.placements.filter(registered_model__kind=kind)
+    placement = candidates.filter(triton_name=model).first() if model else candidates.first()
     if placement is None:
-        raise ValidationFailed({"model": f"{deployment.name} serves no embedding model named {model!r}"})
-    client = TritonClient(f"{deployment.host.address}:{deployment.http_port}")
+        raise ValidationFailed(
+            {"model": f"{deployment.name} serves no {kind} model" + (f" named {model!r}" if model else "")}
+        )
+    return deployment, placement.triton_name
+
+
+def _client(deployment: Deployment) -> TritonClient:
+    return TritonClient(f"{deployment.host.address}:{deployment.http_port}")
+
+
+def embed_texts(*, deployment_id: int, texts: list[str], model: str = "") -> EmbeddingResult:
+    """Embeddings of ``texts`` from an embedding model of a ready deployment, and their cosine similarities."""
+    deployment, name = _ready_placement(deployment_id, ModelKind.EMBEDDING, model)
+    client = _client(deployment)
     try:
-        vectors = client.embed(placement.triton_name, texts)
+        vectors = client.embed(name, texts)
     finally:
         client.close()
     # Rows are L2-normalized by the model; normalize again so any embedder's output compares fairly.
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
     unit = vectors / np.clip(norms, 1e-12, None)
     return EmbeddingResult(
-        model=placement.triton_name,
+        model=name,
         embeddings=vectors.astype(float).tolist(),
         similarity=np.round(unit @ unit.T, 6).astype(float).tolist(),
+    )
+
+
+@dataclass(frozen=True)
+class RerankResult:
+    model: str
+    scores: list[float]
+    order: list[int]
+
+
+def rerank_passages(*, deployment_id: int, query: str, passages: list[str], model: str = "") -> RerankResult:
+    """Scores of ``passages`` for ``query`` from a reranker of a ready deployment, best first in ``order``."""
+    deployment, name = _ready_placement(deployment_id, ModelKind.RERANKER, model)
+    client = _client(deployment)
+    try:
+        scores = client.rerank(name, query, passages)
+    finally:
+        client.close()
+    return RerankResult(
+        model=name,
+        scores=[round(float(score), 6) for score in scores],
+        order=[int(i) for i in np.argsort(-scores, kind="stable")],
     )

@@ -129,17 +129,38 @@ const Gantry = (() => {
         }
       });
     }
-    document.getElementById("embed").addEventListener("click", () => embed(id));
+    const embedButton = document.getElementById("embed");
+    if (embedButton) embedButton.addEventListener("click", () => embed(id, embedButton.dataset.model));
+    const rerankButton = document.getElementById("rerank");
+    if (rerankButton) rerankButton.addEventListener("click", () => rerank(id, rerankButton.dataset.model));
   }
 
-  async function embed(id) {
+  async function rerank(id, model) {
+    const error = document.getElementById("rerank-error");
+    const result = document.getElementById("rerank-result");
+    const query = document.getElementById("query").value.trim();
+    const passages = document.getElementById("passages").value.split("\n").map((t) => t.trim()).filter(Boolean);
+    error.hidden = true;
+    result.replaceChildren();
+    try {
+      const data = await api("POST", `/api/deployments/${id}/rerank/`, { query, passages, model });
+      const list = document.createElement("ol");
+      data.order.forEach((i) => list.append(text("li", `${data.scores[i].toFixed(4)}  ${passages[i]}`)));
+      result.append(text("p", `model ${data.model}, best first`), list);
+    } catch (err) {
+      error.textContent = err.message;
+      error.hidden = false;
+    }
+  }
+
+  async function embed(id, model) {
     const error = document.getElementById("embed-error");
     const result = document.getElementById("embed-result");
     const texts = document.getElementById("texts").value.split("\n").map((t) => t.trim()).filter(Boolean);
     error.hidden = true;
     result.replaceChildren();
     try {
-      const data = await api("POST", `/api/deployments/${id}/embed/`, { texts });
+      const data = await api("POST", `/api/deployments/${id}/embed/`, { texts, model });
       const list = document.createElement("ol");
       data.embeddings.forEach((vector, i) => {
         const preview = vector.slice(0, 6).map((x) => x.toFixed(4)).join(", ");

@@ -24,10 +24,11 @@ from deployments.models import (
     DesiredState,
     Event,
     InstanceKind,
+    ModelKind,
 )
 from workers.runtimes import process
 from workers.triton.client import Readiness, TritonClient
-from workers.triton.config import Batching, EmbeddingModelSpec, Instances
+from workers.triton.config import EMBED, RERANK, Batching, Instances, PythonModelSpec
 from workers.triton.repository import write_repository
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def _load(deployment_id: int) -> Deployment | None:
     )
 
 
-def model_specs(deployment: Deployment) -> list[EmbeddingModelSpec]:
+def model_specs(deployment: Deployment) -> list[PythonModelSpec]:
     """Triton model specs for the deployment's placements on its host."""
     host_gpus = sorted(gpu.index for gpu in deployment.host.gpus.all())
     specs = []
@@ -79,8 +80,9 @@ def model_specs(deployment: Deployment) -> list[EmbeddingModelSpec]:
         if not model.hidden_size:
             raise PermanentError(f"{model.name}: its config.json gives no hidden_size")
         specs.append(
-            EmbeddingModelSpec(
+            PythonModelSpec(
                 name=placement.triton_name,
+                task=RERANK if model.kind == ModelKind.RERANKER else EMBED,
                 checkpoint_path=model.path,
                 embedding_dim=model.hidden_size,
                 batching=Batching(

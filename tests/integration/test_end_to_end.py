@@ -117,6 +117,48 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
     assert process.group_members(pid) == []  # no tritonserver or python stub left
 
 
+def test_embedder_and_reranker_share_one_server(stack: Stack, minilm_path: Path):
+    http = stack.session()
+    for name, kind in (("minilm", "embedding"), ("minilm-rerank", "reranker")):
+        body = {"name": name, "kind": kind, "path": str(minilm_path)}
+        assert http.post(f"{stack.web_url}/api/models/", json=body, timeout=30).status_code == 201
+    created = http.post(
+        f"{stack.web_url}/api/deployments/",
+        json={"name": "pair", "host": stack.host_name, "models": [{"model": "minilm"}, {"model": "minilm-rerank"}]},
+        timeout=30,
+    )
+    assert created.status_code == 201, created.text
+    deployment_id = created.json()["id"]
+    with _socket(stack, deployment_id) as socket:
+        http.post(f"{stack.web_url}/api/deployments/{deployment_id}/start/", timeout=30)
+        _wait_for_status(socket, "ready", timeout_s=240)
+
+    passages = ["Bananas are rich in potassium.", "Triton serves models over HTTP and gRPC."]
+    ranked = http.post(
+        f"{stack.web_url}/api/deployments/{deployment_id}/rerank/",
+        json={"query": "How does Triton serve models?", "passages": passages},
+        timeout=60,
+    )
+    assert ranked.status_code == 200, ranked.text
+    assert ranked.json()["order"] == [1, 0]
+    # The reranker's score is the cosine of the embedder's vectors: both models answer from one server.
+    vectors = np.array(
+        http.post(
+            f"{stack.web_url}/api/deployments/{deployment_id}/embed/",
+            json={"texts": ["How does Triton serve models?", *passages]},
+            timeout=60,
+        ).json()["embeddings"]
+    )
+    np.testing.assert_allclose(ranked.json()["scores"], vectors[1:] @ vectors[0], atol=1e-4)
+    wrong = http.post(
+        f"{stack.web_url}/api/deployments/{deployment_id}/rerank/",
+        json={"query": "q", "passages": ["p"], "model": "minilm"},
+        timeout=30,
+    )
+    assert wrong.status_code == 400 and "serves no reranker model named 'minilm'" in wrong.json()["detail"]
+    _stop(stack, deployment_id)
+
+
 def test_crashed_tritonserver_is_noticed_and_restarted(stack: Stack, minilm_path: Path):
     deployment = _register_and_create(stack, minilm_path)
     http = stack.session()

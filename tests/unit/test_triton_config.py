@@ -3,11 +3,13 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from workers.triton.config import (
+    EMBED,
+    RERANK,
     Batching,
-    EmbeddingModelSpec,
     Instances,
-    embedding_config,
+    PythonModelSpec,
     parse_text,
+    python_model_config,
     read_config,
     to_text,
     write_config,
@@ -15,9 +17,10 @@ from workers.triton.config import (
 from workers.triton.repository import write_repository
 
 
-def _spec(**overrides) -> EmbeddingModelSpec:
+def _spec(**overrides) -> PythonModelSpec:
     values = {
         "name": "minilm",
+        "task": EMBED,
         "checkpoint_path": "/models/all-MiniLM-L6-v2",
         "embedding_dim": 384,
         "batching": Batching(max_batch_size=32, preferred_batch_sizes=(8, 16), max_queue_delay_us=2000),
@@ -25,17 +28,17 @@ def _spec(**overrides) -> EmbeddingModelSpec:
         "gpu_memory_fraction": 0.05,
     }
     values.update(overrides)
-    return EmbeddingModelSpec(**values)
+    return PythonModelSpec(**values)
 
 
 def test_written_config_parses_back_to_the_same_message(tmp_path: Path):
-    config = embedding_config(_spec())
+    config = python_model_config(_spec())
     write_config(tmp_path / "minilm", config)
     assert read_config(tmp_path / "minilm") == config
 
 
 def test_embedding_config_fields():
-    config = parse_text(to_text(embedding_config(_spec())))
+    config = parse_text(to_text(python_model_config(_spec())))
     assert config.name == "minilm"
     assert config.backend == "python"
     assert config.max_batch_size == 32
@@ -50,7 +53,7 @@ def test_embedding_config_fields():
 
 
 def test_cpu_instances_name_no_gpus():
-    config = embedding_config(_spec(instances=Instances(count=1, kind="KIND_CPU")))
+    config = python_model_config(_spec(instances=Instances(count=1, kind="KIND_CPU")))
     assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
     assert list(config.instance_group[0].gpus) == []
 
@@ -62,3 +65,13 @@ def test_repository_layout_and_rewrite_replaces_old_models(tmp_path: Path):
     assert (root / "minilm" / "1" / "model.py").read_text().startswith('"""Triton python-backend model')
     write_repository(root, [_spec()])
     assert sorted(p.name for p in root.iterdir()) == ["minilm"]
+
+
+def test_reranker_config_takes_a_query_and_passages_and_gives_one_score_each():
+    config = parse_text(to_text(python_model_config(_spec(name="rerank", task=RERANK))))
+    assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [
+        ("QUERY", mc.TYPE_STRING, [1]),
+        ("PASSAGES", mc.TYPE_STRING, [-1]),
+    ]
+    assert [(o.name, o.data_type, list(o.dims)) for o in config.output] == [("SCORES", mc.TYPE_FP32, [-1])]
+    assert config.parameters["task"].string_value == "rerank"

@@ -84,10 +84,24 @@ class TritonClient:
     def embed(self, model: str, texts: list[str]) -> np.ndarray:
         """Embeddings of ``texts`` from a Gantry embedding model, one row per text."""
         batch = np.array([[t.encode("utf-8")] for t in texts], dtype=object)
-        request = httpclient.InferInput("TEXT", list(batch.shape), "BYTES")
-        request.set_data_from_numpy(batch)
+        return self._infer(model, {"TEXT": batch}, "EMBEDDING")
+
+    def rerank(self, model: str, query: str, passages: list[str]) -> np.ndarray:
+        """One relevance score per passage from a Gantry reranker model."""
+        inputs = {
+            "QUERY": np.array([[query.encode("utf-8")]], dtype=object),
+            "PASSAGES": np.array([[p.encode("utf-8") for p in passages]], dtype=object),
+        }
+        return self._infer(model, inputs, "SCORES")[0]
+
+    def _infer(self, model: str, arrays: dict[str, np.ndarray], output: str) -> np.ndarray:
+        requests = []
+        for name, array in arrays.items():
+            request = httpclient.InferInput(name, list(array.shape), "BYTES")
+            request.set_data_from_numpy(array)
+            requests.append(request)
         try:
-            result = self._client.infer(model, [request], outputs=[httpclient.InferRequestedOutput("EMBEDDING")])
+            result = self._client.infer(model, requests, outputs=[httpclient.InferRequestedOutput(output)])
         except InferenceServerException as exc:
             status = str(exc.status() or "")
             if status in {"400", "404", "StatusCode.INVALID_ARGUMENT", "StatusCode.NOT_FOUND"}:
@@ -95,4 +109,4 @@ class TritonClient:
             raise TransientError(f"{model}: {exc.message()}") from exc
         except (OSError, ConnectionError) as exc:
             raise TransientError(f"{model}: server unreachable at {self.url}: {exc}") from exc
-        return result.as_numpy("EMBEDDING")
+        return result.as_numpy(output)

