@@ -329,6 +329,25 @@ class DeploymentEvents(APIView):
         return Response([event_payload(e) for e in selectors.deployment_events(pk)])
 
 
+class DeploymentMetrics(APIView):
+    """GET /api/deployments/<id>/metrics/?minutes=N: the samples of the last N minutes (default 15)."""
+
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request, pk: int) -> Response:
+        get_object_or_404(Deployment, pk=pk)
+        try:
+            minutes = int(request.query_params.get("minutes", "15"))
+        except ValueError as exc:
+            raise DRFValidationError({"minutes": ["must be an integer"]}) from exc
+        if not 1 <= minutes <= 24 * 60:
+            raise DRFValidationError({"minutes": ["must be between 1 and 1440"]})
+        samples = selectors.deployment_metrics(pk, minutes=minutes)
+        return Response(
+            [{"at": s.at.isoformat(), "kind": s.kind, "subject": s.subject, "values": s.values} for s in samples]
+        )
+
+
 def validated(serializer_class: type[serializers.Serializer], request: Request) -> dict[str, Any]:
     if not isinstance(request.data, dict):
         raise DRFValidationError({"body": ["must be a JSON object"]})

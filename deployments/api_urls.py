@@ -12,4 +12,5 @@ urlpatterns = [
     path("deployments/<int:pk>/start/", api.DeploymentAction.as_view(action="start"), name="api-deployment-start"),
     path("deployments/<int:pk>/stop/", api.DeploymentAction.as_view(action="stop"), name="api-deployment-stop"),
     path("deployments/<int:pk>/events/", api.DeploymentEvents.as_view(), name="api-deployment-events"),
+    path("deployments/<int:pk>/metrics/", api.DeploymentMetrics.as_view(), name="api-deployment-metrics"),
 ]

@@ -244,6 +244,27 @@ class DeploymentModel(models.Model):
         return f"{self.deployment.name}/{self.triton_name}"
 
 
+class MetricSample(models.Model):
+    """One scrape's derived figures for one model or GPU of a deployment; pruned after the retention window."""
+
+    class Kind(models.TextChoices):
+        MODEL = "model"
+        GPU = "gpu"
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="metric_samples")
+    at = models.DateTimeField(default=timezone.now)
+    kind = models.CharField(max_length=8, choices=Kind.choices)
+    subject = models.CharField(max_length=128, help_text="Triton model name or GPU uuid")
+    values = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["at", "id"]
+        indexes = [models.Index(fields=["deployment", "at"])]
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id} {self.kind}:{self.subject} @ {self.at:%H:%M:%S}"
+
+
 class EventQuerySet(models.QuerySet):
     def update(self, **kwargs):  # noqa: ANN003, ANN201 - Django's signature
         raise TypeError("events are append-only")

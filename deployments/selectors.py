@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from django.db.models import Prefetch, QuerySet
+from datetime import timedelta
 
-from deployments.models import Deployment, DeploymentModel, Event, GpuHost, RegisteredModel
+from django.db.models import Prefetch, QuerySet
+from django.utils import timezone
+
+from deployments.models import Deployment, DeploymentModel, Event, GpuHost, MetricSample, RegisteredModel
 
 
 def host_list() -> QuerySet[GpuHost]:
@@ -29,3 +32,8 @@ def deployment_events(deployment_id: int, *, limit: int = 200) -> list[Event]:
 
 def deployments_on_host(host_name: str) -> QuerySet[Deployment]:
     return deployment_list().filter(host__name=host_name)
+
+
+def deployment_metrics(deployment_id: int, *, minutes: int) -> QuerySet[MetricSample]:
+    since = timezone.now() - timedelta(minutes=minutes)
+    return MetricSample.objects.filter(deployment_id=deployment_id, at__gte=since).order_by("at", "id")

@@ -31,6 +31,7 @@ from deployments.models import (
     Gpu,
     GpuHost,
     InstanceKind,
+    MetricSample,
     ModelKind,
     RegisteredModel,
     Runtime,
@@ -478,3 +479,32 @@ def record_deployment_event(*, deployment_id: int, kind: str, source: str, messa
     with transaction.atomic():
         deployment = _get_deployment(deployment_id)
         events.record(kind=kind, source=source, deployment=deployment, message=message)
+
+
+def metrics_record(
+    *,
+    deployment_id: int,
+    models: dict[str, dict[str, float]],
+    gpus: dict[str, dict[str, float]],
+) -> None:
+    """Store one scrape's figures, prune samples past the retention window, and
+    push the figures to the deployment's page."""
+    now = timezone.now()
+    MetricSample.objects.bulk_create(
+        [
+            *(
+                MetricSample(deployment_id=deployment_id, at=now, kind="model", subject=k, values=v)
+                for k, v in models.items()
+            ),
+            *(
+                MetricSample(deployment_id=deployment_id, at=now, kind="gpu", subject=k, values=v)
+                for k, v in gpus.items()
+            ),
+        ]
+    )
+    cutoff = now - timedelta(hours=settings.GANTRY_METRICS_RETENTION_HOURS)
+    MetricSample.objects.filter(deployment_id=deployment_id, at__lt=cutoff).delete()
+    events.publish(
+        events.deployment_group(deployment_id),
+        {"type": "metrics", "deployment": deployment_id, "at": now.isoformat(), "models": models, "gpus": gpus},
+    )

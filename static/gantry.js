@@ -102,11 +102,18 @@ const Gantry = (() => {
       render(await api("GET", `/api/deployments/${id}/`));
       events.replaceChildren();
       (await api("GET", `/api/deployments/${id}/events/`)).forEach(addEvent);
+      const latest = {};
+      for (const sample of await api("GET", `/api/deployments/${id}/metrics/?minutes=5`)) {
+        if (sample.kind === "model") latest[sample.subject] = sample;
+      }
+      const at = Object.values(latest).map((s) => s.at).sort().pop();
+      if (at) renderMetrics(at, Object.fromEntries(Object.entries(latest).map(([k, s]) => [k, s.values])));
     }
     live(`/ws/deployments/${id}/`, {
       indicator,
       onOpen: refresh,
       onMessage: (event) => {
+        if (event.type === "metrics") renderMetrics(event.at, event.models);
         if (event.type !== "event") return;
         addEvent(event);
         if (event.to_status) {
@@ -133,6 +140,19 @@ const Gantry = (() => {
     if (embedButton) embedButton.addEventListener("click", () => embed(id, embedButton.dataset.model));
     const rerankButton = document.getElementById("rerank");
     if (rerankButton) rerankButton.addEventListener("click", () => rerank(id, rerankButton.dataset.model));
+  }
+
+  function renderMetrics(at, models) {
+    const body = document.getElementById("metrics");
+    const format = (value, digits) => (value === undefined ? "–" : Number(value).toFixed(digits));
+    body.replaceChildren(...Object.entries(models).map(([name, m]) => {
+      const row = document.createElement("tr");
+      row.append(text("td", name), text("td", format(m.request_rate, 2)), text("td", format(m.failure_rate, 2)),
+                 text("td", format(m.queue_ms, 2)), text("td", format(m.compute_ms, 2)),
+                 text("td", format(m.requests_total, 0)), text("td", format(m.failures_total, 0)));
+      return row;
+    }));
+    document.getElementById("metrics-at").textContent = new Date(at).toLocaleTimeString();
   }
 
   async function rerank(id, model) {

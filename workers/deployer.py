@@ -27,6 +27,7 @@ from deployments.models import (
     ModelKind,
 )
 from workers.runtimes import process
+from workers.triton import metrics
 from workers.triton.client import Readiness, TritonClient
 from workers.triton.config import EMBED, RERANK, Batching, Instances, PythonModelSpec
 from workers.triton.repository import write_repository
@@ -243,6 +244,26 @@ def reconcile_host() -> None:
             _check_loading(deployment, paths, now)
         else:
             _check_models(deployment)
+            _collect_metrics(deployment)
+
+
+# The previous scrape of each deployment's server (and which server it was),
+# to turn cumulative counters into rates.
+_last_scrape: dict[int, tuple[str, metrics.Scrape]] = {}
+
+
+def _collect_metrics(deployment: Deployment) -> None:
+    url = f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.metrics_port}/metrics"
+    try:
+        current = metrics.scrape(url)
+    except TransientError as exc:
+        log.info("deployment %s: %s", deployment.pk, exc)
+        return
+    handle, previous = _last_scrape.get(deployment.pk, ("", None))
+    if handle != deployment.runtime_handle:
+        previous = None  # another server since: its counters started again from zero
+    _last_scrape[deployment.pk] = (deployment.runtime_handle, current)
+    services.metrics_record(deployment_id=deployment.pk, models=metrics.derive(previous, current), gpus=current.gpus)
 
 
 def _redrive_launch(deployment: Deployment) -> None:

@@ -71,6 +71,8 @@ def test_user_deploys_queries_and_stops_from_the_browser(stack: Stack, minilm, p
     result = page.locator("#embed-result")
     expect(result).to_contain_text("384 dimensions", timeout=60_000)
     expect(result).to_contain_text("(384 numbers)")
+    # The agent's metrics scrape reaches the page over the websocket.
+    expect(page.locator("#metrics")).to_contain_text("minilm", timeout=30_000)
     page.screenshot(path=str(tmp_path / "deployment-ready.png"), full_page=True)
 
     page.click("#stop")

@@ -15,7 +15,7 @@ import tritonclient.http as httpclient
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from deployments.models import Deployment, Event
+from deployments.models import Deployment, Event, MetricSample
 from tests.integration.conftest import Stack, wait_for
 from workers.runtimes import process
 
@@ -86,6 +86,9 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
     repository = stack.data_dir / "deployments" / f"{row.pk}-{row.name}" / "repository"
     assert process.is_running(row.runtime_handle, repository)
 
+    # The agent scrapes the server's metrics port once it is ready.
+    wait_for(lambda: MetricSample.objects.filter(deployment=row, subject="minilm").exists(), 30, "a first scrape")
+
     # Straight to Triton with tritonclient: 384 numbers per sentence, unit length.
     client = httpclient.InferenceServerClient(f"127.0.0.1:{row.http_port}")
     batch = np.array([[s.encode()] for s in SENTENCES], dtype=object)
@@ -102,6 +105,17 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
     similarity = np.array(played.json()["similarity"])
     np.testing.assert_allclose(np.array(played.json()["embeddings"]), vectors, atol=1e-5)
     assert similarity[0, 1] > similarity[0, 2] + 0.2  # the two music sentences are the close pair
+
+    # Two requests later the scrape shows them, as a total and as a rate.
+    counted = wait_for(
+        lambda: MetricSample.objects.filter(deployment=row, subject="minilm", values__requests_total__gte=2).first(),
+        30,
+        "a scrape counting the two requests",
+    )
+    assert counted.values["request_rate"] > 0 and counted.values["failures_total"] == 0
+    assert counted.values["compute_ms"] > 0
+    api_samples = http.get(f"{stack.web_url}/api/deployments/{row.pk}/metrics/?minutes=5", timeout=30).json()
+    assert any(s["subject"] == "minilm" and s["values"]["requests_total"] >= 2 for s in api_samples)
 
     # A second start is refused and changes nothing.
     again = http.post(f"{stack.web_url}/api/deployments/{row.pk}/start/", timeout=30)
