@@ -151,6 +151,10 @@ class PlacementOut(serializers.ModelSerializer):
             "max_batch_size",
             "preferred_batch_sizes",
             "max_queue_delay_us",
+            "priority_levels",
+            "default_priority_level",
+            "queue_timeout_us",
+            "max_queue_size",
             "instance_count",
             "instance_kind",
             "gpu_ids",
@@ -207,6 +211,10 @@ class PlacementIn(StrictSerializer):
         child=serializers.IntegerField(min_value=1, max_value=4096), max_length=16, default=list
     )
     max_queue_delay_us = serializers.IntegerField(min_value=0, max_value=10_000_000, default=2000)
+    priority_levels = serializers.IntegerField(min_value=0, max_value=16, default=0)
+    default_priority_level = serializers.IntegerField(min_value=0, max_value=16, default=0)
+    queue_timeout_us = serializers.IntegerField(min_value=0, max_value=3_600_000_000, default=0)
+    max_queue_size = serializers.IntegerField(min_value=0, max_value=1_000_000, default=0)
     instance_count = serializers.IntegerField(min_value=1, max_value=64, default=1)
     instance_kind = serializers.ChoiceField(choices=InstanceKind.choices, default=InstanceKind.AUTO)
     gpu_ids = serializers.ListField(
@@ -281,15 +289,7 @@ class DeploymentList(APIView):
             ports=(ports["http"], ports["grpc"], ports["metrics"]) if ports else None,
             placements=[
                 services.PlacementSpec(
-                    model=p["model"],
-                    triton_name=p["triton_name"],
-                    max_batch_size=p["max_batch_size"],
-                    preferred_batch_sizes=tuple(p["preferred_batch_sizes"]),
-                    max_queue_delay_us=p["max_queue_delay_us"],
-                    instance_count=p["instance_count"],
-                    instance_kind=p["instance_kind"],
-                    gpu_ids=tuple(p["gpu_ids"]),
-                    gpu_memory_fraction=p["gpu_memory_fraction"],
+                    **{**p, "preferred_batch_sizes": tuple(p["preferred_batch_sizes"]), "gpu_ids": tuple(p["gpu_ids"])}
                 )
                 for p in data["models"]
             ],

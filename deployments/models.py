@@ -227,6 +227,13 @@ class DeploymentModel(models.Model):
     max_batch_size = models.PositiveIntegerField(default=32, validators=[MinValueValidator(1), MaxValueValidator(4096)])
     preferred_batch_sizes = models.JSONField(default=list, blank=True)
     max_queue_delay_us = models.PositiveIntegerField(default=2000, validators=[MaxValueValidator(10_000_000)])
+    # Triton's dynamic batcher queue: priority levels (0 = one queue) and the
+    # default queue policy (a request waiting longer than the timeout is
+    # rejected; 0 = no timeout; max queue size 0 = unbounded).
+    priority_levels = models.PositiveSmallIntegerField(default=0, validators=[MaxValueValidator(16)])
+    default_priority_level = models.PositiveSmallIntegerField(default=0, validators=[MaxValueValidator(16)])
+    queue_timeout_us = models.PositiveBigIntegerField(default=0, validators=[MaxValueValidator(3_600_000_000)])
+    max_queue_size = models.PositiveIntegerField(default=0, validators=[MaxValueValidator(1_000_000)])
     instance_count = models.PositiveSmallIntegerField(
         default=1, validators=[MinValueValidator(1), MaxValueValidator(64)]
     )

@@ -208,6 +208,10 @@ class PlacementSpec:
     max_batch_size: int = 32
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_us: int = 2000
+    priority_levels: int = 0
+    default_priority_level: int = 0
+    queue_timeout_us: int = 0
+    max_queue_size: int = 0
     instance_count: int = 1
     instance_kind: str = InstanceKind.AUTO
     gpu_ids: tuple[int, ...] = ()
@@ -249,6 +253,12 @@ def _validate_placements(host: GpuHost, specs: list[PlacementSpec]) -> list[tupl
         if triton_name in names:
             errors.setdefault(f"{where}.triton_name", []).append(f"{triton_name!r} is used twice in this deployment")
         names.add(triton_name)
+        if spec.priority_levels and not 1 <= spec.default_priority_level <= spec.priority_levels:
+            errors.setdefault(f"{where}.default_priority_level", []).append(
+                f"must be between 1 and priority_levels ({spec.priority_levels})"
+            )
+        if not spec.priority_levels and spec.default_priority_level:
+            errors.setdefault(f"{where}.default_priority_level", []).append("needs priority_levels")
         if spec.preferred_batch_sizes and max(spec.preferred_batch_sizes) > spec.max_batch_size:
             errors.setdefault(f"{where}.preferred_batch_sizes", []).append("must not exceed max_batch_size")
         if spec.instance_kind == InstanceKind.GPU and not gpu_indexes:
@@ -320,6 +330,10 @@ def deployment_create(
                     max_batch_size=spec.max_batch_size,
                     preferred_batch_sizes=list(spec.preferred_batch_sizes),
                     max_queue_delay_us=spec.max_queue_delay_us,
+                    priority_levels=spec.priority_levels,
+                    default_priority_level=spec.default_priority_level,
+                    queue_timeout_us=spec.queue_timeout_us,
+                    max_queue_size=spec.max_queue_size,
                     instance_count=spec.instance_count,
                     instance_kind=spec.instance_kind,
                     gpu_ids=list(spec.gpu_ids),

@@ -138,7 +138,14 @@ def test_embedder_and_reranker_share_one_server(stack: Stack, minilm_path: Path)
         assert http.post(f"{stack.web_url}/api/models/", json=body, timeout=30).status_code == 201
     created = http.post(
         f"{stack.web_url}/api/deployments/",
-        json={"name": "pair", "host": stack.host_name, "models": [{"model": "minilm"}, {"model": "minilm-rerank"}]},
+        json={
+            "name": "pair",
+            "host": stack.host_name,
+            "models": [
+                {"model": "minilm", "priority_levels": 2, "default_priority_level": 2, "queue_timeout_us": 5_000_000},
+                {"model": "minilm-rerank", "max_queue_size": 32},
+            ],
+        },
         timeout=30,
     )
     assert created.status_code == 201, created.text

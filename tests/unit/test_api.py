@@ -143,3 +143,9 @@ def test_dashboard_renders_for_a_signed_in_user(client, operator, host, minilm):
     page = client.get("/")
     assert page.status_code == 200
     assert b"cpu-host" in page.content and b"minilm" in page.content
+
+
+def test_default_priority_level_must_fall_within_the_levels(api, host, minilm):
+    response = _create(api, models=[{"model": "minilm", "priority_levels": 2, "default_priority_level": 3}])
+    assert response.status_code == 400
+    assert "must be between 1 and priority_levels (2)" in response.data["errors"]["models[0].default_priority_level"][0]

@@ -75,3 +75,25 @@ def test_reranker_config_takes_a_query_and_passages_and_gives_one_score_each():
     ]
     assert [(o.name, o.data_type, list(o.dims)) for o in config.output] == [("SCORES", mc.TYPE_FP32, [-1])]
     assert config.parameters["task"].string_value == "rerank"
+
+
+def test_priority_levels_and_queue_policy():
+    batching = Batching(
+        max_batch_size=8, priority_levels=2, default_priority_level=2, queue_timeout_us=500_000, max_queue_size=64
+    )
+    config = parse_text(to_text(python_model_config(_spec(batching=batching))))
+    dynamic = config.dynamic_batching
+    assert (dynamic.priority_levels, dynamic.default_priority_level) == (2, 2)
+    policy = dynamic.default_queue_policy
+    assert policy.timeout_action == mc.ModelQueuePolicy.REJECT
+    assert (policy.default_timeout_microseconds, policy.max_queue_size, policy.allow_timeout_override) == (
+        500_000,
+        64,
+        True,
+    )
+
+
+def test_no_queue_policy_unless_asked():
+    config = python_model_config(_spec())
+    assert not config.dynamic_batching.HasField("default_queue_policy")
+    assert config.dynamic_batching.priority_levels == 0

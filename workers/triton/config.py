@@ -21,6 +21,10 @@ class Batching:
     max_batch_size: int
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_us: int = 0
+    priority_levels: int = 0  # 0: a single queue
+    default_priority_level: int = 0
+    queue_timeout_us: int = 0  # 0: requests wait as long as it takes
+    max_queue_size: int = 0  # 0: unbounded
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,15 @@ def _apply_batching(config: mc.ModelConfig, batching: Batching) -> None:
     dynamic = config.dynamic_batching
     dynamic.preferred_batch_size.extend(batching.preferred_batch_sizes)
     dynamic.max_queue_delay_microseconds = batching.max_queue_delay_us
+    if batching.priority_levels:
+        dynamic.priority_levels = batching.priority_levels
+        dynamic.default_priority_level = batching.default_priority_level
+    if batching.queue_timeout_us or batching.max_queue_size:
+        policy = dynamic.default_queue_policy
+        policy.timeout_action = mc.ModelQueuePolicy.REJECT
+        policy.default_timeout_microseconds = batching.queue_timeout_us
+        policy.allow_timeout_override = True
+        policy.max_queue_size = batching.max_queue_size
 
 
 def _apply_instances(config: mc.ModelConfig, instances: Instances) -> None:
