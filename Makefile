@@ -36,6 +36,8 @@ lint: venv
 test: venv lint
 	scripts/ensure-services.sh
 	scripts/ensure-packages.sh chromium
+	scripts/ensure-docker.sh
+	GANTRY_TEST_TRITON_IMAGE=$$(scripts/build-triton-test-image.sh $(PY)) \
 	$(TEST_ENV) $(PY) -m pytest $(PYTEST_ARGS)
 
 gpu-test: venv

@@ -97,3 +97,23 @@ def env_port_range(name: str, default: tuple[int, int]) -> tuple[int, int]:
     if not (1024 <= low < high <= 65535) or high - low < 2:
         raise ImproperlyConfigured(f"{name}={value!r}: needs 1024 <= low < high <= 65535 and room for 3 ports")
     return low, high
+
+
+def env_ulimits(name: str, default: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """ "memlock=-1:-1,stack=67108864:67108864" -> [(name, soft, hard), ...]; empty for none."""
+    value = _raw(name)
+    if value is None:
+        return default
+    limits = []
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        try:
+            limit, numbers = item.split("=", 1)
+            soft, hard = (int(n) for n in numbers.split(":", 1))
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"{name}: {item!r} must look like memlock=-1:-1") from exc
+        if not limit.isalpha():
+            raise ImproperlyConfigured(f"{name}: {limit!r} is not a ulimit name")
+        limits.append((limit, soft, hard))
+    return limits

@@ -15,6 +15,7 @@ from controlplane.env import (
     env_list,
     env_port_range,
     env_str,
+    env_ulimits,
 )
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -50,6 +51,11 @@ GANTRY_HEARTBEAT_INTERVAL = env_int("GANTRY_HEARTBEAT_INTERVAL", 10, minimum=1, 
 GANTRY_HOST_OFFLINE_AFTER_BEATS = env_int("GANTRY_HOST_OFFLINE_AFTER_BEATS", 3, minimum=1)
 GANTRY_TRITON_READY_TIMEOUT = env_int("GANTRY_TRITON_READY_TIMEOUT", 900, minimum=5)
 GANTRY_TRITON_PORT_RANGE = env_port_range("GANTRY_TRITON_PORT_RANGE", (18000, 18999))
+# Triton images the docker runtime may start (exact references, e.g. repo/name:tag).
+GANTRY_ALLOWED_IMAGES = env_list("GANTRY_ALLOWED_IMAGES", [])
+# ulimits of Triton containers: NVIDIA's recommendation by default (unlimited
+# locked memory, 64 MiB stack). A host that forbids raising memlock drops it here.
+GANTRY_DOCKER_ULIMITS = env_ulimits("GANTRY_DOCKER_ULIMITS", [("memlock", -1, -1), ("stack", 67108864, 67108864)])
 GANTRY_METRICS_RETENTION_HOURS = env_int("GANTRY_METRICS_RETENTION_HOURS", 24, minimum=1)
 GANTRY_CRASH_RESTART_LIMIT = env_int("GANTRY_CRASH_RESTART_LIMIT", 3, minimum=0)
 GANTRY_GPU_MEMORY_HEADROOM = env_float("GANTRY_GPU_MEMORY_HEADROOM", 0.95, minimum=0.1, maximum=1.0)

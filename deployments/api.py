@@ -233,6 +233,7 @@ class DeploymentIn(StrictSerializer):
     name = _slug
     host = serializers.CharField(max_length=63)
     runtime = serializers.ChoiceField(choices=Runtime.choices, default=Runtime.PROCESS)
+    image = serializers.CharField(max_length=255, required=False, default="", allow_blank=True)
     ports = PortsIn(required=False)
     models = PlacementIn(many=True, allow_empty=False)
 
@@ -286,6 +287,7 @@ class DeploymentList(APIView):
             name=data["name"],
             host_name=data["host"],
             runtime=data["runtime"],
+            image=data["image"],
             ports=(ports["http"], ports["grpc"], ports["metrics"]) if ports else None,
             placements=[
                 services.PlacementSpec(

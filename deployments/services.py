@@ -286,6 +286,7 @@ def deployment_create(
     host_name: str,
     placements: list[PlacementSpec],
     runtime: str = Runtime.PROCESS,
+    image: str = "",
     ports: tuple[int, int, int] | None = None,
     user: Any = None,
 ) -> Deployment:
@@ -296,8 +297,11 @@ def deployment_create(
     host = GpuHost.objects.filter(name=host_name).first()
     if host is None:
         raise ValidationFailed({"host": f"no GPU host named {host_name!r} has announced itself"})
-    if runtime != Runtime.PROCESS:
-        raise ValidationFailed({"runtime": "only the 'process' runtime is available in this version"})
+    if runtime == Runtime.DOCKER and image not in settings.GANTRY_ALLOWED_IMAGES:
+        allowed = ", ".join(settings.GANTRY_ALLOWED_IMAGES) or "none are configured (GANTRY_ALLOWED_IMAGES)"
+        raise ValidationFailed({"image": f"{image or 'an empty image'} is not allow-listed; allowed: {allowed}"})
+    if runtime == Runtime.PROCESS and image:
+        raise ValidationFailed({"image": "the process runtime runs the host's own tritonserver; leave image empty"})
     if ports is not None:
         if len(set(ports)) != 3:
             raise ValidationFailed({"ports": "http, grpc and metrics ports must differ"})
@@ -316,6 +320,7 @@ def deployment_create(
                 name=name,
                 host=host,
                 runtime=runtime,
+                image=image,
                 http_port=http_port,
                 grpc_port=grpc_port,
                 metrics_port=metrics_port,
@@ -522,3 +527,10 @@ def metrics_record(
         events.deployment_group(deployment_id),
         {"type": "metrics", "deployment": deployment_id, "at": now.isoformat(), "models": models, "gpus": gpus},
     )
+
+
+def record_host_event(*, host_name: str, kind: str, source: str, message: str) -> None:
+    """Note something about a host on its timeline."""
+    with transaction.atomic():
+        host = GpuHost.objects.get(name=host_name)
+        events.record(kind=kind, source=source, host=host, message=message)

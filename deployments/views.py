@@ -4,6 +4,7 @@ static/gantry.js over the REST API and the websocket."""
 from __future__ import annotations
 
 from django import forms
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
@@ -11,7 +12,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 
 from deployments import selectors, services
 from deployments.errors import GantryError, ValidationFailed
-from deployments.models import InstanceKind, ModelKind, RegisteredModel
+from deployments.models import InstanceKind, ModelKind, RegisteredModel, Runtime
 from deployments.permissions import can_operate
 
 
@@ -31,6 +32,8 @@ def dashboard(request: HttpRequest) -> HttpResponse:
 class DeployForm(forms.Form):
     name = forms.SlugField(max_length=63, help_text="lowercase letters, digits, '-' and '_'")
     host = forms.ChoiceField()
+    runtime = forms.ChoiceField(choices=Runtime.choices, initial=Runtime.PROCESS)
+    image = forms.ChoiceField(required=False, help_text="Triton image for the docker runtime (allow-listed)")
     max_batch_size = forms.IntegerField(min_value=1, max_value=4096, initial=32)
     max_queue_delay_us = forms.IntegerField(
         min_value=0, max_value=10_000_000, initial=2000, label="Max queue delay (µs)"
@@ -46,6 +49,7 @@ class DeployForm(forms.Form):
     def __init__(self, *args, model: RegisteredModel, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
         self.fields["host"].choices = [(h.name, h.name) for h in selectors.host_list()]
+        self.fields["image"].choices = [("", "—")] + [(i, i) for i in settings.GANTRY_ALLOWED_IMAGES]
         others = selectors.model_list().filter(kind__in=services.SERVABLE_KINDS).exclude(pk=model.pk)
         self.fields["also"].choices = [(m.name, f"{m.name} ({m.kind})") for m in others]
 
@@ -60,6 +64,8 @@ def model_detail(request: HttpRequest, pk: int) -> HttpResponse:
             deployment = services.deployment_create(
                 name=data["name"],
                 host_name=data["host"],
+                runtime=data["runtime"],
+                image=data["image"],
                 placements=[
                     services.PlacementSpec(
                         model=name,

@@ -16,7 +16,7 @@ from pathlib import Path
 from django.conf import settings
 from django.utils import timezone
 
-from deployments import services
+from deployments import services, states
 from deployments.errors import GantryError, InvalidTransition, PermanentError, TransientError
 from deployments.models import (
     Deployment,
@@ -26,7 +26,10 @@ from deployments.models import (
     InstanceKind,
     ModelKind,
 )
-from workers.runtimes import process
+from deployments.models import Runtime as DeploymentRuntime
+from workers.runtimes import LaunchSpec, Runtime
+from workers.runtimes.docker import DockerRuntime
+from workers.runtimes.process import ProcessRuntime
 from workers.triton import metrics
 from workers.triton.client import Readiness, TritonClient
 from workers.triton.config import EMBED, RERANK, Batching, Instances, PythonModelSpec
@@ -110,8 +113,34 @@ def _status(deployment_id: int) -> str | None:
     return Deployment.objects.filter(pk=deployment_id).values_list("status", flat=True).first()
 
 
-def _fail(deployment: Deployment, reason: str, *, log_path: Path | None = None, only_from: frozenset[str]) -> None:
-    tail = process.log_tail(log_path) if log_path else ""
+def runtime_for(deployment: Deployment) -> Runtime:
+    if deployment.runtime == DeploymentRuntime.DOCKER:
+        return DockerRuntime(settings.GANTRY_HOST_NAME)
+    return ProcessRuntime(settings.GANTRY_DATA_DIR)
+
+
+def launch_spec(deployment: Deployment, specs: list[PythonModelSpec] | None = None) -> LaunchSpec:
+    """How to run the deployment's server: its repository, ports, image, GPUs and checkpoint mounts."""
+    paths = paths_for(deployment)
+    placements = list(deployment.placements.all())
+    return LaunchSpec(
+        deployment_id=deployment.pk,
+        generation=deployment.generation,
+        repository=paths.repository,
+        models=[p.triton_name for p in placements],
+        http_port=deployment.http_port,
+        grpc_port=deployment.grpc_port,
+        metrics_port=deployment.metrics_port,
+        log_path=paths.log,
+        bind_address=settings.GANTRY_HOST_ADDRESS,
+        image=deployment.image,
+        gpu_ids=tuple(sorted({gpu for spec in specs or [] for gpu in spec.instances.gpus})),
+        ulimits=tuple(settings.GANTRY_DOCKER_ULIMITS),
+        read_only_mounts=tuple(sorted({Path(p.registered_model.path) for p in placements})),
+    )
+
+
+def _fail(deployment: Deployment, reason: str, *, tail: str = "", only_from: frozenset[str]) -> None:
     try:
         services.deployment_transition(
             deployment_id=deployment.pk,
@@ -132,25 +161,15 @@ def launch(deployment_id: int) -> None:
     if deployment is None or deployment.status != S.LAUNCHING:
         log.info("launch of %s skipped: status is %s", deployment_id, deployment and deployment.status)
         return
-    paths = paths_for(deployment)
-    if deployment.runtime_handle and process.is_running(deployment.runtime_handle, paths.repository):
-        # A redelivered task: the server from the first delivery still runs.
-        process.stop(deployment.runtime_handle, paths.repository)
+    runtime = runtime_for(deployment)
     try:
         specs = model_specs(deployment)
-        names = write_repository(paths.repository, specs)
-        handle = process.start(
-            process.LaunchSpec(
-                repository=paths.repository,
-                models=names,
-                http_port=deployment.http_port,
-                grpc_port=deployment.grpc_port,
-                metrics_port=deployment.metrics_port,
-                log_path=paths.log,
-                bind_address=settings.GANTRY_HOST_ADDRESS,
-            ),
-            data_dir=settings.GANTRY_DATA_DIR,
-        )
+        spec = launch_spec(deployment, specs)
+        if deployment.runtime_handle and runtime.is_running(deployment.runtime_handle, spec):
+            # A redelivered task: the server from the first delivery still runs.
+            runtime.stop(deployment.runtime_handle, spec)
+        write_repository(spec.repository, specs)
+        handle = runtime.start(spec)
     except (GantryError, OSError) as exc:
         _fail(deployment, f"launch failed: {exc}", only_from=frozenset({S.LAUNCHING}))
         return
@@ -161,36 +180,38 @@ def launch(deployment_id: int) -> None:
             source=source(),
             only_from=frozenset({S.LAUNCHING}),
             runtime_handle=handle,
-            message=f"tritonserver pid {handle} loading {', '.join(names)}",
+            message=f"tritonserver ({deployment.runtime} {handle[:12]}) loading {', '.join(spec.models)}",
         )
     except InvalidTransition:
         # Stopped while we were starting: undo our own start.
-        process.stop(handle, paths.repository)
+        runtime.stop(handle, spec)
         return
-    _await_ready(deployment, handle, names, paths)
+    _await_ready(deployment, runtime, handle, spec)
 
 
-def _await_ready(deployment: Deployment, handle: str, names: list[str], paths: Paths) -> None:
+def _await_ready(deployment: Deployment, runtime: Runtime, handle: str, spec: LaunchSpec) -> None:
     def keep_waiting() -> bool:
-        return process.is_running(handle, paths.repository) and _status(deployment.pk) == S.LOADING
+        return runtime.is_running(handle, spec) and _status(deployment.pk) == S.LOADING
 
     client = _client(deployment)
     try:
-        client.wait_until_ready(names, timeout_s=settings.GANTRY_TRITON_READY_TIMEOUT, keep_waiting=keep_waiting)
+        client.wait_until_ready(spec.models, timeout_s=settings.GANTRY_TRITON_READY_TIMEOUT, keep_waiting=keep_waiting)
     except PermanentError:
         if _status(deployment.pk) != S.LOADING:
             return  # stopped or failed elsewhere; the stop task owns the server now
-        _fail(deployment, "tritonserver exited while loading", log_path=paths.log, only_from=frozenset({S.LOADING}))
-        process.stop(handle, paths.repository)
+        tail = runtime.log_tail(handle, spec)
+        runtime.stop(handle, spec)
+        _fail(deployment, "tritonserver exited while loading", tail=tail, only_from=frozenset({S.LOADING}))
         return
     except TransientError as exc:
-        process.stop(handle, paths.repository)
-        _fail(deployment, f"tritonserver {exc}", log_path=paths.log, only_from=frozenset({S.LOADING}))
+        tail = runtime.log_tail(handle, spec)
+        runtime.stop(handle, spec)
+        _fail(deployment, f"tritonserver {exc}", tail=tail, only_from=frozenset({S.LOADING}))
         return
     finally:
         client.close()
     try:
-        _mark_ready(deployment, names)
+        _mark_ready(deployment, spec.models)
     except InvalidTransition:
         log.info("deployment %s left loading before it became ready", deployment.pk)
 
@@ -200,9 +221,8 @@ def stop(deployment_id: int) -> None:
     deployment = _load(deployment_id)
     if deployment is None or deployment.status != S.STOPPING:
         return
-    paths = paths_for(deployment)
     if deployment.runtime_handle:
-        process.stop(deployment.runtime_handle, paths.repository)
+        runtime_for(deployment).stop(deployment.runtime_handle, launch_spec(deployment))
     try:
         services.deployment_transition(
             deployment_id=deployment_id,
@@ -238,17 +258,45 @@ def reconcile_host() -> None:
     )
     now = timezone.now()
     for deployment in deployments:
-        paths = paths_for(deployment)
+        runtime = runtime_for(deployment)
+        spec = launch_spec(deployment)
         if deployment.status == S.LAUNCHING:
             if (now - deployment.status_changed_at).total_seconds() > LAUNCH_STALL_S:
                 _redrive_launch(deployment)
-        elif not process.is_running(deployment.runtime_handle, paths.repository):
-            _handle_crash(deployment, paths)
+        elif not runtime.is_running(deployment.runtime_handle, spec):
+            _handle_crash(deployment, runtime, spec)
         elif deployment.status == S.LOADING:
-            _check_loading(deployment, paths, now)
+            _check_loading(deployment, runtime, spec, now)
         else:
             _check_models(deployment)
             _collect_metrics(deployment)
+    _remove_unwanted_containers()
+
+
+def _remove_unwanted_containers() -> None:
+    """Remove Gantry containers on this host that no deployment wants (any more)."""
+    runtime = DockerRuntime(settings.GANTRY_HOST_NAME)
+    try:
+        containers = runtime.containers()
+    except TransientError:
+        return  # no Docker engine on this host
+    wanted = dict(
+        Deployment.objects.filter(
+            host__name=settings.GANTRY_HOST_NAME, runtime=DeploymentRuntime.DOCKER, status__in=states.ACTIVE
+        ).values_list("pk", "runtime_handle")
+    )
+    for container in containers:
+        handle = wanted.get(container.deployment_id)
+        if handle == container.id or (container.deployment_id in wanted and not handle):
+            continue  # its deployment's server, or one being started right now
+        runtime.stop(container.id, grace_s=10)
+        services.record_host_event(
+            host_name=settings.GANTRY_HOST_NAME,
+            kind="host.container_removed",
+            source=source(),
+            message=f"removed container {container.name} ({container.id[:12]}): "
+            f"no deployment wants it (deployment {container.deployment_id}, generation {container.generation})",
+        )
 
 
 # The previous scrape of each deployment's server (and which server it was),
@@ -299,29 +347,33 @@ def _mark_ready(deployment: Deployment, names: list[str]) -> None:
     )
 
 
-def _check_loading(deployment: Deployment, paths: Paths, now) -> None:  # noqa: ANN001
+def _check_loading(deployment: Deployment, runtime: Runtime, spec: LaunchSpec, now) -> None:  # noqa: ANN001
     """A loading server whose launch task died with its worker: finish the launch's job."""
     state = _readiness(deployment)
     try:
         if state.ready and state.all_models_ready:
             _mark_ready(deployment, list(state.models))
         elif (now - deployment.status_changed_at).total_seconds() > settings.GANTRY_TRITON_READY_TIMEOUT:
-            process.stop(deployment.runtime_handle, paths.repository)
+            tail = runtime.log_tail(deployment.runtime_handle, spec)
+            runtime.stop(deployment.runtime_handle, spec)
             _fail(
                 deployment,
                 f"tritonserver not ready after {settings.GANTRY_TRITON_READY_TIMEOUT}s",
-                log_path=paths.log,
+                tail=tail,
                 only_from=frozenset({S.LOADING}),
             )
     except InvalidTransition:
         pass  # the launch task got there first
 
 
-def _handle_crash(deployment: Deployment, paths: Paths) -> None:
+def _handle_crash(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) -> None:
+    tail = runtime.log_tail(deployment.runtime_handle, spec)
+    # A crashed container is kept until now for its logs; remove it before any restart.
+    runtime.stop(deployment.runtime_handle, spec)
     _fail(
         deployment,
         "tritonserver exited unexpectedly",
-        log_path=paths.log,
+        tail=tail,
         only_from=frozenset({S.LOADING, S.READY, S.DEGRADED}),
     )
     if deployment.desired_state != DesiredState.RUNNING:

@@ -107,6 +107,10 @@ def stack(transactional_db, tmp_path: Path, operator: User) -> Iterator[Stack]: 
         # Triton ports for this test's deployments start at a port the OS just found free.
         "GANTRY_TRITON_PORT_RANGE": f"{triton_base}-{triton_base + 29}",
         "PYTHONUNBUFFERED": "1",
+        # The locally built Triton image the docker runtime may start (make test builds it).
+        "GANTRY_ALLOWED_IMAGES": os.environ.get("GANTRY_TEST_TRITON_IMAGE", ""),
+        # This sandbox forbids raising RLIMIT_MEMLOCK; keep NVIDIA's stack size.
+        "GANTRY_DOCKER_ULIMITS": "stack=67108864:67108864",
     }
     settings.GANTRY_TRITON_PORT_RANGE = (triton_base, triton_base + 29)
     web_port = free_port()

@@ -1,7 +1,7 @@
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.env import env_bool, env_int, env_port_range, env_str
+from controlplane.env import env_bool, env_int, env_port_range, env_str, env_ulimits
 
 
 def test_bad_boolean_names_the_variable(monkeypatch):
@@ -35,3 +35,11 @@ def test_port_range(monkeypatch):
     monkeypatch.setenv("GANTRY_X", "9000")
     with pytest.raises(ImproperlyConfigured, match="18000-18999"):
         env_port_range("GANTRY_X", (1, 2))
+
+
+def test_ulimits(monkeypatch):
+    monkeypatch.setenv("GANTRY_X", "memlock=-1:-1, stack=67108864:67108864")
+    assert env_ulimits("GANTRY_X", []) == [("memlock", -1, -1), ("stack", 67108864, 67108864)]
+    monkeypatch.setenv("GANTRY_X", "memlock=lots")
+    with pytest.raises(ImproperlyConfigured, match="must look like memlock=-1:-1"):
+        env_ulimits("GANTRY_X", [])

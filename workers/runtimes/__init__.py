@@ -1,0 +1,57 @@
+"""Where a deployment's Triton server runs: a local process or a Docker container.
+
+Both runtimes take the same LaunchSpec and hand back an opaque handle (a
+process id, a container id) that Gantry stores on the deployment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    deployment_id: int
+    generation: int
+    repository: Path
+    models: list[str]
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: Path
+    bind_address: str = "127.0.0.1"
+    image: str = ""  # docker only
+    gpu_ids: tuple[int, ...] = ()
+    ulimits: tuple[tuple[str, int, int], ...] = ()  # docker only: (name, soft, hard)
+    read_only_mounts: tuple[Path, ...] = ()  # docker only: folders the models read (checkpoints)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def tritonserver_args(spec: LaunchSpec) -> list[str]:
+    """tritonserver's arguments for ``spec``, whatever the runtime: explicit model
+    control with every model loaded at start, and the deployment's own ports."""
+    return [
+        f"--model-repository={spec.repository}",
+        "--model-control-mode=explicit",
+        *[f"--load-model={name}" for name in spec.models],
+        f"--http-address={spec.bind_address}",
+        f"--http-port={spec.http_port}",
+        f"--grpc-address={spec.bind_address}",
+        f"--grpc-port={spec.grpc_port}",
+        f"--metrics-address={spec.bind_address}",
+        f"--metrics-port={spec.metrics_port}",
+        "--allow-metrics=true",
+        "--log-verbose=0",
+    ]
+
+
+class Runtime(Protocol):
+    def start(self, spec: LaunchSpec) -> str: ...
+
+    def is_running(self, handle: str, spec: LaunchSpec) -> bool: ...
+
+    def stop(self, handle: str, spec: LaunchSpec) -> None: ...
+
+    def log_tail(self, handle: str, spec: LaunchSpec, lines: int = 20) -> str: ...

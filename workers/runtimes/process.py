@@ -18,24 +18,12 @@ import subprocess
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from deployments.errors import PermanentError
+from workers.runtimes import LaunchSpec, tritonserver_args
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    repository: Path
-    models: list[str]
-    http_port: int
-    grpc_port: int
-    metrics_port: int
-    log_path: Path
-    bind_address: str = "127.0.0.1"
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def _triton_dist() -> Path:
@@ -107,22 +95,7 @@ def server_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def command_line(spec: LaunchSpec, backends: Path) -> list[str]:
-    args = [
-        str(_triton_dist() / "bin" / "tritonserver"),
-        f"--model-repository={spec.repository}",
-        f"--backend-directory={backends}",
-        "--model-control-mode=explicit",
-        *[f"--load-model={name}" for name in spec.models],
-        f"--http-address={spec.bind_address}",
-        f"--http-port={spec.http_port}",
-        f"--grpc-address={spec.bind_address}",
-        f"--grpc-port={spec.grpc_port}",
-        f"--metrics-address={spec.bind_address}",
-        f"--metrics-port={spec.metrics_port}",
-        "--allow-metrics=true",
-        "--log-verbose=0",
-    ]
-    return args
+    return [str(_triton_dist() / "bin" / "tritonserver"), *tritonserver_args(spec), f"--backend-directory={backends}"]
 
 
 def start(spec: LaunchSpec, *, data_dir: Path) -> str:
@@ -251,3 +224,22 @@ def log_tail(path: Path, lines: int = 20) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+class ProcessRuntime:
+    """The Runtime interface over this module's functions."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+
+    def start(self, spec: LaunchSpec) -> str:
+        return start(spec, data_dir=self.data_dir)
+
+    def is_running(self, handle: str, spec: LaunchSpec) -> bool:
+        return is_running(handle, spec.repository)
+
+    def stop(self, handle: str, spec: LaunchSpec) -> None:
+        stop(handle, spec.repository)
+
+    def log_tail(self, handle: str, spec: LaunchSpec, lines: int = 20) -> str:
+        return log_tail(spec.log_path, lines)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The Triton image Gantry's docker tests run: no registry is reachable, so it
+# is made here from a Debian root file system (debootstrap) with python3 and
+# numpy, tritonserver from the nvidia-pytriton wheel laid out as in NVIDIA's
+# images (/opt/tritonserver/{bin,backends,lib}), and the python backend's
+# model dependencies (torch CPU, transformers) from the pinned lock.
+# The tag carries a hash of its inputs: an existing image is reused.
+# Usage: build-triton-test-image.sh PYTHON   (prints the image tag)
+set -euo pipefail
+PY=${1:?usage: $0 PYTHON}
+cd "$(dirname "$0")/.."
+model_deps='^(torch|transformers|tokenizers|safetensors|huggingface[_-]hub|numpy|nvidia-pytriton)=='
+inputs=$( (cat scripts/build-triton-test-image.sh; grep -E "$model_deps" requirements.lock) | sha256sum | cut -c1-12)
+tag="gantry/tritonserver-test:$inputs"
+if docker image inspect "$tag" >/dev/null 2>&1; then
+  echo "$tag"; exit 0
+fi
+command -v debootstrap >/dev/null || {
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq debootstrap >/dev/null
+}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+root="$work/rootfs"
+# The Debian mirror this machine already uses.
+mirror=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+[ -n "$mirror" ] || mirror=$(awk '/^deb /{print $2; exit}' /etc/apt/sources.list)
+echo "debootstrap bookworm from $mirror" >&2
+debootstrap --variant=minbase --include=python3,python3-numpy,libpython3.11 bookworm "$root" "$mirror" >"$work/debootstrap.log" 2>&1 \
+  || { tail -20 "$work/debootstrap.log" >&2; exit 1; }
+dist=$("$PY" -c 'import pytriton, pathlib; print(pathlib.Path(pytriton.__file__).parent / "tritonserver")')
+mkdir -p "$root/opt/tritonserver/lib"
+cp -a "$dist/bin" "$dist/backends" "$dist/caches" "$root/opt/tritonserver/"
+cp -a "$dist/../../nvidia_pytriton.libs/." "$root/opt/tritonserver/lib/"
+cp "$dist/python_backend_stubs/3.11/triton_python_backend_stub" "$root/opt/tritonserver/backends/python/"
+echo "installing the python backend's model dependencies" >&2
+grep -E "$model_deps" requirements.lock | grep -v nvidia-pytriton > "$work/model-deps.txt"
+"$PY" -m pip install -q --disable-pip-version-check --no-compile --target "$root/usr/local/lib/python3.11/dist-packages" \
+  -c requirements.lock -r "$work/model-deps.txt" >&2
+tar -C "$root" -c . | docker import \
+  --change 'ENV PATH=/opt/tritonserver/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+  --change 'ENV LD_LIBRARY_PATH=/opt/tritonserver/lib' \
+  --change 'ENV HF_HUB_OFFLINE=1' \
+  --change 'CMD ["tritonserver", "--help"]' \
+  - "$tag" >/dev/null
+echo "$tag"

@@ -1,0 +1,111 @@
+"""The docker runtime with the real Docker engine and a locally built Triton
+image: a two-model deployment in one container, a killed container restarted,
+and a container no deployment wants removed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import docker
+import pytest
+
+from deployments.models import Deployment, Event
+from tests.integration.conftest import Stack, wait_for
+from tests.integration.test_end_to_end import _socket, _stop, _wait_for_status
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def image() -> str:
+    tag = os.environ.get("GANTRY_TEST_TRITON_IMAGE", "")
+    if not tag:
+        pytest.fail("GANTRY_TEST_TRITON_IMAGE is not set: run the suite with make test, which builds the image")
+    return tag
+
+
+@pytest.fixture
+def engine():
+    client = docker.from_env()
+    yield client
+    client.close()
+
+
+def _containers(engine, stack: Stack):
+    return engine.containers.list(all=True, filters={"label": f"gantry.host={stack.host_name}"})
+
+
+def test_two_models_in_one_container_restarted_after_a_kill(stack: Stack, minilm_path: Path, image: str, engine):
+    http = stack.session()
+    for name, kind in (("minilm", "embedding"), ("minilm-rerank", "reranker")):
+        body = {"name": name, "kind": kind, "path": str(minilm_path)}
+        assert http.post(f"{stack.web_url}/api/models/", json=body, timeout=30).status_code == 201
+    created = http.post(
+        f"{stack.web_url}/api/deployments/",
+        json={
+            "name": "boxed",
+            "host": stack.host_name,
+            "runtime": "docker",
+            "image": image,
+            "models": [{"model": "minilm"}, {"model": "minilm-rerank"}],
+        },
+        timeout=30,
+    )
+    assert created.status_code == 201, created.text
+    deployment_id = created.json()["id"]
+    try:
+        with _socket(stack, deployment_id) as socket:
+            http.post(f"{stack.web_url}/api/deployments/{deployment_id}/start/", timeout=30)
+            _wait_for_status(socket, "ready", timeout_s=300)
+
+            [container] = _containers(engine, stack)
+            assert container.labels["gantry.deployment"] == str(deployment_id)
+            assert container.labels["gantry.generation"] == "1"
+            assert container.attrs["HostConfig"]["NetworkMode"] == "host"
+            assert container.attrs["HostConfig"]["Privileged"] is False
+            assert all(m["RW"] is False for m in container.attrs["Mounts"])
+
+            embedded = http.post(
+                f"{stack.web_url}/api/deployments/{deployment_id}/embed/", json={"texts": ["a", "b"]}, timeout=60
+            )
+            assert embedded.status_code == 200 and len(embedded.json()["embeddings"][0]) == 384
+            ranked = http.post(
+                f"{stack.web_url}/api/deployments/{deployment_id}/rerank/",
+                json={"query": "GPU inference server", "passages": ["a banana", "Triton serves models on GPUs"]},
+                timeout=60,
+            )
+            assert ranked.status_code == 200 and ranked.json()["order"] == [1, 0]
+
+            container.kill()  # the server dies under us
+            seen = _wait_for_status(socket, "failed", timeout_s=30)
+            assert "exited unexpectedly" in seen[-1]["message"]
+            _wait_for_status(socket, "ready", timeout_s=300)
+        row = Deployment.objects.get(pk=deployment_id)
+        assert row.runtime_handle != container.id
+        assert Event.objects.filter(deployment=row, kind="deployment.crash_restart").count() == 1
+        assert [c.id for c in _containers(engine, stack)] == [row.runtime_handle]
+        _stop(stack, deployment_id)
+        assert _containers(engine, stack) == []
+    finally:
+        for leftover in _containers(engine, stack):
+            leftover.remove(force=True)
+
+
+def test_container_no_deployment_wants_is_removed(stack: Stack, image: str, engine):
+    stray = engine.containers.run(
+        image,
+        ["sleep", "300"],
+        detach=True,
+        network_mode="host",
+        labels={"gantry.host": stack.host_name, "gantry.deployment": "999999", "gantry.generation": "1"},
+    )
+    try:
+        wait_for(lambda: not _containers(engine, stack), 45, "the agent to remove the stray container")
+        event = Event.objects.get(kind="host.container_removed", host__name=stack.host_name)
+        assert stray.id[:12] in event.message
+    finally:
+        try:
+            stray.remove(force=True)
+        except docker.errors.NotFound:
+            pass

@@ -1,0 +1,52 @@
+from pathlib import Path
+
+from workers.runtimes import LaunchSpec
+from workers.runtimes.docker import run_options
+
+
+def _spec(**overrides) -> LaunchSpec:
+    values = {
+        "deployment_id": 7,
+        "generation": 3,
+        "repository": Path("/data/deployments/7-x/repository"),
+        "models": ["minilm", "rerank"],
+        "http_port": 18000,
+        "grpc_port": 18001,
+        "metrics_port": 18002,
+        "log_path": Path("/data/deployments/7-x/tritonserver.log"),
+        "image": "gantry/tritonserver-test:abc",
+        "read_only_mounts": (Path("/models/minilm"),),
+        "ulimits": (("memlock", -1, -1), ("stack", 67108864, 67108864)),
+    }
+    values.update(overrides)
+    return LaunchSpec(**values)
+
+
+def test_container_is_host_networked_labelled_and_read_only():
+    options = run_options(_spec(), host_name="gpu-01")
+    assert options["network_mode"] == "host"
+    assert options["privileged"] is False
+    assert options["labels"] == {"gantry.host": "gpu-01", "gantry.deployment": "7", "gantry.generation": "3"}
+    assert options["name"] == "gantry-deployment-7"
+    assert options["shm_size"] == "2g"
+    assert {(u["Name"], u["Soft"], u["Hard"]) for u in options["ulimits"]} == {
+        ("memlock", -1, -1),
+        ("stack", 67108864, 67108864),
+    }
+    assert [(m["Source"], m["Target"], m["ReadOnly"]) for m in options["mounts"]] == [
+        ("/data/deployments/7-x/repository", "/data/deployments/7-x/repository", True),
+        ("/models/minilm", "/models/minilm", True),
+    ]
+    command = options["command"]
+    assert command[0] == "tritonserver"
+    assert "--model-control-mode=explicit" in command
+    assert [a for a in command if a.startswith("--load-model=")] == ["--load-model=minilm", "--load-model=rerank"]
+    assert "--http-port=18000" in command and "--metrics-port=18002" in command
+    assert "device_requests" not in options
+
+
+def test_gpus_go_through_device_requests():
+    options = run_options(_spec(gpu_ids=(0, 2)), host_name="gpu-01")
+    [request] = options["device_requests"]
+    assert request["DeviceIDs"] == ["0", "2"]
+    assert request["Capabilities"] == [["gpu"]]
