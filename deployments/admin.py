@@ -85,6 +85,7 @@ class DeploymentAdmin(ReadOnlyAdmin):
     list_display = ["name", "host", "runtime", "status", "desired_state", "generation", "http_port", "created_by"]
     list_filter = ["status", "runtime", "host"]
     search_fields = ["name"]
+    exclude = ["admin_secret"]
     inlines = [PlacementInline, EventInline]
 
 

@@ -164,6 +164,8 @@ class PlacementOut(serializers.ModelSerializer):
 
 class DeploymentOut(serializers.ModelSerializer):
     host = serializers.CharField(source="host.name")
+    host_online = serializers.BooleanField(source="host.is_online")
+    shown_status = serializers.CharField()
     models = PlacementOut(source="placements", many=True)
 
     class Meta:
@@ -179,6 +181,8 @@ class DeploymentOut(serializers.ModelSerializer):
             "metrics_port",
             "desired_state",
             "status",
+            "shown_status",
+            "host_online",
             "status_message",
             "status_changed_at",
             "generation",
@@ -289,12 +293,7 @@ class DeploymentList(APIView):
             runtime=data["runtime"],
             image=data["image"],
             ports=(ports["http"], ports["grpc"], ports["metrics"]) if ports else None,
-            placements=[
-                services.PlacementSpec(
-                    **{**p, "preferred_batch_sizes": tuple(p["preferred_batch_sizes"]), "gpu_ids": tuple(p["gpu_ids"])}
-                )
-                for p in data["models"]
-            ],
+            placements=placement_specs(data["models"]),
             user=request.user,
         )
         deployment = selectors.deployment_list().get(pk=deployment.pk)
@@ -306,6 +305,49 @@ class DeploymentDetail(APIView):
 
     def get(self, request: Request, pk: int) -> Response:
         return Response(DeploymentOut(get_object_or_404(selectors.deployment_list(), pk=pk)).data)
+
+
+class ModelsIn(StrictSerializer):
+    models = PlacementIn(many=True, allow_empty=False)
+
+
+def placement_specs(items: list[dict[str, Any]]) -> list[services.PlacementSpec]:
+    return [
+        services.PlacementSpec(
+            **{**p, "preferred_batch_sizes": tuple(p["preferred_batch_sizes"]), "gpu_ids": tuple(p["gpu_ids"])}
+        )
+        for p in items
+    ]
+
+
+class DeploymentModels(APIView):
+    """PUT /api/deployments/<id>/models/ {"models": [...]}: a new generation (202 when applied in place)."""
+
+    permission_classes = [ReadOrOperate]
+
+    def put(self, request: Request, pk: int) -> Response:
+        data = validated(ModelsIn, request)
+        services.deployment_change(deployment_id=pk, placements=placement_specs(data["models"]), user=request.user)
+        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+
+
+class DeploymentRevisions(APIView):
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request, pk: int) -> Response:
+        deployment = get_object_or_404(Deployment, pk=pk)
+        return Response(
+            [
+                {
+                    "generation": r.generation,
+                    "status": r.status,
+                    "message": r.message,
+                    "models": r.spec,
+                    "created_at": r.created_at.isoformat(),
+                }
+                for r in deployment.revisions.order_by("generation")
+            ]
+        )
 
 
 class DeploymentAction(APIView):

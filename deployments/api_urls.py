@@ -13,4 +13,6 @@ urlpatterns = [
     path("deployments/<int:pk>/stop/", api.DeploymentAction.as_view(action="stop"), name="api-deployment-stop"),
     path("deployments/<int:pk>/events/", api.DeploymentEvents.as_view(), name="api-deployment-events"),
     path("deployments/<int:pk>/metrics/", api.DeploymentMetrics.as_view(), name="api-deployment-metrics"),
+    path("deployments/<int:pk>/models/", api.DeploymentModels.as_view(), name="api-deployment-models"),
+    path("deployments/<int:pk>/revisions/", api.DeploymentRevisions.as_view(), name="api-deployment-revisions"),
 ]

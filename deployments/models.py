@@ -7,6 +7,7 @@ services; nothing here flips a status in ``save()`` or a signal.
 
 from __future__ import annotations
 
+import secrets
 from datetime import timedelta
 
 from django.conf import settings
@@ -152,6 +153,7 @@ class DeploymentStatus(models.TextChoices):
     LAUNCHING = "launching"
     LOADING = "loading"
     READY = "ready"
+    UPDATING = "updating"  # a ready deployment loading its new generation in place
     DEGRADED = "degraded"
     STOPPING = "stopping"
     STOPPED = "stopped"
@@ -168,6 +170,10 @@ class Runtime(models.TextChoices):
     DOCKER = "docker", "Docker container"
 
 
+def new_admin_secret() -> str:
+    return secrets.token_urlsafe(32)
+
+
 class Deployment(models.Model):
     name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
     host = models.ForeignKey(GpuHost, on_delete=models.PROTECT, related_name="deployments")
@@ -181,6 +187,9 @@ class Deployment(models.Model):
     status_message = models.TextField(blank=True)
     status_changed_at = models.DateTimeField(default=timezone.now)
     generation = models.PositiveIntegerField(default=1)
+    # Triton has no users: its model-repository and logging APIs answer only
+    # requests carrying this secret (--http-restricted-api). Never shown.
+    admin_secret = models.CharField(max_length=64, default=new_admin_secret, editable=False)
     # Where the runtime can find what it started: a process id for the process
     # runtime. Cleared when the server is gone.
     runtime_handle = models.CharField(max_length=128, blank=True)
@@ -199,8 +208,12 @@ class Deployment(models.Model):
         return self.name
 
     @property
-    def group_name(self) -> str:
-        return f"deployment.{self.pk}"
+    def shown_status(self) -> str:
+        """What the UI shows: the recorded status, or "unknown" while the host is offline
+        (its last report may be stale; nothing is torn down for that alone)."""
+        if self.status in {DeploymentStatus.PENDING, DeploymentStatus.STOPPED} or self.host.is_online:
+            return self.status
+        return "unknown"
 
 
 class Backend(models.TextChoices):
@@ -249,6 +262,33 @@ class DeploymentModel(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment.name}/{self.triton_name}"
+
+
+class RevisionStatus(models.TextChoices):
+    CURRENT = "current"  # the placements the deployment holds now
+    SUPERSEDED = "superseded"  # an earlier generation that was current once
+    FAILED = "failed"  # did not load; the deployment rolled back
+
+
+class DeploymentRevision(models.Model):
+    """What each generation of a deployment held: its placements, as a spec."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="revisions")
+    generation = models.PositiveIntegerField()
+    spec = models.JSONField(help_text="The placements of this generation.")
+    status = models.CharField(max_length=16, choices=RevisionStatus.choices, default=RevisionStatus.CURRENT)
+    message = models.TextField(blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["deployment", "generation"]
+        constraints = [
+            models.UniqueConstraint(fields=["deployment", "generation"], name="revision_unique_generation"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id} generation {self.generation} ({self.status})"
 
 
 class MetricSample(models.Model):

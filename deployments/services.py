@@ -26,6 +26,7 @@ from deployments.models import (
     Backend,
     Deployment,
     DeploymentModel,
+    DeploymentRevision,
     DeploymentStatus,
     DesiredState,
     Gpu,
@@ -34,6 +35,7 @@ from deployments.models import (
     MetricSample,
     ModelKind,
     RegisteredModel,
+    RevisionStatus,
     Runtime,
 )
 from deployments.permissions import can_operate
@@ -326,24 +328,13 @@ def deployment_create(
                 metrics_port=metrics_port,
                 created_by=user if getattr(user, "is_authenticated", False) else None,
             )
-            for spec, model in resolved:
-                DeploymentModel.objects.create(
-                    deployment=deployment,
-                    triton_name=spec.triton_name or model.name,
-                    registered_model=model,
-                    backend=SERVABLE_KINDS[model.kind],
-                    max_batch_size=spec.max_batch_size,
-                    preferred_batch_sizes=list(spec.preferred_batch_sizes),
-                    max_queue_delay_us=spec.max_queue_delay_us,
-                    priority_levels=spec.priority_levels,
-                    default_priority_level=spec.default_priority_level,
-                    queue_timeout_us=spec.queue_timeout_us,
-                    max_queue_size=spec.max_queue_size,
-                    instance_count=spec.instance_count,
-                    instance_kind=spec.instance_kind,
-                    gpu_ids=list(spec.gpu_ids),
-                    gpu_memory_fraction=spec.gpu_memory_fraction,
-                )
+            _write_placements(deployment, resolved)
+            DeploymentRevision.objects.create(
+                deployment=deployment,
+                generation=1,
+                spec=placements_snapshot(deployment),
+                created_by=deployment.created_by,
+            )
             events.record(
                 kind="deployment.created",
                 source=events.source_of(user),
@@ -357,6 +348,140 @@ def deployment_create(
         # Another request took the name or the ports between our check and insert.
         raise ValidationFailed({"name": f"{name!r} or its ports were taken concurrently; try again"}) from exc
     return deployment
+
+
+def _write_placements(deployment: Deployment, resolved: list[tuple[PlacementSpec, RegisteredModel]]) -> None:
+    deployment.placements.all().delete()
+    for spec, model in resolved:
+        DeploymentModel.objects.create(
+            deployment=deployment,
+            triton_name=spec.triton_name or model.name,
+            registered_model=model,
+            backend=SERVABLE_KINDS[model.kind],
+            max_batch_size=spec.max_batch_size,
+            preferred_batch_sizes=list(spec.preferred_batch_sizes),
+            max_queue_delay_us=spec.max_queue_delay_us,
+            priority_levels=spec.priority_levels,
+            default_priority_level=spec.default_priority_level,
+            queue_timeout_us=spec.queue_timeout_us,
+            max_queue_size=spec.max_queue_size,
+            instance_count=spec.instance_count,
+            instance_kind=spec.instance_kind,
+            gpu_ids=list(spec.gpu_ids),
+            gpu_memory_fraction=spec.gpu_memory_fraction,
+        )
+
+
+def placements_snapshot(deployment: Deployment) -> list[dict[str, Any]]:
+    """The deployment's placements as PlacementSpec fields, for revisions and comparisons."""
+    return [
+        {
+            "model": p.registered_model.name,
+            "triton_name": p.triton_name,
+            "max_batch_size": p.max_batch_size,
+            "preferred_batch_sizes": list(p.preferred_batch_sizes),
+            "max_queue_delay_us": p.max_queue_delay_us,
+            "priority_levels": p.priority_levels,
+            "default_priority_level": p.default_priority_level,
+            "queue_timeout_us": p.queue_timeout_us,
+            "max_queue_size": p.max_queue_size,
+            "instance_count": p.instance_count,
+            "instance_kind": p.instance_kind,
+            "gpu_ids": list(p.gpu_ids),
+            "gpu_memory_fraction": p.gpu_memory_fraction,
+        }
+        for p in deployment.placements.select_related("registered_model").order_by("triton_name")
+    ]
+
+
+def _spec_from_snapshot(item: dict[str, Any]) -> PlacementSpec:
+    return PlacementSpec(
+        **{**item, "preferred_batch_sizes": tuple(item["preferred_batch_sizes"]), "gpu_ids": tuple(item["gpu_ids"])}
+    )
+
+
+def deployment_change(*, deployment_id: int, placements: list[PlacementSpec], user: Any = None) -> Deployment:
+    """Give a deployment new placements as a new generation.
+
+    A ready deployment applies it in place (its host reloads only the models
+    that changed, and rolls back if the new generation fails to load); one at
+    rest takes it at its next start. Refused while it is starting or stopping.
+    """
+    _require_operator(user)
+    with transaction.atomic():
+        deployment = Deployment.objects.select_related("host").select_for_update().filter(pk=deployment_id).first()
+        if deployment is None:
+            raise NotFound(f"deployment {deployment_id} does not exist")
+        running = deployment.status == DeploymentStatus.READY
+        if not running and deployment.status not in states.AT_REST:
+            raise InvalidTransition(f"{deployment.name} is {deployment.status}; change it when it is ready or stopped")
+        resolved = _validate_placements(deployment.host, placements)
+        before = placements_snapshot(deployment)
+        _write_placements(deployment, resolved)
+        after = placements_snapshot(deployment)
+        if after == before:
+            raise ValidationFailed({"models": "this is what the deployment already holds: nothing to change"})
+        generation = deployment.generation + 1
+        Deployment.objects.filter(pk=deployment.pk).update(generation=generation)
+        deployment.revisions.filter(status=RevisionStatus.CURRENT).update(status=RevisionStatus.SUPERSEDED)
+        DeploymentRevision.objects.create(
+            deployment=deployment,
+            generation=generation,
+            spec=after,
+            created_by=user if getattr(user, "is_authenticated", False) else None,
+        )
+        events.record(
+            kind="deployment.changed",
+            source=events.source_of(user),
+            actor=user,
+            deployment=deployment,
+            message=f"generation {generation}: {', '.join(p['triton_name'] for p in after)}",
+            data={"before": before, "after": after},
+        )
+        if running:
+            deployment = deployment_transition(
+                deployment_id=deployment.pk,
+                to=DeploymentStatus.UPDATING,
+                source=events.source_of(user),
+                actor=user,
+                only_from=frozenset({DeploymentStatus.READY}),
+                message=f"applying generation {generation}",
+            )
+            queue = deployment.host.queue
+            transaction.on_commit(
+                lambda: celery_app.send_task(
+                    "workers.tasks.apply_generation", args=[deployment.pk, generation], queue=queue
+                )
+            )
+    return Deployment.objects.select_related("host").get(pk=deployment_id)
+
+
+def deployment_rollback(*, deployment_id: int, failed_generation: int, reason: str, source: str) -> Deployment:
+    """Put back the placements of the generation before ``failed_generation`` (its host
+    then reloads them); the failed revision keeps its reason."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_related("host").select_for_update().get(pk=deployment_id)
+        if deployment.generation != failed_generation:
+            raise InvalidTransition(
+                f"{deployment.name} is at generation {deployment.generation}, not {failed_generation}"
+            )
+        previous = deployment.revisions.filter(status=RevisionStatus.SUPERSEDED).order_by("-generation").first()
+        if previous is None:
+            raise InvalidTransition(f"{deployment.name} has no earlier generation to roll back to")
+        resolved = [
+            (spec, RegisteredModel.objects.get(name=spec.model)) for spec in map(_spec_from_snapshot, previous.spec)
+        ]
+        _write_placements(deployment, resolved)
+        Deployment.objects.filter(pk=deployment.pk).update(generation=previous.generation)
+        deployment.revisions.filter(generation=failed_generation).update(status=RevisionStatus.FAILED, message=reason)
+        DeploymentRevision.objects.filter(pk=previous.pk).update(status=RevisionStatus.CURRENT)
+        events.record(
+            kind="deployment.rollback",
+            source=source,
+            deployment=deployment,
+            message=f"generation {failed_generation} failed ({reason}); back to generation {previous.generation}",
+        )
+    return Deployment.objects.select_related("host").get(pk=deployment_id)
 
 
 def deployment_transition(

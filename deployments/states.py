@@ -12,7 +12,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     S.PENDING: frozenset({S.LAUNCHING}),
     S.LAUNCHING: frozenset({S.LOADING, S.FAILED, S.STOPPING}),
     S.LOADING: frozenset({S.READY, S.FAILED, S.STOPPING}),
-    S.READY: frozenset({S.DEGRADED, S.FAILED, S.STOPPING}),
+    S.READY: frozenset({S.DEGRADED, S.FAILED, S.STOPPING, S.UPDATING}),
+    S.UPDATING: frozenset({S.READY, S.FAILED, S.STOPPING}),
     S.DEGRADED: frozenset({S.READY, S.FAILED, S.STOPPING}),
     S.STOPPING: frozenset({S.STOPPED, S.FAILED}),
     S.STOPPED: frozenset({S.LAUNCHING}),
@@ -23,7 +24,7 @@ ALLOWED: dict[str, frozenset[str]] = {
 # stop task that finds its deployment here has nothing left to do.
 AT_REST = frozenset({S.PENDING, S.STOPPED, S.FAILED})
 # States in which a server process may exist on the host.
-ACTIVE = frozenset({S.LAUNCHING, S.LOADING, S.READY, S.DEGRADED, S.STOPPING})
+ACTIVE = frozenset({S.LAUNCHING, S.LOADING, S.READY, S.UPDATING, S.DEGRADED, S.STOPPING})
 
 
 def sources_of(target: str) -> frozenset[str]:

@@ -91,7 +91,7 @@ const Gantry = (() => {
     }
     function render(deployment) {
       enableActions(deployment.status);
-      setStatus(badge, deployment.status);
+      setStatus(badge, deployment.shown_status);
       message.textContent = deployment.status_message;
       desired.textContent = deployment.desired_state;
     }

@@ -27,12 +27,12 @@ from deployments.models import (
     ModelKind,
 )
 from deployments.models import Runtime as DeploymentRuntime
-from workers.runtimes import LaunchSpec, Runtime
+from workers.runtimes import LaunchSpec, Runtime, busy_ports
 from workers.runtimes.docker import DockerRuntime
 from workers.runtimes.process import ProcessRuntime
 from workers.triton import metrics
 from workers.triton.client import Readiness, TritonClient
-from workers.triton.config import EMBED, RERANK, Batching, Instances, PythonModelSpec
+from workers.triton.config import CONFIG_FILE, EMBED, RERANK, Batching, Instances, PythonModelSpec
 from workers.triton.repository import write_repository
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,7 @@ def launch_spec(deployment: Deployment, specs: list[PythonModelSpec] | None = No
         image=deployment.image,
         gpu_ids=tuple(sorted({gpu for spec in specs or [] for gpu in spec.instances.gpus})),
         ulimits=tuple(settings.GANTRY_DOCKER_ULIMITS),
+        admin_secret=deployment.admin_secret,
         read_only_mounts=tuple(sorted({Path(p.registered_model.path) for p in placements})),
     )
 
@@ -168,6 +169,12 @@ def launch(deployment_id: int) -> None:
         if deployment.runtime_handle and runtime.is_running(deployment.runtime_handle, spec):
             # A redelivered task: the server from the first delivery still runs.
             runtime.stop(deployment.runtime_handle, spec)
+        busy = busy_ports(spec.bind_address, [spec.http_port, spec.grpc_port, spec.metrics_port])
+        if busy:
+            raise PermanentError(
+                f"port(s) {', '.join(map(str, busy))} on {settings.GANTRY_HOST_NAME} are already in use "
+                "by another program; give the deployment other ports"
+            )
         write_repository(spec.repository, specs)
         handle = runtime.start(spec)
     except (GantryError, OSError) as exc:
@@ -216,6 +223,75 @@ def _await_ready(deployment: Deployment, runtime: Runtime, handle: str, spec: La
         log.info("deployment %s left loading before it became ready", deployment.pk)
 
 
+def _configs(repository: Path) -> dict[str, str]:
+    if not repository.is_dir():
+        return {}
+    return {d.name: (d / CONFIG_FILE).read_text() for d in repository.iterdir() if (d / CONFIG_FILE).is_file()}
+
+
+def _swap_models(deployment: Deployment, spec: LaunchSpec, specs: list[PythonModelSpec]) -> dict[str, list[str]]:
+    """Write ``specs`` as the repository and make the running server match it,
+    loading only models whose config changed and unloading the ones gone."""
+    before = _configs(spec.repository)
+    write_repository(spec.repository, specs)
+    after = _configs(spec.repository)
+    plan = {
+        "unloaded": sorted(set(before) - set(after)),
+        "loaded": sorted(name for name in after if before.get(name) != after[name]),
+        "unchanged": sorted(name for name in after if before.get(name) == after[name]),
+    }
+    client = TritonClient(f"{settings.GANTRY_HOST_ADDRESS}:{deployment.http_port}", deployment.admin_secret)
+    try:
+        for name in plan["unloaded"]:
+            client.unload(name)
+        for name in plan["loaded"]:
+            client.load(name)
+        client.wait_until_ready(sorted(after), timeout_s=settings.GANTRY_TRITON_READY_TIMEOUT, server_ready=False)
+    finally:
+        client.close()
+    return plan
+
+
+def apply_generation(deployment_id: int, generation: int) -> None:
+    """Apply a ready deployment's new generation in place; roll back if it fails."""
+    deployment = _load(deployment_id)
+    if deployment is None or deployment.status != S.UPDATING or deployment.generation != generation:
+        return
+    spec = launch_spec(deployment)
+    try:
+        plan = _swap_models(deployment, spec, model_specs(deployment))
+    except GantryError as exc:
+        _roll_back(deployment, generation, str(exc))
+        return
+    services.record_deployment_event(
+        deployment_id=deployment.pk,
+        kind="deployment.generation_applied",
+        source=source(),
+        message=f"generation {generation}: loaded {plan['loaded'] or 'none'}, unloaded {plan['unloaded'] or 'none'}, "
+        f"left as they were {plan['unchanged'] or 'none'}",
+    )
+    try:
+        _mark_ready(deployment, spec.models, only_from=frozenset({S.UPDATING}))
+    except InvalidTransition:
+        log.info("deployment %s left updating while its generation %s was applied", deployment.pk, generation)
+
+
+def _roll_back(deployment: Deployment, generation: int, reason: str) -> None:
+    try:
+        services.deployment_rollback(
+            deployment_id=deployment.pk, failed_generation=generation, reason=reason, source=source()
+        )
+        restored = _load(deployment.pk)
+        _swap_models(restored, launch_spec(restored), model_specs(restored))
+        _mark_ready(restored, launch_spec(restored).models, only_from=frozenset({S.UPDATING}))
+    except (GantryError, OSError) as exc:
+        _fail(
+            deployment,
+            f"generation {generation} failed ({reason}) and so did the rollback: {exc}",
+            only_from=frozenset({S.UPDATING}),
+        )
+
+
 def stop(deployment_id: int) -> None:
     """Stop the deployment's server; the status says stopped once it is gone."""
     deployment = _load(deployment_id)
@@ -254,7 +330,7 @@ def reconcile_host() -> None:
     loading while no task was waiting for them.
     """
     deployments = Deployment.objects.select_related("host").filter(
-        host__name=settings.GANTRY_HOST_NAME, status__in=[S.LAUNCHING, S.LOADING, S.READY, S.DEGRADED]
+        host__name=settings.GANTRY_HOST_NAME, status__in=[S.LAUNCHING, S.LOADING, S.READY, S.UPDATING, S.DEGRADED]
     )
     now = timezone.now()
     for deployment in deployments:
@@ -267,6 +343,8 @@ def reconcile_host() -> None:
             _handle_crash(deployment, runtime, spec)
         elif deployment.status == S.LOADING:
             _check_loading(deployment, runtime, spec, now)
+        elif deployment.status == S.UPDATING:
+            continue  # its apply task is swapping models in place
         else:
             _check_models(deployment)
             _collect_metrics(deployment)
@@ -337,12 +415,14 @@ def _readiness(deployment: Deployment) -> Readiness:
         client.close()
 
 
-def _mark_ready(deployment: Deployment, names: list[str]) -> None:
+def _mark_ready(
+    deployment: Deployment, names: list[str], *, only_from: frozenset[str] = frozenset({S.LOADING})
+) -> None:
     services.deployment_transition(
         deployment_id=deployment.pk,
         to=S.READY,
         source=source(),
-        only_from=frozenset({S.LOADING}),
+        only_from=only_from,
         message=f"ready: {', '.join(names)} on port {deployment.http_port}",
     )
 
@@ -374,7 +454,7 @@ def _handle_crash(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) ->
         deployment,
         "tritonserver exited unexpectedly",
         tail=tail,
-        only_from=frozenset({S.LOADING, S.READY, S.DEGRADED}),
+        only_from=frozenset({S.LOADING, S.READY, S.UPDATING, S.DEGRADED}),
     )
     if deployment.desired_state != DesiredState.RUNNING:
         return

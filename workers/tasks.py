@@ -16,3 +16,8 @@ def launch_deployment(deployment_id: int) -> None:
 @shared_task(name="workers.tasks.stop_deployment")
 def stop_deployment(deployment_id: int) -> None:
     deployer.stop(deployment_id)
+
+
+@shared_task(name="workers.tasks.apply_generation")
+def apply_generation(deployment_id: int, generation: int) -> None:
+    deployer.apply_generation(deployment_id, generation)

@@ -6,17 +6,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import tritonclient.http as httpclient
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from deployments.models import Deployment, Event, MetricSample
-from tests.integration.conftest import Stack, wait_for
+from tests.integration.conftest import Stack, free_port, wait_for
 from workers.runtimes import process
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -85,6 +87,12 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
     pid = int(row.runtime_handle)
     repository = stack.data_dir / "deployments" / f"{row.pk}-{row.name}" / "repository"
     assert process.is_running(row.runtime_handle, repository)
+
+    # Triton's repository API answers only with the deployment's secret.
+    index_url = f"http://127.0.0.1:{row.http_port}/v2/repository/index"
+    assert requests.post(index_url, timeout=10).status_code == 403
+    allowed = requests.post(index_url, headers={"gantry-admin-key": row.admin_secret}, timeout=10)
+    assert allowed.status_code == 200 and allowed.json()[0]["state"] == "READY"
 
     # The agent scrapes the server's metrics port once it is ready.
     wait_for(lambda: MetricSample.objects.filter(deployment=row, subject="minilm").exists(), 30, "a first scrape")
@@ -178,6 +186,35 @@ def test_embedder_and_reranker_share_one_server(stack: Stack, minilm_path: Path)
     )
     assert wrong.status_code == 400 and "serves no reranker model named 'minilm'" in wrong.json()["detail"]
     _stop(stack, deployment_id)
+
+
+def test_launch_on_a_taken_port_fails_with_the_port_named(stack: Stack, minilm_path: Path):
+    http = stack.session()
+    http.post(
+        f"{stack.web_url}/api/models/",
+        json={"name": "minilm", "kind": "embedding", "path": str(minilm_path)},
+        timeout=30,
+    )
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        created = http.post(
+            f"{stack.web_url}/api/deployments/",
+            json={
+                "name": "squatted",
+                "host": stack.host_name,
+                "ports": {"http": taken, "grpc": free_port(), "metrics": free_port()},
+                "models": [{"model": "minilm"}],
+            },
+            timeout=30,
+        )
+        assert created.status_code == 201, created.text
+        with _socket(stack, created.json()["id"]) as ws:
+            http.post(f"{stack.web_url}/api/deployments/{created.json()['id']}/start/", timeout=30)
+            seen = _wait_for_status(ws, "failed", timeout_s=30)
+    assert f"port(s) {taken} on {stack.host_name} are already in use" in seen[-1]["message"]
+    assert process.servers_under(stack.data_dir) == []
 
 
 def test_crashed_tritonserver_is_noticed_and_restarted(stack: Stack, minilm_path: Path):

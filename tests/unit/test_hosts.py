@@ -32,3 +32,13 @@ def test_silent_host_is_marked_offline_once_and_back_online_on_its_next_beat(hos
 
 def test_live_host_is_not_swept(host):
     assert services.hosts_sweep() == []
+
+
+def test_deployments_of_an_offline_host_show_unknown_and_keep_their_status(api, host, minilm):
+    created = api.post(
+        "/api/deployments/", {"name": "d", "host": "cpu-host", "models": [{"model": "minilm"}]}, format="json"
+    )
+    api.post(f"/api/deployments/{created.data['id']}/start/")
+    GpuHost.objects.filter(pk=host.pk).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+    shown = api.get(f"/api/deployments/{created.data['id']}/").data
+    assert (shown["status"], shown["shown_status"], shown["host_online"]) == ("launching", "unknown", False)

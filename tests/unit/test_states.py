@@ -33,8 +33,8 @@ def test_transition_table(current, target, allowed):
     assert states.is_allowed(current, target) is allowed
 
 
-def test_sources_of_ready_are_loading_and_degraded():
-    assert states.sources_of(S.READY) == {S.LOADING, S.DEGRADED}
+def test_ready_is_reached_by_loading_updating_or_recovering():
+    assert states.sources_of(S.READY) == {S.LOADING, S.UPDATING, S.DEGRADED}
 
 
 @pytest.fixture

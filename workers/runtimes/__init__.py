@@ -6,9 +6,12 @@ process id, a container id) that Gantry stores on the deployment.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
+
+from workers.triton.client import ADMIN_HEADER
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class LaunchSpec:
     gpu_ids: tuple[int, ...] = ()
     ulimits: tuple[tuple[str, int, int], ...] = ()  # docker only: (name, soft, hard)
     read_only_mounts: tuple[Path, ...] = ()  # docker only: folders the models read (checkpoints)
+    admin_secret: str = ""  # required by Triton's model-repository and logging APIs
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -44,7 +48,27 @@ def tritonserver_args(spec: LaunchSpec) -> list[str]:
         f"--metrics-port={spec.metrics_port}",
         "--allow-metrics=true",
         "--log-verbose=0",
+        *restricted_api_args(spec.admin_secret),
     ]
+
+
+def restricted_api_args(secret: str) -> list[str]:
+    if not secret:
+        return []
+    rule = f"model-repository,logging:{ADMIN_HEADER}={secret}"
+    return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
+
+
+def busy_ports(address: str, ports: list[int]) -> list[int]:
+    """The ports among ``ports`` that something on this host already listens on."""
+    busy = []
+    for port in ports:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+            try:
+                probe.bind((address, port))
+            except OSError:
+                busy.append(port)
+    return busy
 
 
 class Runtime(Protocol):

@@ -16,6 +16,8 @@ from tritonclient.utils import InferenceServerException
 
 from deployments.errors import PermanentError, TransientError
 
+# The header Triton's restricted APIs (model repository, logging) expect.
+ADMIN_HEADER = "gantry-admin-key"
 _CONNECT_TIMEOUT_S = 5.0
 _NETWORK_TIMEOUT_S = 60.0
 
@@ -34,8 +36,9 @@ class Readiness:
 class TritonClient:
     """A small client for one server, addressed as host:http_port."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, admin_secret: str = "") -> None:
         self.url = url
+        self._admin_headers = {ADMIN_HEADER: admin_secret} if admin_secret else None
         self._client = httpclient.InferenceServerClient(
             url, connection_timeout=_CONNECT_TIMEOUT_S, network_timeout=_NETWORK_TIMEOUT_S
         )
@@ -60,17 +63,20 @@ class TritonClient:
         timeout_s: float,
         keep_waiting: Callable[[], bool] = lambda: True,
         poll_s: float = 0.5,
+        server_ready: bool = True,
     ) -> Readiness:
         """Poll until the server and every model are ready.
 
         Raises TransientError on timeout and PermanentError when
         ``keep_waiting`` says the wait no longer matters (the server died, or
-        the deployment was stopped meanwhile).
+        the deployment was stopped meanwhile). ``server_ready=False`` waits
+        for the models only: Triton reports a server not ready while any model
+        it tried failed, even one since removed.
         """
         deadline = time.monotonic() + timeout_s
         while True:
             state = self.readiness(models)
-            if state.ready and state.all_models_ready:
+            if (state.ready or not server_ready) and state.live and state.all_models_ready:
                 return state
             if not keep_waiting():
                 raise PermanentError("stopped waiting for readiness")
@@ -80,6 +86,21 @@ class TritonClient:
                     f"not ready after {timeout_s:.0f}s (server live={state.live}, models not ready: {missing})"
                 )
             time.sleep(poll_s)
+
+    def load(self, model: str) -> None:
+        """Load ``model`` from the repository, or reload it if its files changed (explicit model control)."""
+        self._repository_call(self._client.load_model, model)
+
+    def unload(self, model: str) -> None:
+        self._repository_call(self._client.unload_model, model)
+
+    def _repository_call(self, call: Callable[..., None], model: str) -> None:
+        try:
+            call(model, headers=self._admin_headers)
+        except InferenceServerException as exc:
+            raise PermanentError(f"{model}: {exc.message()}") from exc
+        except (OSError, ConnectionError) as exc:
+            raise TransientError(f"{model}: server unreachable at {self.url}: {exc}") from exc
 
     def embed(self, model: str, texts: list[str]) -> np.ndarray:
         """Embeddings of ``texts`` from a Gantry embedding model, one row per text."""

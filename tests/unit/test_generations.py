@@ -1,0 +1,59 @@
+import pytest
+
+from deployments import services
+from deployments.errors import InvalidTransition, ValidationFailed
+from deployments.models import Deployment, DeploymentStatus, RevisionStatus
+
+
+@pytest.fixture
+def deployment(host, minilm, operator):
+    return services.deployment_create(
+        name="d", host_name=host.name, placements=[services.PlacementSpec(model="minilm")], user=operator
+    )
+
+
+def _change(deployment, operator, **overrides):
+    return services.deployment_change(
+        deployment_id=deployment.pk, placements=[services.PlacementSpec(model="minilm", **overrides)], user=operator
+    )
+
+
+def test_changing_a_stopped_deployment_makes_a_new_generation(deployment, operator):
+    changed = _change(deployment, operator, max_batch_size=8)
+    assert changed.generation == 2 and changed.status == DeploymentStatus.PENDING
+    assert changed.placements.get().max_batch_size == 8
+    statuses = list(changed.revisions.order_by("generation").values_list("generation", "status"))
+    assert statuses == [(1, RevisionStatus.SUPERSEDED), (2, RevisionStatus.CURRENT)]
+
+
+def test_a_change_to_the_same_placements_is_refused_and_stores_nothing(deployment, operator):
+    with pytest.raises(ValidationFailed, match="nothing to change"):
+        _change(deployment, operator)
+    assert Deployment.objects.get(pk=deployment.pk).generation == 1
+    assert deployment.revisions.count() == 1
+
+
+def test_a_change_while_launching_is_refused(deployment, operator):
+    services.deployment_start(deployment_id=deployment.pk, user=operator)
+    with pytest.raises(InvalidTransition, match="launching"):
+        _change(deployment, operator, max_batch_size=8)
+
+
+def test_a_ready_deployment_loads_its_new_generation(deployment, operator):
+    services.deployment_start(deployment_id=deployment.pk, user=operator)
+    services.deployment_transition(deployment_id=deployment.pk, to="loading", source="t", runtime_handle="1")
+    services.deployment_transition(deployment_id=deployment.pk, to="ready", source="t")
+    changed = _change(deployment, operator, max_batch_size=8)
+    assert (changed.status, changed.status_message) == (DeploymentStatus.UPDATING, "applying generation 2")
+
+
+def test_rollback_restores_the_previous_placements(deployment, operator):
+    _change(deployment, operator, max_batch_size=8)
+    restored = services.deployment_rollback(
+        deployment_id=deployment.pk, failed_generation=2, reason="did not load", source="t"
+    )
+    assert restored.generation == 1
+    assert restored.placements.get().max_batch_size == 32
+    failed = restored.revisions.get(generation=2)
+    assert (failed.status, failed.message) == (RevisionStatus.FAILED, "did not load")
+    assert restored.revisions.get(generation=1).status == RevisionStatus.CURRENT
