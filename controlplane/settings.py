@@ -57,6 +57,7 @@ GANTRY_ALLOWED_IMAGES = env_list("GANTRY_ALLOWED_IMAGES", [])
 # locked memory, 64 MiB stack). A host that forbids raising memlock drops it here.
 GANTRY_DOCKER_ULIMITS = env_ulimits("GANTRY_DOCKER_ULIMITS", [("memlock", -1, -1), ("stack", 67108864, 67108864)])
 GANTRY_METRICS_RETENTION_HOURS = env_int("GANTRY_METRICS_RETENTION_HOURS", 24, minimum=1)
+GANTRY_GPU_RELEASE_TIMEOUT = env_int("GANTRY_GPU_RELEASE_TIMEOUT", 60, minimum=1)
 GANTRY_CRASH_RESTART_LIMIT = env_int("GANTRY_CRASH_RESTART_LIMIT", 3, minimum=0)
 GANTRY_GPU_MEMORY_HEADROOM = env_float("GANTRY_GPU_MEMORY_HEADROOM", 0.95, minimum=0.1, maximum=1.0)
 # Checkpoints may only be registered from under these folders (a worker

@@ -35,7 +35,7 @@ def beat_once() -> None:
         agent_version=AGENT_VERSION,
         gpus=inventory.gpus,
     )
-    deployer.reconcile_host()
+    deployer.reconcile_host(inventory)
 
 
 def run_forever() -> None:

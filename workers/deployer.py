@@ -9,6 +9,7 @@ ends in the state the database asks for.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +28,7 @@ from deployments.models import (
     ModelKind,
 )
 from deployments.models import Runtime as DeploymentRuntime
+from workers import nvml
 from workers.runtimes import LaunchSpec, Runtime, busy_ports
 from workers.runtimes.docker import DockerRuntime
 from workers.runtimes.process import ProcessRuntime
@@ -293,23 +295,52 @@ def _roll_back(deployment: Deployment, generation: int, reason: str) -> None:
 
 
 def stop(deployment_id: int) -> None:
-    """Stop the deployment's server; the status says stopped once it is gone."""
+    """Stop the deployment's server. It is called stopped once the server is gone
+    and NVML shows its processes hold no GPU memory any more."""
     deployment = _load(deployment_id)
     if deployment is None or deployment.status != S.STOPPING:
         return
+    message = "tritonserver stopped"
+    to = S.STOPPED
     if deployment.runtime_handle:
-        runtime_for(deployment).stop(deployment.runtime_handle, launch_spec(deployment))
+        runtime = runtime_for(deployment)
+        try:
+            spec = launch_spec(deployment, model_specs(deployment))
+        except PermanentError:
+            spec = launch_spec(deployment)
+        pids = runtime.pids(deployment.runtime_handle, spec) if spec.gpu_ids else []
+        runtime.stop(deployment.runtime_handle, spec)
+        holding = _await_gpu_release(list(spec.gpu_ids), pids)
+        if holding:
+            to = S.FAILED
+            message = (
+                f"tritonserver stopped, but NVML still shows its processes {sorted(holding)} holding "
+                f"{sum(holding.values()) / 2**20:.0f} MiB on GPU(s) {list(spec.gpu_ids)} after "
+                f"{settings.GANTRY_GPU_RELEASE_TIMEOUT}s"
+            )
     try:
         services.deployment_transition(
             deployment_id=deployment_id,
-            to=S.STOPPED,
+            to=to,
             source=source(),
             only_from=frozenset({S.STOPPING}),
             runtime_handle="",
-            message="tritonserver stopped",
+            message=message,
         )
     except InvalidTransition:
         log.info("deployment %s left stopping before the stop finished", deployment_id)
+
+
+def _await_gpu_release(gpu_indexes: list[int], pids: list[int]) -> dict[int, int]:
+    """Wait until none of ``pids`` holds memory on ``gpu_indexes``; return those still holding."""
+    if not gpu_indexes or not pids:
+        return {}
+    deadline = time.monotonic() + settings.GANTRY_GPU_RELEASE_TIMEOUT
+    while True:
+        holding = {pid: used for pid, used in nvml.compute_processes(gpu_indexes).items() if pid in pids}
+        if not holding or time.monotonic() >= deadline:
+            return holding
+        time.sleep(0.5)
 
 
 def _recent_crash_restarts(deployment: Deployment) -> int:
@@ -322,7 +353,7 @@ def _recent_crash_restarts(deployment: Deployment) -> int:
 LAUNCH_STALL_S = 60
 
 
-def reconcile_host() -> None:
+def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
     """Make this host's deployments match what runs, without waiting on the broker.
 
     Notices crashed servers (and restarts those that should run), models that
@@ -347,7 +378,7 @@ def reconcile_host() -> None:
             continue  # its apply task is swapping models in place
         else:
             _check_models(deployment)
-            _collect_metrics(deployment)
+            _collect_metrics(deployment, inventory)
     _remove_unwanted_containers()
 
 
@@ -382,7 +413,23 @@ def _remove_unwanted_containers() -> None:
 _last_scrape: dict[int, tuple[str, metrics.Scrape]] = {}
 
 
-def _collect_metrics(deployment: Deployment) -> None:
+def _gpu_figures(triton: dict[str, dict[str, float]], inventory: nvml.Inventory | None) -> dict[str, dict[str, float]]:
+    """Triton's GPU gauges, or NVML's where Triton reads none or only zeros
+    (its DCGM-based metrics are missing in some images and containers)."""
+    if any(any(values.values()) for values in triton.values()) or inventory is None:
+        return triton
+    return {
+        gpu.uuid: {
+            "utilization": gpu.utilization_percent / 100,
+            "memory_used_bytes": gpu.memory_used_bytes,
+            "memory_total_bytes": gpu.memory_total_bytes,
+            "source": "nvml",
+        }
+        for gpu in inventory.gpus
+    }
+
+
+def _collect_metrics(deployment: Deployment, inventory: nvml.Inventory | None = None) -> None:
     url = f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.metrics_port}/metrics"
     try:
         current = metrics.scrape(url)
@@ -393,7 +440,11 @@ def _collect_metrics(deployment: Deployment) -> None:
     if handle != deployment.runtime_handle:
         previous = None  # another server since: its counters started again from zero
     _last_scrape[deployment.pk] = (deployment.runtime_handle, current)
-    services.metrics_record(deployment_id=deployment.pk, models=metrics.derive(previous, current), gpus=current.gpus)
+    services.metrics_record(
+        deployment_id=deployment.pk,
+        models=metrics.derive(previous, current),
+        gpus=_gpu_figures(current.gpus, inventory),
+    )
 
 
 def _redrive_launch(deployment: Deployment) -> None:

@@ -62,3 +62,25 @@ def read_inventory() -> Inventory:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError:
             pass
+
+
+def compute_processes(gpu_indexes: list[int]) -> dict[int, int]:
+    """{pid: GPU memory bytes} of the compute processes on the given GPUs (empty without NVML)."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return {}
+    try:
+        found: dict[int, int] = {}
+        for index in gpu_indexes:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                found[proc.pid] = found.get(proc.pid, 0) + int(proc.usedGpuMemory or 0)
+        return found
+    except pynvml.NVMLError:
+        return {}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass

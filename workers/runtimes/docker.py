@@ -139,6 +139,16 @@ class DockerRuntime:
         except APIError:
             return ""
 
+    def pids(self, handle: str, spec: LaunchSpec | None = None) -> list[int]:
+        container = self._get(handle) if handle else None
+        if container is None or container.status != "running":
+            return []
+        try:
+            top = container.top(ps_args="-eo pid")
+        except APIError:
+            return []
+        return [int(row[0]) for row in top.get("Processes") or [] if row and str(row[0]).isdigit()]
+
     def containers(self) -> list[Container]:
         """Every container Gantry started on this host, running or not."""
         client = _client()

@@ -243,3 +243,6 @@ class ProcessRuntime:
 
     def log_tail(self, handle: str, spec: LaunchSpec, lines: int = 20) -> str:
         return log_tail(spec.log_path, lines)
+
+    def pids(self, handle: str, spec: LaunchSpec) -> list[int]:
+        return group_members(int(handle)) if handle.isdigit() else []
