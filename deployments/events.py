@@ -93,7 +93,7 @@ def record(
         kind=kind,
         source=source,
         message=message,
-        actor=actor if getattr(actor, "is_authenticated", False) else None,
+        actor=signed_in(actor),
         deployment=deployment,
         host=host,
         from_status=from_status,
@@ -116,7 +116,12 @@ def record(
     return event
 
 
+def signed_in(user: Any) -> Any:
+    """``user`` if it is a signed-in user (to record as an actor or creator), else None."""
+    return user if getattr(user, "is_authenticated", False) else None
+
+
 def source_of(user: Any) -> str:
-    if user is not None and getattr(user, "is_authenticated", False):
+    if signed_in(user) is not None:
         return f"user:{user.get_username()}"
     return "system"

@@ -185,7 +185,7 @@ def model_register(
                 size_bytes=info.size_bytes,
                 fingerprint=info.fingerprint,
                 config=info.config,
-                created_by=user if getattr(user, "is_authenticated", False) else None,
+                created_by=events.signed_in(user),
             )
             events.record(
                 kind="model.registered",
@@ -326,7 +326,7 @@ def deployment_create(
                 http_port=http_port,
                 grpc_port=grpc_port,
                 metrics_port=metrics_port,
-                created_by=user if getattr(user, "is_authenticated", False) else None,
+                created_by=events.signed_in(user),
             )
             _write_placements(deployment, resolved)
             DeploymentRevision.objects.create(
@@ -428,7 +428,7 @@ def deployment_change(*, deployment_id: int, placements: list[PlacementSpec], us
             deployment=deployment,
             generation=generation,
             spec=after,
-            created_by=user if getattr(user, "is_authenticated", False) else None,
+            created_by=events.signed_in(user),
         )
         events.record(
             kind="deployment.changed",

@@ -73,6 +73,15 @@ class Stack:
         session.headers["Authorization"] = f"Token {self.token}"
         return session
 
+    def register_models(self, path: Path, **kinds: str) -> None:
+        """Register the checkpoint at ``path`` once per name=kind, through the REST API."""
+        http = self.session()
+        for name, kind in kinds.items():
+            response = http.post(
+                f"{self.web_url}/api/models/", json={"name": name, "kind": kind, "path": str(path)}, timeout=30
+            )
+            assert response.status_code == 201, response.text
+
     def start_worker(self) -> subprocess.Popen:
         self.worker = _spawn(
             [*host_worker_argv(sys.executable, self.host_name), "--without-mingle", "--without-gossip"],

@@ -38,9 +38,7 @@ def _containers(engine, stack: Stack):
 
 def test_two_models_in_one_container_restarted_after_a_kill(stack: Stack, minilm_path: Path, image: str, engine):
     http = stack.session()
-    for name, kind in (("minilm", "embedding"), ("minilm-rerank", "reranker")):
-        body = {"name": name, "kind": kind, "path": str(minilm_path)}
-        assert http.post(f"{stack.web_url}/api/models/", json=body, timeout=30).status_code == 201
+    stack.register_models(minilm_path, minilm="embedding", **{"minilm-rerank": "reranker"})
     created = http.post(
         f"{stack.web_url}/api/deployments/",
         json={

@@ -28,12 +28,7 @@ SENTENCES = ["A man is playing a guitar.", "Someone plays an instrument.", "The 
 
 def _register_and_create(stack: Stack, minilm_path: Path) -> dict:
     http = stack.session()
-    model = http.post(
-        f"{stack.web_url}/api/models/",
-        json={"name": "minilm", "kind": "embedding", "path": str(minilm_path)},
-        timeout=30,
-    )
-    assert model.status_code == 201, model.text
+    stack.register_models(minilm_path, minilm="embedding")
     created = http.post(
         f"{stack.web_url}/api/deployments/",
         json={
@@ -141,9 +136,7 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
 
 def test_embedder_and_reranker_share_one_server(stack: Stack, minilm_path: Path):
     http = stack.session()
-    for name, kind in (("minilm", "embedding"), ("minilm-rerank", "reranker")):
-        body = {"name": name, "kind": kind, "path": str(minilm_path)}
-        assert http.post(f"{stack.web_url}/api/models/", json=body, timeout=30).status_code == 201
+    stack.register_models(minilm_path, minilm="embedding", **{"minilm-rerank": "reranker"})
     created = http.post(
         f"{stack.web_url}/api/deployments/",
         json={
@@ -190,11 +183,7 @@ def test_embedder_and_reranker_share_one_server(stack: Stack, minilm_path: Path)
 
 def test_launch_on_a_taken_port_fails_with_the_port_named(stack: Stack, minilm_path: Path):
     http = stack.session()
-    http.post(
-        f"{stack.web_url}/api/models/",
-        json={"name": "minilm", "kind": "embedding", "path": str(minilm_path)},
-        timeout=30,
-    )
+    stack.register_models(minilm_path, minilm="embedding")
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()

@@ -27,9 +27,7 @@ def _loads(stack: Stack, deployment: Deployment, model: str) -> int:
 @pytest.fixture
 def ready_pair(stack: Stack, minilm_path: Path) -> int:
     http = stack.session()
-    for name, kind in (("minilm", "embedding"), ("minilm-rerank", "reranker")):
-        body = {"name": name, "kind": kind, "path": str(minilm_path)}
-        assert http.post(f"{stack.web_url}/api/models/", json=body, timeout=30).status_code == 201
+    stack.register_models(minilm_path, minilm="embedding", **{"minilm-rerank": "reranker"})
     created = http.post(
         f"{stack.web_url}/api/deployments/",
         json={"name": "gen", "host": stack.host_name, "models": [EMBED, RERANK]},
@@ -71,10 +69,7 @@ def test_a_generation_that_fails_to_load_rolls_back(stack: Stack, ready_pair: in
     shutil.copytree(minilm_path, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     http = stack.session()
-    registered = http.post(
-        f"{stack.web_url}/api/models/", json={"name": "broken", "kind": "embedding", "path": str(broken)}, timeout=30
-    )
-    assert registered.status_code == 201, registered.text
+    stack.register_models(broken, broken="embedding")
     with _socket(stack, ready_pair) as socket:
         changed = http.put(
             f"{stack.web_url}/api/deployments/{ready_pair}/models/",
