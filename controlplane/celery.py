@@ -15,10 +15,6 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["deployments", "workers"])
 
 
-# Control-plane work (periodic sweeps) runs on its own queue, never on a GPU host.
-CONTROL_QUEUE = "control"
-
-
 def host_queue(host_name: str) -> str:
     """The queue a host's worker listens on."""
     return f"gpu.{host_name}"

@@ -30,10 +30,6 @@ def deployment_events(deployment_id: int, *, limit: int = 200) -> list[Event]:
     return list(reversed(recent[:limit]))
 
 
-def deployments_on_host(host_name: str) -> QuerySet[Deployment]:
-    return deployment_list().filter(host__name=host_name)
-
-
 def deployment_metrics(deployment_id: int, *, minutes: int) -> QuerySet[MetricSample]:
     since = timezone.now() - timedelta(minutes=minutes)
     return MetricSample.objects.filter(deployment_id=deployment_id, at__gte=since).order_by("at", "id")

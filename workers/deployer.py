@@ -375,7 +375,9 @@ def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
         elif deployment.status == S.LOADING:
             _check_loading(deployment, runtime, spec, now)
         elif deployment.status == S.UPDATING:
-            continue  # its apply task is swapping models in place
+            # Its apply task swaps models in place; one lost with a dead worker is rolled back.
+            if (now - deployment.status_changed_at).total_seconds() > settings.GANTRY_TRITON_READY_TIMEOUT + 60:
+                _roll_back(_load(deployment.pk), deployment.generation, "the update did not finish in time")
         else:
             _check_models(deployment)
             _collect_metrics(deployment, inventory)

@@ -43,3 +43,24 @@ def test_a_ready_deployment_whose_server_is_gone_is_marked_failed(settings, mini
     assert deployment.status == DeploymentStatus.FAILED
     assert deployment.status_message == "tritonserver exited unexpectedly"
     assert Event.objects.filter(deployment=deployment, kind="deployment.crash_loop").exists()
+
+
+def test_an_update_lost_with_its_worker_is_rolled_back(settings, minilm, operator, monkeypatch):
+    deployment = _launching_deployment(settings, minilm, operator, age_s=1)
+    services.deployment_transition(deployment_id=deployment.pk, to="loading", source="t", runtime_handle="1")
+    services.deployment_transition(deployment_id=deployment.pk, to="ready", source="t")
+    services.deployment_change(
+        deployment_id=deployment.pk,
+        placements=[services.PlacementSpec(model="minilm", max_batch_size=8)],
+        user=operator,
+    )
+    stale = timezone.now() - timedelta(seconds=settings.GANTRY_TRITON_READY_TIMEOUT + 61)
+    Deployment.objects.filter(pk=deployment.pk).update(status_changed_at=stale)
+    # The server "runs" and the rollback's reload "succeeds": NVML/Triton are not the point here.
+    monkeypatch.setattr(deployer.ProcessRuntime, "is_running", lambda self, handle, spec: True)
+    monkeypatch.setattr(deployer, "_swap_models", lambda deployment, spec, specs: {})
+    deployer.reconcile_host()
+    deployment.refresh_from_db()
+    assert (deployment.status, deployment.generation) == (DeploymentStatus.READY, 1)
+    assert deployment.placements.get().max_batch_size == 32
+    assert Event.objects.filter(deployment=deployment, kind="deployment.rollback").exists()
