@@ -373,6 +373,22 @@ class DeploymentEvents(APIView):
         return Response([event_payload(e) for e in selectors.deployment_events(pk)])
 
 
+class DeploymentLog(APIView):
+    """GET /api/deployments/<id>/log/?lines=200: the newest lines of the deployment's Triton log."""
+
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request, pk: int) -> Response:
+        get_object_or_404(Deployment, pk=pk)
+        try:
+            count = int(request.query_params.get("lines", "200"))
+        except ValueError as exc:
+            raise DRFValidationError({"lines": ["must be an integer"]}) from exc
+        if not 1 <= count <= services.LOG_LINES_KEPT:
+            raise DRFValidationError({"lines": [f"must be between 1 and {services.LOG_LINES_KEPT}"]})
+        return Response({"lines": selectors.deployment_log(pk, lines=count)})
+
+
 class DeploymentMetrics(APIView):
     """GET /api/deployments/<id>/metrics/?minutes=N: the samples of the last N minutes (default 15)."""
 

@@ -15,4 +15,5 @@ urlpatterns = [
     path("deployments/<int:pk>/metrics/", api.DeploymentMetrics.as_view(), name="api-deployment-metrics"),
     path("deployments/<int:pk>/models/", api.DeploymentModels.as_view(), name="api-deployment-models"),
     path("deployments/<int:pk>/revisions/", api.DeploymentRevisions.as_view(), name="api-deployment-revisions"),
+    path("deployments/<int:pk>/log/", api.DeploymentLog.as_view(), name="api-deployment-log"),
 ]

@@ -312,6 +312,21 @@ class MetricSample(models.Model):
         return f"{self.deployment_id} {self.kind}:{self.subject} @ {self.at:%H:%M:%S}"
 
 
+class LogLine(models.Model):
+    """The recent lines of a deployment's Triton log, shipped by its host agent."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="log_lines")
+    at = models.DateTimeField(default=timezone.now)
+    line = models.TextField()
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["deployment", "id"])]
+
+    def __str__(self) -> str:
+        return self.line[:80]
+
+
 class EventQuerySet(models.QuerySet):
     def update(self, **kwargs):  # noqa: ANN003, ANN201 - Django's signature
         raise TypeError("events are append-only")

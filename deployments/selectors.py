@@ -7,7 +7,7 @@ from datetime import timedelta
 from django.db.models import Prefetch, QuerySet
 from django.utils import timezone
 
-from deployments.models import Deployment, DeploymentModel, Event, GpuHost, MetricSample, RegisteredModel
+from deployments.models import Deployment, DeploymentModel, Event, GpuHost, LogLine, MetricSample, RegisteredModel
 
 
 def host_list() -> QuerySet[GpuHost]:
@@ -33,3 +33,8 @@ def deployment_events(deployment_id: int, *, limit: int = 200) -> list[Event]:
 def deployment_metrics(deployment_id: int, *, minutes: int) -> QuerySet[MetricSample]:
     since = timezone.now() - timedelta(minutes=minutes)
     return MetricSample.objects.filter(deployment_id=deployment_id, at__gte=since).order_by("at", "id")
+
+
+def deployment_log(deployment_id: int, *, lines: int) -> list[str]:
+    newest = LogLine.objects.filter(deployment_id=deployment_id).order_by("-id").values_list("line", flat=True)[:lines]
+    return list(reversed(newest))

@@ -32,6 +32,7 @@ from deployments.models import (
     Gpu,
     GpuHost,
     InstanceKind,
+    LogLine,
     MetricSample,
     ModelKind,
     RegisteredModel,
@@ -659,3 +660,22 @@ def record_host_event(*, host_name: str, kind: str, source: str, message: str) -
     with transaction.atomic():
         host = GpuHost.objects.get(name=host_name)
         events.record(kind=kind, source=source, host=host, message=message)
+
+
+# How many log lines a deployment keeps; older ones are deleted as new ones arrive.
+LOG_LINES_KEPT = 1000
+
+
+def log_lines_append(*, deployment_id: int, lines: list[str]) -> None:
+    """Store a batch of server log lines (one insert), trim to the newest LOG_LINES_KEPT, and push them."""
+    if not lines:
+        return
+    LogLine.objects.bulk_create(LogLine(deployment_id=deployment_id, line=line[:4000]) for line in lines)
+    oldest_kept = (
+        LogLine.objects.filter(deployment_id=deployment_id)
+        .order_by("-id")
+        .values_list("id", flat=True)[LOG_LINES_KEPT:]
+    ).first()
+    if oldest_kept is not None:
+        LogLine.objects.filter(deployment_id=deployment_id, id__lte=oldest_kept).delete()
+    events.publish(events.deployment_group(deployment_id), {"type": "log", "deployment": deployment_id, "lines": lines})

@@ -81,6 +81,13 @@ const Gantry = (() => {
     const events = document.getElementById("events");
     const indicator = document.getElementById("live-indicator");
     const actionError = document.getElementById("action-error");
+    const serverLog = document.getElementById("server-log");
+
+    function appendLog(lines) {
+      const kept = (serverLog.textContent + lines.map((l) => l + "\n").join("")).split("\n").slice(-500);
+      serverLog.textContent = kept.join("\n");
+      serverLog.scrollTop = serverLog.scrollHeight;
+    }
 
     const AT_REST = ["pending", "stopped", "failed"];
     function enableActions(status) {
@@ -106,6 +113,8 @@ const Gantry = (() => {
       for (const sample of await api("GET", `/api/deployments/${id}/metrics/?minutes=5`)) {
         if (sample.kind === "model") latest[sample.subject] = sample;
       }
+      serverLog.textContent = "";
+      appendLog((await api("GET", `/api/deployments/${id}/log/?lines=200`)).lines);
       const at = Object.values(latest).map((s) => s.at).sort().pop();
       if (at) renderMetrics(at, Object.fromEntries(Object.entries(latest).map(([k, s]) => [k, s.values])));
     }
@@ -114,6 +123,7 @@ const Gantry = (() => {
       onOpen: refresh,
       onMessage: (event) => {
         if (event.type === "metrics") renderMetrics(event.at, event.models);
+        if (event.type === "log") appendLog(event.lines);
         if (event.type !== "event") return;
         addEvent(event);
         if (event.to_status) {

@@ -367,6 +367,7 @@ def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
     for deployment in deployments:
         runtime = runtime_for(deployment)
         spec = launch_spec(deployment)
+        _ship_log(deployment, runtime, spec)
         if deployment.status == S.LAUNCHING:
             if (now - deployment.status_changed_at).total_seconds() > LAUNCH_STALL_S:
                 _redrive_launch(deployment)
@@ -382,6 +383,21 @@ def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
             _check_models(deployment)
             _collect_metrics(deployment, inventory)
     _remove_unwanted_containers()
+
+
+# Where each deployment's server log was last read, per server (handle).
+_log_cursor: dict[int, tuple[str, float]] = {}
+
+
+def _ship_log(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) -> None:
+    if not deployment.runtime_handle:
+        return
+    handle, cursor = _log_cursor.get(deployment.pk, ("", None))
+    if handle != deployment.runtime_handle:
+        cursor = None
+    lines, cursor = runtime.read_log(deployment.runtime_handle, spec, cursor)
+    _log_cursor[deployment.pk] = (deployment.runtime_handle, cursor)
+    services.log_lines_append(deployment_id=deployment.pk, lines=lines)
 
 
 def _remove_unwanted_containers() -> None:

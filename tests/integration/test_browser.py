@@ -73,6 +73,7 @@ def test_user_deploys_queries_and_stops_from_the_browser(stack: Stack, minilm, p
     expect(result).to_contain_text("(384 numbers)")
     # The agent's metrics scrape reaches the page over the websocket.
     expect(page.locator("#metrics")).to_contain_text("minilm", timeout=30_000)
+    expect(page.locator("#server-log")).to_contain_text("successfully loaded 'minilm'", timeout=30_000)
     page.screenshot(path=str(tmp_path / "deployment-ready.png"), full_page=True)
 
     page.click("#stop")

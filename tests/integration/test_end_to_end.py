@@ -56,12 +56,18 @@ def _wait_for_status(socket, wanted: str, timeout_s: float) -> list[dict]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         event = json.loads(socket.recv(timeout=max(0.1, deadline - time.monotonic())))
+        if event["type"] != "event":
+            continue  # metrics and log lines share the socket
         seen.append(event)
         if event.get("to_status") == wanted:
             return seen
         if event.get("to_status") == "failed" and wanted != "failed":
             pytest.fail(f"deployment failed: {event['message']}\n{event['data'].get('log_tail', '')}")
     pytest.fail(f"no {wanted} event within {timeout_s}s; saw {[e.get('to_status') for e in seen]}")
+
+
+def _server_log(stack: Stack, deployment_id: int) -> list[str]:
+    return stack.session().get(f"{stack.web_url}/api/deployments/{deployment_id}/log/", timeout=30).json()["lines"]
 
 
 def _stop(stack: Stack, deployment_id: int) -> None:
@@ -82,6 +88,13 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
     pid = int(row.runtime_handle)
     repository = stack.data_dir / "deployments" / f"{row.pk}-{row.name}" / "repository"
     assert process.is_running(row.runtime_handle, repository)
+
+    # The agent ships the server's log lines to the control plane.
+    wait_for(
+        lambda: any("successfully loaded 'minilm'" in line for line in _server_log(stack, row.pk)),
+        30,
+        "the server log to arrive",
+    )
 
     # Triton's repository API answers only with the deployment's secret.
     index_url = f"http://127.0.0.1:{row.http_port}/v2/repository/index"

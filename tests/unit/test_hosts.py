@@ -42,3 +42,17 @@ def test_deployments_of_an_offline_host_show_unknown_and_keep_their_status(api, 
     GpuHost.objects.filter(pk=host.pk).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
     shown = api.get(f"/api/deployments/{created.data['id']}/").data
     assert (shown["status"], shown["shown_status"], shown["host_online"]) == ("launching", "unknown", False)
+
+
+def test_log_lines_keep_the_newest_and_the_api_serves_them(api, host, minilm, settings, monkeypatch):
+    monkeypatch.setattr(services, "LOG_LINES_KEPT", 5)
+    created = api.post(
+        "/api/deployments/", {"name": "d", "host": "cpu-host", "models": [{"model": "minilm"}]}, format="json"
+    )
+    services.log_lines_append(deployment_id=created.data["id"], lines=[f"line {i}" for i in range(8)])
+    assert api.get(f"/api/deployments/{created.data['id']}/log/?lines=3").data["lines"] == [
+        "line 5",
+        "line 6",
+        "line 7",
+    ]
+    assert api.get(f"/api/deployments/{created.data['id']}/log/?lines=0").status_code == 400

@@ -13,6 +13,9 @@ from typing import Protocol
 
 from workers.triton.client import ADMIN_HEADER
 
+# The most server log lines the agent ships per deployment and heartbeat.
+MAX_LOG_LINES = 500
+
 
 @dataclass(frozen=True)
 class LaunchSpec:
@@ -79,6 +82,10 @@ class Runtime(Protocol):
     def stop(self, handle: str, spec: LaunchSpec) -> None: ...
 
     def log_tail(self, handle: str, spec: LaunchSpec, lines: int = 20) -> str: ...
+
+    def read_log(self, handle: str, spec: LaunchSpec, cursor: float | None) -> tuple[list[str], float]:
+        """Server log lines written since ``cursor`` (None: only the recent ones), and the next cursor."""
+        ...
 
     def pids(self, handle: str, spec: LaunchSpec) -> list[int]:
         """Host process ids of the server and its children (model stubs, MPI ranks)."""

@@ -11,6 +11,7 @@ generation, so a restarted agent finds them again. Never privileged.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import docker
@@ -18,7 +19,7 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import DeviceRequest, Mount, Ulimit
 
 from deployments.errors import PermanentError, TransientError
-from workers.runtimes import LaunchSpec, tritonserver_args
+from workers.runtimes import MAX_LOG_LINES, LaunchSpec, tritonserver_args
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,17 @@ class DockerRuntime:
             return container.logs(tail=lines).decode("utf-8", errors="replace")
         except APIError:
             return ""
+
+    def read_log(self, handle: str, spec: LaunchSpec, cursor: float | None) -> tuple[list[str], float]:
+        container = self._get(handle) if handle else None
+        now = time.time()
+        if container is None:
+            return [], cursor or now
+        try:
+            raw = container.logs(since=cursor, until=now) if cursor is not None else container.logs(tail=50)
+        except APIError:
+            return [], cursor or now
+        return raw.decode("utf-8", errors="replace").splitlines()[-MAX_LOG_LINES:], now
 
     def pids(self, handle: str, spec: LaunchSpec | None = None) -> list[int]:
         container = self._get(handle) if handle else None

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from deployments.errors import PermanentError
-from workers.runtimes import LaunchSpec, tritonserver_args
+from workers.runtimes import MAX_LOG_LINES, LaunchSpec, tritonserver_args
 
 log = logging.getLogger(__name__)
 
@@ -246,3 +246,18 @@ class ProcessRuntime:
 
     def pids(self, handle: str, spec: LaunchSpec) -> list[int]:
         return group_members(int(handle)) if handle.isdigit() else []
+
+    def read_log(self, handle: str, spec: LaunchSpec, cursor: float | None) -> tuple[list[str], float]:
+        try:
+            with open(spec.log_path, "rb") as handle_:
+                size = handle_.seek(0, os.SEEK_END)
+                start = int(cursor) if cursor is not None and cursor <= size else max(0, size - 16384)
+                handle_.seek(start)
+                data = handle_.read(size - start)
+        except OSError:
+            return [], cursor or 0.0
+        complete = data[: data.rfind(b"\n") + 1]  # a partial last line waits for the next read
+        lines = complete.decode("utf-8", errors="replace").splitlines()
+        if cursor is None:
+            lines = lines[1:]  # the first line of a tail read may be cut
+        return lines[-MAX_LOG_LINES:], float(start + len(complete))
