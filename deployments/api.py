@@ -373,6 +373,15 @@ class DeploymentEvents(APIView):
         return Response([event_payload(e) for e in selectors.deployment_events(pk)])
 
 
+class DeploymentPlan(APIView):
+    """GET /api/deployments/<id>/plan/: GPU memory per model per GPU, against the headroom limit."""
+
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request, pk: int) -> Response:
+        return Response(selectors.deployment_plan(get_object_or_404(selectors.deployment_list(), pk=pk)))
+
+
 class DeploymentLog(APIView):
     """GET /api/deployments/<id>/log/?lines=200: the newest lines of the deployment's Triton log."""
 

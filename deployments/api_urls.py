@@ -16,4 +16,5 @@ urlpatterns = [
     path("deployments/<int:pk>/models/", api.DeploymentModels.as_view(), name="api-deployment-models"),
     path("deployments/<int:pk>/revisions/", api.DeploymentRevisions.as_view(), name="api-deployment-revisions"),
     path("deployments/<int:pk>/log/", api.DeploymentLog.as_view(), name="api-deployment-log"),
+    path("deployments/<int:pk>/plan/", api.DeploymentPlan.as_view(), name="api-deployment-plan"),
 ]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django.conf import settings
 from django.db.models import Prefetch, QuerySet
 from django.utils import timezone
 
 from deployments.models import Deployment, DeploymentModel, Event, GpuHost, LogLine, MetricSample, RegisteredModel
+from deployments.placement import resolve_instances
 
 
 def host_list() -> QuerySet[GpuHost]:
@@ -38,3 +40,32 @@ def deployment_metrics(deployment_id: int, *, minutes: int) -> QuerySet[MetricSa
 def deployment_log(deployment_id: int, *, lines: int) -> list[str]:
     newest = LogLine.objects.filter(deployment_id=deployment_id).order_by("-id").values_list("line", flat=True)[:lines]
     return list(reversed(newest))
+
+
+def deployment_plan(deployment: Deployment) -> list[dict]:
+    """Per GPU of the host: the models placed on it, their memory fractions and
+    bytes, and whether together they stay within the headroom limit."""
+    gpus = {gpu.index: gpu for gpu in deployment.host.gpus.all()}
+    plan = {
+        index: {"gpu": index, "name": gpu.name, "uuid": gpu.uuid, "memory_total_bytes": gpu.memory_total_bytes,
+                "models": [], "fraction": 0.0}
+        for index, gpu in gpus.items()
+    }  # fmt: skip
+    for placement in deployment.placements.all():
+        for index in resolve_instances(placement.instance_kind, placement.gpu_ids, gpus)[1]:
+            if index in plan:
+                entry = plan[index]
+                entry["models"].append(
+                    {
+                        "triton_name": placement.triton_name,
+                        "fraction": placement.gpu_memory_fraction,
+                        "bytes": int(placement.gpu_memory_fraction * entry["memory_total_bytes"]),
+                    }
+                )
+                entry["fraction"] = round(entry["fraction"] + placement.gpu_memory_fraction, 6)
+    headroom = settings.GANTRY_GPU_MEMORY_HEADROOM
+    return [
+        {**entry, "headroom": headroom, "within_headroom": entry["fraction"] <= headroom + 1e-9}
+        for entry in plan.values()
+        if entry["models"]
+    ]

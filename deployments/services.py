@@ -40,6 +40,7 @@ from deployments.models import (
     Runtime,
 )
 from deployments.permissions import can_operate
+from deployments.placement import resolve_instances
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +270,7 @@ def _validate_placements(host: GpuHost, specs: list[PlacementSpec]) -> list[tupl
         unknown = sorted(set(spec.gpu_ids) - gpu_indexes)
         if unknown:
             errors.setdefault(f"{where}.gpu_ids", []).append(f"{host.name} has no GPU with index {unknown}")
-        for gpu in spec.gpu_ids or (sorted(gpu_indexes)[:1] if spec.instance_kind != InstanceKind.CPU else []):
+        for gpu in resolve_instances(spec.instance_kind, spec.gpu_ids, gpu_indexes)[1]:
             per_gpu_fraction[gpu] = per_gpu_fraction.get(gpu, 0.0) + spec.gpu_memory_fraction
         resolved.append((spec, model))
     headroom = settings.GANTRY_GPU_MEMORY_HEADROOM

@@ -109,5 +109,6 @@ def deployment_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "can_operate": can_operate(request.user),
             "embedders": [p for p in deployment.placements.all() if p.registered_model.kind == ModelKind.EMBEDDING],
             "rerankers": [p for p in deployment.placements.all() if p.registered_model.kind == ModelKind.RERANKER],
+            "plan": selectors.deployment_plan(deployment),
         },
     )

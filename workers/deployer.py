@@ -24,10 +24,10 @@ from deployments.models import (
     DeploymentStatus,
     DesiredState,
     Event,
-    InstanceKind,
     ModelKind,
 )
 from deployments.models import Runtime as DeploymentRuntime
+from deployments.placement import resolve_instances
 from workers import nvml
 from workers.runtimes import LaunchSpec, Runtime, busy_ports
 from workers.runtimes.docker import DockerRuntime
@@ -77,12 +77,7 @@ def model_specs(deployment: Deployment) -> list[PythonModelSpec]:
     specs = []
     for placement in deployment.placements.all():
         model = placement.registered_model
-        kind = placement.instance_kind
-        if kind == InstanceKind.AUTO:
-            kind = InstanceKind.GPU if host_gpus else InstanceKind.CPU
-        gpus = tuple(placement.gpu_ids) if kind == InstanceKind.GPU else ()
-        if kind == InstanceKind.GPU and not gpus:
-            gpus = (host_gpus[0],)
+        kind, gpus = resolve_instances(placement.instance_kind, placement.gpu_ids, host_gpus)
         if not model.hidden_size:
             raise PermanentError(f"{model.name}: its config.json gives no hidden_size")
         specs.append(
@@ -100,7 +95,7 @@ def model_specs(deployment: Deployment) -> list[PythonModelSpec]:
                     queue_timeout_us=placement.queue_timeout_us,
                     max_queue_size=placement.max_queue_size,
                 ),
-                instances=Instances(count=placement.instance_count, kind=str(kind), gpus=gpus),
+                instances=Instances(count=placement.instance_count, kind=kind, gpus=gpus),
                 gpu_memory_fraction=placement.gpu_memory_fraction,
             )
         )

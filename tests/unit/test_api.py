@@ -149,3 +149,38 @@ def test_default_priority_level_must_fall_within_the_levels(api, host, minilm):
     response = _create(api, models=[{"model": "minilm", "priority_levels": 2, "default_priority_level": 3}])
     assert response.status_code == 400
     assert "must be between 1 and priority_levels (2)" in response.data["errors"]["models[0].default_priority_level"][0]
+
+
+def test_plan_shows_memory_per_model_per_gpu(api, gpu_host, minilm):
+    created = _create(
+        api,
+        host="gpu-host",
+        models=[
+            {"model": "minilm", "triton_name": "a", "gpu_memory_fraction": 0.5},
+            {"model": "minilm", "triton_name": "b", "gpu_memory_fraction": 0.25, "gpu_ids": [0]},
+            {"model": "minilm", "triton_name": "c", "instance_kind": "KIND_CPU"},
+        ],
+    )
+    assert created.status_code == 201, created.data
+    [gpu] = api.get(f"/api/deployments/{created.data['id']}/plan/").data
+    assert (gpu["gpu"], gpu["fraction"], gpu["within_headroom"]) == (0, 0.75, True)
+    assert [(m["triton_name"], m["bytes"]) for m in gpu["models"]] == [
+        ("a", 85_520_809_984 // 2),
+        ("b", 85_520_809_984 // 4),
+    ]
+
+
+def test_plan_of_a_cpu_host_is_empty(api, host, minilm):
+    created = _create(api)
+    assert api.get(f"/api/deployments/{created.data['id']}/plan/").data == []
+
+
+def test_deployment_page_shows_the_gpu_plan(client, operator, gpu_host, minilm):
+    from deployments import services
+
+    deployment = services.deployment_create(
+        name="g", host_name="gpu-host", placements=[services.PlacementSpec(model="minilm")], user=operator
+    )
+    client.force_login(operator)
+    page = client.get(f"/deployments/{deployment.pk}/").content.decode()
+    assert "GPU plan" in page and "NVIDIA H100 80GB HBM3" in page and "within headroom" in page
