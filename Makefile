@@ -12,7 +12,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             SECRET_KEY=gantry-test-secret-key-not-for-production \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv demo test lint gpu-test bench clean
+.PHONY: venv demo test lint clean
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,11 +37,8 @@ test: venv lint
 	scripts/ensure-services.sh
 	scripts/ensure-packages.sh chromium
 	scripts/ensure-docker.sh
-	GANTRY_TEST_TRITON_IMAGE=$$(scripts/build-triton-test-image.sh $(PY)) \
-	$(TEST_ENV) $(PY) -m pytest $(PYTEST_ARGS)
-
-gpu-test: venv
-	$(TEST_ENV) $(PY) -m pytest -m gpu $(PYTEST_ARGS)
+	scripts/build-triton-test-image.sh $(PY) > .triton-test-image
+	GANTRY_TEST_TRITON_IMAGE=$$(cat .triton-test-image) $(TEST_ENV) $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf var .pytest_cache .ruff_cache
