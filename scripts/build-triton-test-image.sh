@@ -44,4 +44,6 @@ tar -C "$root" -c . | docker import \
   --change 'ENV HF_HUB_OFFLINE=1' \
   --change 'CMD ["tritonserver", "--help"]' \
   - "$tag" >/dev/null
+# Earlier builds are 1.4 GB each: keep only this one.
+docker images gantry/tritonserver-test --format '{{.Repository}}:{{.Tag}}' | grep -vx "$tag" | xargs -r docker rmi >/dev/null 2>&1 || true
 echo "$tag"

@@ -67,6 +67,9 @@ def busy_ports(address: str, ports: list[int]) -> list[int]:
     busy = []
     for port in ports:
         with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+            # As Triton binds: connections of a server that just died linger in
+            # TIME_WAIT and must not count as busy; a listener still does.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((address, port))
             except OSError:

@@ -84,12 +84,20 @@ class DockerRuntime:
     def start(self, spec: LaunchSpec) -> str:
         client = _client()
         try:
-            # A container of this name left by an earlier attempt is ours: replace it.
-            try:
-                client.containers.get(container_name(spec)).remove(force=True)
-            except NotFound:
-                pass
-            container = client.containers.run(**run_options(spec, self.host_name))
+            for attempt in range(5):
+                # A container of this name left by an earlier attempt is ours: replace it.
+                try:
+                    client.containers.get(container_name(spec)).remove(force=True)
+                except NotFound:
+                    pass
+                try:
+                    container = client.containers.run(**run_options(spec, self.host_name))
+                    break
+                except APIError as exc:
+                    # Docker may still be removing the old container of this name.
+                    if exc.status_code != 409 or attempt == 4:
+                        raise
+                    time.sleep(1)
         except ImageNotFound as exc:
             raise PermanentError(f"image {spec.image} is not on this host: pull or build it first") from exc
         except APIError as exc:
