@@ -5,8 +5,8 @@ the test Redis. Everything started here is stopped by process id."""
 from __future__ import annotations
 
 import os
+import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,15 +25,30 @@ from rest_framework.authtoken.models import Token
 
 from controlplane.celery import host_worker_argv
 from deployments.models import GpuHost
-from workers.runtimes import process
+from workers.runtimes import busy_ports, process
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    return int(low), int(high)
+
+
+def free_ports(count: int = 1) -> int:
+    """The first of ``count`` consecutive ports nothing listens on, below the
+    ephemeral range: client sockets take ephemeral ports at any moment, so a
+    server port picked there can be taken before the server binds it."""
+    low, _ = _ephemeral_range()
+    for _ in range(200):
+        base = random.randrange(10000, low - count)
+        if not busy_ports("127.0.0.1", list(range(base, base + count))):
+            return base
+    raise RuntimeError(f"no {count} free consecutive ports below {low}")
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2):  # noqa: ANN001
@@ -105,7 +120,7 @@ def stack(transactional_db, tmp_path: Path, operator: User) -> Iterator[Stack]: 
     host_name = f"e2e-{uuid.uuid4().hex[:8]}"
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    triton_base = min(free_port(), 65000)
+    triton_base = free_ports(30)
     env = {
         **os.environ,
         "DATABASE_URL": database_url,
