@@ -449,12 +449,7 @@ def deployment_change(*, deployment_id: int, placements: list[PlacementSpec], us
                 only_from=frozenset({DeploymentStatus.READY}),
                 message=f"applying generation {generation}",
             )
-            queue = deployment.host.queue
-            transaction.on_commit(
-                lambda: celery_app.send_task(
-                    "workers.tasks.apply_generation", args=[deployment.pk, generation], queue=queue
-                )
-            )
+            _enqueue("workers.tasks.apply_generation", deployment, generation)
     return Deployment.objects.select_related("host").get(pk=deployment_id)
 
 
@@ -534,9 +529,10 @@ def deployment_transition(
     return deployment
 
 
-def _enqueue(task_name: str, deployment: Deployment) -> None:
+def _enqueue(task_name: str, deployment: Deployment, *more_args: Any) -> None:
     queue = deployment.host.queue
-    transaction.on_commit(lambda: celery_app.send_task(task_name, args=[deployment.pk], queue=queue))
+    args = [deployment.pk, *more_args]
+    transaction.on_commit(lambda: celery_app.send_task(task_name, args=args, queue=queue))
 
 
 def deployment_start(*, deployment_id: int, user: Any = None) -> Deployment:

@@ -103,7 +103,7 @@ def model_specs(deployment: Deployment) -> list[PythonModelSpec]:
 
 
 def _client(deployment: Deployment) -> TritonClient:
-    return TritonClient(f"{settings.GANTRY_HOST_ADDRESS}:{deployment.http_port}")
+    return TritonClient(f"{settings.GANTRY_HOST_ADDRESS}:{deployment.http_port}", deployment.admin_secret)
 
 
 def _status(deployment_id: int) -> str | None:
@@ -237,7 +237,7 @@ def _swap_models(deployment: Deployment, spec: LaunchSpec, specs: list[PythonMod
         "loaded": sorted(name for name in after if before.get(name) != after[name]),
         "unchanged": sorted(name for name in after if before.get(name) == after[name]),
     }
-    client = TritonClient(f"{settings.GANTRY_HOST_ADDRESS}:{deployment.http_port}", deployment.admin_secret)
+    client = _client(deployment)
     try:
         for name in plan["unloaded"]:
             client.unload(name)
