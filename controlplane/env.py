@@ -9,6 +9,7 @@ A secret may also be given as ``<NAME>_FILE`` pointing at a file that holds it.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
@@ -117,3 +118,21 @@ def env_ulimits(name: str, default: list[tuple[str, int, int]]) -> list[tuple[st
             raise ImproperlyConfigured(f"{name}: {limit!r} is not a ulimit name")
         limits.append((limit, soft, hard))
     return limits
+
+
+def env_image_versions(name: str, default: dict[str, str]) -> dict[str, str]:
+    """ "repo/name:tag=0.16.0,other:tag=0.20.0" -> {image: TensorRT-LLM version}."""
+    value = _raw(name)
+    if value is None:
+        return default
+    images = {}
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        image, sep, version = item.rpartition("=")
+        if not sep or not image or not re.fullmatch(r"\d+\.\d+\.\d+(\.\w+)?", version):
+            raise ImproperlyConfigured(
+                f"{name}: {item!r} must look like repo/name:tag=0.16.0 (image=TensorRT-LLM version)"
+            )
+        images[image] = version
+    return images

@@ -11,6 +11,7 @@ from django.core.exceptions import ImproperlyConfigured
 from controlplane.env import (
     env_bool,
     env_float,
+    env_image_versions,
     env_int,
     env_list,
     env_port_range,
@@ -63,6 +64,17 @@ GANTRY_GPU_MEMORY_HEADROOM = env_float("GANTRY_GPU_MEMORY_HEADROOM", 0.95, minim
 # Checkpoints may only be registered from under these folders (a worker
 # mounts or reads nothing else). Empty means the data dir's models/ only.
 GANTRY_MODEL_ROOTS = [Path(p).resolve() for p in env_list("GANTRY_MODEL_ROOTS", [str(GANTRY_DATA_DIR / "models")])]
+# Engine builds. Builder images are allow-listed with the TensorRT-LLM version
+# they carry (image=version): that version picks the command-line table.
+GANTRY_BUILDER_IMAGES = env_image_versions("GANTRY_BUILDER_IMAGES", {})
+GANTRY_BUILD_TIME_LIMIT = env_int("GANTRY_BUILD_TIME_LIMIT", 7200, minimum=60)
+GANTRY_BUILD_TIME_LIMIT_MAX = env_int("GANTRY_BUILD_TIME_LIMIT_MAX", 86400, minimum=GANTRY_BUILD_TIME_LIMIT)
+GANTRY_BUILD_LOG_LINES = env_int("GANTRY_BUILD_LOG_LINES", 5000, minimum=100)
+# A running build whose worker has not reported for this long is failed by the sweeper.
+GANTRY_BUILD_STALE_AFTER = env_int("GANTRY_BUILD_STALE_AFTER", 120, minimum=30)
+# Native builds: the python that has tensorrt_llm installed, and its examples folder.
+GANTRY_TRTLLM_PYTHON = env_str("GANTRY_TRTLLM_PYTHON", "")
+GANTRY_TRTLLM_EXAMPLES_DIR = env_str("GANTRY_TRTLLM_EXAMPLES_DIR", "")
 
 INSTALLED_APPS = [
     "daphne",

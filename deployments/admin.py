@@ -37,9 +37,38 @@ class GpuHostAdmin(ReadOnlyAdmin):
 
 @admin.register(RegisteredModel)
 class RegisteredModelAdmin(ReadOnlyAdmin):
-    list_display = ["name", "kind", "architecture", "size_bytes", "fingerprint", "created_by", "created_at"]
-    list_filter = ["kind", "architecture"]
+    list_display = ["name", "kind", "host", "inspection", "architecture", "size_bytes", "fingerprint", "created_by"]
+    list_filter = ["kind", "inspection", "architecture", "host"]
     search_fields = ["name", "hub_id", "fingerprint"]
+
+
+class BuildEventInline(admin.TabularInline):
+    """The build's history: who requested it, each status and phase it reached, reuses."""
+
+    model = Event
+    fk_name = "build"
+    extra = 0
+    can_delete = False
+    fields = ["created_at", "source", "actor", "kind", "from_status", "to_status", "message"]
+    readonly_fields = fields
+    ordering = ["created_at", "id"]
+
+    def has_add_permission(self, request, obj=None) -> bool:  # noqa: ANN001
+        return False
+
+
+class BuildPlacementInline(admin.TabularInline):
+    """Where the engine is deployed."""
+
+    model = DeploymentModel
+    fk_name = "engine_build"
+    extra = 0
+    can_delete = False
+    fields = ["deployment", "triton_name"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None) -> bool:  # noqa: ANN001
+        return False
 
 
 @admin.register(EngineBuild)
@@ -49,13 +78,18 @@ class EngineBuildAdmin(ReadOnlyAdmin):
         "model",
         "host",
         "status",
+        "phase",
         "trtllm_version",
         "compute_capability",
+        "gpu_name",
         "builder_image",
         "created_by",
         "created_at",
+        "finished_at",
     ]
-    list_filter = ["status", "compute_capability", "trtllm_version", "builder_image", "model"]
+    list_filter = ["status", "model", "compute_capability", "trtllm_version", "builder_image", "host"]
+    search_fields = ["model__name", "cache_key", "image_digest"]
+    inlines = [BuildEventInline, BuildPlacementInline]
 
 
 class PlacementInline(admin.TabularInline):
@@ -91,6 +125,8 @@ class DeploymentAdmin(ReadOnlyAdmin):
 
 @admin.register(Event)
 class EventAdmin(ReadOnlyAdmin):
-    list_display = ["created_at", "source", "kind", "deployment", "host", "from_status", "to_status", "message"]
+    list_display = [
+        "created_at", "source", "kind", "deployment", "build", "host", "from_status", "to_status", "message",
+    ]  # fmt: skip
     list_filter = ["kind", "source"]
     search_fields = ["message"]

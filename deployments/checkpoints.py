@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,11 @@ class CheckpointInfo:
     torch_dtype: str
     size_bytes: int
     fingerprint: str
+    num_attention_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    vocab_size: int | None = None
+    parameter_count: int | None = None
     tokenizer_files: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
 
@@ -62,10 +69,19 @@ def inspect_checkpoint(path: Path, *, roots: list[Path], field_name: str = "path
         raise ValidationFailed({field_name: f"{path} holds no weights (*.safetensors or *.bin)"})
 
     architectures = config.get("architectures") or []
+    hidden = _int_or_none(config.get("hidden_size") or config.get("d_model") or config.get("n_embd"))
+    heads = _int_or_none(config.get("num_attention_heads") or config.get("n_head"))
+    head_dim = _int_or_none(config.get("head_dim")) or (hidden // heads if hidden and heads else None)
     return CheckpointInfo(
         architecture=str(architectures[0]) if architectures else "",
         model_type=str(config.get("model_type", "")),
-        hidden_size=_int_or_none(config.get("hidden_size") or config.get("d_model")),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        # Grouped-query attention keeps fewer KV heads; without the key every head has its own.
+        num_kv_heads=_int_or_none(config.get("num_key_value_heads")) or heads,
+        head_dim=head_dim,
+        vocab_size=_int_or_none(config.get("vocab_size")),
+        parameter_count=parameter_count(files),
         num_layers=_int_or_none(config.get("num_hidden_layers") or config.get("n_layer")),
         max_position_embeddings=_int_or_none(config.get("max_position_embeddings") or config.get("n_positions")),
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or ""),
@@ -74,6 +90,29 @@ def inspect_checkpoint(path: Path, *, roots: list[Path], field_name: str = "path
         tokenizer_files=[name for name in TOKENIZER_FILES if (path / name).is_file()],
         config=config,
     )
+
+
+def parameter_count(files: list[Path]) -> int | None:
+    """Parameters from the safetensors headers (8-byte length, then JSON with each
+    tensor's dtype and shape): the floating-point tensors, so integer buffers such
+    as position_ids do not count. None when the weights are not all safetensors."""
+    weights = [f for f in files if f.name.endswith(WEIGHT_SUFFIXES)]
+    if not weights or any(not f.name.endswith(".safetensors") for f in weights):
+        return None
+    total = 0
+    try:
+        for file in weights:
+            with file.open("rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                if length > 100_000_000:
+                    return None
+                header = json.loads(handle.read(length))
+            for name, tensor in header.items():
+                if name != "__metadata__" and str(tensor.get("dtype", "")).startswith(("F", "BF")):
+                    total += math.prod(tensor.get("shape") or [1])
+    except (OSError, ValueError, struct.error, AttributeError):
+        return None  # not a readable safetensors file: the count stays unknown
+    return total
 
 
 def fingerprint(root: Path, files: list[Path]) -> str:

@@ -9,9 +9,11 @@ from typing import Any
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from deployments.events import DASHBOARD_GROUP, deployment_group
-from deployments.models import Deployment
+from deployments.events import DASHBOARD_GROUP, build_group, deployment_group
+from deployments.models import Deployment, EngineBuild
 from deployments.permissions import can_view
+
+TOPICS = {"deployment": (Deployment, deployment_group), "build": (EngineBuild, build_group)}
 
 
 class LiveConsumer(AsyncJsonWebsocketConsumer):
@@ -26,10 +28,11 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         if kwargs["topic"] == "dashboard":
             self.group = DASHBOARD_GROUP
         else:
-            if not await database_sync_to_async(Deployment.objects.filter(pk=kwargs["pk"]).exists)():
+            model, group_of = TOPICS[kwargs["topic"]]
+            if not await database_sync_to_async(model.objects.filter(pk=kwargs["pk"]).exists)():
                 await self.close(code=4404)
                 return
-            self.group = deployment_group(kwargs["pk"])
+            self.group = group_of(kwargs["pk"])
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
 

@@ -30,6 +30,7 @@ class EventPayload(TypedDict):
     source: str
     message: str
     deployment: int | None
+    build: int | None
     host: str | None
     from_status: str
     to_status: str
@@ -38,6 +39,10 @@ class EventPayload(TypedDict):
 
 def deployment_group(deployment_id: int) -> str:
     return f"deployment.{deployment_id}"
+
+
+def build_group(build_id: int) -> str:
+    return f"build.{build_id}"
 
 
 def host_group(host_name: str) -> str:
@@ -68,6 +73,7 @@ def event_payload(event: Event) -> EventPayload:
         "source": event.source,
         "message": event.message,
         "deployment": event.deployment_id,
+        "build": event.build_id,
         "host": event.host.name if event.host_id else None,
         "from_status": event.from_status,
         "to_status": event.to_status,
@@ -107,6 +113,8 @@ def record(
         groups.append(deployment_group(deployment.pk))
     if host is not None:
         groups.append(host_group(host.name))
+    if objects.get("build") is not None:
+        groups.append(build_group(objects["build"].pk))
 
     def _send() -> None:
         for group in groups:

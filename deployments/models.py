@@ -31,6 +31,10 @@ class GpuHost(models.Model):
     cuda_version = models.CharField(max_length=32, blank=True)
     agent_version = models.CharField(max_length=32, blank=True)
     nvml_error = models.CharField(max_length=255, blank=True, help_text="Why NVML gave no inventory, if so.")
+    builders = models.JSONField(
+        default=dict, blank=True,
+        help_text='What this host can build with: {"images": {image: digest}, "native": tensorrt_llm version}.',
+    )  # fmt: skip
     last_heartbeat = models.DateTimeField(null=True, blank=True)
     offline_since = models.DateTimeField(
         null=True, blank=True, help_text="Set by the control plane's sweep when the host missed its beats."
@@ -88,20 +92,43 @@ class ModelKind(models.TextChoices):
     PYTHON = "python", "Custom Python"
 
 
+class Inspection(models.TextChoices):
+    PENDING = "pending", "being inspected on its host"
+    READY = "ready"
+    FAILED = "failed"
+
+
 class RegisteredModel(models.Model):
+    """A HuggingFace-format checkpoint folder on a GPU host. The host that holds
+    it inspects it (workers.tasks.inspect_model) and fills in what it found."""
+
     name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
     kind = models.CharField(max_length=16, choices=ModelKind.choices)
+    host = models.ForeignKey(
+        GpuHost, null=True, blank=True, on_delete=models.PROTECT, related_name="models",
+        help_text="The host that holds the checkpoint and inspected it.",
+    )  # fmt: skip
     path = models.CharField(max_length=1024, help_text="Checkpoint folder on the GPU hosts.")
     hub_id = models.CharField(max_length=255, blank=True, help_text="Where it came from, for the record.")
     revision = models.CharField(max_length=64, blank=True)
+    inspection = models.CharField(max_length=16, choices=Inspection.choices, default=Inspection.PENDING)
+    inspection_message = models.TextField(blank=True)
     architecture = models.CharField(max_length=128, blank=True)
     model_type = models.CharField(max_length=64, blank=True)
+    parameter_count = models.BigIntegerField(null=True, blank=True, help_text="From the safetensors headers.")
     hidden_size = models.PositiveIntegerField(null=True, blank=True)
     num_layers = models.PositiveIntegerField(null=True, blank=True)
+    num_attention_heads = models.PositiveIntegerField(null=True, blank=True)
+    num_kv_heads = models.PositiveIntegerField(null=True, blank=True)
+    head_dim = models.PositiveIntegerField(null=True, blank=True)
+    vocab_size = models.PositiveIntegerField(null=True, blank=True)
     max_position_embeddings = models.PositiveIntegerField(null=True, blank=True)
     torch_dtype = models.CharField(max_length=32, blank=True)
     size_bytes = models.BigIntegerField(default=0)
-    fingerprint = models.CharField(max_length=64, help_text="sha256 over the checkpoint's files and contents.")
+    tokenizer_files = models.JSONField(default=list, blank=True)
+    fingerprint = models.CharField(
+        max_length=64, blank=True, help_text="sha256 over the checkpoint's files and contents."
+    )
     config = models.JSONField(default=dict, help_text="The checkpoint's config.json as read.")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)
@@ -116,36 +143,95 @@ class RegisteredModel(models.Model):
 class BuildStatus(models.TextChoices):
     PENDING = "pending"
     RUNNING = "running"
+    CANCELLING = "cancelling"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
 
 
+class BuildExecutor(models.TextChoices):
+    DOCKER = "docker", "Docker (builder image)"
+    NATIVE = "native", "Native (tensorrt_llm on the host)"
+
+
 class EngineBuild(models.Model):
-    """A TensorRT-LLM engine compiled from a registered checkpoint (see issue: engine builds)."""
+    """A TensorRT-LLM engine compiled from a registered checkpoint on one GPU host.
+
+    The request (spec, image, host) is fixed when the row is created; the worker
+    fills in what the build really used (TensorRT-LLM version, build and plugin
+    config, image digest, GPU) and its artifacts. Only services change a build.
+    """
 
     model = models.ForeignKey(RegisteredModel, on_delete=models.PROTECT, related_name="builds")
     host = models.ForeignKey(GpuHost, on_delete=models.PROTECT, related_name="builds")
     spec = models.JSONField(default=dict, help_text="The normalized build spec.")
-    status = models.CharField(max_length=16, choices=BuildStatus.choices, default=BuildStatus.PENDING)
-    status_message = models.TextField(blank=True)
+    executor = models.CharField(max_length=16, choices=BuildExecutor.choices, default=BuildExecutor.DOCKER)
     builder_image = models.CharField(max_length=255, blank=True)
     image_digest = models.CharField(max_length=128, blank=True)
     trtllm_version = models.CharField(max_length=32, blank=True)
     gpu_name = models.CharField(max_length=128, blank=True)
     compute_capability = models.CharField(max_length=8, blank=True)
+    gpu_ids = models.JSONField(default=list, blank=True, help_text="The host GPUs the build runs on.")
     tp_size = models.PositiveSmallIntegerField(default=1)
     pp_size = models.PositiveSmallIntegerField(default=1)
+    cache_key = models.CharField(
+        max_length=64, db_index=True, default="", help_text="sha256 of fingerprint, spec, image, GPU."
+    )
+    forced = models.BooleanField(default=False, help_text="Built although an identical engine existed.")
+    time_limit_s = models.PositiveIntegerField(default=7200)
+    status = models.CharField(max_length=16, choices=BuildStatus.choices, default=BuildStatus.PENDING)
+    status_message = models.TextField(blank=True)
+    phase = models.CharField(max_length=64, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    hint = models.TextField(blank=True)
+    runtime_handle = models.CharField(max_length=128, blank=True, help_text="Container id or process group.")
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
     output_dir = models.CharField(max_length=1024, blank=True)
+    artifacts = models.JSONField(default=list, blank=True, help_text="[{name, size, sha256}] of the engine folder.")
+    build_config = models.JSONField(default=dict, blank=True, help_text="build_config from the engine's config.json.")
+    plugin_config = models.JSONField(default=dict, blank=True)
+    engine_config = models.JSONField(default=dict, blank=True, help_text="The engine's config.json as written.")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
+        constraints = [
+            # Two identical requests at the same moment start one build.
+            models.UniqueConstraint(
+                fields=["cache_key"],
+                condition=models.Q(status__in=["pending", "running", "cancelling"]),
+                name="one_active_build_per_cache_key",
+            )
+        ]
 
     def __str__(self) -> str:
         return f"build {self.pk} of {self.model.name}"
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def engine_size_bytes(self) -> int:
+        return sum(a.get("size", 0) for a in self.artifacts if str(a.get("name", "")).endswith(".engine"))
+
+
+class BuildLogLine(models.Model):
+    """A line of a build's output, stored in batches (the newest GANTRY_BUILD_LOG_LINES are kept)."""
+
+    build = models.ForeignKey(EngineBuild, on_delete=models.CASCADE, related_name="log_lines")
+    at = models.DateTimeField(default=timezone.now)
+    line = models.TextField()
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["build", "id"])]
+
+    def __str__(self) -> str:
+        return self.line[:80]
 
 
 class DeploymentStatus(models.TextChoices):

@@ -8,7 +8,17 @@ from django.conf import settings
 from django.db.models import Prefetch, QuerySet
 from django.utils import timezone
 
-from deployments.models import Deployment, DeploymentModel, Event, GpuHost, LogLine, MetricSample, RegisteredModel
+from deployments.models import (
+    BuildLogLine,
+    Deployment,
+    DeploymentModel,
+    EngineBuild,
+    Event,
+    GpuHost,
+    LogLine,
+    MetricSample,
+    RegisteredModel,
+)
 from deployments.placement import resolve_instances
 
 
@@ -17,7 +27,30 @@ def host_list() -> QuerySet[GpuHost]:
 
 
 def model_list() -> QuerySet[RegisteredModel]:
-    return RegisteredModel.objects.select_related("created_by")
+    return RegisteredModel.objects.select_related("created_by", "host")
+
+
+def build_list(
+    *, model: str | None = None, status: str | None = None, host: str | None = None
+) -> QuerySet[EngineBuild]:
+    found = EngineBuild.objects.select_related("model", "host", "created_by")
+    if model:
+        found = found.filter(model__name=model)
+    if status:
+        found = found.filter(status=status)
+    if host:
+        found = found.filter(host__name=host)
+    return found
+
+
+def build_log(build_id: int, *, lines: int) -> list[str]:
+    newest = BuildLogLine.objects.filter(build_id=build_id).order_by("-id").values_list("line", flat=True)[:lines]
+    return list(reversed(newest))
+
+
+def build_events(build_id: int, *, limit: int = 500) -> list[Event]:
+    recent = Event.objects.filter(build_id=build_id).select_related("host").order_by("-created_at", "-id")
+    return list(reversed(recent[:limit]))
 
 
 def deployment_list() -> QuerySet[Deployment]:

@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from controlplane.celery import app as celery_app
 from deployments import events, states
-from deployments.checkpoints import inspect_checkpoint
+from deployments.checkpoints import CheckpointInfo, inspect_checkpoint, under_roots
 from deployments.errors import InvalidTransition, NotFound, PermissionDenied, ValidationFailed
 from deployments.models import (
     Backend,
@@ -31,6 +31,7 @@ from deployments.models import (
     DesiredState,
     Gpu,
     GpuHost,
+    Inspection,
     InstanceKind,
     LogLine,
     MetricSample,
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 
 # Kinds this version can place in a deployment, and the backend each uses.
 SERVABLE_KINDS = {ModelKind.EMBEDDING: Backend.PYTHON, ModelKind.RERANKER: Backend.PYTHON}
+# Kinds whose clients send text, so the checkpoint must carry its tokenizer.
+NEEDS_TOKENIZER = frozenset({ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.LLM})
 
 
 def _require_operator(user: Any) -> None:
@@ -76,8 +79,10 @@ def host_heartbeat(
     nvml_error: str = "",
     agent_version: str = "",
     gpus: list[GpuReport],
+    builders: dict[str, Any] | None = None,
 ) -> GpuHost:
-    """Record a host agent's beat and its GPU inventory; register the host on first beat."""
+    """Record a host agent's beat, its GPU inventory and what it can build with;
+    register the host on first beat."""
     now = timezone.now()
     with transaction.atomic():
         host, created = GpuHost.objects.select_for_update().get_or_create(
@@ -89,6 +94,8 @@ def host_heartbeat(
         host.cuda_version = cuda_version
         host.nvml_error = nvml_error[:255]
         host.agent_version = agent_version
+        if builders is not None:
+            host.builders = builders
         host.last_heartbeat = now
         host.offline_since = None
         host.save()
@@ -157,36 +164,41 @@ def model_register(
     name: str,
     kind: str,
     path: str,
+    host: str,
     hub_id: str = "",
     revision: str = "",
     user: Any = None,
 ) -> RegisteredModel:
-    """Register a HuggingFace-format checkpoint folder after reading its config.json."""
+    """Register a HuggingFace-format checkpoint folder on ``host``. The row is
+    created at once (inspection pending) and the host inspects the folder
+    (workers.tasks.inspect_model), filling in what it found or why it failed."""
     _require_operator(user)
+    errors: dict[str, str] = {}
     if kind not in ModelKind.values:
-        raise ValidationFailed({"kind": f"must be one of {', '.join(ModelKind.values)}"})
+        errors["kind"] = f"must be one of {', '.join(ModelKind.values)}"
     if RegisteredModel.objects.filter(name=name).exists():
-        raise ValidationFailed({"name": f"a model named {name!r} is already registered"})
-    info = inspect_checkpoint(Path(path), roots=settings.GANTRY_MODEL_ROOTS)
-    if kind in SERVABLE_KINDS and not info.tokenizer_files:
-        raise ValidationFailed({"path": f"a {kind} model needs its tokenizer files beside config.json"})
+        errors["name"] = f"a model named {name!r} is already registered"
+    target = GpuHost.objects.filter(name=host).first()
+    if target is None:
+        errors["host"] = f"no GPU host named {host!r}"
+    checkpoint = Path(path)
+    if not checkpoint.is_absolute():
+        errors["path"] = "must be an absolute path"
+    elif not under_roots(checkpoint, settings.GANTRY_MODEL_ROOTS):
+        allowed = ", ".join(str(r) for r in settings.GANTRY_MODEL_ROOTS)
+        errors["path"] = f"must be under one of the configured model roots ({allowed})"
+    if errors:
+        raise ValidationFailed(errors)
     try:
         with transaction.atomic():
             model = RegisteredModel.objects.create(
                 name=name,
                 kind=kind,
-                path=str(Path(path).resolve()),
+                host=target,
+                path=str(checkpoint),
                 hub_id=hub_id,
                 revision=revision,
-                architecture=info.architecture,
-                model_type=info.model_type,
-                hidden_size=info.hidden_size,
-                num_layers=info.num_layers,
-                max_position_embeddings=info.max_position_embeddings,
-                torch_dtype=info.torch_dtype,
-                size_bytes=info.size_bytes,
-                fingerprint=info.fingerprint,
-                config=info.config,
+                inspection=Inspection.PENDING,
                 created_by=events.signed_in(user),
             )
             events.record(
@@ -194,12 +206,65 @@ def model_register(
                 source=events.source_of(user),
                 actor=user,
                 model=model,
-                message=f"registered {name} ({info.architecture or info.model_type}, "
-                f"{info.size_bytes / 1e6:.0f} MB, fingerprint {info.fingerprint[:12]})",
+                host=target,
+                message=f"registered {name} at {path} on {host}; the host is inspecting it",
+            )
+            queue = target.queue
+            transaction.on_commit(
+                lambda: celery_app.send_task("workers.tasks.inspect_model", args=[model.pk], queue=queue)
             )
     except IntegrityError as exc:
         raise ValidationFailed({"name": f"a model named {name!r} is already registered"}) from exc
     return model
+
+
+def model_inspect(*, model_id: int, source: str) -> None:
+    """Read a registered checkpoint on the host that holds it (run there by its
+    worker) and record what was found, or why it could not be read."""
+    model = RegisteredModel.objects.filter(pk=model_id).first()
+    if model is None:
+        return
+    info: CheckpointInfo | None = None
+    error = ""
+    try:
+        info = inspect_checkpoint(Path(model.path), roots=settings.GANTRY_MODEL_ROOTS)
+    except ValidationFailed as exc:
+        error = " ".join(msg for msgs in exc.errors.values() for msg in msgs)
+    if info is not None and model.kind in NEEDS_TOKENIZER and not info.tokenizer_files:
+        error = f"a {model.kind} model needs its tokenizer files beside config.json"
+    with transaction.atomic():
+        if error:
+            RegisteredModel.objects.filter(pk=model_id).update(inspection=Inspection.FAILED, inspection_message=error)
+            events.record(kind="model.inspection_failed", source=source, model=model, message=error)
+            return
+        RegisteredModel.objects.filter(pk=model_id).update(
+            inspection=Inspection.READY,
+            inspection_message="",
+            path=str(Path(model.path).resolve()),
+            architecture=info.architecture,
+            model_type=info.model_type,
+            parameter_count=info.parameter_count,
+            hidden_size=info.hidden_size,
+            num_layers=info.num_layers,
+            num_attention_heads=info.num_attention_heads,
+            num_kv_heads=info.num_kv_heads,
+            head_dim=info.head_dim,
+            vocab_size=info.vocab_size,
+            max_position_embeddings=info.max_position_embeddings,
+            torch_dtype=info.torch_dtype,
+            size_bytes=info.size_bytes,
+            tokenizer_files=info.tokenizer_files,
+            fingerprint=info.fingerprint,
+            config=info.config,
+        )
+        params = f", {info.parameter_count / 1e6:.0f}M parameters" if info.parameter_count else ""
+        events.record(
+            kind="model.inspected",
+            source=source,
+            model=model,
+            message=f"{model.name}: {info.architecture or info.model_type}{params}, "
+            f"{info.size_bytes / 1e6:.0f} MB, fingerprint {info.fingerprint[:12]}",
+        )
 
 
 # --- deployments -------------------------------------------------------------
@@ -252,6 +317,10 @@ def _validate_placements(host: GpuHost, specs: list[PlacementSpec]) -> list[tupl
         if model.kind not in SERVABLE_KINDS:
             errors.setdefault(f"{where}.model", []).append(
                 f"{model.name} is a {model.kind} model; this version deploys {', '.join(SERVABLE_KINDS)} models only"
+            )
+        if model.inspection != Inspection.READY:
+            errors.setdefault(f"{where}.model", []).append(
+                f"{model.name} is not inspected yet ({model.inspection}) {model.inspection_message}".rstrip()
             )
         triton_name = spec.triton_name or model.name
         if triton_name in names:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from deployments import services
+from deployments import builds, services
 
 
 @shared_task(name="deployments.tasks.sweep_hosts")
 def sweep_hosts() -> list[str]:
+    """Hosts that missed their beats go offline; builds whose worker went quiet fail."""
+    builds.builds_reap()
     return services.hosts_sweep()

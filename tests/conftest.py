@@ -64,6 +64,14 @@ def gpu_host(db) -> GpuHost:  # noqa: ANN001
     )
 
 
+def register_inspected(*, name: str, kind: str, path: Path, host: GpuHost) -> RegisteredModel:
+    """Register a checkpoint and run the host's inspection in this process (what its worker would do)."""
+    model = services.model_register(name=name, kind=kind, path=str(path), host=host.name)
+    services.model_inspect(model_id=model.pk, source="test")
+    model.refresh_from_db()
+    return model
+
+
 @pytest.fixture
-def minilm(db, minilm_path: Path) -> RegisteredModel:  # noqa: ANN001
-    return services.model_register(name="minilm", kind="embedding", path=str(minilm_path))
+def minilm(db, minilm_path: Path, host: GpuHost) -> RegisteredModel:  # noqa: ANN001
+    return register_inspected(name="minilm", kind="embedding", path=minilm_path, host=host)

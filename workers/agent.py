@@ -16,16 +16,26 @@ from django.db import close_old_connections
 
 from controlplane.celery import host_queue
 from deployments import services
-from workers import deployer, nvml
+from workers import builder, deployer, nvml
 
 log = logging.getLogger(__name__)
 AGENT_VERSION = "0.1.0"
 _stop = threading.Event()
 
 
+# Probing images and the native toolchain takes a moment: refreshed every few beats.
+BUILDERS_EVERY_BEATS = 6
+_beats = 0
+_builders: dict = {}
+
+
 def beat_once() -> None:
     """One heartbeat with the current inventory, then one reconcile pass."""
+    global _beats, _builders
     inventory = nvml.read_inventory()
+    if _beats % BUILDERS_EVERY_BEATS == 0:
+        _builders = builder.builders_report()
+    _beats += 1
     services.host_heartbeat(
         name=settings.GANTRY_HOST_NAME,
         address=settings.GANTRY_HOST_ADDRESS,
@@ -34,8 +44,10 @@ def beat_once() -> None:
         nvml_error=inventory.error,
         agent_version=AGENT_VERSION,
         gpus=inventory.gpus,
+        builders=_builders,
     )
     deployer.reconcile_host(inventory)
+    builder.reconcile_builds()
 
 
 def run_forever() -> None:

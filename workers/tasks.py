@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from workers import agent, deployer  # noqa: F401 - importing agent connects it to worker start
+from deployments import services
+from workers import agent, builder, deployer  # noqa: F401 - importing agent connects it to worker start
 
 
 @shared_task(name="workers.tasks.launch_deployment")
@@ -21,3 +22,14 @@ def stop_deployment(deployment_id: int) -> None:
 @shared_task(name="workers.tasks.apply_generation")
 def apply_generation(deployment_id: int, generation: int) -> None:
     deployer.apply_generation(deployment_id, generation)
+
+
+@shared_task(name="workers.tasks.inspect_model")
+def inspect_model(model_id: int) -> None:
+    services.model_inspect(model_id=model_id, source=builder.source())
+
+
+# A build enforces its own time limit (and may run for hours): no Celery limit.
+@shared_task(name="workers.tasks.run_build", soft_time_limit=None, time_limit=None)
+def run_build(build_id: int) -> None:
+    builder.run_build(build_id)

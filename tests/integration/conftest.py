@@ -89,13 +89,15 @@ class Stack:
         return session
 
     def register_models(self, path: Path, **kinds: str) -> None:
-        """Register the checkpoint at ``path`` once per name=kind, through the REST API."""
+        """Register the checkpoint at ``path`` on this stack's host once per name=kind,
+        through the REST API, and wait until the host's worker has inspected it."""
         http = self.session()
         for name, kind in kinds.items():
-            response = http.post(
-                f"{self.web_url}/api/models/", json={"name": name, "kind": kind, "path": str(path)}, timeout=30
-            )
+            body = {"name": name, "kind": kind, "path": str(path), "host": self.host_name}
+            response = http.post(f"{self.web_url}/api/models/", json=body, timeout=30)
             assert response.status_code == 201, response.text
+            url = f"{self.web_url}/api/models/{response.json()['id']}/"
+            wait_for(lambda url=url: http.get(url, timeout=10).json()["inspection"] == "ready", 60, f"{name} inspected")
 
     def start_worker(self) -> subprocess.Popen:
         self.worker = _spawn(

@@ -4,6 +4,7 @@ message naming the field and rule, and leaves stored data unchanged."""
 import pytest
 from rest_framework.test import APIClient
 
+from deployments import services
 from deployments.models import Deployment, DeploymentStatus, Event, RegisteredModel
 
 
@@ -95,28 +96,53 @@ def test_viewer_can_read_but_not_act(viewer, host, minilm, api):
     assert _create(client, name="mine").status_code == 403
 
 
-def test_register_model_reads_its_config(api, minilm_path):
-    response = api.post("/api/models/", {"name": "mini", "kind": "embedding", "path": str(minilm_path)}, format="json")
+def _register(api, path, **extra):  # noqa: ANN001, ANN003, ANN202
+    body = {"name": "mini", "kind": "embedding", "path": str(path), "host": "cpu-host", **extra}
+    return api.post("/api/models/", body, format="json")
+
+
+def test_registered_model_is_inspected_by_its_host(api, host, minilm_path):
+    response = _register(api, minilm_path)
     assert response.status_code == 201, response.data
-    assert response.data["architecture"] == "BertModel"
-    assert response.data["hidden_size"] == 384
-    assert len(response.data["fingerprint"]) == 64
+    assert response.data["inspection"] == "pending" and response.data["host"] == "cpu-host"
+    services.model_inspect(model_id=response.data["id"], source="worker:cpu-host")
+    model = api.get(f"/api/models/{response.data['id']}/").data
+    assert model["inspection"] == "ready"
+    assert model["architecture"] == "BertModel"
+    assert model["hidden_size"] == 384 and model["num_attention_heads"] == 12 and model["head_dim"] == 32
+    assert model["parameter_count"] == 22_713_216  # all-MiniLM-L6-v2's safetensors
+    assert "tokenizer.json" in model["tokenizer_files"]
+    assert len(model["fingerprint"]) == 64
 
 
-def test_register_model_from_missing_folder_is_refused(api, tmp_path):
-    response = api.post(
-        "/api/models/", {"name": "x", "kind": "embedding", "path": str(tmp_path / "none")}, format="json"
-    )
+def test_model_in_a_missing_folder_fails_its_inspection(api, host, tmp_path):
+    response = _register(api, tmp_path / "none")
+    assert response.status_code == 201
+    services.model_inspect(model_id=response.data["id"], source="worker:cpu-host")
+    model = RegisteredModel.objects.get(pk=response.data["id"])
+    assert model.inspection == "failed" and "is not a folder" in model.inspection_message
+
+
+def test_model_on_unknown_host_is_refused(api, minilm_path):
+    response = _register(api, minilm_path, host="nowhere")
     assert response.status_code == 400
-    assert "is not a folder" in response.data["errors"]["path"][0]
+    assert "no GPU host named 'nowhere'" in response.data["errors"]["host"][0]
     assert RegisteredModel.objects.count() == 0
 
 
-def test_register_model_outside_roots_is_refused(api, minilm_path, settings):
+def test_register_model_outside_roots_is_refused(api, host, minilm_path, settings):
     settings.GANTRY_MODEL_ROOTS = [minilm_path.parent.parent / "elsewhere"]
-    response = api.post("/api/models/", {"name": "x", "kind": "embedding", "path": str(minilm_path)}, format="json")
+    response = _register(api, minilm_path)
     assert response.status_code == 400
     assert "configured model roots" in response.data["errors"]["path"][0]
+    assert RegisteredModel.objects.count() == 0
+
+
+def test_model_still_being_inspected_cannot_be_deployed(api, host, minilm_path):
+    _register(api, minilm_path)
+    response = _create(api, models=[{"model": "mini"}])
+    assert response.status_code == 400
+    assert "not inspected yet" in response.data["errors"]["models[0].model"][0]
 
 
 def test_over_headroom_gpu_plan_is_refused(api, gpu_host, minilm):

@@ -64,7 +64,7 @@ def run_options(spec: LaunchSpec, host_name: str) -> dict:
         "detach": True,
     }
     if spec.gpu_ids:
-        options["device_requests"] = [DeviceRequest(device_ids=[str(i) for i in spec.gpu_ids], capabilities=[["gpu"]])]
+        options["device_requests"] = device_requests(spec.gpu_ids)
     return options
 
 
@@ -188,3 +188,156 @@ class DockerRuntime:
             )
             for c in found
         ]
+
+
+# --- engine builds ---------------------------------------------------------------
+
+LABEL_BUILD = "gantry.build"
+
+
+@dataclass(frozen=True)
+class BuildContainerSpec:
+    """One build step in the builder image: its argv, GPUs and mounts (same path inside as outside)."""
+
+    build_id: int
+    step: int
+    image: str
+    argv: list[str]
+    gpu_ids: tuple[int, ...]
+    read_only: tuple[str, ...]
+    read_write: tuple[str, ...]
+    ulimits: tuple[tuple[str, int, int], ...]
+    env: dict[str, str]
+
+
+def build_run_options(spec: BuildContainerSpec, host_name: str) -> dict:
+    """Everything ``containers.run`` gets for a build step: GPUs by device request,
+    NVIDIA's shm size and ulimits, the checkpoint read-only, the work folders
+    read-write, labels tying the container to its build. Never privileged."""
+    mounts = [Mount(target=p, source=p, type="bind", read_only=True) for p in spec.read_only]
+    mounts += [Mount(target=p, source=p, type="bind", read_only=False) for p in spec.read_write]
+    options = {
+        "image": spec.image,
+        "command": spec.argv,
+        "name": f"gantry-build-{spec.build_id}-{spec.step}",
+        "labels": {LABEL_HOST: host_name, LABEL_BUILD: str(spec.build_id)},
+        "network_mode": "host",
+        "shm_size": SHM_SIZE,
+        "ulimits": [Ulimit(name=name, soft=soft, hard=hard) for name, soft, hard in spec.ulimits],
+        "mounts": mounts,
+        "environment": spec.env,
+        "privileged": False,
+        "detach": True,
+    }
+    if spec.gpu_ids:
+        options["device_requests"] = device_requests(spec.gpu_ids)
+    return options
+
+
+def device_requests(gpu_ids: tuple[int, ...]) -> list[DeviceRequest]:
+    """The GPUs a container gets (``--gpus '"device=0,1"'``)."""
+    return [DeviceRequest(device_ids=[str(i) for i in gpu_ids], capabilities=[["gpu"]])]
+
+
+class BuildContainer:
+    """A running build step: lines stream from its output, the exit code when done."""
+
+    def __init__(self, spec: BuildContainerSpec, host_name: str) -> None:
+        client = _client()
+        try:
+            try:
+                client.containers.get(build_run_options(spec, host_name)["name"]).remove(force=True)
+            except NotFound:
+                pass
+            self._container = client.containers.run(**build_run_options(spec, host_name))
+        except ImageNotFound as exc:
+            raise PermanentError(f"builder image {spec.image} is not on this host") from exc
+        except APIError as exc:
+            raise PermanentError(f"Docker refused the build container: {exc.explanation}") from exc
+        finally:
+            client.close()
+        self.handle = self._container.id
+
+    def stream(self):  # noqa: ANN201 - an iterator of output lines, until the container exits
+        client = _client()
+        try:
+            pending = b""
+            for chunk in client.containers.get(self.handle).logs(stream=True, follow=True):
+                pending += chunk
+                *complete, pending = pending.split(b"\n")
+                for raw in complete:
+                    yield raw.decode("utf-8", errors="replace").rstrip("\r")
+            if pending:
+                yield pending.decode("utf-8", errors="replace")
+        except (APIError, NotFound):
+            return
+        finally:
+            client.close()
+
+    def exit_code(self) -> int | None:
+        try:
+            self._container.reload()
+        except NotFound:
+            return -9
+        except APIError:
+            return None
+        if self._container.status in ("exited", "dead"):
+            return int(self._container.attrs.get("State", {}).get("ExitCode", -1))
+        return None
+
+    def kill(self) -> None:
+        remove_container(self.handle)
+
+    def remove(self) -> None:
+        remove_container(self.handle)
+
+
+def remove_container(handle: str) -> None:
+    client = _client()
+    try:
+        client.containers.get(handle).remove(force=True)
+    except NotFound:
+        pass
+    except APIError as exc:
+        raise TransientError(f"Docker could not remove {handle[:12]}: {exc.explanation}") from exc
+    finally:
+        client.close()
+
+
+def build_containers(host_name: str) -> dict[str, int]:
+    """Build containers Gantry started on this host: container id -> build id."""
+    client = _client()
+    try:
+        found = client.containers.list(all=True, filters={"label": [f"{LABEL_HOST}={host_name}", LABEL_BUILD]})
+    except APIError as exc:
+        raise TransientError(f"Docker: {exc.explanation}") from exc
+    finally:
+        client.close()
+    return {c.id: int(c.labels.get(LABEL_BUILD, "0")) for c in found}
+
+
+def image_digests(images: list[str]) -> dict[str, str]:
+    """The digest of each of ``images`` present on this host (the repo digest where
+    it was pulled, else the local image id); absent images are left out."""
+    if not images:
+        return {}
+    try:
+        client = _client()
+    except TransientError:
+        return {}
+    digests = {}
+    try:
+        for image in images:
+            try:
+                found = client.images.get(image)
+            except (NotFound, ImageNotFound):
+                continue
+            except APIError:
+                continue
+            repo_digests = found.attrs.get("RepoDigests") or []
+            digests[image] = repo_digests[0].rpartition("@")[2] if repo_digests else found.id
+    except DockerException:
+        return digests
+    finally:
+        client.close()
+    return digests

@@ -28,7 +28,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from controlplane.celery import host_worker_argv
 from deployments import services, states
 from deployments.errors import GantryError
-from deployments.models import Deployment, DeploymentStatus, GpuHost, RegisteredModel
+from deployments.models import Deployment, DeploymentStatus, GpuHost, Inspection, RegisteredModel
 from workers import deployer
 from workers.runtimes import process as triton_process
 
@@ -165,11 +165,29 @@ class Command(BaseCommand):
                 continue
             try:
                 services.model_register(
-                    name=name, kind=kind, path=str(path), hub_id="sentence-transformers/all-MiniLM-L6-v2"
+                    name=name,
+                    kind=kind,
+                    path=str(path),
+                    host=settings.GANTRY_HOST_NAME,
+                    hub_id="sentence-transformers/all-MiniLM-L6-v2",
                 )
             except GantryError as exc:
                 raise CommandError(f"could not register {name}: {exc}") from exc
             self.stdout.write(f"registered {kind} model {name} from {path}")
+        self._wait_for_inspection()
+
+    def _wait_for_inspection(self, timeout_s: float = 60) -> None:
+        """The worker reads the checkpoints; the demo is ready once it has."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._check_children()
+            pending = RegisteredModel.objects.filter(inspection=Inspection.PENDING)
+            if not pending.exists():
+                for model in RegisteredModel.objects.filter(inspection=Inspection.FAILED):
+                    self.stderr.write(f"{model.name}: inspection failed: {model.inspection_message}")
+                return
+            time.sleep(0.5)
+        raise CommandError(f"the worker did not inspect the demo models within {timeout_s:.0f}s")
 
     # --- running and stopping ---------------------------------------------
 

@@ -1,0 +1,261 @@
+"""Gantry's one home for TensorRT-LLM command lines.
+
+What each TensorRT-LLM release accepts is kept as data (``RELEASES``): the
+flags of trtllm-build and of the checkpoint converters, where the per-model
+example scripts live, and which flag turns the paged KV cache on. Command
+lines are composed only from flags the chosen release has, and the tests pin
+the table, so a build never fails on an unknown argument an hour in.
+
+Sources: ``tensorrt_llm/commands/build.py`` (argument parser and
+``add_plugin_argument``), ``examples/*/convert_checkpoint.py`` and
+``examples/quantization/quantize.py`` of each release tag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Flags every release in the table shares.
+_BUILD_COMMON = frozenset(
+    {
+        "--checkpoint_dir",
+        "--output_dir",
+        "--max_batch_size",
+        "--max_input_len",
+        "--max_seq_len",
+        "--max_beam_width",
+        "--max_num_tokens",
+        "--gemm_plugin",
+        "--gpt_attention_plugin",
+        "--context_fmha",
+        "--use_paged_context_fmha",
+        "--remove_input_padding",
+        "--input_timing_cache",
+        "--output_timing_cache",
+        "--workers",
+        "--log_level",
+    }
+)
+_CONVERT_COMMON = frozenset(
+    {
+        "--model_dir",
+        "--output_dir",
+        "--dtype",
+        "--tp_size",
+        "--pp_size",
+        "--workers",
+        "--use_weight_only",
+        "--weight_only_precision",
+    }
+)
+_QUANTIZE_COMMON = frozenset(
+    {"--model_dir", "--output_dir", "--dtype", "--qformat", "--kv_cache_dtype", "--tp_size", "--pp_size"}
+)
+
+# Architecture (config.json "architectures"[0]) -> the example folder with its converter.
+_MODELS_FLAT = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen",
+    "GPT2LMHeadModel": "gpt",
+    "GPTNeoXForCausalLM": "gptneox",
+    "FalconForCausalLM": "falcon",
+    "GemmaForCausalLM": "gemma",
+    "Phi3ForCausalLM": "phi",
+    "GPTJForCausalLM": "gptj",
+}
+# From 0.19 the examples are split into models/core and models/contrib.
+_MODELS_SPLIT = {
+    "LlamaForCausalLM": "models/core/llama",
+    "MistralForCausalLM": "models/core/llama",
+    "MixtralForCausalLM": "models/core/llama",
+    "Qwen2ForCausalLM": "models/core/qwen",
+    "GPT2LMHeadModel": "models/core/gpt",
+    "GemmaForCausalLM": "models/core/gemma",
+    "Phi3ForCausalLM": "models/core/phi",
+    "GPTNeoXForCausalLM": "models/contrib/gptneox",
+    "FalconForCausalLM": "models/contrib/falcon",
+    "GPTJForCausalLM": "models/contrib/gptj",
+}
+
+
+@dataclass(frozen=True)
+class Release:
+    """What one TensorRT-LLM release accepts."""
+
+    version: str
+    examples_dir: str  # inside the NGC Triton TRT-LLM image
+    model_dirs: dict[str, str]
+    build_flags: frozenset[str]
+    convert_flags: frozenset[str]
+    quantize_flags: frozenset[str]
+    paged_kv_cache: tuple[str, str]  # the flag and value that select the paged KV cache
+
+    @property
+    def architectures(self) -> list[str]:
+        return sorted(self.model_dirs)
+
+
+RELEASES: dict[str, Release] = {
+    release.version: release
+    for release in (
+        # Triton 24.08: --kv_cache_type does not exist yet.
+        Release(
+            version="0.12.0",
+            examples_dir="/app/tensorrt_llm/examples",
+            model_dirs=_MODELS_FLAT,
+            build_flags=_BUILD_COMMON | {"--paged_kv_cache"},
+            convert_flags=_CONVERT_COMMON,
+            quantize_flags=_QUANTIZE_COMMON,
+            paged_kv_cache=("--paged_kv_cache", "enable"),
+        ),
+        # Triton 24.12 (the seeds' image): --kv_cache_type, --paged_kv_cache deprecated.
+        Release(
+            version="0.16.0",
+            examples_dir="/app/tensorrt_llm/examples",
+            model_dirs=_MODELS_FLAT,
+            build_flags=_BUILD_COMMON | {"--kv_cache_type", "--paged_kv_cache"},
+            convert_flags=_CONVERT_COMMON,
+            quantize_flags=_QUANTIZE_COMMON,
+            paged_kv_cache=("--kv_cache_type", "paged"),
+        ),
+        # Triton 25.06: examples under models/core|contrib; the LLM-API backend serves checkpoints directly.
+        Release(
+            version="0.20.0",
+            examples_dir="/app/tensorrt_llm/examples",
+            model_dirs=_MODELS_SPLIT,
+            build_flags=_BUILD_COMMON | {"--kv_cache_type"},
+            convert_flags=_CONVERT_COMMON,
+            quantize_flags=_QUANTIZE_COMMON,
+            paged_kv_cache=("--kv_cache_type", "paged"),
+        ),
+    )
+}
+
+DTYPES = ("float16", "bfloat16")
+QUANTIZATIONS = ("none", "fp8", "int8_wo", "int4_wo")
+PLUGIN_CHOICES = ("auto", "disable", "float16", "bfloat16", "float32")
+# The lowest compute capability each choice runs on (TensorRT-LLM support matrix).
+MIN_COMPUTE_CAPABILITY = {"bfloat16": (8, 0), "fp8": (8, 9), "int8_wo": (7, 0), "int4_wo": (7, 0)}
+
+
+def release_for(version: str) -> Release | None:
+    return RELEASES.get(version)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of a build: the phase it belongs to and its argv."""
+
+    phase: str
+    argv: list[str]
+
+
+@dataclass(frozen=True)
+class BuildPaths:
+    checkpoint: Path  # the HuggingFace checkpoint (read-only)
+    converted: Path  # TensorRT-LLM checkpoint written by the converter
+    engine: Path  # the engine folder trtllm-build writes
+    timing_cache: Path  # per GPU model and image
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """How the commands are invoked: in the image, or by a host's python with tensorrt_llm."""
+
+    python: list[str]
+    trtllm_build: list[str]
+    examples_dir: str
+
+
+def _flags(allowed: frozenset[str], pairs: list[tuple[str, Any]], tool: str, version: str) -> list[str]:
+    argv: list[str] = []
+    for flag, value in pairs:
+        if flag not in allowed:
+            raise ValueError(f"{tool} of TensorRT-LLM {version} has no {flag}")
+        argv += [flag] if value is None else [flag, str(value)]
+    return argv
+
+
+def _plugin(choice: str, dtype: str) -> str:
+    return dtype if choice == "auto" else choice
+
+
+def compose(
+    spec: dict[str, Any], release: Release, paths: BuildPaths, tools: Toolchain, architecture: str
+) -> list[Step]:
+    """The build's commands, in order: convert (or quantize), then trtllm-build.
+
+    ``spec`` is a normalized build spec (deployments.builds.normalize_spec).
+    Raises ValueError for an architecture the release has no converter for.
+    """
+    if architecture not in release.model_dirs:
+        raise ValueError(f"TensorRT-LLM {release.version} has no converter for {architecture}")
+    dtype = spec["dtype"]
+    quantization = spec["quantization"]
+    parallel = [("--tp_size", spec["tp_size"]), ("--pp_size", spec["pp_size"])]
+    steps = []
+    if quantization == "fp8":
+        script = f"{tools.examples_dir}/quantization/quantize.py"
+        pairs = [
+            ("--model_dir", paths.checkpoint),
+            ("--output_dir", paths.converted),
+            ("--dtype", dtype),
+            ("--qformat", "fp8"),
+            ("--kv_cache_dtype", "fp8"),
+            *parallel,
+        ]
+        steps.append(
+            Step(
+                "quantizing",
+                [*tools.python, script, *_flags(release.quantize_flags, pairs, "quantize.py", release.version)],
+            )
+        )
+    else:
+        script = f"{tools.examples_dir}/{release.model_dirs[architecture]}/convert_checkpoint.py"
+        pairs = [
+            ("--model_dir", paths.checkpoint),
+            ("--output_dir", paths.converted),
+            ("--dtype", dtype),
+            *parallel,
+            ("--workers", spec["workers"]),
+        ]
+        if quantization in ("int8_wo", "int4_wo"):
+            pairs += [("--use_weight_only", None), ("--weight_only_precision", quantization.removesuffix("_wo"))]
+        steps.append(
+            Step(
+                "converting",
+                [
+                    *tools.python,
+                    script,
+                    *_flags(release.convert_flags, pairs, "convert_checkpoint.py", release.version),
+                ],
+            )
+        )
+    enable = {True: "enable", False: "disable"}
+    pairs = [
+        ("--checkpoint_dir", paths.converted),
+        ("--output_dir", paths.engine),
+        ("--max_batch_size", spec["max_batch_size"]),
+        ("--max_input_len", spec["max_input_len"]),
+        ("--max_seq_len", spec["max_seq_len"]),
+        ("--max_num_tokens", spec["max_num_tokens"]),
+        ("--max_beam_width", spec["max_beam_width"]),
+        ("--gemm_plugin", _plugin(spec["gemm_plugin"], dtype)),
+        ("--gpt_attention_plugin", _plugin(spec["gpt_attention_plugin"], dtype)),
+        ("--context_fmha", enable[spec["context_fmha"]]),
+        ("--use_paged_context_fmha", enable[spec["paged_context_fmha"]]),
+        ("--remove_input_padding", enable[spec["remove_input_padding"]]),
+        release.paged_kv_cache,
+        ("--input_timing_cache", paths.timing_cache),
+        ("--output_timing_cache", paths.timing_cache),
+        ("--workers", spec["workers"]),
+        ("--log_level", "info"),
+    ]
+    steps.append(
+        Step("building", [*tools.trtllm_build, *_flags(release.build_flags, pairs, "trtllm-build", release.version)])
+    )
+    return steps
