@@ -38,7 +38,9 @@ test: venv lint
 	scripts/ensure-packages.sh chromium
 	scripts/ensure-docker.sh
 	scripts/build-triton-test-image.sh $(PY) > .triton-test-image
-	GANTRY_TEST_TRITON_IMAGE=$$(cat .triton-test-image) $(TEST_ENV) $(PY) -m pytest $(PYTEST_ARGS)
+	tests/fixtures/build-builder-image.sh $(PY) $$(cat .triton-test-image) 0.16.0 > .builder-test-image
+	GANTRY_TEST_TRITON_IMAGE=$$(cat .triton-test-image) GANTRY_TEST_BUILDER_IMAGE=$$(cat .builder-test-image) \
+	  $(TEST_ENV) $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf var .pytest_cache .ruff_cache

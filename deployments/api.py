@@ -511,7 +511,7 @@ class BuildIn(StrictSerializer):
     host = serializers.CharField(max_length=63)
     image = serializers.CharField(max_length=255, help_text="an allow-listed builder image, or 'native'")
     spec = BuildSpecIn(required=False, default=dict)
-    time_limit_s = serializers.IntegerField(min_value=60, required=False, default=None)
+    time_limit_s = serializers.IntegerField(min_value=builds.MIN_TIME_LIMIT_S, required=False, default=None)
     force = serializers.BooleanField(required=False, default=False)
 
 

@@ -44,6 +44,7 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 TERMINAL = frozenset({B.SUCCEEDED, B.FAILED, B.CANCELLED})
 ACTIVE = frozenset({B.PENDING, B.RUNNING, B.CANCELLING})
+MIN_TIME_LIMIT_S = 10
 NATIVE = "native"  # the builder "image" that means tensorrt_llm installed on the host itself
 
 DEFAULTS: dict[str, Any] = {
@@ -236,8 +237,10 @@ def build_request(
     if target is None:
         raise ValidationFailed({"host": f"no GPU host named {host!r}"})
     limit = time_limit_s or settings.GANTRY_BUILD_TIME_LIMIT
-    if not 60 <= limit <= settings.GANTRY_BUILD_TIME_LIMIT_MAX:
-        raise ValidationFailed({"time_limit_s": f"must be between 60 and {settings.GANTRY_BUILD_TIME_LIMIT_MAX}"})
+    if not MIN_TIME_LIMIT_S <= limit <= settings.GANTRY_BUILD_TIME_LIMIT_MAX:
+        raise ValidationFailed(
+            {"time_limit_s": f"must be between {MIN_TIME_LIMIT_S} and {settings.GANTRY_BUILD_TIME_LIMIT_MAX}"}
+        )
     normalized = normalize_spec(spec, model=registered, host=target, image=image)
     digest = image_digest(target, image)
     key = cache_key(fingerprint=registered.fingerprint, spec=normalized, image_digest=digest)

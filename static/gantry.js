@@ -152,6 +152,69 @@ const Gantry = (() => {
     if (rerankButton) rerankButton.addEventListener("click", () => rerank(id, rerankButton.dataset.model));
   }
 
+  function buildPage(id) {
+    const badge = document.querySelector("#build [data-status]");
+    const phase = document.getElementById("phase");
+    const message = document.getElementById("status-message");
+    const hint = document.getElementById("hint");
+    const exitCode = document.getElementById("exit-code");
+    const events = document.getElementById("events");
+    const log = document.getElementById("build-log");
+    const cancel = document.getElementById("cancel");
+    const actionError = document.getElementById("action-error");
+    const ENDED = ["succeeded", "failed", "cancelled"];
+
+    function appendLog(lines) {
+      const kept = (log.textContent + lines.map((l) => l + "\n").join("")).split("\n").slice(-2000);
+      log.textContent = kept.join("\n");
+      log.scrollTop = log.scrollHeight;
+    }
+    function render(build) {
+      setStatus(badge, build.status);
+      phase.textContent = build.phase || "waiting for the host";
+      message.textContent = build.status_message;
+      hint.textContent = build.hint;
+      hint.hidden = !build.hint;
+      exitCode.textContent = build.exit_code === null ? "–" : build.exit_code;
+      if (cancel) cancel.disabled = ENDED.includes(build.status) || build.status === "cancelling";
+      if (ENDED.includes(build.status) && build.artifacts.length && !document.getElementById("artifacts")) {
+        location.reload();  // the artifacts table is rendered by the server
+      }
+    }
+    function addEvent(event) {
+      if (!events.querySelector(`[data-event-id="${event.id}"]`)) events.prepend(eventRow(event));
+    }
+    async function refresh() {
+      render(await api("GET", `/api/builds/${id}/`));
+      events.replaceChildren();
+      (await api("GET", `/api/builds/${id}/events/`)).forEach(addEvent);
+      log.textContent = "";
+      appendLog((await api("GET", `/api/builds/${id}/log/?lines=1000`)).lines);
+    }
+    live(`/ws/builds/${id}/`, {
+      indicator: document.getElementById("live-indicator"),
+      onOpen: refresh,
+      onMessage: async (event) => {
+        if (event.type === "log") appendLog(event.lines);
+        if (event.type === "build" && event.phase) phase.textContent = event.phase;
+        if (event.type !== "event") return;
+        addEvent(event);
+        if (event.to_status) render(await api("GET", `/api/builds/${id}/`));
+      },
+    });
+    if (cancel) {
+      cancel.addEventListener("click", async () => {
+        actionError.hidden = true;
+        try {
+          render(await api("POST", `/api/builds/${id}/cancel/`));
+        } catch (error) {
+          actionError.textContent = error.message;
+          actionError.hidden = false;
+        }
+      });
+    }
+  }
+
   function renderMetrics(at, models) {
     const body = document.getElementById("metrics");
     const format = (value, digits) => (value === undefined ? "–" : Number(value).toFixed(digits));
@@ -225,5 +288,5 @@ const Gantry = (() => {
     });
   }
 
-  return { api, deploymentPage, dashboard };
+  return { api, deploymentPage, buildPage, dashboard };
 })();

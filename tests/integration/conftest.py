@@ -82,6 +82,7 @@ class Stack:
     env: dict[str, str]
     worker: subprocess.Popen
     log_dir: Path
+    worker_argv: list[str] | None = None  # default: the product's host worker command
 
     def session(self) -> requests.Session:
         session = requests.Session()
@@ -100,11 +101,8 @@ class Stack:
             wait_for(lambda url=url: http.get(url, timeout=10).json()["inspection"] == "ready", 60, f"{name} inspected")
 
     def start_worker(self) -> subprocess.Popen:
-        self.worker = _spawn(
-            [*host_worker_argv(sys.executable, self.host_name), "--without-mingle", "--without-gossip"],
-            self.env,
-            self.log_dir / "worker.log",
-        )
+        argv = self.worker_argv or host_worker_argv(sys.executable, self.host_name)
+        self.worker = _spawn([*argv, "--without-mingle", "--without-gossip"], self.env, self.log_dir / "worker.log")
         return self.worker
 
 
@@ -116,6 +114,12 @@ def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.P
 @pytest.fixture
 def stack(transactional_db, tmp_path: Path, operator: User) -> Iterator[Stack]:  # noqa: ANN001
     """daphne + a Celery worker for a fresh host name, sharing the test database."""
+    yield from make_stack(tmp_path, operator)
+
+
+def make_stack(
+    tmp_path: Path, operator: User, *, extra_env: dict[str, str] | None = None, worker_argv: list[str] | None = None
+) -> Iterator[Stack]:
     db = settings.DATABASES["default"]
     database_url = f"postgres://{db['USER']}:{db.get('PASSWORD') or ''}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
     assert dj_database_url.parse(database_url)["NAME"].startswith("test_")
@@ -137,6 +141,7 @@ def stack(transactional_db, tmp_path: Path, operator: User) -> Iterator[Stack]: 
         "GANTRY_ALLOWED_IMAGES": os.environ.get("GANTRY_TEST_TRITON_IMAGE", ""),
         # This sandbox forbids raising RLIMIT_MEMLOCK; keep NVIDIA's stack size.
         "GANTRY_DOCKER_ULIMITS": "stack=67108864:67108864",
+        **(extra_env or {}),
     }
     settings.GANTRY_TRITON_PORT_RANGE = (triton_base, triton_base + 29)
     web_port = free_port()
@@ -158,6 +163,7 @@ def stack(transactional_db, tmp_path: Path, operator: User) -> Iterator[Stack]: 
         env=env,
         worker=None,  # type: ignore[arg-type]
         log_dir=log_dir,
+        worker_argv=[a.replace("{host}", host_name) for a in worker_argv] if worker_argv else None,
     )
     result.start_worker()
     try:

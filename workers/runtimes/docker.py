@@ -170,10 +170,12 @@ class DockerRuntime:
         return [int(row[0]) for row in top.get("Processes") or [] if row and str(row[0]).isdigit()]
 
     def containers(self) -> list[Container]:
-        """Every container Gantry started on this host, running or not."""
+        """Every deployment container Gantry started on this host, running or not."""
         client = _client()
         try:
-            found = client.containers.list(all=True, filters={"label": f"{LABEL_HOST}={self.host_name}"})
+            # Deployment containers only: build containers carry the host label too.
+            labels = [f"{LABEL_HOST}={self.host_name}", LABEL_DEPLOYMENT]
+            found = client.containers.list(all=True, filters={"label": labels})
         except APIError as exc:
             raise TransientError(f"Docker: {exc.explanation}") from exc
         finally:
