@@ -26,6 +26,7 @@ from deployments.models import (
     ModelKind,
     RegisteredModel,
     Runtime,
+    SchedulerPolicy,
 )
 from deployments.permissions import ReadOrOperate
 
@@ -172,6 +173,9 @@ class PlacementOut(serializers.ModelSerializer):
             "instance_kind",
             "gpu_ids",
             "gpu_memory_fraction",
+            "batch_scheduler_policy",
+            "decoupled",
+            "kv_cache_tokens",
         ]
 
 
@@ -239,6 +243,11 @@ class PlacementIn(StrictSerializer):
         child=serializers.IntegerField(min_value=0, max_value=63), max_length=64, default=list
     )
     gpu_memory_fraction = serializers.FloatField(min_value=0.01, max_value=1.0, default=0.1)
+    engine_build = serializers.IntegerField(min_value=1, required=False, default=None, allow_null=True)
+    batch_scheduler_policy = serializers.ChoiceField(
+        choices=SchedulerPolicy.choices, default=SchedulerPolicy.GUARANTEED_NO_EVICT
+    )
+    decoupled = serializers.BooleanField(default=True)
 
 
 class PortsIn(StrictSerializer):

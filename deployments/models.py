@@ -307,6 +307,11 @@ class Backend(models.TextChoices):
     TENSORRTLLM = "tensorrtllm"
 
 
+class SchedulerPolicy(models.TextChoices):
+    GUARANTEED_NO_EVICT = "guaranteed_no_evict"
+    MAX_UTILIZATION = "max_utilization"
+
+
 class InstanceKind(models.TextChoices):
     AUTO = "auto", "GPU when the host has one, else CPU"
     CPU = "KIND_CPU"
@@ -339,6 +344,14 @@ class DeploymentModel(models.Model):
     instance_kind = models.CharField(max_length=16, choices=InstanceKind.choices, default=InstanceKind.AUTO)
     gpu_ids = models.JSONField(default=list, blank=True)
     gpu_memory_fraction = models.FloatField(default=0.1, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)])
+    # TensorRT-LLM placements only.
+    batch_scheduler_policy = models.CharField(
+        max_length=24, choices=SchedulerPolicy.choices, default=SchedulerPolicy.GUARANTEED_NO_EVICT
+    )
+    decoupled = models.BooleanField(default=True, help_text="Stream tokens as they are generated.")
+    kv_cache_tokens = models.PositiveIntegerField(
+        null=True, blank=True, help_text="max_tokens_in_paged_kv_cache, planned from the fraction and the checkpoint."
+    )
 
     class Meta:
         ordering = ["triton_name"]

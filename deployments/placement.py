@@ -1,11 +1,16 @@
-"""Where a placement's model instances run, decided once for validation,
-planning and the host that writes the Triton config."""
+"""Where a placement's model instances run, and how much GPU memory an
+engine's KV cache gets: decided once, for validation, the plan and the host
+that writes the Triton config."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from deployments.models import InstanceKind
+from deployments.models import DeploymentModel, EngineBuild, InstanceKind, RegisteredModel
+
+# Of an engine's budget left after its weights, the share given to the KV cache;
+# the rest holds activations and the runtime's own buffers.
+KV_CACHE_SHARE = 0.9
 
 
 def resolve_instances(
@@ -20,3 +25,39 @@ def resolve_instances(
     if kind == InstanceKind.CPU:
         return InstanceKind.CPU.value, ()
     return InstanceKind.GPU.value, tuple(gpu_ids) or tuple(host[:1])
+
+
+def triton_model_names(placements: Iterable[DeploymentModel]) -> list[str]:
+    """The Triton models the placements become, in load order: an engine placement
+    is its engine, its tokenizer models and the ensemble clients call by the
+    placement's name (matches workers.triton.config.TrtllmSpec.model_names)."""
+    names = []
+    for p in placements:
+        if p.engine_build_id:
+            names += [f"{p.triton_name}-engine", f"{p.triton_name}-preprocessing", f"{p.triton_name}-postprocessing"]
+        names.append(p.triton_name)
+    return names
+
+
+def kv_bytes_per_token(model: RegisteredModel, build: EngineBuild) -> int:
+    """KV-cache bytes one token takes on each of the engine's GPUs: keys and
+    values for every layer and KV head, split across the tensor- and
+    pipeline-parallel ranks; an fp8 engine stores its cache in one byte."""
+    if not (model.num_layers and model.num_kv_heads and model.head_dim):
+        raise ValueError(f"{model.name}'s config.json gives no layer, KV head or head size")
+    dtype_bytes = 1 if build.spec.get("quantization") == "fp8" else 2
+    layers = -(-model.num_layers // build.pp_size)
+    heads = max(1, model.num_kv_heads // build.tp_size)
+    return 2 * layers * heads * model.head_dim * dtype_bytes
+
+
+def engine_bytes_per_gpu(build: EngineBuild) -> int:
+    return build.engine_size_bytes // max(1, build.world_size)
+
+
+def kv_cache_tokens(*, model: RegisteredModel, build: EngineBuild, fraction: float, gpu_memory_bytes: int) -> int:
+    """Absolute max_tokens_in_paged_kv_cache for an engine given ``fraction`` of
+    each GPU: what is left after the engine's weights, less a reserve, in
+    tokens. Zero or less means the fraction cannot even hold the weights."""
+    budget = fraction * gpu_memory_bytes - engine_bytes_per_gpu(build)
+    return int(budget * KV_CACHE_SHARE) // kv_bytes_per_token(model, build)

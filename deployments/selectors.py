@@ -19,7 +19,7 @@ from deployments.models import (
     MetricSample,
     RegisteredModel,
 )
-from deployments.placement import resolve_instances
+from deployments.placement import engine_bytes_per_gpu, kv_bytes_per_token, resolve_instances
 
 
 def host_list() -> QuerySet[GpuHost]:
@@ -88,13 +88,20 @@ def deployment_plan(deployment: Deployment) -> list[dict]:
         for index in resolve_instances(placement.instance_kind, placement.gpu_ids, gpus)[1]:
             if index in plan:
                 entry = plan[index]
-                entry["models"].append(
-                    {
-                        "triton_name": placement.triton_name,
-                        "fraction": placement.gpu_memory_fraction,
-                        "bytes": int(placement.gpu_memory_fraction * entry["memory_total_bytes"]),
-                    }
-                )
+                row = {
+                    "triton_name": placement.triton_name,
+                    "fraction": placement.gpu_memory_fraction,
+                    "bytes": int(placement.gpu_memory_fraction * entry["memory_total_bytes"]),
+                }
+                build = placement.engine_build
+                if build is not None:
+                    # From the engine files' real sizes and the checkpoint's shape.
+                    row["engine_bytes"] = engine_bytes_per_gpu(build)
+                    row["kv_cache_tokens"] = placement.kv_cache_tokens
+                    row["kv_cache_bytes"] = (placement.kv_cache_tokens or 0) * kv_bytes_per_token(
+                        placement.registered_model, build
+                    )
+                entry["models"].append(row)
                 entry["fraction"] = round(entry["fraction"] + placement.gpu_memory_fraction, 6)
     headroom = settings.GANTRY_GPU_MEMORY_HEADROOM
     return [

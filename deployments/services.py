@@ -24,11 +24,13 @@ from deployments.checkpoints import CheckpointInfo, inspect_checkpoint, under_ro
 from deployments.errors import InvalidTransition, NotFound, PermissionDenied, ValidationFailed
 from deployments.models import (
     Backend,
+    BuildStatus,
     Deployment,
     DeploymentModel,
     DeploymentRevision,
     DeploymentStatus,
     DesiredState,
+    EngineBuild,
     Gpu,
     GpuHost,
     Inspection,
@@ -39,14 +41,19 @@ from deployments.models import (
     RegisteredModel,
     RevisionStatus,
     Runtime,
+    SchedulerPolicy,
 )
 from deployments.permissions import can_operate
-from deployments.placement import resolve_instances
+from deployments.placement import engine_bytes_per_gpu, kv_cache_tokens, resolve_instances
 
 log = logging.getLogger(__name__)
 
 # Kinds this version can place in a deployment, and the backend each uses.
-SERVABLE_KINDS = {ModelKind.EMBEDDING: Backend.PYTHON, ModelKind.RERANKER: Backend.PYTHON}
+SERVABLE_KINDS = {
+    ModelKind.EMBEDDING: Backend.PYTHON,
+    ModelKind.RERANKER: Backend.PYTHON,
+    ModelKind.LLM: Backend.TENSORRTLLM,
+}
 # Kinds whose clients send text, so the checkpoint must carry its tokenizer.
 NEEDS_TOKENIZER = frozenset({ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.LLM})
 
@@ -285,6 +292,96 @@ class PlacementSpec:
     instance_kind: str = InstanceKind.AUTO
     gpu_ids: tuple[int, ...] = ()
     gpu_memory_fraction: float = 0.1
+    # llm models: the engine build to serve, and how the backend schedules it.
+    engine_build: int | None = None
+    batch_scheduler_policy: str = SchedulerPolicy.GUARANTEED_NO_EVICT
+    decoupled: bool = True
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A validated placement: its spec, model, and for an engine the build, GPUs and KV-cache tokens."""
+
+    spec: PlacementSpec
+    model: RegisteredModel
+    build: EngineBuild | None = None
+    gpus: tuple[int, ...] = ()
+    kv_cache_tokens: int | None = None
+
+
+def _check_engine(
+    spec: PlacementSpec, model: RegisteredModel, host: GpuHost, runtime: str, image: str, fail: Any
+) -> Resolved | None:
+    """The gates an engine passes before it is placed: built and verified, in the
+    image it will run in (same digest, same TensorRT-LLM), for this GPU's SM,
+    on exactly tp*pp GPUs, with a batch size it was built for, and a memory
+    fraction that holds its weights and leaves room for a KV cache."""
+    if spec.engine_build is None:
+        fail("engine_build", f"{model.name} is an llm: name the engine build to serve")
+        return None
+    build = EngineBuild.objects.filter(pk=spec.engine_build).first()
+    if build is None:
+        fail("engine_build", f"no engine build {spec.engine_build}")
+        return None
+    if build.model_id != model.pk:
+        fail("engine_build", f"build {build.pk} is of {build.model.name}, not {model.name}")
+    if build.status != BuildStatus.SUCCEEDED:
+        fail("engine_build", f"build {build.pk} is {build.status}; only succeeded builds can be served")
+    if runtime != Runtime.DOCKER:
+        fail(
+            "engine_build", "engines run in the docker runtime (the host's own tritonserver has no tensorrtllm backend)"
+        )
+    elif image != build.builder_image:
+        fail(
+            "engine_build",
+            f"build {build.pk} was built in {build.builder_image}; serve it from that image, not {image}",
+        )
+    else:
+        digest = (host.builders or {}).get("images", {}).get(image, "")
+        if digest != build.image_digest:
+            fail(
+                "engine_build",
+                f"{image} on {host.name} is {digest or 'not present'}, but build {build.pk} was made in "
+                f"{build.image_digest} (TensorRT-LLM {build.trtllm_version}): an engine only loads in its own image",
+            )
+    gpus = {gpu.index: gpu for gpu in host.gpus.all()}
+    chosen = tuple(sorted(spec.gpu_ids)) or tuple(sorted(gpus)[: build.world_size])
+    if len(chosen) != build.world_size:
+        fail(
+            "gpu_ids",
+            f"build {build.pk} is tp {build.tp_size} x pp {build.pp_size} = {build.world_size} GPUs; "
+            f"it is given {len(chosen)}",
+        )
+    for index in chosen:
+        gpu = gpus.get(index)
+        if gpu is not None and gpu.compute_capability != build.compute_capability:
+            fail(
+                "gpu_ids",
+                f"build {build.pk} was built for SM {build.compute_capability} ({build.gpu_name}); "
+                f"GPU {index} is {gpu.name} with SM {gpu.compute_capability}",
+            )
+    built_batch = int(build.spec.get("max_batch_size", 0))
+    if spec.max_batch_size > built_batch:
+        fail("max_batch_size", f"build {build.pk} was built for at most {built_batch}")
+    tokens = None
+    memory = min((gpus[i].memory_total_bytes for i in chosen if i in gpus), default=0)
+    if memory and build.status == BuildStatus.SUCCEEDED:
+        try:
+            tokens = kv_cache_tokens(
+                model=model, build=build, fraction=spec.gpu_memory_fraction, gpu_memory_bytes=memory
+            )
+        except ValueError as exc:
+            fail("model", str(exc))
+        else:
+            per_gpu = engine_bytes_per_gpu(build)
+            if tokens < int(build.spec.get("max_seq_len", 1)):
+                fail(
+                    "gpu_memory_fraction",
+                    f"{spec.gpu_memory_fraction:g} of {memory / 2**30:.0f} GiB leaves room for {max(tokens, 0)} "
+                    f"KV-cache tokens after the engine's {per_gpu / 2**30:.1f} GiB per GPU: not even one "
+                    f"{build.spec.get('max_seq_len')}-token sequence",
+                )
+    return Resolved(spec=spec, model=model, build=build, gpus=chosen, kv_cache_tokens=tokens)
 
 
 def _allocate_ports(host: GpuHost) -> tuple[int, int, int]:
@@ -300,7 +397,7 @@ def _allocate_ports(host: GpuHost) -> tuple[int, int, int]:
     raise ValidationFailed({"host": f"no free ports left in GANTRY_TRITON_PORT_RANGE on {host.name}"})
 
 
-def _validate_placements(host: GpuHost, specs: list[PlacementSpec]) -> list[tuple[PlacementSpec, RegisteredModel]]:
+def _validate_placements(host: GpuHost, specs: list[PlacementSpec], *, runtime: str, image: str) -> list[Resolved]:
     if not specs:
         raise ValidationFailed({"models": "a deployment needs at least one model"})
     errors: dict[str, list[str]] = {}
@@ -339,9 +436,22 @@ def _validate_placements(host: GpuHost, specs: list[PlacementSpec]) -> list[tupl
         unknown = sorted(set(spec.gpu_ids) - gpu_indexes)
         if unknown:
             errors.setdefault(f"{where}.gpu_ids", []).append(f"{host.name} has no GPU with index {unknown}")
+        if model.kind == ModelKind.LLM:
+            engine = _check_engine(
+                spec, model, host, runtime, image,
+                lambda field, message, where=where: errors.setdefault(f"{where}.{field}", []).append(message),
+            )  # fmt: skip
+            if engine is None:
+                continue
+            for gpu in engine.gpus:
+                per_gpu_fraction[gpu] = per_gpu_fraction.get(gpu, 0.0) + spec.gpu_memory_fraction
+            resolved.append(engine)
+            continue
+        if spec.engine_build is not None:
+            errors.setdefault(f"{where}.engine_build", []).append(f"{model.name} is a {model.kind} model, not an llm")
         for gpu in resolve_instances(spec.instance_kind, spec.gpu_ids, gpu_indexes)[1]:
             per_gpu_fraction[gpu] = per_gpu_fraction.get(gpu, 0.0) + spec.gpu_memory_fraction
-        resolved.append((spec, model))
+        resolved.append(Resolved(spec=spec, model=model))
     headroom = settings.GANTRY_GPU_MEMORY_HEADROOM
     for gpu, total in sorted(per_gpu_fraction.items()):
         if total > headroom + 1e-9:
@@ -385,7 +495,7 @@ def deployment_create(
             raise ValidationFailed(
                 {"ports": f"one of {list(ports)} is already used by {taken.first().name} on {host.name}"}
             )
-    resolved = _validate_placements(host, placements)
+    resolved = _validate_placements(host, placements, runtime=runtime, image=image)
     try:
         with transaction.atomic():
             http_port, grpc_port, metrics_port = ports or _allocate_ports(host)
@@ -412,7 +522,7 @@ def deployment_create(
                 actor=user,
                 deployment=deployment,
                 to_status=deployment.status,
-                message=f"created on {host.name} with {', '.join(m.name for _, m in resolved)} "
+                message=f"created on {host.name} with {', '.join(r.model.name for r in resolved)} "
                 f"(ports {http_port}/{grpc_port}/{metrics_port})",
             )
     except IntegrityError as exc:
@@ -421,13 +531,16 @@ def deployment_create(
     return deployment
 
 
-def _write_placements(deployment: Deployment, resolved: list[tuple[PlacementSpec, RegisteredModel]]) -> None:
+def _write_placements(deployment: Deployment, resolved: list[Resolved]) -> None:
     deployment.placements.all().delete()
-    for spec, model in resolved:
+    for item in resolved:
+        spec, model = item.spec, item.model
+        engine = item.build is not None
         DeploymentModel.objects.create(
             deployment=deployment,
             triton_name=spec.triton_name or model.name,
             registered_model=model,
+            engine_build=item.build,
             backend=SERVABLE_KINDS[model.kind],
             max_batch_size=spec.max_batch_size,
             preferred_batch_sizes=list(spec.preferred_batch_sizes),
@@ -437,9 +550,13 @@ def _write_placements(deployment: Deployment, resolved: list[tuple[PlacementSpec
             queue_timeout_us=spec.queue_timeout_us,
             max_queue_size=spec.max_queue_size,
             instance_count=spec.instance_count,
-            instance_kind=spec.instance_kind,
-            gpu_ids=list(spec.gpu_ids),
+            # An engine's GPUs are its own (gpu_device_ids); for the plan they count as a GPU placement.
+            instance_kind=InstanceKind.GPU if engine else spec.instance_kind,
+            gpu_ids=list(item.gpus) if engine else list(spec.gpu_ids),
             gpu_memory_fraction=spec.gpu_memory_fraction,
+            batch_scheduler_policy=spec.batch_scheduler_policy,
+            decoupled=spec.decoupled,
+            kv_cache_tokens=item.kv_cache_tokens,
         )
 
 
@@ -460,14 +577,28 @@ def placements_snapshot(deployment: Deployment) -> list[dict[str, Any]]:
             "instance_kind": p.instance_kind,
             "gpu_ids": list(p.gpu_ids),
             "gpu_memory_fraction": p.gpu_memory_fraction,
+            "engine_build": p.engine_build_id,
+            "batch_scheduler_policy": p.batch_scheduler_policy,
+            "decoupled": p.decoupled,
+            "kv_cache_tokens": p.kv_cache_tokens,
         }
         for p in deployment.placements.select_related("registered_model").order_by("triton_name")
     ]
 
 
-def _spec_from_snapshot(item: dict[str, Any]) -> PlacementSpec:
-    return PlacementSpec(
-        **{**item, "preferred_batch_sizes": tuple(item["preferred_batch_sizes"]), "gpu_ids": tuple(item["gpu_ids"])}
+def _resolved_from_snapshot(item: dict[str, Any]) -> Resolved:
+    """A placement as a revision recorded it (validated when it was made)."""
+    fields = {k: v for k, v in item.items() if k != "kv_cache_tokens"}
+    spec = PlacementSpec(
+        **{**fields, "preferred_batch_sizes": tuple(item["preferred_batch_sizes"]), "gpu_ids": tuple(item["gpu_ids"])}
+    )
+    build = EngineBuild.objects.filter(pk=spec.engine_build).first() if spec.engine_build else None
+    return Resolved(
+        spec=spec,
+        model=RegisteredModel.objects.get(name=spec.model),
+        build=build,
+        gpus=spec.gpu_ids if build else (),
+        kv_cache_tokens=item.get("kv_cache_tokens"),
     )
 
 
@@ -486,7 +617,7 @@ def deployment_change(*, deployment_id: int, placements: list[PlacementSpec], us
         running = deployment.status == DeploymentStatus.READY
         if not running and deployment.status not in states.AT_REST:
             raise InvalidTransition(f"{deployment.name} is {deployment.status}; change it when it is ready or stopped")
-        resolved = _validate_placements(deployment.host, placements)
+        resolved = _validate_placements(deployment.host, placements, runtime=deployment.runtime, image=deployment.image)
         before = placements_snapshot(deployment)
         _write_placements(deployment, resolved)
         after = placements_snapshot(deployment)
@@ -534,10 +665,7 @@ def deployment_rollback(*, deployment_id: int, failed_generation: int, reason: s
         previous = deployment.revisions.filter(status=RevisionStatus.SUPERSEDED).order_by("-generation").first()
         if previous is None:
             raise InvalidTransition(f"{deployment.name} has no earlier generation to roll back to")
-        resolved = [
-            (spec, RegisteredModel.objects.get(name=spec.model)) for spec in map(_spec_from_snapshot, previous.spec)
-        ]
-        _write_placements(deployment, resolved)
+        _write_placements(deployment, [_resolved_from_snapshot(item) for item in previous.spec])
         Deployment.objects.filter(pk=deployment.pk).update(generation=previous.generation)
         deployment.revisions.filter(generation=failed_generation).update(status=RevisionStatus.FAILED, message=reason)
         DeploymentRevision.objects.filter(pk=previous.pk).update(status=RevisionStatus.CURRENT)

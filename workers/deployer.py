@@ -20,22 +20,24 @@ from django.utils import timezone
 from deployments import services, states
 from deployments.errors import GantryError, InvalidTransition, PermanentError, TransientError
 from deployments.models import (
+    Backend,
     Deployment,
+    DeploymentModel,
     DeploymentStatus,
     DesiredState,
     Event,
     ModelKind,
 )
 from deployments.models import Runtime as DeploymentRuntime
-from deployments.placement import resolve_instances
+from deployments.placement import resolve_instances, triton_model_names
 from workers import nvml
 from workers.runtimes import LaunchSpec, Runtime, busy_ports
 from workers.runtimes.docker import DockerRuntime
 from workers.runtimes.process import ProcessRuntime
 from workers.triton import metrics
 from workers.triton.client import Readiness, TritonClient
-from workers.triton.config import CONFIG_FILE, EMBED, RERANK, Batching, Instances, PythonModelSpec
-from workers.triton.repository import write_repository
+from workers.triton.config import CONFIG_FILE, EMBED, RERANK, Batching, Instances, PythonModelSpec, TrtllmSpec
+from workers.triton.repository import ModelSpec, write_repository
 
 log = logging.getLogger(__name__)
 S = DeploymentStatus
@@ -65,18 +67,46 @@ def paths_for(deployment: Deployment) -> Paths:
 def _load(deployment_id: int) -> Deployment | None:
     return (
         Deployment.objects.select_related("host")
-        .prefetch_related("placements__registered_model", "host__gpus")
+        .prefetch_related("placements__registered_model", "placements__engine_build", "host__gpus")
         .filter(pk=deployment_id)
         .first()
     )
 
 
-def model_specs(deployment: Deployment) -> list[PythonModelSpec]:
+def _batching(placement: DeploymentModel) -> Batching:
+    return Batching(
+        max_batch_size=placement.max_batch_size,
+        preferred_batch_sizes=tuple(placement.preferred_batch_sizes),
+        max_queue_delay_us=placement.max_queue_delay_us,
+        priority_levels=placement.priority_levels,
+        default_priority_level=placement.default_priority_level,
+        queue_timeout_us=placement.queue_timeout_us,
+        max_queue_size=placement.max_queue_size,
+    )
+
+
+def model_specs(deployment: Deployment) -> list[ModelSpec]:
     """Triton model specs for the deployment's placements on its host."""
     host_gpus = sorted(gpu.index for gpu in deployment.host.gpus.all())
-    specs = []
+    specs: list[ModelSpec] = []
     for placement in deployment.placements.all():
         model = placement.registered_model
+        if placement.backend == Backend.TENSORRTLLM:
+            build = placement.engine_build
+            specs.append(
+                TrtllmSpec(
+                    name=placement.triton_name,
+                    engine_dir=build.output_dir,
+                    tokenizer_dir=model.path,
+                    batching=_batching(placement),
+                    gpu_device_ids=tuple(placement.gpu_ids),
+                    max_beam_width=int(build.spec.get("max_beam_width", 1)),
+                    batch_scheduler_policy=placement.batch_scheduler_policy,
+                    max_tokens_in_paged_kv_cache=placement.kv_cache_tokens,
+                    decoupled=placement.decoupled,
+                )
+            )
+            continue
         kind, gpus = resolve_instances(placement.instance_kind, placement.gpu_ids, host_gpus)
         if not model.hidden_size:
             raise PermanentError(f"{model.name}: its config.json gives no hidden_size")
@@ -86,20 +116,16 @@ def model_specs(deployment: Deployment) -> list[PythonModelSpec]:
                 task=RERANK if model.kind == ModelKind.RERANKER else EMBED,
                 checkpoint_path=model.path,
                 embedding_dim=model.hidden_size,
-                batching=Batching(
-                    max_batch_size=placement.max_batch_size,
-                    preferred_batch_sizes=tuple(placement.preferred_batch_sizes),
-                    max_queue_delay_us=placement.max_queue_delay_us,
-                    priority_levels=placement.priority_levels,
-                    default_priority_level=placement.default_priority_level,
-                    queue_timeout_us=placement.queue_timeout_us,
-                    max_queue_size=placement.max_queue_size,
-                ),
+                batching=_batching(placement),
                 instances=Instances(count=placement.instance_count, kind=kind, gpus=gpus),
                 gpu_memory_fraction=placement.gpu_memory_fraction,
             )
         )
     return specs
+
+
+def _spec_gpus(spec: ModelSpec) -> tuple[int, ...]:
+    return spec.gpu_device_ids if isinstance(spec, TrtllmSpec) else spec.instances.gpus
 
 
 def _client(deployment: Deployment) -> TritonClient:
@@ -116,25 +142,33 @@ def runtime_for(deployment: Deployment) -> Runtime:
     return ProcessRuntime(settings.GANTRY_DATA_DIR)
 
 
-def launch_spec(deployment: Deployment, specs: list[PythonModelSpec] | None = None) -> LaunchSpec:
-    """How to run the deployment's server: its repository, ports, image, GPUs and checkpoint mounts."""
+def launch_spec(deployment: Deployment, specs: list[ModelSpec] | None = None) -> LaunchSpec:
+    """How to run the deployment's server: its repository, ports, image, GPUs,
+    checkpoint and engine mounts, and one MPI rank per GPU of a multi-GPU engine."""
     paths = paths_for(deployment)
     placements = list(deployment.placements.all())
+    engines = [p for p in placements if p.engine_build_id]
     return LaunchSpec(
         deployment_id=deployment.pk,
         generation=deployment.generation,
         repository=paths.repository,
-        models=[p.triton_name for p in placements],
+        models=triton_model_names(placements),
+        world_size=max((p.engine_build.world_size for p in engines), default=1),
+        engine_models=[f"{p.triton_name}-engine" for p in engines],
         http_port=deployment.http_port,
         grpc_port=deployment.grpc_port,
         metrics_port=deployment.metrics_port,
         log_path=paths.log,
         bind_address=settings.GANTRY_HOST_ADDRESS,
         image=deployment.image,
-        gpu_ids=tuple(sorted({gpu for spec in specs or [] for gpu in spec.instances.gpus})),
+        gpu_ids=tuple(sorted({gpu for spec in specs or [] for gpu in _spec_gpus(spec)})),
         ulimits=tuple(settings.GANTRY_DOCKER_ULIMITS),
         admin_secret=deployment.admin_secret,
-        read_only_mounts=tuple(sorted({Path(p.registered_model.path) for p in placements})),
+        read_only_mounts=tuple(
+            sorted(
+                {Path(p.registered_model.path) for p in placements} | {Path(p.engine_build.output_dir) for p in engines}
+            )
+        ),
     )
 
 
@@ -226,7 +260,7 @@ def _configs(repository: Path) -> dict[str, str]:
     return {d.name: (d / CONFIG_FILE).read_text() for d in repository.iterdir() if (d / CONFIG_FILE).is_file()}
 
 
-def _swap_models(deployment: Deployment, spec: LaunchSpec, specs: list[PythonModelSpec]) -> dict[str, list[str]]:
+def _swap_models(deployment: Deployment, spec: LaunchSpec, specs: list[ModelSpec]) -> dict[str, list[str]]:
     """Write ``specs`` as the repository and make the running server match it,
     loading only models whose config changed and unloading the ones gone."""
     before = _configs(spec.repository)
@@ -474,7 +508,7 @@ def _redrive_launch(deployment: Deployment) -> None:
 def _readiness(deployment: Deployment) -> Readiness:
     client = _client(deployment)
     try:
-        return client.readiness(list(deployment.placements.values_list("triton_name", flat=True)))
+        return client.readiness(triton_model_names(deployment.placements.all()))
     finally:
         client.close()
 

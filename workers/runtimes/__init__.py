@@ -34,6 +34,8 @@ class LaunchSpec:
     read_only_mounts: tuple[Path, ...] = ()  # docker only: folders the models read (checkpoints)
     admin_secret: str = ""  # required by Triton's model-repository and logging APIs
     extra_env: dict[str, str] = field(default_factory=dict)
+    world_size: int = 1  # > 1: one MPI rank per GPU of a multi-GPU engine
+    engine_models: list[str] = field(default_factory=list)  # what ranks above 0 load
 
 
 def tritonserver_args(spec: LaunchSpec) -> list[str]:
@@ -53,6 +55,34 @@ def tritonserver_args(spec: LaunchSpec) -> list[str]:
         "--log-verbose=0",
         *restricted_api_args(spec.admin_secret),
     ]
+
+
+def server_command(spec: LaunchSpec) -> list[str]:
+    """The server's command line. A multi-GPU engine runs under MPI with one
+    tritonserver per rank, as tensorrtllm_backend's launch_triton_server.py
+    does: rank 0 serves every model on the deployment's ports; the other ranks
+    load only the engine models and open no ports (they would collide under
+    host networking); each rank gets its own python-backend shared-memory prefix."""
+    if spec.world_size <= 1:
+        return ["tritonserver", *tritonserver_args(spec)]
+    command = ["mpirun", "--allow-run-as-root"]
+    for rank in range(spec.world_size):
+        if rank == 0:
+            args = tritonserver_args(spec)
+        else:
+            args = [
+                f"--model-repository={spec.repository}",
+                "--model-control-mode=explicit",
+                *[f"--load-model={name}" for name in spec.engine_models],
+                "--allow-http=false",
+                "--allow-grpc=false",
+                "--allow-metrics=false",
+            ]
+        shm = f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"
+        command += ["-n", "1", "tritonserver", *args, "--disable-auto-complete-config", shm]
+        if rank < spec.world_size - 1:
+            command.append(":")
+    return command
 
 
 def restricted_api_args(secret: str) -> list[str]:

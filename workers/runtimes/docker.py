@@ -19,7 +19,7 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import DeviceRequest, Mount, Ulimit
 
 from deployments.errors import PermanentError, TransientError
-from workers.runtimes import MAX_LOG_LINES, LaunchSpec, tritonserver_args
+from workers.runtimes import MAX_LOG_LINES, LaunchSpec, server_command
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def run_options(spec: LaunchSpec, host_name: str) -> dict:
     mounts += [Mount(target=str(path), source=str(path), type="bind", read_only=True) for path in spec.read_only_mounts]
     options = {
         "image": spec.image,
-        "command": ["tritonserver", *tritonserver_args(spec)],
+        "command": server_command(spec),
         "name": container_name(spec),
         "labels": {
             LABEL_HOST: host_name,

@@ -131,3 +131,227 @@ def write_config(model_dir: Path, config: mc.ModelConfig) -> Path:
 
 def read_config(model_dir: Path) -> mc.ModelConfig:
     return parse_text((model_dir / CONFIG_FILE).read_text())
+
+
+# --- the TensorRT-LLM stack (tensorrtllm_backend's inflight_batcher_llm layout) ---------
+
+PREPROCESSING = "preprocessing"
+POSTPROCESSING = "postprocessing"
+TOKENIZER_MODEL_FILE = "tokenizer_model.py"
+
+
+@dataclass(frozen=True)
+class TrtllmSpec:
+    """An engine served by the tensorrtllm backend, with the tokenizer models and
+    the ensemble that let a client send text. ``name`` is the ensemble's name;
+    the engine model is ``<name>-engine``, the tokenizer models
+    ``<name>-preprocessing`` and ``<name>-postprocessing``."""
+
+    name: str
+    engine_dir: str
+    tokenizer_dir: str
+    batching: Batching
+    gpu_device_ids: tuple[int, ...]
+    max_beam_width: int = 1
+    batch_scheduler_policy: str = "guaranteed_no_evict"  # or max_utilization
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    max_tokens_in_paged_kv_cache: int | None = None
+    decoupled: bool = True  # streaming responses
+    exclude_input_in_output: bool = True
+    enable_kv_cache_reuse: bool = False
+    enable_chunked_context: bool = True
+    tokenizer_instances: int = 1
+
+    @property
+    def engine_model(self) -> str:
+        return f"{self.name}-engine"
+
+    @property
+    def preprocessing_model(self) -> str:
+        return f"{self.name}-{PREPROCESSING}"
+
+    @property
+    def postprocessing_model(self) -> str:
+        return f"{self.name}-{POSTPROCESSING}"
+
+    @property
+    def model_names(self) -> list[str]:
+        """Load order: the engine and tokenizers before the ensemble that needs them."""
+        return [self.engine_model, self.preprocessing_model, self.postprocessing_model, self.name]
+
+
+# (name, type, dims, reshape to scalar, optional, ragged) of the engine model's inputs,
+# as tensorrtllm_backend's tensorrt_llm/config.pbtxt template declares them.
+_SCALAR = True
+_TRTLLM_INPUTS: list[tuple[str, int, list[int], bool, bool, bool]] = [
+    ("input_ids", mc.TYPE_INT32, [-1], False, False, True),
+    ("input_lengths", mc.TYPE_INT32, [1], _SCALAR, False, False),
+    ("request_output_len", mc.TYPE_INT32, [1], False, False, False),
+    ("end_id", mc.TYPE_INT32, [1], _SCALAR, True, False),
+    ("pad_id", mc.TYPE_INT32, [1], _SCALAR, True, False),
+    ("stop_words_list", mc.TYPE_INT32, [2, -1], False, True, True),
+    ("bad_words_list", mc.TYPE_INT32, [2, -1], False, True, True),
+    ("embedding_bias", mc.TYPE_FP32, [-1], False, True, True),
+    ("beam_width", mc.TYPE_INT32, [1], _SCALAR, True, False),
+    ("temperature", mc.TYPE_FP32, [1], _SCALAR, True, False),
+    ("runtime_top_k", mc.TYPE_INT32, [1], _SCALAR, True, False),
+    ("runtime_top_p", mc.TYPE_FP32, [1], _SCALAR, True, False),
+    ("len_penalty", mc.TYPE_FP32, [1], _SCALAR, True, False),
+    ("repetition_penalty", mc.TYPE_FP32, [1], _SCALAR, True, False),
+    ("min_length", mc.TYPE_INT32, [1], _SCALAR, True, False),
+    ("presence_penalty", mc.TYPE_FP32, [1], _SCALAR, True, False),
+    ("frequency_penalty", mc.TYPE_FP32, [1], _SCALAR, True, False),
+    ("random_seed", mc.TYPE_UINT64, [1], _SCALAR, True, False),
+    ("return_log_probs", mc.TYPE_BOOL, [1], _SCALAR, True, False),
+    ("return_context_logits", mc.TYPE_BOOL, [1], _SCALAR, True, False),
+    ("return_generation_logits", mc.TYPE_BOOL, [1], _SCALAR, True, False),
+    ("stop", mc.TYPE_BOOL, [1], False, True, False),
+    ("streaming", mc.TYPE_BOOL, [1], False, True, False),
+]
+_TRTLLM_OUTPUTS = [
+    ("output_ids", mc.TYPE_INT32, [-1, -1]),
+    ("sequence_length", mc.TYPE_INT32, [-1]),
+    ("cum_log_probs", mc.TYPE_FP32, [-1]),
+    ("output_log_probs", mc.TYPE_FP32, [-1, -1]),
+    ("context_logits", mc.TYPE_FP32, [-1, -1]),
+    ("generation_logits", mc.TYPE_FP32, [-1, -1, -1]),
+]
+
+
+def _input(config: mc.ModelConfig, name: str, data_type: int, dims: list[int], *, scalar: bool = False,
+           optional: bool = False, ragged: bool = False) -> None:  # fmt: skip
+    tensor = config.input.add(name=name, data_type=data_type, dims=dims, optional=optional, allow_ragged_batch=ragged)
+    if scalar:
+        tensor.reshape.SetInParent()  # reshape: { shape: [ ] }
+
+
+def tensorrtllm_model_config(spec: TrtllmSpec) -> mc.ModelConfig:
+    """The engine model: backend tensorrtllm, in-flight batching, the engine folder
+    as gpt_model_path, GPUs through gpu_device_ids while the instance group
+    stays KIND_CPU (the backend places the engine itself), and an absolute
+    KV-cache token budget so models sharing a GPU cannot starve each other."""
+    config = mc.ModelConfig(name=spec.engine_model, backend="tensorrtllm")
+    config.model_transaction_policy.decoupled = spec.decoupled
+    _apply_batching(config, spec.batching)
+    for name, data_type, dims, scalar, optional, ragged in _TRTLLM_INPUTS:
+        _input(config, name, data_type, dims, scalar=scalar, optional=optional, ragged=ragged)
+    for name, data_type, dims in _TRTLLM_OUTPUTS:
+        _tensor(config.output, name, data_type, dims)
+    _apply_instances(config, Instances(count=1, kind="KIND_CPU"))
+    parameters = {
+        "max_beam_width": str(spec.max_beam_width),
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+        "gpt_model_type": "inflight_fused_batching",
+        "gpt_model_path": spec.engine_dir,
+        "batch_scheduler_policy": spec.batch_scheduler_policy,
+        "kv_cache_free_gpu_mem_fraction": f"{spec.kv_cache_free_gpu_mem_fraction:g}",
+        "exclude_input_in_output": str(spec.exclude_input_in_output).lower(),
+        "enable_kv_cache_reuse": str(spec.enable_kv_cache_reuse).lower(),
+        "enable_chunked_context": str(spec.enable_chunked_context).lower(),
+        "gpu_device_ids": ",".join(map(str, spec.gpu_device_ids)),
+        "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
+    }
+    if spec.max_tokens_in_paged_kv_cache is not None:
+        parameters["max_tokens_in_paged_kv_cache"] = str(spec.max_tokens_in_paged_kv_cache)
+    _parameters(config, parameters)
+    return config
+
+
+def preprocessing_config(spec: TrtllmSpec) -> mc.ModelConfig:
+    """Text in, token ids out (python backend, the checkpoint's tokenizer)."""
+    config = mc.ModelConfig(
+        name=spec.preprocessing_model, backend="python", max_batch_size=spec.batching.max_batch_size
+    )
+    _input(config, "QUERY", mc.TYPE_STRING, [1])
+    _input(config, "REQUEST_OUTPUT_LEN", mc.TYPE_INT32, [1])
+    _input(config, "END_ID", mc.TYPE_INT32, [1], optional=True)
+    _input(config, "PAD_ID", mc.TYPE_INT32, [1], optional=True)
+    _tensor(config.output, "INPUT_ID", mc.TYPE_INT32, [-1])
+    _tensor(config.output, "REQUEST_INPUT_LEN", mc.TYPE_INT32, [1])
+    _tensor(config.output, "REQUEST_OUTPUT_LEN", mc.TYPE_INT32, [1])
+    _tensor(config.output, "OUT_END_ID", mc.TYPE_INT32, [1])
+    _tensor(config.output, "OUT_PAD_ID", mc.TYPE_INT32, [1])
+    _apply_instances(config, Instances(count=spec.tokenizer_instances, kind="KIND_CPU"))
+    _parameters(config, {"task": PREPROCESSING, "tokenizer_dir": spec.tokenizer_dir})
+    return config
+
+
+def postprocessing_config(spec: TrtllmSpec) -> mc.ModelConfig:
+    """Token ids in, text out (python backend, the checkpoint's tokenizer)."""
+    config = mc.ModelConfig(
+        name=spec.postprocessing_model, backend="python", max_batch_size=spec.batching.max_batch_size
+    )
+    _input(config, "TOKENS_BATCH", mc.TYPE_INT32, [-1, -1])
+    _input(config, "SEQUENCE_LENGTH", mc.TYPE_INT32, [-1])
+    _tensor(config.output, "OUTPUT", mc.TYPE_STRING, [-1])
+    _apply_instances(config, Instances(count=spec.tokenizer_instances, kind="KIND_CPU"))
+    _parameters(config, {"task": POSTPROCESSING, "tokenizer_dir": spec.tokenizer_dir, "skip_special_tokens": "true"})
+    return config
+
+
+def _step(config: mc.ModelConfig, model: str, inputs: dict[str, str], outputs: dict[str, str]) -> None:
+    step = config.ensemble_scheduling.step.add(model_name=model, model_version=-1)
+    for key, value in inputs.items():
+        step.input_map[key] = value
+    for key, value in outputs.items():
+        step.output_map[key] = value
+
+
+def ensemble_config(spec: TrtllmSpec) -> mc.ModelConfig:
+    """preprocessing -> engine -> postprocessing: text_input and max_tokens in,
+    text_output out (streamed when the client sets stream and the engine model is decoupled)."""
+    config = mc.ModelConfig(name=spec.name, platform="ensemble", max_batch_size=spec.batching.max_batch_size)
+    _input(config, "text_input", mc.TYPE_STRING, [1])
+    _input(config, "max_tokens", mc.TYPE_INT32, [1])
+    _input(config, "end_id", mc.TYPE_INT32, [1], optional=True)
+    _input(config, "pad_id", mc.TYPE_INT32, [1], optional=True)
+    for name in ("temperature", "top_p"):
+        _input(config, name, mc.TYPE_FP32, [1], optional=True)
+    _input(config, "top_k", mc.TYPE_INT32, [1], optional=True)
+    _input(config, "stream", mc.TYPE_BOOL, [1], optional=True)
+    _tensor(config.output, "text_output", mc.TYPE_STRING, [-1])
+    _step(
+        config,
+        spec.preprocessing_model,
+        {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "END_ID": "end_id", "PAD_ID": "pad_id"},
+        {
+            "INPUT_ID": "_INPUT_ID",
+            "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
+            "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN",
+            "OUT_END_ID": "_END_ID",
+            "OUT_PAD_ID": "_PAD_ID",
+        },
+    )
+    _step(
+        config,
+        spec.engine_model,
+        {
+            "input_ids": "_INPUT_ID",
+            "input_lengths": "_REQUEST_INPUT_LEN",
+            "request_output_len": "_REQUEST_OUTPUT_LEN",
+            "end_id": "_END_ID",
+            "pad_id": "_PAD_ID",
+            "temperature": "temperature",
+            "runtime_top_k": "top_k",
+            "runtime_top_p": "top_p",
+            "streaming": "stream",
+        },
+        {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"},
+    )
+    _step(
+        config,
+        spec.postprocessing_model,
+        {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"},
+        {"OUTPUT": "text_output"},
+    )
+    return config
+
+
+def trtllm_configs(spec: TrtllmSpec) -> dict[str, mc.ModelConfig]:
+    """Every model of the stack, by name, in load order."""
+    return {
+        spec.engine_model: tensorrtllm_model_config(spec),
+        spec.preprocessing_model: preprocessing_config(spec),
+        spec.postprocessing_model: postprocessing_config(spec),
+        spec.name: ensemble_config(spec),
+    }

@@ -1,17 +1,45 @@
-"""The Triton model repository on disk: <root>/<model>/config.pbtxt and
-<root>/<model>/1/model.py for python-backend models."""
+"""The Triton model repository on disk: <root>/<model>/config.pbtxt, with
+<root>/<model>/1/model.py for python-backend models, and an empty version
+folder for the tensorrtllm engine model and the ensemble (the engine itself
+stays in its build folder, named by gpt_model_path)."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from workers.triton.config import PythonModelSpec, python_model_config, write_config
+from workers.triton.config import (
+    TOKENIZER_MODEL_FILE,
+    PythonModelSpec,
+    TrtllmSpec,
+    python_model_config,
+    trtllm_configs,
+    write_config,
+)
 
 PYTHON_MODELS = Path(__file__).parent / "python_models"
+ModelSpec = PythonModelSpec | TrtllmSpec
 
 
-def write_repository(root: Path, specs: list[PythonModelSpec]) -> list[str]:
+def model_names(spec: ModelSpec) -> list[str]:
+    """The Triton models one placement becomes, in load order."""
+    return spec.model_names if isinstance(spec, TrtllmSpec) else [spec.name]
+
+
+def _write_model(staging: Path, spec: ModelSpec) -> None:
+    if isinstance(spec, PythonModelSpec):
+        write_config(staging / spec.name, python_model_config(spec))
+        (staging / spec.name / "1").mkdir()
+        shutil.copyfile(PYTHON_MODELS / "sentence_model.py", staging / spec.name / "1" / "model.py")
+        return
+    for name, config in trtllm_configs(spec).items():
+        write_config(staging / name, config)
+        (staging / name / "1").mkdir()
+        if config.backend == "python":
+            shutil.copyfile(PYTHON_MODELS / TOKENIZER_MODEL_FILE, staging / name / "1" / "model.py")
+
+
+def write_repository(root: Path, specs: list[ModelSpec]) -> list[str]:
     """Write a fresh repository holding exactly ``specs``; return the model names.
 
     It is built beside ``root`` and swapped in, so a crash half-way leaves the
@@ -21,15 +49,11 @@ def write_repository(root: Path, specs: list[PythonModelSpec]) -> list[str]:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     for spec in specs:
-        model_dir = staging / spec.name
-        write_config(model_dir, python_model_config(spec))
-        version_dir = model_dir / "1"
-        version_dir.mkdir()
-        shutil.copyfile(PYTHON_MODELS / "sentence_model.py", version_dir / "model.py")
+        _write_model(staging, spec)
     old = root.with_name(root.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if root.exists():
         root.rename(old)
     staging.rename(root)
     shutil.rmtree(old, ignore_errors=True)
-    return [spec.name for spec in specs]
+    return [name for spec in specs for name in model_names(spec)]
