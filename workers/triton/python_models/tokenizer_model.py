@@ -55,24 +55,19 @@ class TritonPythonModel:
         return responses
 
     def _preprocess(self, request):
+        # One request is a batch of one: every output carries that batch dimension.
         query = pb_utils.get_input_tensor_by_name(request, "QUERY").as_numpy().reshape(-1)[0]
         text = query.decode("utf-8") if isinstance(query, bytes) else str(query)
-        ids = np.array(self.tokenizer.encode(text), dtype=np.int32)
-        output_len = pb_utils.get_input_tensor_by_name(request, "REQUEST_OUTPUT_LEN").as_numpy().reshape(-1)[:1]
+        ids = np.array([self.tokenizer.encode(text)], dtype=np.int32)
+        output_len = pb_utils.get_input_tensor_by_name(request, "REQUEST_OUTPUT_LEN").as_numpy().reshape(1, 1)
         end_id = _optional(request, "END_ID")
-        end_id = [self.end_id] if end_id is None else end_id.reshape(-1)[:1]
         pad_id = _optional(request, "PAD_ID")
-        pad_id = [self.pad_id] if pad_id is None else pad_id.reshape(-1)[:1]
         tensors = [
             pb_utils.Tensor("INPUT_ID", ids),
-            pb_utils.Tensor("REQUEST_INPUT_LEN", np.array([len(ids)], dtype=np.int32)),
+            pb_utils.Tensor("REQUEST_INPUT_LEN", np.array([[ids.shape[1]]], dtype=np.int32)),
             pb_utils.Tensor("REQUEST_OUTPUT_LEN", output_len.astype(np.int32)),
-            pb_utils.Tensor(
-                "OUT_END_ID", np.array([self.end_id] if end_id is None else end_id.reshape(-1)[:1], dtype=np.int32)
-            ),
-            pb_utils.Tensor(
-                "OUT_PAD_ID", np.array([self.pad_id] if pad_id is None else pad_id.reshape(-1)[:1], dtype=np.int32)
-            ),
+            pb_utils.Tensor("OUT_END_ID", np.array([[self.end_id]] if end_id is None else end_id, dtype=np.int32)),
+            pb_utils.Tensor("OUT_PAD_ID", np.array([[self.pad_id]] if pad_id is None else pad_id, dtype=np.int32)),
         ]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
@@ -84,4 +79,5 @@ class TritonPythonModel:
             self.tokenizer.decode(beam[: int(length)].tolist(), skip_special_tokens=self.skip_special)
             for beam, length in zip(tokens, lengths, strict=True)
         ]
-        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", np.array(texts, dtype=object))])
+        output = np.array([texts], dtype=object)  # [batch of one, beams]
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", output)])
