@@ -244,6 +244,7 @@ class PlacementIn(StrictSerializer):
     )
     gpu_memory_fraction = serializers.FloatField(min_value=0.01, max_value=1.0, default=0.1)
     engine_build = serializers.IntegerField(min_value=1, required=False, default=None, allow_null=True)
+    llm_api = serializers.BooleanField(default=False)
     batch_scheduler_policy = serializers.ChoiceField(
         choices=SchedulerPolicy.choices, default=SchedulerPolicy.GUARANTEED_NO_EVICT
     )

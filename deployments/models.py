@@ -304,7 +304,8 @@ class Deployment(models.Model):
 
 class Backend(models.TextChoices):
     PYTHON = "python"
-    TENSORRTLLM = "tensorrtllm"
+    TENSORRTLLM = "tensorrtllm", "tensorrtllm (an engine build)"
+    LLM_API = "llmapi", "TensorRT-LLM LLM API (the checkpoint, no engine build)"
 
 
 class SchedulerPolicy(models.TextChoices):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from deployments.models import DeploymentModel, EngineBuild, InstanceKind, RegisteredModel
+from deployments.models import Backend, DeploymentModel, EngineBuild, InstanceKind, RegisteredModel
 
 # Of an engine's budget left after its weights, the share given to the KV cache;
 # the rest holds activations and the runtime's own buffers.
@@ -33,21 +33,23 @@ def triton_model_names(placements: Iterable[DeploymentModel]) -> list[str]:
     placement's name (matches workers.triton.config.TrtllmSpec.model_names)."""
     names = []
     for p in placements:
-        if p.engine_build_id:
+        if p.backend == Backend.TENSORRTLLM:
             names += [f"{p.triton_name}-engine", f"{p.triton_name}-preprocessing", f"{p.triton_name}-postprocessing"]
         names.append(p.triton_name)
     return names
 
 
-def kv_bytes_per_token(model: RegisteredModel, build: EngineBuild) -> int:
-    """KV-cache bytes one token takes on each of the engine's GPUs: keys and
-    values for every layer and KV head, split across the tensor- and
-    pipeline-parallel ranks; an fp8 engine stores its cache in one byte."""
+def kv_bytes_per_token(model: RegisteredModel, build: EngineBuild | None, *, tp_size: int = 1) -> int:
+    """KV-cache bytes one token takes on each GPU: keys and values for every
+    layer and KV head, split across the tensor- and pipeline-parallel ranks;
+    an fp8 engine stores its cache in one byte. Without a build (LLM API) the
+    checkpoint runs in 16 bits on ``tp_size`` GPUs."""
     if not (model.num_layers and model.num_kv_heads and model.head_dim):
         raise ValueError(f"{model.name}'s config.json gives no layer, KV head or head size")
-    dtype_bytes = 1 if build.spec.get("quantization") == "fp8" else 2
-    layers = -(-model.num_layers // build.pp_size)
-    heads = max(1, model.num_kv_heads // build.tp_size)
+    tp, pp = (build.tp_size, build.pp_size) if build else (tp_size, 1)
+    dtype_bytes = 1 if build and build.spec.get("quantization") == "fp8" else 2
+    layers = -(-model.num_layers // pp)
+    heads = max(1, model.num_kv_heads // tp)
     return 2 * layers * heads * model.head_dim * dtype_bytes
 
 
@@ -55,9 +57,16 @@ def engine_bytes_per_gpu(build: EngineBuild) -> int:
     return build.engine_size_bytes // max(1, build.world_size)
 
 
-def kv_cache_tokens(*, model: RegisteredModel, build: EngineBuild, fraction: float, gpu_memory_bytes: int) -> int:
-    """Absolute max_tokens_in_paged_kv_cache for an engine given ``fraction`` of
-    each GPU: what is left after the engine's weights, less a reserve, in
-    tokens. Zero or less means the fraction cannot even hold the weights."""
-    budget = fraction * gpu_memory_bytes - engine_bytes_per_gpu(build)
-    return int(budget * KV_CACHE_SHARE) // kv_bytes_per_token(model, build)
+def weights_bytes_per_gpu(model: RegisteredModel, build: EngineBuild | None, *, tp_size: int = 1) -> int:
+    """The engine files' real size per GPU; without a build, the checkpoint's."""
+    return engine_bytes_per_gpu(build) if build else model.size_bytes // max(1, tp_size)
+
+
+def kv_cache_tokens(
+    *, model: RegisteredModel, build: EngineBuild | None, fraction: float, gpu_memory_bytes: int, tp_size: int = 1
+) -> int:
+    """Absolute KV-cache token budget for a model given ``fraction`` of each of
+    its GPUs: what is left after its weights, less a reserve, in tokens. Zero or
+    less means the fraction cannot even hold the weights."""
+    budget = fraction * gpu_memory_bytes - weights_bytes_per_gpu(model, build, tp_size=tp_size)
+    return int(budget * KV_CACHE_SHARE) // kv_bytes_per_token(model, build, tp_size=tp_size)

@@ -9,6 +9,7 @@ from django.db.models import Prefetch, QuerySet
 from django.utils import timezone
 
 from deployments.models import (
+    Backend,
     BuildLogLine,
     Deployment,
     DeploymentModel,
@@ -19,7 +20,7 @@ from deployments.models import (
     MetricSample,
     RegisteredModel,
 )
-from deployments.placement import engine_bytes_per_gpu, kv_bytes_per_token, resolve_instances
+from deployments.placement import kv_bytes_per_token, resolve_instances, weights_bytes_per_gpu
 
 
 def host_list() -> QuerySet[GpuHost]:
@@ -93,14 +94,13 @@ def deployment_plan(deployment: Deployment) -> list[dict]:
                     "fraction": placement.gpu_memory_fraction,
                     "bytes": int(placement.gpu_memory_fraction * entry["memory_total_bytes"]),
                 }
-                build = placement.engine_build
-                if build is not None:
-                    # From the engine files' real sizes and the checkpoint's shape.
-                    row["engine_bytes"] = engine_bytes_per_gpu(build)
+                if placement.backend != Backend.PYTHON:
+                    # From the engine files' (or checkpoint's) real sizes and the checkpoint's shape.
+                    model, build, tp = placement.registered_model, placement.engine_build, len(placement.gpu_ids)
+                    row["engine_bytes"] = weights_bytes_per_gpu(model, build, tp_size=tp)
                     row["kv_cache_tokens"] = placement.kv_cache_tokens
-                    row["kv_cache_bytes"] = (placement.kv_cache_tokens or 0) * kv_bytes_per_token(
-                        placement.registered_model, build
-                    )
+                    per_token = kv_bytes_per_token(model, build, tp_size=tp)
+                    row["kv_cache_bytes"] = (placement.kv_cache_tokens or 0) * per_token
                 entry["models"].append(row)
                 entry["fraction"] = round(entry["fraction"] + placement.gpu_memory_fraction, 6)
     headroom = settings.GANTRY_GPU_MEMORY_HEADROOM

@@ -19,7 +19,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from controlplane.celery import app as celery_app
-from deployments import events, states
+from deployments import events, states, trtllm
 from deployments.checkpoints import CheckpointInfo, inspect_checkpoint, under_roots
 from deployments.errors import InvalidTransition, NotFound, PermissionDenied, ValidationFailed
 from deployments.models import (
@@ -294,6 +294,7 @@ class PlacementSpec:
     gpu_memory_fraction: float = 0.1
     # llm models: the engine build to serve, and how the backend schedules it.
     engine_build: int | None = None
+    llm_api: bool = False  # serve the checkpoint itself through the LLM API (no engine build)
     batch_scheduler_policy: str = SchedulerPolicy.GUARANTEED_NO_EVICT
     decoupled: bool = True
 
@@ -316,9 +317,13 @@ def _check_engine(
     image it will run in (same digest, same TensorRT-LLM), for this GPU's SM,
     on exactly tp*pp GPUs, with a batch size it was built for, and a memory
     fraction that holds its weights and leaves room for a KV cache."""
+    if spec.engine_build is None and spec.llm_api:
+        return _check_llm_api(spec, model, host, runtime, image, fail)
     if spec.engine_build is None:
-        fail("engine_build", f"{model.name} is an llm: name the engine build to serve")
+        fail("engine_build", f"{model.name} is an llm: name the engine build to serve, or set llm_api")
         return None
+    if spec.llm_api:
+        fail("llm_api", "serves the checkpoint without an engine: leave engine_build empty")
     build = EngineBuild.objects.filter(pk=spec.engine_build).first()
     if build is None:
         fail("engine_build", f"no engine build {spec.engine_build}")
@@ -382,6 +387,52 @@ def _check_engine(
                     f"{build.spec.get('max_seq_len')}-token sequence",
                 )
     return Resolved(spec=spec, model=model, build=build, gpus=chosen, kv_cache_tokens=tokens)
+
+
+def _check_llm_api(
+    spec: PlacementSpec, model: RegisteredModel, host: GpuHost, runtime: str, image: str, fail: Any
+) -> Resolved | None:
+    """The no-build path: the checkpoint served by the LLM-API backend of an image
+    whose TensorRT-LLM release has it, on tensor-parallel GPUs of one model."""
+    version = settings.GANTRY_BUILDER_IMAGES.get(image, "")
+    release = trtllm.release_for(version)
+    if runtime != Runtime.DOCKER:
+        fail("llm_api", "the LLM API runs in the docker runtime, in a TensorRT-LLM image")
+    elif release is None or not release.llmapi_model_dir:
+        able = [
+            i for i, v in settings.GANTRY_BUILDER_IMAGES.items() if (r := trtllm.release_for(v)) and r.llmapi_model_dir
+        ]
+        fail(
+            "llm_api",
+            f"{image} has no LLM-API backend Gantry knows of (TensorRT-LLM {version or 'unknown'}); "
+            f"images that have one: {', '.join(able) or 'none in GANTRY_BUILDER_IMAGES'}",
+        )
+    if model.architecture not in (release.model_dirs if release else {}):
+        fail("model", f"architecture {model.architecture or '(none)'} is not one TensorRT-LLM {version} serves")
+    gpus = {gpu.index: gpu for gpu in host.gpus.all()}
+    chosen = tuple(sorted(spec.gpu_ids)) or tuple(sorted(gpus)[:1])
+    if not chosen or any(i not in gpus for i in chosen):
+        fail("gpu_ids", f"the LLM API needs GPUs of {host.name}: it has {sorted(gpus) or 'none'}")
+        return None
+    if model.num_attention_heads and model.num_attention_heads % len(chosen):
+        fail("gpu_ids", f"{len(chosen)} GPUs (tensor parallel) must divide {model.num_attention_heads} attention heads")
+    memory = min(gpus[i].memory_total_bytes for i in chosen)
+    tokens = None
+    try:
+        tokens = kv_cache_tokens(
+            model=model, build=None, fraction=spec.gpu_memory_fraction, gpu_memory_bytes=memory, tp_size=len(chosen)
+        )
+    except ValueError as exc:
+        fail("model", str(exc))
+    else:
+        limit = model.max_position_embeddings or 1
+        if tokens < min(limit, 2048):
+            fail(
+                "gpu_memory_fraction",
+                f"{spec.gpu_memory_fraction:g} of {memory / 2**30:.0f} GiB leaves room for {max(tokens, 0)} "
+                f"KV-cache tokens after the {model.size_bytes / len(chosen) / 2**30:.1f} GiB of weights per GPU",
+            )
+    return Resolved(spec=spec, model=model, gpus=chosen, kv_cache_tokens=tokens)
 
 
 def _allocate_ports(host: GpuHost) -> tuple[int, int, int]:
@@ -452,6 +503,8 @@ def _validate_placements(host: GpuHost, specs: list[PlacementSpec], *, runtime: 
         for gpu in resolve_instances(spec.instance_kind, spec.gpu_ids, gpu_indexes)[1]:
             per_gpu_fraction[gpu] = per_gpu_fraction.get(gpu, 0.0) + spec.gpu_memory_fraction
         resolved.append(Resolved(spec=spec, model=model))
+    if sum(1 for spec in specs if spec.llm_api) > 1:
+        errors.setdefault("models", []).append("a deployment serves at most one model through the LLM API")
     headroom = settings.GANTRY_GPU_MEMORY_HEADROOM
     for gpu, total in sorted(per_gpu_fraction.items()):
         if total > headroom + 1e-9:
@@ -535,13 +588,13 @@ def _write_placements(deployment: Deployment, resolved: list[Resolved]) -> None:
     deployment.placements.all().delete()
     for item in resolved:
         spec, model = item.spec, item.model
-        engine = item.build is not None
+        engine = model.kind == ModelKind.LLM
         DeploymentModel.objects.create(
             deployment=deployment,
             triton_name=spec.triton_name or model.name,
             registered_model=model,
             engine_build=item.build,
-            backend=SERVABLE_KINDS[model.kind],
+            backend=Backend.LLM_API if spec.llm_api else SERVABLE_KINDS[model.kind],
             max_batch_size=spec.max_batch_size,
             preferred_batch_sizes=list(spec.preferred_batch_sizes),
             max_queue_delay_us=spec.max_queue_delay_us,
@@ -578,6 +631,7 @@ def placements_snapshot(deployment: Deployment) -> list[dict[str, Any]]:
             "gpu_ids": list(p.gpu_ids),
             "gpu_memory_fraction": p.gpu_memory_fraction,
             "engine_build": p.engine_build_id,
+            "llm_api": p.backend == Backend.LLM_API,
             "batch_scheduler_policy": p.batch_scheduler_policy,
             "decoupled": p.decoupled,
             "kv_cache_tokens": p.kv_cache_tokens,
@@ -597,7 +651,7 @@ def _resolved_from_snapshot(item: dict[str, Any]) -> Resolved:
         spec=spec,
         model=RegisteredModel.objects.get(name=spec.model),
         build=build,
-        gpus=spec.gpu_ids if build else (),
+        gpus=spec.gpu_ids if (build or spec.llm_api) else (),
         kv_cache_tokens=item.get("kv_cache_tokens"),
     )
 

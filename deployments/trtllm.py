@@ -93,6 +93,9 @@ class Release:
     convert_flags: frozenset[str]
     quantize_flags: frozenset[str]
     paged_kv_cache: tuple[str, str]  # the flag and value that select the paged KV cache
+    # tensorrtllm_backend's LLM-API model folder inside the image, where the
+    # release serves a HuggingFace checkpoint with no engine build; "" if it cannot.
+    llmapi_model_dir: str = ""
 
     @property
     def architectures(self) -> list[str]:
@@ -131,6 +134,7 @@ RELEASES: dict[str, Release] = {
             convert_flags=_CONVERT_COMMON,
             quantize_flags=_QUANTIZE_COMMON,
             paged_kv_cache=("--kv_cache_type", "paged"),
+            llmapi_model_dir="/app/all_models/llmapi/tensorrt_llm",
         ),
     )
 }

@@ -17,7 +17,7 @@ from pathlib import Path
 from django.conf import settings
 from django.utils import timezone
 
-from deployments import services, states
+from deployments import services, states, trtllm
 from deployments.errors import GantryError, InvalidTransition, PermanentError, TransientError
 from deployments.models import (
     Backend,
@@ -36,7 +36,17 @@ from workers.runtimes.docker import DockerRuntime
 from workers.runtimes.process import ProcessRuntime
 from workers.triton import metrics
 from workers.triton.client import Readiness, TritonClient
-from workers.triton.config import CONFIG_FILE, EMBED, RERANK, Batching, Instances, PythonModelSpec, TrtllmSpec
+from workers.triton.config import (
+    CONFIG_FILE,
+    EMBED,
+    LLMAPI_CONFIG_FILE,
+    RERANK,
+    Batching,
+    Instances,
+    LlmApiSpec,
+    PythonModelSpec,
+    TrtllmSpec,
+)
 from workers.triton.repository import ModelSpec, write_repository
 
 log = logging.getLogger(__name__)
@@ -91,6 +101,22 @@ def model_specs(deployment: Deployment) -> list[ModelSpec]:
     specs: list[ModelSpec] = []
     for placement in deployment.placements.all():
         model = placement.registered_model
+        if placement.backend == Backend.LLM_API:
+            release = trtllm.release_for(settings.GANTRY_BUILDER_IMAGES.get(deployment.image, ""))
+            if release is None or not release.llmapi_model_dir:
+                raise PermanentError(f"{deployment.image} has no LLM-API backend in Gantry's version table")
+            specs.append(
+                LlmApiSpec(
+                    name=placement.triton_name,
+                    checkpoint_path=model.path,
+                    image_model_dir=release.llmapi_model_dir,
+                    gpu_device_ids=tuple(placement.gpu_ids),
+                    max_batch_size=placement.max_batch_size,
+                    max_tokens_in_kv_cache=placement.kv_cache_tokens,
+                    decoupled=placement.decoupled,
+                )
+            )
+            continue
         if placement.backend == Backend.TENSORRTLLM:
             build = placement.engine_build
             specs.append(
@@ -125,7 +151,7 @@ def model_specs(deployment: Deployment) -> list[ModelSpec]:
 
 
 def _spec_gpus(spec: ModelSpec) -> tuple[int, ...]:
-    return spec.gpu_device_ids if isinstance(spec, TrtllmSpec) else spec.instances.gpus
+    return spec.instances.gpus if isinstance(spec, PythonModelSpec) else spec.gpu_device_ids
 
 
 def _client(deployment: Deployment) -> TritonClient:
@@ -140,6 +166,14 @@ def runtime_for(deployment: Deployment) -> Runtime:
     if deployment.runtime == DeploymentRuntime.DOCKER:
         return DockerRuntime(settings.GANTRY_HOST_NAME)
     return ProcessRuntime(settings.GANTRY_DATA_DIR)
+
+
+def _server_env(paths: Paths, placements: list[DeploymentModel]) -> dict[str, str]:
+    """The LLM-API model finds its model.yaml through LLM_CONFIG_PATH (so a server holds at most one)."""
+    for placement in placements:
+        if placement.backend == Backend.LLM_API:
+            return {"LLM_CONFIG_PATH": str(paths.repository / placement.triton_name / LLMAPI_CONFIG_FILE)}
+    return {}
 
 
 def launch_spec(deployment: Deployment, specs: list[ModelSpec] | None = None) -> LaunchSpec:
@@ -164,6 +198,7 @@ def launch_spec(deployment: Deployment, specs: list[ModelSpec] | None = None) ->
         gpu_ids=tuple(sorted({gpu for spec in specs or [] for gpu in _spec_gpus(spec)})),
         ulimits=tuple(settings.GANTRY_DOCKER_ULIMITS),
         admin_secret=deployment.admin_secret,
+        extra_env=_server_env(paths, placements),
         read_only_mounts=tuple(
             sorted(
                 {Path(p.registered_model.path) for p in placements} | {Path(p.engine_build.output_dir) for p in engines}

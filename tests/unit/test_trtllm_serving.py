@@ -4,6 +4,7 @@ the MPI launch."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -299,3 +300,63 @@ def test_multi_gpu_engine_runs_one_mpi_rank_per_gpu():
     assert "--allow-http=false" in ranks[1] and "--http-port" not in ranks[1]
     single = server_command(LaunchSpec(**{**spec.__dict__, "world_size": 1}))
     assert single[0] == "tritonserver"
+
+
+# --- the no-build path ----------------------------------------------------------------------
+
+NEWER = "tritonserver:25.06-trtllm-python-py3"
+
+
+def _llm_api(operator, image: str, **placement):  # noqa: ANN001, ANN003
+    return services.deployment_create(
+        name="direct",
+        host_name="h100-host",
+        runtime="docker",
+        image=image,
+        placements=[
+            services.PlacementSpec(**{"model": "llama", "llm_api": True, "gpu_memory_fraction": 0.5, **placement})
+        ],
+        user=operator,
+    )
+
+
+def test_checkpoint_is_served_through_the_llm_api_where_the_image_has_it(llama, operator, settings, tmp_path):
+    settings.GANTRY_BUILDER_IMAGES = {IMAGE: "0.16.0", NEWER: "0.20.0"}
+    settings.GANTRY_ALLOWED_IMAGES = [IMAGE, NEWER]
+    errors = _refusal(lambda: _llm_api(operator, IMAGE))
+    assert (
+        f"{IMAGE} has no LLM-API backend Gantry knows of (TensorRT-LLM 0.16.0); images that have one: {NEWER}"
+        in (errors["models[0].llm_api"][0])
+    )
+    deployment = _llm_api(operator, NEWER, gpu_ids=(0, 1))
+    placement = deployment.placements.get()
+    assert placement.backend == "llmapi" and placement.gpu_ids == [0, 1] and placement.kv_cache_tokens > 2048
+
+    from workers import deployer
+
+    specs = deployer.model_specs(selectors.deployment_list().get(pk=deployment.pk))
+    write_repository(tmp_path / "repo", specs)
+    folder = tmp_path / "repo" / "llama"
+    assert (folder / "1").is_symlink() and str((folder / "1").readlink()) == "/app/all_models/llmapi/tensorrt_llm/1"
+    args = json.loads((folder / "model.yaml").read_text())
+    assert args["model"] == llama.path and args["backend"] == "pytorch" and args["tensor_parallel_size"] == 2
+    assert args["kv_cache_config"]["max_tokens"] == placement.kv_cache_tokens
+    assert args["triton_config"] == {"max_batch_size": 32, "decoupled": True}
+    config = read_config(folder)
+    assert config.backend == "python" and config.model_transaction_policy.decoupled
+    env = deployer.launch_spec(selectors.deployment_list().get(pk=deployment.pk)).extra_env
+    assert env == {"LLM_CONFIG_PATH": str(deployer.paths_for(deployment).repository / "llama" / "model.yaml")}
+
+
+def test_llm_needs_an_engine_or_the_llm_api(llama, operator):
+    errors = _refusal(
+        lambda: services.deployment_create(
+            name="x",
+            host_name="h100-host",
+            runtime="docker",
+            image=IMAGE,
+            placements=[services.PlacementSpec(model="llama")],
+            user=operator,
+        )  # fmt: skip
+    )
+    assert errors["models[0].engine_build"] == ["llama is an llm: name the engine build to serve, or set llm_api"]

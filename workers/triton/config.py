@@ -355,3 +355,53 @@ def trtllm_configs(spec: TrtllmSpec) -> dict[str, mc.ModelConfig]:
         spec.postprocessing_model: postprocessing_config(spec),
         spec.name: ensemble_config(spec),
     }
+
+
+# --- the LLM-API path: a HuggingFace checkpoint served with no engine build ------------
+
+LLMAPI_CONFIG_FILE = "model.yaml"
+
+
+@dataclass(frozen=True)
+class LlmApiSpec:
+    """A checkpoint served by tensorrtllm_backend's LLM-API python model (from
+    the image), configured by a model.yaml of ``LLM()`` arguments."""
+
+    name: str
+    checkpoint_path: str
+    image_model_dir: str  # the LLM-API model folder inside the image
+    gpu_device_ids: tuple[int, ...]
+    max_batch_size: int
+    max_tokens_in_kv_cache: int | None = None
+    decoupled: bool = True
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.name]
+
+
+def llmapi_model_config(spec: LlmApiSpec) -> mc.ModelConfig:
+    """Unbatched at Triton's level (the LLM API batches in flight itself):
+    one prompt in, generated text out, streamed when decoupled."""
+    config = mc.ModelConfig(name=spec.name, backend="python", max_batch_size=0)
+    config.model_transaction_policy.decoupled = spec.decoupled
+    _input(config, "text_input", mc.TYPE_STRING, [-1])
+    _input(config, "streaming", mc.TYPE_BOOL, [1], optional=True)
+    _tensor(config.output, "text_output", mc.TYPE_STRING, [-1])
+    _apply_instances(config, Instances(count=1, kind="KIND_CPU"))
+    return config
+
+
+def llmapi_model_yaml(spec: LlmApiSpec) -> dict:
+    """The model.yaml the LLM-API model reads: ``LLM()`` arguments plus triton_config."""
+    kv_cache: dict = {"free_gpu_memory_fraction": 0.9}
+    if spec.max_tokens_in_kv_cache is not None:
+        kv_cache["max_tokens"] = spec.max_tokens_in_kv_cache
+    return {
+        "model": spec.checkpoint_path,
+        "backend": "pytorch",
+        "tensor_parallel_size": len(spec.gpu_device_ids),
+        "max_batch_size": spec.max_batch_size,
+        "kv_cache_config": kv_cache,
+        "triton_config": {"max_batch_size": spec.max_batch_size, "decoupled": spec.decoupled},
+    }

@@ -5,25 +5,30 @@ stays in its build folder, named by gpt_model_path)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 from workers.triton.config import (
+    LLMAPI_CONFIG_FILE,
     TOKENIZER_MODEL_FILE,
+    LlmApiSpec,
     PythonModelSpec,
     TrtllmSpec,
+    llmapi_model_config,
+    llmapi_model_yaml,
     python_model_config,
     trtllm_configs,
     write_config,
 )
 
 PYTHON_MODELS = Path(__file__).parent / "python_models"
-ModelSpec = PythonModelSpec | TrtllmSpec
+ModelSpec = PythonModelSpec | TrtllmSpec | LlmApiSpec
 
 
 def model_names(spec: ModelSpec) -> list[str]:
     """The Triton models one placement becomes, in load order."""
-    return spec.model_names if isinstance(spec, TrtllmSpec) else [spec.name]
+    return [spec.name] if isinstance(spec, PythonModelSpec) else spec.model_names
 
 
 def _write_model(staging: Path, spec: ModelSpec) -> None:
@@ -31,6 +36,13 @@ def _write_model(staging: Path, spec: ModelSpec) -> None:
         write_config(staging / spec.name, python_model_config(spec))
         (staging / spec.name / "1").mkdir()
         shutil.copyfile(PYTHON_MODELS / "sentence_model.py", staging / spec.name / "1" / "model.py")
+        return
+    if isinstance(spec, LlmApiSpec):
+        write_config(staging / spec.name, llmapi_model_config(spec))
+        # JSON is YAML: the file needs no YAML writer. The model code is the image's own,
+        # linked by a path that resolves inside the container.
+        (staging / spec.name / LLMAPI_CONFIG_FILE).write_text(json.dumps(llmapi_model_yaml(spec), indent=2))
+        (staging / spec.name / "1").symlink_to(f"{spec.image_model_dir}/1")
         return
     for name, config in trtllm_configs(spec).items():
         write_config(staging / name, config)
