@@ -27,7 +27,8 @@ from workers.runtimes import LaunchSpec
 from workers.runtimes import docker as docker_engine
 from workers.triton.client import TritonClient
 
-pytestmark = [pytest.mark.gpu, pytest.mark.django_db(transaction=True)]
+# Not transactional: nothing is queued (there is no broker on the GPU machine), the test runs the host side itself.
+pytestmark = [pytest.mark.gpu, pytest.mark.django_db]
 
 EMBED_FRACTION = 0.05
 RERANK_FRACTION = 0.04

@@ -10,6 +10,7 @@ so a recycled process id is never signalled.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import logging
 import os
 import shutil
@@ -27,11 +28,12 @@ log = logging.getLogger(__name__)
 
 
 def _triton_dist() -> Path:
-    try:
-        import pytriton
-    except ImportError as exc:  # pragma: no cover - depends on the host's install
-        raise PermanentError("nvidia-pytriton is not installed on this host (pip install 'gantry[worker]')") from exc
-    return Path(pytriton.__file__).parent / "tritonserver"
+    # Found, not imported: the wheel's tritonserver tree is all Gantry uses, and
+    # importing pytriton would pull in its own client library's dependencies.
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise PermanentError("nvidia-pytriton is not installed on this host (pip install 'gantry[worker]')")
+    return Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
 
 
 def _libs_dir() -> Path:
