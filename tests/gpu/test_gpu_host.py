@@ -23,7 +23,7 @@ from deployments.errors import ValidationFailed
 from deployments.models import BuildStatus, EngineBuild, GpuHost, MetricSample
 from tests.conftest import register_inspected
 from workers import deployer, nvml
-from workers.runtimes import LaunchSpec
+from workers.runtimes import LaunchSpec, process
 from workers.runtimes import docker as docker_engine
 from workers.triton.client import TritonClient
 
@@ -153,8 +153,16 @@ def test_planned_deployment_runs_on_the_gpu_within_its_fractions(gpu_host, check
     services.deployment_start(deployment_id=deployment.pk, user=operator)
     started = time.monotonic()
     deployer.launch(deployment.pk)  # what the host's launch task runs
+    try:
+        _exercise(deployment, checkpoints, operator, report, time.monotonic() - started)
+    finally:
+        # Whatever failed, leave no server behind (by process id, as the product does).
+        for handle, repository in process.servers_under(deployer.paths_for(deployment).root):
+            process.stop(handle, repository)
+
+
+def _exercise(deployment, checkpoints, operator, report, load_s: float) -> None:  # noqa: ANN001, C901
     deployment.refresh_from_db()
-    load_s = time.monotonic() - started
     assert deployment.status == "ready", deployment.status_message
     configs = {p.name: (p / "config.pbtxt").read_text() for p in deployer.paths_for(deployment).repository.iterdir()}
     assert all("KIND_GPU" in text and "gpus: 0" in text for text in configs.values())
