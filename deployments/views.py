@@ -12,7 +12,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 
 from deployments import builds, selectors, services, trtllm
 from deployments.errors import GantryError, ValidationFailed
-from deployments.models import InstanceKind, ModelKind, RegisteredModel, Runtime
+from deployments.models import BuildStatus, InstanceKind, ModelKind, RegisteredModel, Runtime
 from deployments.permissions import can_operate
 
 
@@ -52,6 +52,15 @@ class DeployForm(forms.Form):
         self.fields["image"].choices = [("", "—")] + [(i, i) for i in settings.GANTRY_ALLOWED_IMAGES]
         others = selectors.model_list().filter(kind__in=services.SERVABLE_KINDS).exclude(pk=model.pk)
         self.fields["also"].choices = [(m.name, f"{m.name} ({m.kind})") for m in others]
+        if model.kind == ModelKind.LLM:
+            built = model.builds.filter(status=BuildStatus.SUCCEEDED).order_by("-finished_at")
+            self.fields["engine_build"] = forms.ChoiceField(
+                label="Engine build",
+                choices=[
+                    (b.pk, f"build {b.pk}: {b.builder_image}, SM {b.compute_capability}, tp {b.tp_size}") for b in built
+                ],
+                help_text="served in the image it was built in (runtime docker)",
+            )
 
 
 class BuildForm(forms.Form):
@@ -143,6 +152,9 @@ def model_detail(request: HttpRequest, pk: int) -> HttpResponse:
                         max_queue_delay_us=data["max_queue_delay_us"],
                         instance_count=data["instance_count"],
                         instance_kind=data["instance_kind"],
+                        engine_build=int(data["engine_build"])
+                        if name == model.name and data.get("engine_build")
+                        else None,
                     )
                     for name in [model.name, *data["also"]]
                 ],

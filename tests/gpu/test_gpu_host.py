@@ -218,7 +218,7 @@ def _exercise(deployment, checkpoints, operator, report, load_s: float) -> None:
     gpu_samples = MetricSample.objects.filter(deployment=deployment, kind="gpu")
     assert gpu_samples.exists()
     assert max(s.values.get("memory_used_bytes", 0) for s in gpu_samples) > 0
-    assert max(s.values.get("utilization_percent", 0) for s in gpu_samples) > 0
+    assert max(s.values.get("utilization", 0) for s in gpu_samples) > 0
 
     services.deployment_stop(deployment_id=deployment.pk, user=operator)
     deployer.stop(deployment.pk)

@@ -389,3 +389,28 @@ def test_admin_shows_a_build_read_only_with_its_history(client, django_user_mode
     assert 'name="_save"' not in text  # read-only
     listing = client.get("/admin/deployments/enginebuild/?trtllm_version=0.16.0&compute_capability=9.0")
     assert listing.status_code == 200 and "llama" in listing.content.decode()
+
+
+def test_model_pages_offer_the_build_form_for_llms_and_the_deploy_form_otherwise(client, operator, llama, minilm):
+    client.force_login(operator)
+    llm_page = client.get(f"/models/{llama.pk}/").content.decode()
+    assert llm_page.count('id="build-form"') == 1 and llm_page.count('id="deploy-form"') == 1
+    assert f'<option value="{IMAGE}">' in llm_page
+    assert 'name="engine_build"' in llm_page  # an llm is deployed from one of its builds
+    embedder_page = client.get(f"/models/{minilm.pk}/").content.decode()
+    assert embedder_page.count('id="deploy-form"') == 1 and 'id="build-form"' not in embedder_page
+
+
+def test_build_form_queues_a_build_and_shows_its_page(client, operator, llama):
+    client.force_login(operator)
+    form = {"build": "1", "host": "h100-host", "image": IMAGE, "dtype": "float16", "quantization": "none",
+            "gemm_plugin": "auto", "gpt_attention_plugin": "auto", "paged_context_fmha": "on", "max_batch_size": 8,
+            "max_input_len": 1024, "max_seq_len": 2048, "max_num_tokens": 8192, "tp_size": 1, "pp_size": 1,
+            "workers": 1}  # fmt: skip
+    response = client.post(f"/models/{llama.pk}/", form)
+    build = EngineBuild.objects.get()
+    assert response.status_code == 302 and response["Location"] == f"/builds/{build.pk}/"
+    page = client.get(f"/builds/{build.pk}/").content.decode()
+    assert "Gantry.buildPage" in page and "TensorRT-LLM 0.16.0" in page
+    refused = client.post(f"/models/{llama.pk}/", {**form, "max_seq_len": 100000})
+    assert "exceeds the checkpoint&#x27;s max_position_embeddings" in refused.content.decode()

@@ -54,6 +54,9 @@ class TritonPythonModel:
         self.cross_encoder = any(a.endswith("ForSequenceClassification") for a in architectures)
         loader = AutoModelForSequenceClassification if self.cross_encoder else AutoModel
         self.model = loader.from_pretrained(checkpoint).to(self.device).eval()
+        pb_utils.Logger.log_info(
+            f"{self.task} model {checkpoint} on {self.device} (torch {torch.__version__}, numpy {np.__version__})"
+        )
 
     def execute(self, requests):
         if self.task == "rerank":
