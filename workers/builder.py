@@ -21,11 +21,13 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from django.conf import settings
 from django.utils import timezone
@@ -38,6 +40,7 @@ from workers.runtimes import docker as docker_engine
 
 log = logging.getLogger(__name__)
 B = BuildStatus
+T = TypeVar("T")
 
 FLUSH_EVERY_S = 0.5
 FLUSH_LINES = 200
@@ -323,6 +326,22 @@ def _run_step(
             time.sleep(0.2)
 
 
+def _beating(build: EngineBuild, phase: str, work: Callable[[], T]) -> T:
+    """Run ``work`` (reading or hashing many GB) while heartbeating the build, so
+    a long read is not taken for a dead worker and a cancel request still lands."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(work)
+    try:
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except FutureTimeout:
+                if builds.build_progress(build_id=build.pk, source=source(), phase=phase) == B.CANCELLING:
+                    raise StepEnded(B.CANCELLED, "cancelled") from None
+    finally:
+        pool.shutdown(wait=False)  # a cancelled read finishes on its own; nobody waits for it
+
+
 def _prepare(build: EngineBuild, batcher: LogBatcher) -> None:
     """Check the checkpoint is whole and unchanged since it was registered."""
     checkpoint = Path(build.model.path)
@@ -330,7 +349,8 @@ def _prepare(build: EngineBuild, batcher: LogBatcher) -> None:
         raise StepEnded(B.FAILED, f"{checkpoint}/config.json is missing")
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and not p.name.startswith("."))
     batcher.add(f"[gantry] checking {len(files)} checkpoint files in {checkpoint}")
-    if fingerprint(checkpoint, files) != build.model.fingerprint:
+    batcher.flush()
+    if _beating(build, "preparing the checkpoint", lambda: fingerprint(checkpoint, files)) != build.model.fingerprint:
         raise StepEnded(B.FAILED, f"the checkpoint in {checkpoint} changed since it was registered: register it again")
     batcher.add("[gantry] checkpoint fingerprint matches the registered one")
 
@@ -435,7 +455,7 @@ def run_build(build_id: int) -> None:
             if code != 0:
                 raise StepEnded(B.FAILED, f"{step.phase} failed with exit code {code}", exit_code=code)
         builds.build_progress(build_id=build_id, source=source(), phase="verifying")
-        recorded = verify_engine(build, engine_dir)
+        recorded = _beating(build, "verifying", lambda: verify_engine(build, engine_dir))
         batcher.add(f"[gantry] engine verified: {len(recorded['artifacts'])} files")
         batcher.flush()
         builds.build_finish(
