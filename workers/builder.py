@@ -36,6 +36,7 @@ from deployments import builds, trtllm
 from deployments.checkpoints import fingerprint
 from deployments.errors import GantryError, PermanentError
 from deployments.models import BuildExecutor, BuildStatus, EngineBuild
+from workers import nvml
 from workers.runtimes import docker as docker_engine
 
 log = logging.getLogger(__name__)
@@ -342,8 +343,24 @@ def _beating(build: EngineBuild, phase: str, work: Callable[[], T]) -> T:
         pool.shutdown(wait=False)  # a cancelled read finishes on its own; nobody waits for it
 
 
+def _check_gpus(build: EngineBuild, batcher: LogBatcher) -> None:
+    """The GPUs the build runs on are the model and SM it records (an engine is
+    only valid on the architecture it was built on)."""
+    found = {gpu.index: gpu for gpu in nvml.read_inventory().gpus}
+    for index in build.gpu_ids:
+        gpu = found.get(index)
+        if gpu is None or (gpu.name, gpu.compute_capability) != (build.gpu_name, build.compute_capability):
+            seen = f"{gpu.name} (SM {gpu.compute_capability})" if gpu else "missing"
+            raise StepEnded(
+                B.FAILED,
+                f"GPU {index} is {seen}; the build was requested for {build.gpu_name} (SM {build.compute_capability})",
+            )
+    batcher.add(f"[gantry] building on GPU {', '.join(map(str, build.gpu_ids))}: {build.gpu_name}")
+
+
 def _prepare(build: EngineBuild, batcher: LogBatcher) -> None:
-    """Check the checkpoint is whole and unchanged since it was registered."""
+    """Check the GPUs, and that the checkpoint is whole and unchanged since it was registered."""
+    _check_gpus(build, batcher)
     checkpoint = Path(build.model.path)
     if not (checkpoint / "config.json").is_file():
         raise StepEnded(B.FAILED, f"{checkpoint}/config.json is missing")

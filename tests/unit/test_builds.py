@@ -16,7 +16,7 @@ from deployments import builds, services, trtllm
 from deployments.errors import ValidationFailed
 from deployments.models import BuildStatus, EngineBuild, Event, GpuHost, RegisteredModel
 from tests.conftest import register_inspected
-from workers import builder
+from workers import builder, nvml
 
 IMAGE = "tritonserver:24.12-trtllm-python-py3"
 LLAMA = {
@@ -414,3 +414,18 @@ def test_build_form_queues_a_build_and_shows_its_page(client, operator, llama):
     assert "Gantry.buildPage" in page and "TensorRT-LLM 0.16.0" in page
     refused = client.post(f"/models/{llama.pk}/", {**form, "max_seq_len": 100000})
     assert "exceeds the checkpoint&#x27;s max_position_embeddings" in refused.content.decode()
+
+
+def test_build_on_a_gpu_other_than_requested_fails_before_compiling(llama, operator, monkeypatch, settings, tmp_path):
+    settings.GANTRY_DATA_DIR = tmp_path
+    build, _ = request(operator)
+    a100 = services.GpuReport(
+        index=0, uuid="GPU-x", name="NVIDIA A100-SXM4-80GB", compute_capability="8.0", memory_total_bytes=80 << 30
+    )
+    monkeypatch.setattr(nvml, "read_inventory", lambda: nvml.Inventory(gpus=[a100]))
+    builder.run_build(build.pk)
+    build.refresh_from_db()
+    assert build.status == BuildStatus.FAILED
+    assert build.status_message.startswith(
+        "GPU 0 is NVIDIA A100-SXM4-80GB (SM 8.0); the build was requested for NVIDIA H100 80GB HBM3 (SM 9.0)"
+    )
