@@ -413,12 +413,7 @@ class DeploymentLog(APIView):
 
     def get(self, request: Request, pk: int) -> Response:
         get_object_or_404(Deployment, pk=pk)
-        try:
-            count = int(request.query_params.get("lines", "200"))
-        except ValueError as exc:
-            raise DRFValidationError({"lines": ["must be an integer"]}) from exc
-        if not 1 <= count <= services.LOG_LINES_KEPT:
-            raise DRFValidationError({"lines": [f"must be between 1 and {services.LOG_LINES_KEPT}"]})
+        count = int_param(request, "lines", default=200, high=services.LOG_LINES_KEPT)
         return Response({"lines": selectors.deployment_log(pk, lines=count)})
 
 
@@ -429,12 +424,7 @@ class DeploymentMetrics(APIView):
 
     def get(self, request: Request, pk: int) -> Response:
         get_object_or_404(Deployment, pk=pk)
-        try:
-            minutes = int(request.query_params.get("minutes", "15"))
-        except ValueError as exc:
-            raise DRFValidationError({"minutes": ["must be an integer"]}) from exc
-        if not 1 <= minutes <= 24 * 60:
-            raise DRFValidationError({"minutes": ["must be between 1 and 1440"]})
+        minutes = int_param(request, "minutes", default=15, high=24 * 60)
         samples = selectors.deployment_metrics(pk, minutes=minutes)
         return Response(
             [{"at": s.at.isoformat(), "kind": s.kind, "subject": s.subject, "values": s.values} for s in samples]
@@ -577,12 +567,7 @@ class BuildLog(APIView):
 
     def get(self, request: Request, pk: int) -> Response:
         get_object_or_404(EngineBuild, pk=pk)
-        try:
-            count = int(request.query_params.get("lines", "500"))
-        except ValueError as exc:
-            raise DRFValidationError({"lines": ["must be an integer"]}) from exc
-        if not 1 <= count <= settings.GANTRY_BUILD_LOG_LINES:
-            raise DRFValidationError({"lines": [f"must be between 1 and {settings.GANTRY_BUILD_LOG_LINES}"]})
+        count = int_param(request, "lines", default=500, high=settings.GANTRY_BUILD_LOG_LINES)
         return Response({"lines": selectors.build_log(pk, lines=count)})
 
 
@@ -592,6 +577,17 @@ class BuildEvents(APIView):
     def get(self, request: Request, pk: int) -> Response:
         get_object_or_404(EngineBuild, pk=pk)
         return Response([event_payload(e) for e in selectors.build_events(pk)])
+
+
+def int_param(request: Request, name: str, *, default: int, high: int) -> int:
+    """An integer query parameter between 1 and ``high``, or a 400 naming it and the rule."""
+    try:
+        value = int(request.query_params.get(name, str(default)))
+    except ValueError as exc:
+        raise DRFValidationError({name: ["must be an integer"]}) from exc
+    if not 1 <= value <= high:
+        raise DRFValidationError({name: [f"must be between 1 and {high}"]})
+    return value
 
 
 def validated(serializer_class: type[serializers.Serializer], request: Request) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from controlplane.celery import app as celery_app
 from deployments import events, trtllm
-from deployments.errors import InvalidTransition, NotFound, PermissionDenied, ValidationFailed
+from deployments.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments.models import (
     BuildExecutor,
     BuildLogLine,
@@ -32,7 +32,8 @@ from deployments.models import (
     ModelKind,
     RegisteredModel,
 )
-from deployments.permissions import can_operate
+from deployments.permissions import require_operator
+from deployments.services import append_newest_lines
 
 log = logging.getLogger(__name__)
 B = BuildStatus
@@ -66,11 +67,6 @@ DEFAULTS: dict[str, Any] = {
     "gpu_ids": [],
     "allow_seq_len_over_max_positions": False,
 }
-
-
-def _require_operator(user: Any) -> None:
-    if user is not None and not can_operate(user):
-        raise PermissionDenied("this needs the operator role (group 'gantry-operators') or an admin")
 
 
 def _cc(value: str) -> tuple[int, int]:
@@ -229,7 +225,7 @@ def build_request(
     """Validate and queue a build on ``host``; returns (build, how): "queued", or
     "cached" (an identical succeeded build, unless ``force``), or "joined" (an
     identical build already under way)."""
-    _require_operator(user)
+    require_operator(user)
     registered = RegisteredModel.objects.select_related("host").filter(name=model).first()
     if registered is None:
         raise ValidationFailed({"model": f"no registered model named {model!r}"})
@@ -303,7 +299,7 @@ def build_request(
 def build_cancel(*, build_id: int, user: Any = None) -> EngineBuild:
     """A pending build is cancelled at once; a running one is asked to stop (its
     worker kills the container or process and records it cancelled)."""
-    _require_operator(user)
+    require_operator(user)
     build = _get(build_id)
     source = events.source_of(user)
     if build.status == B.PENDING:
@@ -400,14 +396,7 @@ def build_log_append(*, build_id: int, lines: list[str]) -> None:
     GANTRY_BUILD_LOG_LINES, and push the batch to the build's sockets."""
     if not lines:
         return
-    BuildLogLine.objects.bulk_create(BuildLogLine(build_id=build_id, line=line[:4000]) for line in lines)
-    oldest_kept = (
-        BuildLogLine.objects.filter(build_id=build_id)
-        .order_by("-id")
-        .values_list("id", flat=True)[settings.GANTRY_BUILD_LOG_LINES :]
-    ).first()
-    if oldest_kept is not None:
-        BuildLogLine.objects.filter(build_id=build_id, id__lte=oldest_kept).delete()
+    append_newest_lines(BuildLogLine, keep=settings.GANTRY_BUILD_LOG_LINES, lines=lines, build_id=build_id)
     events.publish(events.build_group(build_id), {"type": "log", "build": build_id, "lines": lines})
 
 

@@ -9,7 +9,10 @@ from typing import Any
 
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 
+from deployments.errors import PermissionDenied
+
 OPERATOR_GROUP = "gantry-operators"
+OPERATOR_REQUIRED = "this needs the operator role (group 'gantry-operators') or an admin"
 
 
 def can_view(user: Any) -> bool:
@@ -22,10 +25,16 @@ def can_operate(user: Any) -> bool:
     return user.is_superuser or user.groups.filter(name=OPERATOR_GROUP).exists()
 
 
+def require_operator(user: Any) -> None:
+    """For services: refuse a signed-in user who may not act (None is the system itself)."""
+    if user is not None and not can_operate(user):
+        raise PermissionDenied(OPERATOR_REQUIRED)
+
+
 class ReadOrOperate(BasePermission):
     """Reads for every signed-in user, writes for operators."""
 
-    message = "this needs the operator role (group 'gantry-operators') or an admin"
+    message = OPERATOR_REQUIRED
 
     def has_permission(self, request, view) -> bool:  # noqa: ANN001
         if request.method in SAFE_METHODS:

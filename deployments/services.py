@@ -21,9 +21,10 @@ from django.utils import timezone
 from controlplane.celery import app as celery_app
 from deployments import events, states, trtllm
 from deployments.checkpoints import CheckpointInfo, inspect_checkpoint, under_roots
-from deployments.errors import InvalidTransition, NotFound, PermissionDenied, ValidationFailed
+from deployments.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments.models import (
     Backend,
+    BuildLogLine,
     BuildStatus,
     Deployment,
     DeploymentModel,
@@ -43,7 +44,7 @@ from deployments.models import (
     Runtime,
     SchedulerPolicy,
 )
-from deployments.permissions import can_operate
+from deployments.permissions import require_operator
 from deployments.placement import engine_bytes_per_gpu, kv_cache_tokens, resolve_instances
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,6 @@ SERVABLE_KINDS = {
 }
 # Kinds whose clients send text, so the checkpoint must carry its tokenizer.
 NEEDS_TOKENIZER = frozenset({ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.LLM})
-
-
-def _require_operator(user: Any) -> None:
-    if user is not None and not can_operate(user):
-        raise PermissionDenied("this needs the operator role (group 'gantry-operators') or an admin")
 
 
 # --- hosts -------------------------------------------------------------------
@@ -179,7 +175,7 @@ def model_register(
     """Register a HuggingFace-format checkpoint folder on ``host``. The row is
     created at once (inspection pending) and the host inspects the folder
     (workers.tasks.inspect_model), filling in what it found or why it failed."""
-    _require_operator(user)
+    require_operator(user)
     errors: dict[str, str] = {}
     if kind not in ModelKind.values:
         errors["kind"] = f"must be one of {', '.join(ModelKind.values)}"
@@ -527,7 +523,7 @@ def deployment_create(
     user: Any = None,
 ) -> Deployment:
     """Create a stopped deployment of one or more models on a host (nothing starts yet)."""
-    _require_operator(user)
+    require_operator(user)
     if Deployment.objects.filter(name=name).exists():
         raise ValidationFailed({"name": f"a deployment named {name!r} already exists"})
     host = GpuHost.objects.filter(name=host_name).first()
@@ -663,7 +659,7 @@ def deployment_change(*, deployment_id: int, placements: list[PlacementSpec], us
     that changed, and rolls back if the new generation fails to load); one at
     rest takes it at its next start. Refused while it is starting or stopping.
     """
-    _require_operator(user)
+    require_operator(user)
     with transaction.atomic():
         deployment = Deployment.objects.select_related("host").select_for_update().filter(pk=deployment_id).first()
         if deployment is None:
@@ -788,7 +784,7 @@ def _enqueue(task_name: str, deployment: Deployment, *more_args: Any) -> None:
 
 def deployment_start(*, deployment_id: int, user: Any = None) -> Deployment:
     """Ask the deployment's host to launch it; refused unless it is at rest."""
-    _require_operator(user)
+    require_operator(user)
     deployment = _get_deployment(deployment_id)
     if deployment.status not in states.sources_of(DeploymentStatus.LAUNCHING):
         raise InvalidTransition(
@@ -809,7 +805,7 @@ def deployment_start(*, deployment_id: int, user: Any = None) -> Deployment:
 
 def deployment_stop(*, deployment_id: int, user: Any = None) -> Deployment:
     """Ask the deployment's host to stop its server; refused when nothing runs."""
-    _require_operator(user)
+    require_operator(user)
     deployment = _get_deployment(deployment_id)
     if deployment.status not in states.sources_of(DeploymentStatus.STOPPING):
         raise InvalidTransition(f"{deployment.name} is {deployment.status}; there is nothing to stop")
@@ -918,12 +914,15 @@ def log_lines_append(*, deployment_id: int, lines: list[str]) -> None:
     """Store a batch of server log lines (one insert), trim to the newest LOG_LINES_KEPT, and push them."""
     if not lines:
         return
-    LogLine.objects.bulk_create(LogLine(deployment_id=deployment_id, line=line[:4000]) for line in lines)
-    oldest_kept = (
-        LogLine.objects.filter(deployment_id=deployment_id)
-        .order_by("-id")
-        .values_list("id", flat=True)[LOG_LINES_KEPT:]
-    ).first()
-    if oldest_kept is not None:
-        LogLine.objects.filter(deployment_id=deployment_id, id__lte=oldest_kept).delete()
+    append_newest_lines(LogLine, keep=LOG_LINES_KEPT, lines=lines, deployment_id=deployment_id)
     events.publish(events.deployment_group(deployment_id), {"type": "log", "deployment": deployment_id, "lines": lines})
+
+
+def append_newest_lines(
+    model: type[LogLine] | type[BuildLogLine], *, keep: int, lines: list[str], **owner: int
+) -> None:
+    """Insert ``lines`` for ``owner`` in one statement and delete all but its newest ``keep``."""
+    model.objects.bulk_create(model(**owner, line=line[:4000]) for line in lines)
+    oldest_kept = model.objects.filter(**owner).order_by("-id").values_list("id", flat=True)[keep:].first()
+    if oldest_kept is not None:
+        model.objects.filter(**owner, id__lte=oldest_kept).delete()

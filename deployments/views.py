@@ -97,6 +97,15 @@ class BuildForm(forms.Form):
         self.fields["image"].choices = [(i, i) for i in images]
 
 
+def _form_errors(form: forms.Form, exc: GantryError) -> None:
+    """A service's refusal, shown on the form: each rule beside its field where the form has it."""
+    if isinstance(exc, ValidationFailed):
+        for field, errors in exc.errors.items():
+            form.add_error(field if field in form.fields else None, " ".join(errors))
+    else:
+        form.add_error(None, str(exc))
+
+
 def _build_from_form(request: HttpRequest, model: RegisteredModel, form: BuildForm) -> HttpResponse | None:
     data = form.cleaned_data
     try:
@@ -108,12 +117,8 @@ def _build_from_form(request: HttpRequest, model: RegisteredModel, form: BuildFo
             force=data["force"],
             user=request.user,
         )
-    except ValidationFailed as exc:
-        for field, errors in exc.errors.items():
-            form.add_error(field if field in form.fields else None, " ".join(errors))
-        return None
     except GantryError as exc:
-        form.add_error(None, str(exc))
+        _form_errors(form, exc)
         return None
     notes = {
         "queued": "Build queued.",
@@ -160,11 +165,8 @@ def model_detail(request: HttpRequest, pk: int) -> HttpResponse:
                 ],
                 user=request.user,
             )
-        except ValidationFailed as exc:
-            for field, errors in exc.errors.items():
-                form.add_error(field if field in form.fields else None, " ".join(errors))
         except GantryError as exc:
-            form.add_error(None, str(exc))
+            _form_errors(form, exc)
         else:
             messages.success(request, f"Deployment {deployment.name} created; press Start to launch it.")
             return redirect("deployment", pk=deployment.pk)

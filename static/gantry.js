@@ -60,6 +60,13 @@ const Gantry = (() => {
     return element;
   }
 
+  // New log lines at the bottom of a <pre>, keeping the newest ``keep`` and the view scrolled down.
+  function appendLines(pre, lines, keep) {
+    const kept = (pre.textContent + lines.map((l) => l + "\n").join("")).split("\n").slice(-keep);
+    pre.textContent = kept.join("\n");
+    pre.scrollTop = pre.scrollHeight;
+  }
+
   function eventRow(event) {
     const row = document.createElement("tr");
     row.dataset.eventId = event.id;
@@ -83,11 +90,7 @@ const Gantry = (() => {
     const actionError = document.getElementById("action-error");
     const serverLog = document.getElementById("server-log");
 
-    function appendLog(lines) {
-      const kept = (serverLog.textContent + lines.map((l) => l + "\n").join("")).split("\n").slice(-500);
-      serverLog.textContent = kept.join("\n");
-      serverLog.scrollTop = serverLog.scrollHeight;
-    }
+    const appendLog = (lines) => appendLines(serverLog, lines, 500);
 
     const AT_REST = ["pending", "stopped", "failed"];
     function enableActions(status) {
@@ -164,11 +167,7 @@ const Gantry = (() => {
     const actionError = document.getElementById("action-error");
     const ENDED = ["succeeded", "failed", "cancelled"];
 
-    function appendLog(lines) {
-      const kept = (log.textContent + lines.map((l) => l + "\n").join("")).split("\n").slice(-2000);
-      log.textContent = kept.join("\n");
-      log.scrollTop = log.scrollHeight;
-    }
+    const appendLog = (lines) => appendLines(log, lines, 2000);
     function render(build) {
       setStatus(badge, build.status);
       phase.textContent = build.phase || "waiting for the host";
