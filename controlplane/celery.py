@@ -8,16 +8,13 @@ import os
 
 from celery import Celery
 
+from deployments.queues import host_queue
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
 app = Celery("gantry")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["deployments", "workers"])
-
-
-def host_queue(host_name: str) -> str:
-    """The queue a host's worker listens on."""
-    return f"gpu.{host_name}"
 
 
 def host_worker_argv(python: str, host_name: str, *, concurrency: int = 2) -> list[str]:

@@ -6,7 +6,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
-    path("api/", include("deployments.api_urls")),
+    path("api/", include("deployments.api.urls")),
     path("api/", include("playground.urls")),
-    path("", include("deployments.urls")),
+    path("", include("deployments.web.urls")),
 ]

@@ -15,6 +15,8 @@ from django.core.validators import MaxValueValidator, MinValueValidator, RegexVa
 from django.db import models
 from django.utils import timezone
 
+from deployments.queues import host_queue
+
 # Triton model names and host names end up in paths, queue names and URLs.
 slug_validator = RegexValidator(
     r"^[a-z0-9][a-z0-9_.-]{0,62}$",
@@ -56,7 +58,7 @@ class GpuHost(models.Model):
 
     @property
     def queue(self) -> str:
-        return f"gpu.{self.name}"
+        return host_queue(self.name)
 
 
 class Gpu(models.Model):
@@ -344,7 +346,7 @@ class DeploymentModel(models.Model):
     )
     instance_kind = models.CharField(max_length=16, choices=InstanceKind.choices, default=InstanceKind.AUTO)
     gpu_ids = models.JSONField(default=list, blank=True)
-    gpu_memory_fraction = models.FloatField(default=0.1, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)])
+    gpu_memory_fraction = models.FloatField(default=0.1, validators=[MinValueValidator(0.01), MaxValueValidator(1.0)])
     # TensorRT-LLM placements only.
     batch_scheduler_policy = models.CharField(
         max_length=24, choices=SchedulerPolicy.choices, default=SchedulerPolicy.GUARANTEED_NO_EVICT

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.db.models import Prefetch, QuerySet
 from django.utils import timezone
 
+from deployments.errors import NotFound
 from deployments.models import (
     Backend,
     BuildLogLine,
@@ -42,6 +43,14 @@ def build_list(
     if host:
         found = found.filter(host__name=host)
     return found
+
+
+def build_get(build_id: int) -> EngineBuild:
+    """One build with its model and host, or NotFound."""
+    build = EngineBuild.objects.select_related("model", "host").filter(pk=build_id).first()
+    if build is None:
+        raise NotFound(f"build {build_id} does not exist")
+    return build
 
 
 def build_log(build_id: int, *, lines: int) -> list[str]:

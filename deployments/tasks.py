@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from deployments import builds, services
+from deployments import queues
+from deployments.services import builds, hosts
 
 
-@shared_task(name="deployments.tasks.sweep_hosts")
+@shared_task(name=queues.SWEEP_HOSTS)
 def sweep_hosts() -> list[str]:
     """Hosts that missed their beats go offline; builds whose worker went quiet fail."""
     builds.builds_reap()
-    return services.hosts_sweep()
+    return hosts.hosts_sweep()

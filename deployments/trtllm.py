@@ -193,7 +193,7 @@ def compose(
 ) -> list[Step]:
     """The build's commands, in order: convert (or quantize), then trtllm-build.
 
-    ``spec`` is a normalized build spec (deployments.builds.normalize_spec).
+    ``spec`` is a normalized build spec (deployments.build_spec.normalize_spec).
     Raises ValueError for an architecture the release has no converter for.
     """
     if architecture not in release.model_dirs:

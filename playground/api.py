@@ -7,7 +7,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from deployments.api import StrictSerializer, validated
+from deployments.api.base import StrictSerializer, validated
 from deployments.errors import TransientError
 from deployments.permissions import CanView
 from playground.services import MAX_TEXT_CHARS, MAX_TEXTS, embed_texts, rerank_passages

@@ -92,15 +92,15 @@ const Gantry = (() => {
 
     const appendLog = (lines) => appendLines(serverLog, lines, 500);
 
-    const AT_REST = ["pending", "stopped", "failed"];
-    function enableActions(status) {
-      const start = document.getElementById("start");
-      const stop = document.getElementById("stop");
-      if (start) start.disabled = !AT_REST.includes(status);
-      if (stop) stop.disabled = ["pending", "stopped", "stopping"].includes(status);
+    // The server says which actions the deployment allows now; the page keeps no state table.
+    function enableActions(actions) {
+      for (const action of ["start", "stop"]) {
+        const button = document.getElementById(action);
+        if (button) button.disabled = !actions[action];
+      }
     }
     function render(deployment) {
-      enableActions(deployment.status);
+      enableActions(deployment.actions);
       setStatus(badge, deployment.shown_status);
       message.textContent = deployment.status_message;
       desired.textContent = deployment.desired_state;
@@ -124,15 +124,15 @@ const Gantry = (() => {
     live(`/ws/deployments/${id}/`, {
       indicator,
       onOpen: refresh,
-      onMessage: (event) => {
+      onMessage: async (event) => {
         if (event.type === "metrics") renderMetrics(event.at, event.models);
         if (event.type === "log") appendLog(event.lines);
         if (event.type !== "event") return;
         addEvent(event);
         if (event.to_status) {
-          enableActions(event.to_status);
           setStatus(badge, event.to_status);
           message.textContent = event.message;
+          render(await api("GET", `/api/deployments/${id}/`));
         }
       },
     });
@@ -165,7 +165,6 @@ const Gantry = (() => {
     const log = document.getElementById("build-log");
     const cancel = document.getElementById("cancel");
     const actionError = document.getElementById("action-error");
-    const ENDED = ["succeeded", "failed", "cancelled"];
 
     const appendLog = (lines) => appendLines(log, lines, 2000);
     function render(build) {
@@ -175,8 +174,8 @@ const Gantry = (() => {
       hint.textContent = build.hint;
       hint.hidden = !build.hint;
       exitCode.textContent = build.exit_code === null ? "–" : build.exit_code;
-      if (cancel) cancel.disabled = ENDED.includes(build.status) || build.status === "cancelling";
-      if (ENDED.includes(build.status) && build.artifacts.length && !document.getElementById("artifacts")) {
+      if (cancel) cancel.disabled = !build.actions.cancel;
+      if (build.finished_at && build.artifacts.length && !document.getElementById("artifacts")) {
         location.reload();  // the artifacts table is rendered by the server
       }
     }

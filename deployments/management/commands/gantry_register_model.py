@@ -2,9 +2,9 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from deployments import services
 from deployments.errors import ValidationFailed
 from deployments.models import ModelKind, RegisteredModel
+from deployments.services import registered_models
 
 
 class Command(BaseCommand):
@@ -23,7 +23,7 @@ class Command(BaseCommand):
             self.stdout.write(f"model {options['name']} is already registered")
             return
         try:
-            model = services.model_register(
+            model = registered_models.model_register(
                 name=options["name"],
                 kind=options["kind"],
                 path=options["path"],

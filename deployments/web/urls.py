@@ -1,6 +1,6 @@
 from django.urls import path
 
-from deployments import views
+from deployments.web import views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),

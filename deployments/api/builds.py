@@ -1,0 +1,170 @@
+"""/api/builds/: request, follow and cancel engine builds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from rest_framework import serializers, status
+from rest_framework.generics import get_object_or_404
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from deployments import build_spec, selectors, states, trtllm
+from deployments.api.base import StrictSerializer, int_param, require_empty_body, validated
+from deployments.events import event_payload
+from deployments.models import EngineBuild
+from deployments.permissions import ReadOrOperate
+from deployments.services import builds
+
+
+class BuildOut(serializers.ModelSerializer):
+    model = serializers.CharField(source="model.name")
+    host = serializers.CharField(source="host.name")
+    created_by = serializers.CharField(source="created_by.username", default=None)
+    deployed_in = serializers.SerializerMethodField()
+    actions = serializers.SerializerMethodField()
+
+    class Meta:
+        model = EngineBuild
+        fields = [
+            "id",
+            "model",
+            "host",
+            "status",
+            "status_message",
+            "phase",
+            "exit_code",
+            "hint",
+            "spec",
+            "executor",
+            "builder_image",
+            "image_digest",
+            "trtllm_version",
+            "gpu_name",
+            "compute_capability",
+            "gpu_ids",
+            "tp_size",
+            "pp_size",
+            "cache_key",
+            "forced",
+            "time_limit_s",
+            "output_dir",
+            "artifacts",
+            "build_config",
+            "plugin_config",
+            "created_by",
+            "created_at",
+            "started_at",
+            "finished_at",
+            "deployed_in",
+            "actions",
+        ]
+
+    def get_actions(self, build: EngineBuild) -> dict[str, bool]:
+        return states.build_actions(build.status)
+
+    def get_deployed_in(self, build: EngineBuild) -> list[dict[str, Any]]:
+        return [
+            {"deployment": p.deployment_id, "name": p.deployment.name, "triton_name": p.triton_name}
+            for p in build.placements.select_related("deployment")
+        ]
+
+
+class BuildSpecIn(StrictSerializer):
+    """Types and ranges; the rules that need the checkpoint and host are in deployments.build_spec."""
+
+    dtype = serializers.ChoiceField(choices=trtllm.DTYPES, required=False)
+    quantization = serializers.ChoiceField(choices=trtllm.QUANTIZATIONS, required=False)
+    gemm_plugin = serializers.ChoiceField(choices=trtllm.PLUGIN_CHOICES, required=False)
+    gpt_attention_plugin = serializers.ChoiceField(choices=trtllm.PLUGIN_CHOICES, required=False)
+    context_fmha = serializers.BooleanField(required=False)
+    paged_context_fmha = serializers.BooleanField(required=False)
+    remove_input_padding = serializers.BooleanField(required=False)
+    max_batch_size = serializers.IntegerField(min_value=1, max_value=4096, required=False)
+    max_input_len = serializers.IntegerField(min_value=1, max_value=1_048_576, required=False)
+    max_seq_len = serializers.IntegerField(min_value=1, max_value=1_048_576, required=False)
+    max_num_tokens = serializers.IntegerField(min_value=1, max_value=1_048_576, required=False)
+    max_beam_width = serializers.IntegerField(min_value=1, max_value=32, required=False)
+    tp_size = serializers.IntegerField(min_value=1, max_value=64, required=False)
+    pp_size = serializers.IntegerField(min_value=1, max_value=64, required=False)
+    workers = serializers.IntegerField(min_value=1, max_value=64, required=False)
+    gpu_ids = serializers.ListField(
+        child=serializers.IntegerField(min_value=0, max_value=63), max_length=64, required=False
+    )
+    allow_seq_len_over_max_positions = serializers.BooleanField(required=False)
+
+
+class BuildIn(StrictSerializer):
+    model = serializers.CharField(max_length=63)
+    host = serializers.CharField(max_length=63)
+    image = serializers.CharField(max_length=255, help_text="an allow-listed builder image, or 'native'")
+    spec = BuildSpecIn(required=False, default=dict)
+    time_limit_s = serializers.IntegerField(min_value=build_spec.MIN_TIME_LIMIT_S, required=False, default=None)
+    force = serializers.BooleanField(required=False, default=False)
+
+
+class BuildList(APIView):
+    """GET /api/builds/ (filters: model, status, host); POST a build request:
+    201 queued, 200 with "how": "cached" or "joined" when an identical build is reused."""
+
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request) -> Response:
+        found = selectors.build_list(
+            model=request.query_params.get("model"),
+            status=request.query_params.get("status"),
+            host=request.query_params.get("host"),
+        )
+        return Response(BuildOut(found, many=True).data)
+
+    def post(self, request: Request) -> Response:
+        data = validated(BuildIn, request)
+        build, how = builds.build_request(
+            model=data["model"],
+            host=data["host"],
+            image=data["image"],
+            spec=dict(data["spec"]),
+            time_limit_s=data["time_limit_s"],
+            force=data["force"],
+            user=request.user,
+        )
+        code = status.HTTP_201_CREATED if how == "queued" else status.HTTP_200_OK
+        return Response({"how": how, **BuildOut(build).data}, status=code)
+
+
+class BuildDetail(APIView):
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request, pk: int) -> Response:
+        return Response(BuildOut(get_object_or_404(selectors.build_list(), pk=pk)).data)
+
+
+class BuildCancel(APIView):
+    permission_classes = [ReadOrOperate]
+
+    def post(self, request: Request, pk: int) -> Response:
+        require_empty_body(request)
+        get_object_or_404(EngineBuild, pk=pk)
+        build = builds.build_cancel(build_id=pk, user=request.user)
+        return Response(BuildOut(build).data, status=status.HTTP_202_ACCEPTED)
+
+
+class BuildLog(APIView):
+    """GET /api/builds/<id>/log/?lines=500: the newest stored lines of the build's output."""
+
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request, pk: int) -> Response:
+        get_object_or_404(EngineBuild, pk=pk)
+        count = int_param(request, "lines", default=500, high=settings.GANTRY_BUILD_LOG_LINES)
+        return Response({"lines": selectors.build_log(pk, lines=count)})
+
+
+class BuildEvents(APIView):
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request, pk: int) -> Response:
+        get_object_or_404(EngineBuild, pk=pk)
+        return Response([event_payload(e) for e in selectors.build_events(pk)])

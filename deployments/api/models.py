@@ -1,0 +1,76 @@
+"""/api/models/: register a checkpoint on a host, and read what its inspection found."""
+
+from __future__ import annotations
+
+from rest_framework import serializers, status
+from rest_framework.generics import get_object_or_404
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from deployments import selectors
+from deployments.api.base import StrictSerializer, validated
+from deployments.models import ModelKind, RegisteredModel, slug_validator
+from deployments.permissions import ReadOrOperate
+from deployments.services import registered_models
+
+
+class ModelOut(serializers.ModelSerializer):
+    host = serializers.CharField(source="host.name", default=None)
+
+    class Meta:
+        model = RegisteredModel
+        fields = [
+            "id",
+            "name",
+            "kind",
+            "path",
+            "hub_id",
+            "revision",
+            "architecture",
+            "host",
+            "inspection",
+            "inspection_message",
+            "model_type",
+            "parameter_count",
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+            "torch_dtype",
+            "size_bytes",
+            "tokenizer_files",
+            "fingerprint",
+            "created_at",
+        ]
+
+
+class ModelIn(StrictSerializer):
+    name = serializers.CharField(max_length=63, validators=[slug_validator])
+    kind = serializers.ChoiceField(choices=ModelKind.choices)
+    host = serializers.CharField(max_length=63, help_text="the GPU host that holds the checkpoint")
+    path = serializers.CharField(max_length=1024)
+    hub_id = serializers.CharField(max_length=255, required=False, default="", allow_blank=True)
+    revision = serializers.CharField(max_length=64, required=False, default="", allow_blank=True)
+
+
+class ModelList(APIView):
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request) -> Response:
+        return Response(ModelOut(selectors.model_list(), many=True).data)
+
+    def post(self, request: Request) -> Response:
+        data = validated(ModelIn, request)
+        model = registered_models.model_register(user=request.user, **data)
+        return Response(ModelOut(model).data, status=status.HTTP_201_CREATED)
+
+
+class ModelDetail(APIView):
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request, pk: int) -> Response:
+        return Response(ModelOut(get_object_or_404(selectors.model_list(), pk=pk)).data)

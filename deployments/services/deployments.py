@@ -1,0 +1,310 @@
+"""The deployment lifecycle as people and workers ask for it: create, change
+(a new generation), roll back, start, stop, and what a worker reports back
+(relaunch after a crash, re-drive a lost launch, fail, notes on the timeline).
+
+Status changes go through deployments.states; work for the host is enqueued
+through deployments.queues once the change is committed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+
+from deployments import events, queues, states
+from deployments.errors import InvalidTransition, NotFound, ValidationFailed
+from deployments.models import (
+    Deployment,
+    DeploymentRevision,
+    DeploymentStatus,
+    DesiredState,
+    GpuHost,
+    RevisionStatus,
+    Runtime,
+)
+from deployments.permissions import require_operator
+from deployments.services.placements import (
+    PlacementSpec,
+    placement_from_snapshot,
+    placements_snapshot,
+    placements_validate,
+    placements_write,
+)
+
+
+def _allocate_ports(host: GpuHost) -> tuple[int, int, int]:
+    """The lowest free triple of ports in the configured range on ``host``."""
+    low, high = settings.GANTRY_TRITON_PORT_RANGE
+    used: set[int] = set()
+    for row in Deployment.objects.filter(host=host).values_list("http_port", "grpc_port", "metrics_port"):
+        used.update(row)
+    for base in range(low, high - 1, 3):
+        triple = (base, base + 1, base + 2)
+        if not used.intersection(triple):
+            return triple
+    raise ValidationFailed({"host": f"no free ports left in GANTRY_TRITON_PORT_RANGE on {host.name}"})
+
+
+def deployment_create(
+    *,
+    name: str,
+    host_name: str,
+    placements: list[PlacementSpec],
+    runtime: str = Runtime.PROCESS,
+    image: str = "",
+    ports: tuple[int, int, int] | None = None,
+    user: Any = None,
+) -> Deployment:
+    """Create a stopped deployment of one or more models on a host (nothing starts yet)."""
+    require_operator(user)
+    if Deployment.objects.filter(name=name).exists():
+        raise ValidationFailed({"name": f"a deployment named {name!r} already exists"})
+    host = GpuHost.objects.filter(name=host_name).first()
+    if host is None:
+        raise ValidationFailed({"host": f"no GPU host named {host_name!r} has announced itself"})
+    if runtime == Runtime.DOCKER and image not in settings.GANTRY_ALLOWED_IMAGES:
+        allowed = ", ".join(settings.GANTRY_ALLOWED_IMAGES) or "none are configured (GANTRY_ALLOWED_IMAGES)"
+        raise ValidationFailed({"image": f"{image or 'an empty image'} is not allow-listed; allowed: {allowed}"})
+    if runtime == Runtime.PROCESS and image:
+        raise ValidationFailed({"image": "the process runtime runs the host's own tritonserver; leave image empty"})
+    if ports is not None:
+        if len(set(ports)) != 3:
+            raise ValidationFailed({"ports": "http, grpc and metrics ports must differ"})
+        taken = Deployment.objects.filter(host=host).filter(
+            Q(http_port__in=ports) | Q(grpc_port__in=ports) | Q(metrics_port__in=ports)
+        )
+        if taken.exists():
+            raise ValidationFailed(
+                {"ports": f"one of {list(ports)} is already used by {taken.first().name} on {host.name}"}
+            )
+    resolved = placements_validate(host=host, specs=placements, runtime=runtime, image=image)
+    try:
+        with transaction.atomic():
+            http_port, grpc_port, metrics_port = ports or _allocate_ports(host)
+            deployment = Deployment.objects.create(
+                name=name,
+                host=host,
+                runtime=runtime,
+                image=image,
+                http_port=http_port,
+                grpc_port=grpc_port,
+                metrics_port=metrics_port,
+                created_by=events.signed_in(user),
+            )
+            placements_write(deployment=deployment, resolved=resolved)
+            DeploymentRevision.objects.create(
+                deployment=deployment,
+                generation=1,
+                spec=placements_snapshot(deployment),
+                created_by=deployment.created_by,
+            )
+            events.record(
+                kind="deployment.created",
+                source=events.source_of(user),
+                actor=user,
+                deployment=deployment,
+                to_status=deployment.status,
+                message=f"created on {host.name} with {', '.join(r.model.name for r in resolved)} "
+                f"(ports {http_port}/{grpc_port}/{metrics_port})",
+            )
+    except IntegrityError as exc:
+        # Another request took the name or the ports between our check and insert.
+        raise ValidationFailed({"name": f"{name!r} or its ports were taken concurrently; try again"}) from exc
+    return deployment
+
+
+def deployment_change(*, deployment_id: int, placements: list[PlacementSpec], user: Any = None) -> Deployment:
+    """Give a deployment new placements as a new generation.
+
+    A ready deployment applies it in place (its host reloads only the models
+    that changed, and rolls back if the new generation fails to load); one at
+    rest takes it at its next start. Refused while it is starting or stopping.
+    """
+    require_operator(user)
+    with transaction.atomic():
+        deployment = Deployment.objects.select_related("host").select_for_update().filter(pk=deployment_id).first()
+        if deployment is None:
+            raise NotFound(f"deployment {deployment_id} does not exist")
+        running = deployment.status == DeploymentStatus.READY
+        if not running and deployment.status not in states.AT_REST:
+            raise InvalidTransition(f"{deployment.name} is {deployment.status}; change it when it is ready or stopped")
+        resolved = placements_validate(
+            host=deployment.host, specs=placements, runtime=deployment.runtime, image=deployment.image
+        )
+        before = placements_snapshot(deployment)
+        placements_write(deployment=deployment, resolved=resolved)
+        after = placements_snapshot(deployment)
+        if after == before:
+            raise ValidationFailed({"models": "this is what the deployment already holds: nothing to change"})
+        generation = deployment.generation + 1
+        Deployment.objects.filter(pk=deployment.pk).update(generation=generation)
+        states.revision_supersede_current(deployment_id=deployment.pk)
+        DeploymentRevision.objects.create(
+            deployment=deployment,
+            generation=generation,
+            spec=after,
+            created_by=events.signed_in(user),
+        )
+        events.record(
+            kind="deployment.changed",
+            source=events.source_of(user),
+            actor=user,
+            deployment=deployment,
+            message=f"generation {generation}: {', '.join(p['triton_name'] for p in after)}",
+            data={"before": before, "after": after},
+        )
+        if running:
+            deployment = states.deployment_transition(
+                deployment_id=deployment.pk,
+                to=DeploymentStatus.UPDATING,
+                source=events.source_of(user),
+                actor=user,
+                only_from=frozenset({DeploymentStatus.READY}),
+                message=f"applying generation {generation}",
+            )
+            _enqueue(queues.APPLY_GENERATION, deployment, generation)
+    return Deployment.objects.select_related("host").get(pk=deployment_id)
+
+
+def deployment_rollback(*, deployment_id: int, failed_generation: int, reason: str, source: str) -> Deployment:
+    """Put back the placements of the generation before ``failed_generation`` (its host
+    then reloads them); the failed revision keeps its reason."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_related("host").select_for_update().get(pk=deployment_id)
+        if deployment.generation != failed_generation:
+            raise InvalidTransition(
+                f"{deployment.name} is at generation {deployment.generation}, not {failed_generation}"
+            )
+        previous = deployment.revisions.filter(status=RevisionStatus.SUPERSEDED).order_by("-generation").first()
+        if previous is None:
+            raise InvalidTransition(f"{deployment.name} has no earlier generation to roll back to")
+        placements_write(deployment=deployment, resolved=[placement_from_snapshot(item) for item in previous.spec])
+        Deployment.objects.filter(pk=deployment.pk).update(generation=previous.generation)
+        states.revision_transition(
+            deployment_id=deployment.pk, generation=failed_generation, to=RevisionStatus.FAILED, message=reason
+        )
+        states.revision_transition(
+            deployment_id=deployment.pk, generation=previous.generation, to=RevisionStatus.CURRENT
+        )
+        events.record(
+            kind="deployment.rollback",
+            source=source,
+            deployment=deployment,
+            message=f"generation {failed_generation} failed ({reason}); back to generation {previous.generation}",
+        )
+    return Deployment.objects.select_related("host").get(pk=deployment_id)
+
+
+def _enqueue(task_name: str, deployment: Deployment, *more_args: Any) -> None:
+    queues.enqueue_on_commit(task_name, host_name=deployment.host.name, args=[deployment.pk, *more_args])
+
+
+def deployment_start(*, deployment_id: int, user: Any = None) -> Deployment:
+    """Ask the deployment's host to launch it; refused unless it is at rest."""
+    require_operator(user)
+    deployment = _get_deployment(deployment_id)
+    if deployment.status not in states.sources_of(DeploymentStatus.LAUNCHING):
+        raise InvalidTransition(
+            f"{deployment.name} is {deployment.status}; only a stopped, failed or new deployment can start"
+        )
+    with transaction.atomic():
+        deployment = states.deployment_transition(
+            deployment_id=deployment_id,
+            to=DeploymentStatus.LAUNCHING,
+            source=events.source_of(user),
+            actor=user,
+            message=f"start requested; waiting for {deployment.host.name}",
+            desired_state=DesiredState.RUNNING,
+        )
+        _enqueue(queues.LAUNCH_DEPLOYMENT, deployment)
+    return deployment
+
+
+def deployment_stop(*, deployment_id: int, user: Any = None) -> Deployment:
+    """Ask the deployment's host to stop its server; refused when nothing runs."""
+    require_operator(user)
+    deployment = _get_deployment(deployment_id)
+    if deployment.status not in states.sources_of(DeploymentStatus.STOPPING):
+        raise InvalidTransition(f"{deployment.name} is {deployment.status}; there is nothing to stop")
+    with transaction.atomic():
+        deployment = states.deployment_transition(
+            deployment_id=deployment_id,
+            to=DeploymentStatus.STOPPING,
+            source=events.source_of(user),
+            actor=user,
+            message="stop requested",
+            desired_state=DesiredState.STOPPED,
+        )
+        _enqueue(queues.STOP_DEPLOYMENT, deployment)
+    return deployment
+
+
+def _get_deployment(deployment_id: int) -> Deployment:
+    deployment = Deployment.objects.select_related("host").filter(pk=deployment_id).first()
+    if deployment is None:
+        raise NotFound(f"deployment {deployment_id} does not exist")
+    return deployment
+
+
+def deployment_relaunch(*, deployment_id: int, source: str, attempt: int) -> Deployment:
+    """Restart a failed deployment that should be running (a crashed server)."""
+    with transaction.atomic():
+        deployment = states.deployment_transition(
+            deployment_id=deployment_id,
+            to=DeploymentStatus.LAUNCHING,
+            source=source,
+            only_from=frozenset({DeploymentStatus.FAILED}),
+            message=f"restarting after a crash (attempt {attempt})",
+        )
+        events.record(
+            kind="deployment.crash_restart",
+            source=source,
+            deployment=deployment,
+            message=f"automatic restart {attempt} of {settings.GANTRY_CRASH_RESTART_LIMIT}",
+        )
+        _enqueue(queues.LAUNCH_DEPLOYMENT, deployment)
+    return deployment
+
+
+def deployment_redrive(*, deployment_id: int, source: str, message: str) -> None:
+    """Send a launching deployment's launch task again (the first was lost with its worker).
+
+    A duplicate is harmless: a launch task acts only on a launching row, and
+    only one of two racing launches can move it on.
+    """
+    with transaction.atomic():
+        deployment = Deployment.objects.select_related("host").select_for_update().get(pk=deployment_id)
+        if deployment.status != DeploymentStatus.LAUNCHING:
+            raise InvalidTransition(f"{deployment.name} is {deployment.status}, not launching")
+        events.record(kind="deployment.redrive", source=source, deployment=deployment, message=message)
+        _enqueue(queues.LAUNCH_DEPLOYMENT, deployment)
+
+
+def record_deployment_event(*, deployment_id: int, kind: str, source: str, message: str) -> None:
+    """Note something about a deployment on its timeline without changing its status."""
+    with transaction.atomic():
+        deployment = _get_deployment(deployment_id)
+        events.record(kind=kind, source=source, deployment=deployment, message=message)
+
+
+def deployment_fail(
+    *, deployment_id: int, reason: str, source: str, only_from: frozenset[str], log_tail: str = ""
+) -> bool:
+    """Mark a deployment failed with ``reason`` (and the server's last log lines)
+    if it is still in one of ``only_from``; False when it had moved on."""
+    try:
+        states.deployment_transition(
+            deployment_id=deployment_id,
+            to=DeploymentStatus.FAILED,
+            source=source,
+            only_from=only_from,
+            runtime_handle="",
+            message=reason,
+            data={"log_tail": log_tail} if log_tail else None,
+        )
+    except InvalidTransition:
+        return False
+    return True

@@ -1,0 +1,64 @@
+"""What running servers report: metric samples (kept for the retention window)
+and server log lines (the newest few kept), stored in one statement each and
+pushed to the deployment's page."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.utils import timezone
+
+from deployments import events
+from deployments.models import BuildLogLine, LogLine, MetricSample
+
+
+def metrics_record(
+    *,
+    deployment_id: int,
+    models: dict[str, dict[str, float]],
+    gpus: dict[str, dict[str, float]],
+) -> None:
+    """Store one scrape's figures, prune samples past the retention window, and
+    push the figures to the deployment's page."""
+    now = timezone.now()
+    MetricSample.objects.bulk_create(
+        [
+            *(
+                MetricSample(deployment_id=deployment_id, at=now, kind="model", subject=k, values=v)
+                for k, v in models.items()
+            ),
+            *(
+                MetricSample(deployment_id=deployment_id, at=now, kind="gpu", subject=k, values=v)
+                for k, v in gpus.items()
+            ),
+        ]
+    )
+    cutoff = now - timedelta(hours=settings.GANTRY_METRICS_RETENTION_HOURS)
+    MetricSample.objects.filter(deployment_id=deployment_id, at__lt=cutoff).delete()
+    events.publish(
+        events.deployment_group(deployment_id),
+        {"type": "metrics", "deployment": deployment_id, "at": now.isoformat(), "models": models, "gpus": gpus},
+    )
+
+
+# How many log lines a deployment keeps; older ones are deleted as new ones arrive.
+LOG_LINES_KEPT = 1000
+
+
+def log_lines_append(*, deployment_id: int, lines: list[str]) -> None:
+    """Store a batch of server log lines (one insert), trim to the newest LOG_LINES_KEPT, and push them."""
+    if not lines:
+        return
+    append_newest_lines(LogLine, keep=LOG_LINES_KEPT, lines=lines, deployment_id=deployment_id)
+    events.publish(events.deployment_group(deployment_id), {"type": "log", "deployment": deployment_id, "lines": lines})
+
+
+def append_newest_lines(
+    model: type[LogLine] | type[BuildLogLine], *, keep: int, lines: list[str], **owner: int
+) -> None:
+    """Insert ``lines`` for ``owner`` in one statement and delete all but its newest ``keep``."""
+    model.objects.bulk_create(model(**owner, line=line[:4000]) for line in lines)
+    oldest_kept = model.objects.filter(**owner).order_by("-id").values_list("id", flat=True)[keep:].first()
+    if oldest_kept is not None:
+        model.objects.filter(**owner, id__lte=oldest_kept).delete()
