@@ -14,9 +14,12 @@ from celery.signals import worker_ready, worker_shutdown
 from django.conf import settings
 from django.db import close_old_connections
 
-from controlplane.celery import host_queue
-from deployments import services
-from workers import builder, deployer, nvml
+from deployments.queues import host_queue
+from deployments.services import hosts
+from workers import nvml
+from workers.build import executors
+from workers.build import reconcile as build_reconcile
+from workers.deploy import reconcile as deploy_reconcile
 
 log = logging.getLogger(__name__)
 AGENT_VERSION = "0.1.0"
@@ -34,9 +37,9 @@ def beat_once() -> None:
     global _beats, _builders
     inventory = nvml.read_inventory()
     if _beats % BUILDERS_EVERY_BEATS == 0:
-        _builders = builder.builders_report()
+        _builders = executors.builders_report()
     _beats += 1
-    services.host_heartbeat(
+    hosts.host_heartbeat(
         name=settings.GANTRY_HOST_NAME,
         address=settings.GANTRY_HOST_ADDRESS,
         driver_version=inventory.driver_version,
@@ -46,8 +49,8 @@ def beat_once() -> None:
         gpus=inventory.gpus,
         builders=_builders,
     )
-    deployer.reconcile_host(inventory)
-    builder.reconcile_builds()
+    deploy_reconcile.reconcile_host(inventory)
+    build_reconcile.reconcile_builds()
 
 
 def run_forever() -> None:

@@ -1,35 +1,52 @@
 """Celery tasks run by the worker on each GPU host. Thin: they take ids and
-call one function; the database row decides whether there is work to do."""
+call one function; the database row decides whether there is work to do, and
+the one job runner (workers.jobs) turns a failure into the row's failed state."""
 
 from __future__ import annotations
 
 from celery import shared_task
 
-from deployments import services
-from workers import agent, builder, deployer  # noqa: F401 - importing agent connects it to worker start
+from deployments import queues
+from deployments.services import registered_models
+from workers import agent  # noqa: F401 - importing agent connects it to worker start
+from workers.build import run
+from workers.deploy import lifecycle
+from workers.jobs import run_job, source
 
 
-@shared_task(name="workers.tasks.launch_deployment")
+@shared_task(name=queues.LAUNCH_DEPLOYMENT)
 def launch_deployment(deployment_id: int) -> None:
-    deployer.launch(deployment_id)
+    lifecycle.launch(deployment_id)
 
 
-@shared_task(name="workers.tasks.stop_deployment")
+@shared_task(name=queues.STOP_DEPLOYMENT)
 def stop_deployment(deployment_id: int) -> None:
-    deployer.stop(deployment_id)
+    lifecycle.stop(deployment_id)
 
 
-@shared_task(name="workers.tasks.apply_generation")
+@shared_task(name=queues.APPLY_GENERATION)
 def apply_generation(deployment_id: int, generation: int) -> None:
-    deployer.apply_generation(deployment_id, generation)
+    lifecycle.apply_generation(deployment_id, generation)
 
 
-@shared_task(name="workers.tasks.inspect_model")
+@shared_task(name=queues.INSPECT_MODEL)
 def inspect_model(model_id: int) -> None:
-    services.model_inspect(model_id=model_id, source=builder.source())
+    inspect(model_id)
+
+
+def inspect(model_id: int) -> None:
+    """Inspect a registered checkpoint on this host; a checkpoint that cannot be
+    read leaves the model failed with the reason."""
+    run_job(
+        "inspection",
+        lambda: registered_models.model_inspect(model_id=model_id, source=source()),
+        fail=lambda reason, *, status, details: registered_models.model_inspection_failed(
+            model_id=model_id, reason=reason, source=source()
+        ),
+    )
 
 
 # A build enforces its own time limit (and may run for hours): no Celery limit.
-@shared_task(name="workers.tasks.run_build", soft_time_limit=None, time_limit=None)
+@shared_task(name=queues.RUN_BUILD, soft_time_limit=None, time_limit=None)
 def run_build(build_id: int) -> None:
-    builder.run_build(build_id)
+    run.run_build(build_id)

@@ -19,7 +19,8 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import DeviceRequest, Mount, Ulimit
 
 from deployments.errors import PermanentError, TransientError
-from workers.runtimes import MAX_LOG_LINES, LaunchSpec, server_command
+from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec
+from workers.triton.server import server_command
 
 log = logging.getLogger(__name__)
 

@@ -14,15 +14,14 @@ import importlib.util
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 from deployments.errors import PermanentError
-from workers.runtimes import MAX_LOG_LINES, LaunchSpec, tritonserver_args
+from workers import processes
+from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec
+from workers.triton.server import tritonserver_args
 
 log = logging.getLogger(__name__)
 
@@ -106,63 +105,28 @@ def start(spec: LaunchSpec, *, data_dir: Path) -> str:
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(spec.log_path, "ab") as log_file:
         try:
-            process = subprocess.Popen(  # noqa: S603 - fixed binary, arguments built above
+            process = processes.start_group(
                 command_line(spec, backends),
-                stdin=subprocess.DEVNULL,
                 stdout=log_file,
-                stderr=subprocess.STDOUT,
                 env=server_environment(spec.extra_env),
                 cwd=spec.repository.parent,
-                start_new_session=True,
             )
-        except OSError as exc:
+        except PermanentError as exc:
             raise PermanentError(f"could not start tritonserver: {exc}") from exc
     log.info("started tritonserver pid %s for %s", process.pid, spec.repository)
     return str(process.pid)
 
 
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
-def _proc_state(pid: int) -> tuple[str, int] | None:
-    """(state letter, process group) of ``pid``, or None when it does not exist."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return fields[0], int(fields[2])
+def _repository_arg(repository: Path) -> bytes:
+    return f"--model-repository={repository}".encode()
 
 
 def is_running(handle: str, repository: Path) -> bool:
     """True while ``handle`` is a live tritonserver serving ``repository``."""
     if not handle.isdigit():
         return False
-    pid = int(handle)
-    _reap(pid)
-    state = _proc_state(pid)
-    if state is None or state[0] in {"Z", "X"}:
-        return False
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return f"--model-repository={repository}".encode() in cmdline
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live processes in process group ``pgid`` (the server and its python stubs)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            state = _proc_state(int(entry.name))
-            if state is not None and state[1] == pgid and state[0] not in {"Z", "X"}:
-                members.append(int(entry.name))
-    return members
+    processes.reap(int(handle))  # a server this worker started and that exited is not left a zombie
+    return processes.is_ours(int(handle), argv_contains=_repository_arg(repository))
 
 
 def servers_under(root: Path) -> list[tuple[str, Path]]:
@@ -191,28 +155,9 @@ def servers_under(root: Path) -> list[tuple[str, Path]]:
 
 def stop(handle: str, repository: Path, *, grace_s: float = 30.0) -> None:
     """Stop the server and everything it started; returns once they are gone."""
-    if not handle.isdigit():
-        return
-    pgid = int(handle)
-    if is_running(handle, repository):
-        _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and is_running(handle, repository):
-            time.sleep(0.2)
-    # Stubs normally exit with their server; make sure none is left behind.
-    if is_running(handle, repository) or group_members(pgid):
-        _signal_group(pgid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (is_running(handle, repository) or group_members(pgid)):
-            time.sleep(0.1)
-    _reap(pgid)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
+    if handle.isdigit():
+        processes.terminate_group(int(handle), grace_s=grace_s, leader_running=lambda: is_running(handle, repository))
+        processes.reap(int(handle))
 
 
 def log_tail(path: Path, lines: int = 20) -> str:
@@ -247,7 +192,7 @@ class ProcessRuntime:
         return log_tail(spec.log_path, lines)
 
     def pids(self, handle: str, spec: LaunchSpec) -> list[int]:
-        return group_members(int(handle)) if handle.isdigit() else []
+        return processes.group_members(int(handle)) if handle.isdigit() else []
 
     def read_log(self, handle: str, spec: LaunchSpec, cursor: float | None) -> tuple[list[str], float]:
         try:

@@ -26,10 +26,12 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from controlplane.celery import host_worker_argv
-from deployments import services, states
+from deployments import states
 from deployments.errors import GantryError
 from deployments.models import Deployment, DeploymentStatus, GpuHost, Inspection, RegisteredModel
-from workers import deployer
+from deployments.services import deployments, registered_models
+from workers import processes
+from workers.deploy import lifecycle
 from workers.runtimes import process as triton_process
 
 # The MiniLM checkpoint serves twice: as an embedder, and as a bi-encoder reranker.
@@ -89,7 +91,7 @@ class Command(BaseCommand):
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         # Own session: the terminal's Ctrl-C reaches only us, and we stop the
         # children in order (deployments first, while the worker still runs).
-        process = subprocess.Popen(argv, start_new_session=True)  # noqa: S603
+        process = processes.start_group(argv)
         self.children.append((name, process))
         return process
 
@@ -164,7 +166,7 @@ class Command(BaseCommand):
             if RegisteredModel.objects.filter(name=name).exists():
                 continue
             try:
-                services.model_register(
+                registered_models.model_register(
                     name=name,
                     kind=kind,
                     path=str(path),
@@ -194,7 +196,7 @@ class Command(BaseCommand):
     def _check_children(self) -> None:
         for name, process in self.children:
             if process.poll() is not None:
-                raise CommandError(f"{name} exited with code {process.returncode}")
+                raise CommandError(f"{name} exited ({processes.describe_exit(process.returncode)})")
 
     def _watch(self) -> None:
         while True:
@@ -203,15 +205,9 @@ class Command(BaseCommand):
 
     def _shutdown(self) -> None:
         self._stop_deployments()
-        for name, process in reversed(self.children):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.stderr.write(f"{name} did not stop in 20s; killing it")
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        for _name, process in reversed(self.children):
+            processes.terminate_group(process.pid, grace_s=20, leader_running=lambda p=process: p.poll() is None)
+            process.wait()
         self.stdout.write("everything Gantry started has stopped.")
 
     def _stop_deployments(self, timeout_s: float = 60) -> None:
@@ -223,7 +219,7 @@ class Command(BaseCommand):
         for deployment in active():
             if deployment.status != DeploymentStatus.STOPPING:
                 try:
-                    services.deployment_stop(deployment_id=deployment.pk)
+                    deployments.deployment_stop(deployment_id=deployment.pk)
                 except GantryError:
                     continue
             self.stdout.write(f"stopping deployment {deployment.name}…")
@@ -232,7 +228,7 @@ class Command(BaseCommand):
             time.sleep(0.5)
         # Whatever the worker could not stop (it died, say), stop here directly.
         for deployment in active():
-            deployer.stop(deployment.pk)
+            lifecycle.stop(deployment.pk)
         for handle, repository in triton_process.servers_under(settings.GANTRY_DATA_DIR):
             self.stdout.write(f"stopping a tritonserver the database did not know (pid {handle})")
             triton_process.stop(handle, repository)

@@ -1,0 +1,183 @@
+"""Turning a deployment's rows into what its host runs: the Triton model specs
+of its placements, the LaunchSpec of its server (ports, image, GPUs, mounts,
+MPI ranks), where its files live, and which runtime runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.conf import settings
+
+from deployments import trtllm
+from deployments.errors import PermanentError
+from deployments.models import Backend, Deployment, DeploymentModel, ModelKind
+from deployments.models import Runtime as DeploymentRuntime
+from deployments.placement import resolve_instances, triton_model_names
+from workers.runtimes.base import LaunchSpec, Runtime
+from workers.runtimes.docker import DockerRuntime
+from workers.runtimes.process import ProcessRuntime
+from workers.triton.client import TritonClient
+from workers.triton.config import (
+    EMBED,
+    LLMAPI_CONFIG_FILE,
+    RERANK,
+    Batching,
+    Instances,
+    LlmApiSpec,
+    PythonModelSpec,
+    TrtllmSpec,
+)
+from workers.triton.repository import ModelSpec
+
+
+@dataclass(frozen=True)
+class Paths:
+    root: Path
+
+    @property
+    def repository(self) -> Path:
+        return self.root / "repository"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "tritonserver.log"
+
+
+def paths_for(deployment: Deployment) -> Paths:
+    return Paths(settings.GANTRY_DATA_DIR / "deployments" / f"{deployment.pk}-{deployment.name}")
+
+
+def load(deployment_id: int) -> Deployment | None:
+    """The deployment with everything planning reads (placements, builds, GPUs), or None."""
+    return (
+        Deployment.objects.select_related("host")
+        .prefetch_related("placements__registered_model", "placements__engine_build", "host__gpus")
+        .filter(pk=deployment_id)
+        .first()
+    )
+
+
+def _batching(placement: DeploymentModel) -> Batching:
+    return Batching(
+        max_batch_size=placement.max_batch_size,
+        preferred_batch_sizes=tuple(placement.preferred_batch_sizes),
+        max_queue_delay_us=placement.max_queue_delay_us,
+        priority_levels=placement.priority_levels,
+        default_priority_level=placement.default_priority_level,
+        queue_timeout_us=placement.queue_timeout_us,
+        max_queue_size=placement.max_queue_size,
+    )
+
+
+def model_specs(deployment: Deployment) -> list[ModelSpec]:
+    """Triton model specs for the deployment's placements on its host."""
+    host_gpus = sorted(gpu.index for gpu in deployment.host.gpus.all())
+    specs: list[ModelSpec] = []
+    for placement in deployment.placements.all():
+        model = placement.registered_model
+        if placement.backend == Backend.LLM_API:
+            release = trtllm.release_for(settings.GANTRY_BUILDER_IMAGES.get(deployment.image, ""))
+            if release is None or not release.llmapi_model_dir:
+                raise PermanentError(f"{deployment.image} has no LLM-API backend in Gantry's version table")
+            specs.append(
+                LlmApiSpec(
+                    name=placement.triton_name,
+                    checkpoint_path=model.path,
+                    image_model_dir=release.llmapi_model_dir,
+                    gpu_device_ids=tuple(placement.gpu_ids),
+                    max_batch_size=placement.max_batch_size,
+                    max_tokens_in_kv_cache=placement.kv_cache_tokens,
+                    decoupled=placement.decoupled,
+                )
+            )
+            continue
+        if placement.backend == Backend.TENSORRTLLM:
+            build = placement.engine_build
+            specs.append(
+                TrtllmSpec(
+                    name=placement.triton_name,
+                    engine_dir=build.output_dir,
+                    tokenizer_dir=model.path,
+                    batching=_batching(placement),
+                    gpu_device_ids=tuple(placement.gpu_ids),
+                    max_beam_width=int(build.spec.get("max_beam_width", 1)),
+                    batch_scheduler_policy=placement.batch_scheduler_policy,
+                    max_tokens_in_paged_kv_cache=placement.kv_cache_tokens,
+                    decoupled=placement.decoupled,
+                )
+            )
+            continue
+        kind, gpus = resolve_instances(placement.instance_kind, placement.gpu_ids, host_gpus)
+        if not model.hidden_size:
+            raise PermanentError(f"{model.name}: its config.json gives no hidden_size")
+        specs.append(
+            PythonModelSpec(
+                name=placement.triton_name,
+                task=RERANK if model.kind == ModelKind.RERANKER else EMBED,
+                checkpoint_path=model.path,
+                embedding_dim=model.hidden_size,
+                batching=_batching(placement),
+                instances=Instances(count=placement.instance_count, kind=kind, gpus=gpus),
+                gpu_memory_fraction=placement.gpu_memory_fraction,
+            )
+        )
+    return specs
+
+
+def _spec_gpus(spec: ModelSpec) -> tuple[int, ...]:
+    return spec.instances.gpus if isinstance(spec, PythonModelSpec) else spec.gpu_device_ids
+
+
+def triton_client(deployment: Deployment) -> TritonClient:
+    """A client of the deployment's server on this host, allowed its admin APIs."""
+    return TritonClient(f"{settings.GANTRY_HOST_ADDRESS}:{deployment.http_port}", deployment.admin_secret)
+
+
+def current_status(deployment_id: int) -> str | None:
+    return Deployment.objects.filter(pk=deployment_id).values_list("status", flat=True).first()
+
+
+def runtime_for(deployment: Deployment) -> Runtime:
+    if deployment.runtime == DeploymentRuntime.DOCKER:
+        return DockerRuntime(settings.GANTRY_HOST_NAME)
+    return ProcessRuntime(settings.GANTRY_DATA_DIR)
+
+
+def _server_env(paths: Paths, placements: list[DeploymentModel]) -> dict[str, str]:
+    """The LLM-API model finds its model.yaml through LLM_CONFIG_PATH (so a server holds at most one)."""
+    for placement in placements:
+        if placement.backend == Backend.LLM_API:
+            return {"LLM_CONFIG_PATH": str(paths.repository / placement.triton_name / LLMAPI_CONFIG_FILE)}
+    return {}
+
+
+def launch_spec(deployment: Deployment, specs: list[ModelSpec] | None = None) -> LaunchSpec:
+    """How to run the deployment's server: its repository, ports, image, GPUs,
+    checkpoint and engine mounts, and one MPI rank per GPU of a multi-GPU engine."""
+    paths = paths_for(deployment)
+    placements = list(deployment.placements.all())
+    engines = [p for p in placements if p.engine_build_id]
+    return LaunchSpec(
+        deployment_id=deployment.pk,
+        generation=deployment.generation,
+        repository=paths.repository,
+        models=triton_model_names(placements),
+        world_size=max((p.engine_build.world_size for p in engines), default=1),
+        engine_models=[f"{p.triton_name}-engine" for p in engines],
+        http_port=deployment.http_port,
+        grpc_port=deployment.grpc_port,
+        metrics_port=deployment.metrics_port,
+        log_path=paths.log,
+        bind_address=settings.GANTRY_HOST_ADDRESS,
+        image=deployment.image,
+        gpu_ids=tuple(sorted({gpu for spec in specs or [] for gpu in _spec_gpus(spec)})),
+        ulimits=tuple(settings.GANTRY_DOCKER_ULIMITS),
+        admin_secret=deployment.admin_secret,
+        extra_env=_server_env(paths, placements),
+        read_only_mounts=tuple(
+            sorted(
+                {Path(p.registered_model.path) for p in placements} | {Path(p.engine_build.output_dir) for p in engines}
+            )
+        ),
+    )

@@ -1,0 +1,196 @@
+"""Reconcile: each beat, make this host's deployments match what really runs,
+without waiting on the broker.
+
+Notices crashed servers (and restarts those that should run), models that are
+not ready, launches lost with a dead worker, updates that never finished,
+servers that finished loading while no task was waiting for them, and
+containers no deployment wants.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.utils import timezone
+
+from deployments import states
+from deployments.errors import InvalidTransition, TransientError
+from deployments.models import Deployment, DesiredState, Event
+from deployments.models import DeploymentStatus as S
+from deployments.models import Runtime as DeploymentRuntime
+from deployments.placement import triton_model_names
+from deployments.services import deployments, hosts
+from workers import nvml
+from workers.deploy import telemetry
+from workers.deploy.lifecycle import failer, mark_ready, roll_back
+from workers.deploy.plan import launch_spec, load, runtime_for, triton_client
+from workers.jobs import run_job, source
+from workers.runtimes.base import LaunchSpec, Runtime
+from workers.runtimes.docker import DockerRuntime
+from workers.triton.client import Readiness
+
+log = logging.getLogger(__name__)
+
+# A launch task moves its deployment out of launching within seconds; one that
+# stays longer was lost with its worker (or its message), and is driven again.
+LAUNCH_STALL_S = 60
+
+
+def _recent_crash_restarts(deployment: Deployment) -> int:
+    since = timezone.now() - timedelta(minutes=10)
+    return Event.objects.filter(deployment=deployment, kind="deployment.crash_restart", created_at__gte=since).count()
+
+
+def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
+    """One pass over this host's deployments that are starting or serving (see the module's docstring)."""
+    watched = Deployment.objects.select_related("host").filter(
+        host__name=settings.GANTRY_HOST_NAME, status__in=states.SERVING | {S.LAUNCHING}
+    )
+    now = timezone.now()
+    for deployment in watched:
+        runtime = runtime_for(deployment)
+        spec = launch_spec(deployment)
+        telemetry.ship_log(deployment, runtime, spec)
+        if deployment.status == S.LAUNCHING:
+            if (now - deployment.status_changed_at).total_seconds() > LAUNCH_STALL_S:
+                _redrive_launch(deployment)
+        elif not runtime.is_running(deployment.runtime_handle, spec):
+            _handle_crash(deployment, runtime, spec)
+        elif deployment.status == S.LOADING:
+            _check_loading(deployment, runtime, spec, now)
+        elif deployment.status == S.UPDATING:
+            # Its apply task swaps models in place; one lost with a dead worker is rolled back.
+            if (now - deployment.status_changed_at).total_seconds() > settings.GANTRY_TRITON_READY_TIMEOUT + 60:
+                _roll_back_stale_update(deployment)
+        else:
+            _check_models(deployment)
+            telemetry.collect_metrics(deployment, inventory)
+    _remove_unwanted_containers()
+
+
+def _remove_unwanted_containers() -> None:
+    """Remove Gantry containers on this host that no deployment wants (any more)."""
+    runtime = DockerRuntime(settings.GANTRY_HOST_NAME)
+    try:
+        containers = runtime.containers()
+    except TransientError:
+        return  # no Docker engine on this host
+    wanted = dict(
+        Deployment.objects.filter(
+            host__name=settings.GANTRY_HOST_NAME, runtime=DeploymentRuntime.DOCKER, status__in=states.ACTIVE
+        ).values_list("pk", "runtime_handle")
+    )
+    for container in containers:
+        handle = wanted.get(container.deployment_id)
+        if handle == container.id or (container.deployment_id in wanted and not handle):
+            continue  # its deployment's server, or one being started right now
+        runtime.stop(container.id, grace_s=10)
+        hosts.record_host_event(
+            host_name=settings.GANTRY_HOST_NAME,
+            kind="host.container_removed",
+            source=source(),
+            message=f"removed container {container.name} ({container.id[:12]}): "
+            f"no deployment wants it (deployment {container.deployment_id}, generation {container.generation})",
+        )
+
+
+def _redrive_launch(deployment: Deployment) -> None:
+    since = timezone.now() - timedelta(seconds=LAUNCH_STALL_S)
+    if Event.objects.filter(deployment=deployment, kind="deployment.redrive", created_at__gte=since).exists():
+        return
+    deployments.deployment_redrive(
+        deployment_id=deployment.pk,
+        source=source(),
+        message=f"still launching after {LAUNCH_STALL_S}s: its launch task was lost; launching again",
+    )
+
+
+def _readiness(deployment: Deployment) -> Readiness:
+    client = triton_client(deployment)
+    try:
+        return client.readiness(triton_model_names(deployment.placements.all()))
+    finally:
+        client.close()
+
+
+def _check_loading(deployment: Deployment, runtime: Runtime, spec: LaunchSpec, now: datetime) -> None:
+    """A loading server whose launch task died with its worker: finish the launch's job."""
+    state = _readiness(deployment)
+    try:
+        if state.ready and state.all_models_ready:
+            mark_ready(deployment, list(state.models))
+        elif (now - deployment.status_changed_at).total_seconds() > settings.GANTRY_TRITON_READY_TIMEOUT:
+            tail = runtime.log_tail(deployment.runtime_handle, spec)
+            runtime.stop(deployment.runtime_handle, spec)
+            deployments.deployment_fail(
+                deployment_id=deployment.pk,
+                reason=f"tritonserver not ready after {settings.GANTRY_TRITON_READY_TIMEOUT}s",
+                source=source(),
+                only_from=frozenset({S.LOADING}),
+                log_tail=tail,
+            )
+    except InvalidTransition:
+        pass  # the launch task got there first
+
+
+def _handle_crash(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) -> None:
+    tail = runtime.log_tail(deployment.runtime_handle, spec)
+    # A crashed container is kept until now for its logs; remove it before any restart.
+    runtime.stop(deployment.runtime_handle, spec)
+    deployments.deployment_fail(
+        deployment_id=deployment.pk,
+        reason="tritonserver exited unexpectedly",
+        source=source(),
+        only_from=states.SERVING,
+        log_tail=tail,
+    )
+    if deployment.desired_state != DesiredState.RUNNING:
+        return
+    restarts = _recent_crash_restarts(deployment)
+    if restarts >= settings.GANTRY_CRASH_RESTART_LIMIT:
+        deployments.record_deployment_event(
+            deployment_id=deployment.pk,
+            kind="deployment.crash_loop",
+            source=source(),
+            message=f"not restarting: {restarts} crash restarts in the last 10 minutes",
+        )
+        return
+    try:
+        deployments.deployment_relaunch(deployment_id=deployment.pk, source=source(), attempt=restarts + 1)
+    except InvalidTransition:
+        pass
+
+
+def _check_models(deployment: Deployment) -> None:
+    state = _readiness(deployment)
+    not_ready = [name for name, ok in state.models.items() if not ok]
+    try:
+        if not_ready and deployment.status == S.READY:
+            states.deployment_transition(
+                deployment_id=deployment.pk,
+                to=S.DEGRADED,
+                source=source(),
+                only_from=frozenset({S.READY}),
+                message=f"not ready: {', '.join(not_ready)}",
+            )
+        elif not not_ready and deployment.status == S.DEGRADED:
+            states.deployment_transition(
+                deployment_id=deployment.pk,
+                to=S.READY,
+                source=source(),
+                only_from=frozenset({S.DEGRADED}),
+                message="all models ready again",
+            )
+    except InvalidTransition:
+        pass
+
+
+def _roll_back_stale_update(deployment: Deployment) -> None:
+    """An update whose apply task was lost with its worker: put the last good generation back."""
+    run_job(
+        f"rollback of generation {deployment.generation}",
+        lambda: roll_back(load(deployment.pk), deployment.generation, "the update did not finish in time"),
+        fail=failer(deployment.pk, frozenset({S.UPDATING})),
+    )

@@ -1,0 +1,74 @@
+"""What a running server reports, shipped each beat: its new log lines, and
+its metrics (Triton's counters turned into rates, GPU figures from Triton or
+NVML)."""
+
+from __future__ import annotations
+
+import logging
+
+from django.conf import settings
+
+from deployments.errors import TransientError
+from deployments.models import Deployment
+from deployments.services import telemetry
+from workers import nvml
+from workers.runtimes.base import LaunchSpec, Runtime
+from workers.triton import metrics
+
+log = logging.getLogger(__name__)
+
+
+# Where each deployment's server log was last read, per server (handle).
+_log_cursor: dict[int, tuple[str, float]] = {}
+
+
+def ship_log(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) -> None:
+    """Store the server log lines written since the last beat."""
+    if not deployment.runtime_handle:
+        return
+    handle, cursor = _log_cursor.get(deployment.pk, ("", None))
+    if handle != deployment.runtime_handle:
+        cursor = None
+    lines, cursor = runtime.read_log(deployment.runtime_handle, spec, cursor)
+    _log_cursor[deployment.pk] = (deployment.runtime_handle, cursor)
+    telemetry.log_lines_append(deployment_id=deployment.pk, lines=lines)
+
+
+# The previous scrape of each deployment's server (and which server it was),
+# to turn cumulative counters into rates.
+_last_scrape: dict[int, tuple[str, metrics.Scrape]] = {}
+
+
+def _gpu_figures(triton: dict[str, dict[str, float]], inventory: nvml.Inventory | None) -> dict[str, dict[str, float]]:
+    """Triton's GPU gauges, or NVML's where Triton reads none or only zeros
+    (its DCGM-based metrics are missing in some images and containers)."""
+    if any(any(values.values()) for values in triton.values()) or inventory is None:
+        return triton
+    return {
+        gpu.uuid: {
+            "utilization": gpu.utilization_percent / 100,
+            "memory_used_bytes": gpu.memory_used_bytes,
+            "memory_total_bytes": gpu.memory_total_bytes,
+            "source": "nvml",
+        }
+        for gpu in inventory.gpus
+    }
+
+
+def collect_metrics(deployment: Deployment, inventory: nvml.Inventory | None = None) -> None:
+    """Scrape the server's metrics port once and store per-model rates and GPU figures."""
+    url = f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.metrics_port}/metrics"
+    try:
+        current = metrics.scrape(url)
+    except TransientError as exc:
+        log.info("deployment %s: %s", deployment.pk, exc)
+        return
+    handle, previous = _last_scrape.get(deployment.pk, ("", None))
+    if handle != deployment.runtime_handle:
+        previous = None  # another server since: its counters started again from zero
+    _last_scrape[deployment.pk] = (deployment.runtime_handle, current)
+    telemetry.metrics_record(
+        deployment_id=deployment.pk,
+        models=metrics.derive(previous, current),
+        gpus=_gpu_figures(current.gpus, inventory),
+    )

@@ -1,0 +1,71 @@
+"""What every runtime shares: the LaunchSpec a deployment's server is started
+from, the Runtime interface, and the host's port probe.
+
+Both runtimes (runtimes.process, runtimes.docker) take the same LaunchSpec and
+hand back an opaque handle (a process id, a container id) that Gantry stores
+on the deployment.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+# The most server log lines the agent ships per deployment and heartbeat.
+MAX_LOG_LINES = 500
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    deployment_id: int
+    generation: int
+    repository: Path
+    models: list[str]
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: Path
+    bind_address: str = "127.0.0.1"
+    image: str = ""  # docker only
+    gpu_ids: tuple[int, ...] = ()
+    ulimits: tuple[tuple[str, int, int], ...] = ()  # docker only: (name, soft, hard)
+    read_only_mounts: tuple[Path, ...] = ()  # docker only: folders the models read (checkpoints)
+    admin_secret: str = ""  # required by Triton's model-repository and logging APIs
+    extra_env: dict[str, str] = field(default_factory=dict)
+    world_size: int = 1  # > 1: one MPI rank per GPU of a multi-GPU engine
+    engine_models: list[str] = field(default_factory=list)  # what ranks above 0 load
+
+
+def busy_ports(address: str, ports: list[int]) -> list[int]:
+    """The ports among ``ports`` that something on this host already listens on."""
+    busy = []
+    for port in ports:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+            # As Triton binds: connections of a server that just died linger in
+            # TIME_WAIT and must not count as busy; a listener still does.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((address, port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
+class Runtime(Protocol):
+    def start(self, spec: LaunchSpec) -> str: ...
+
+    def is_running(self, handle: str, spec: LaunchSpec) -> bool: ...
+
+    def stop(self, handle: str, spec: LaunchSpec) -> None: ...
+
+    def log_tail(self, handle: str, spec: LaunchSpec, lines: int = 20) -> str: ...
+
+    def read_log(self, handle: str, spec: LaunchSpec, cursor: float | None) -> tuple[list[str], float]:
+        """Server log lines written since ``cursor`` (None: only the recent ones), and the next cursor."""
+        ...
+
+    def pids(self, handle: str, spec: LaunchSpec) -> list[int]:
+        """Host process ids of the server and its children (model stubs, MPI ranks)."""
+        ...
