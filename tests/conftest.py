@@ -1,4 +1,5 @@
-"""Shared fixtures: users by role, a registered host and the MiniLM checkpoint."""
+"""Shared fixtures: users by role, hosts, and registered checkpoints (the
+packaged MiniLM, and a Llama-shaped llm on an H100 host for engine builds)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 from django.contrib.auth.models import Group, User
 from rest_framework.test import APIClient
 
-from deployments import services
 from deployments.models import GpuHost, RegisteredModel
 from deployments.permissions import OPERATOR_GROUP
+from tests import factories
 
 
 @pytest.fixture
@@ -42,36 +43,32 @@ def api(operator: User) -> APIClient:
 
 @pytest.fixture
 def host(db) -> GpuHost:  # noqa: ANN001
-    return services.host_heartbeat(name="cpu-host", address="127.0.0.1", gpus=[])
+    return factories.cpu_host()
 
 
 @pytest.fixture
 def gpu_host(db) -> GpuHost:  # noqa: ANN001
-    return services.host_heartbeat(
-        name="gpu-host",
-        address="127.0.0.1",
-        driver_version="580.159.04",
-        cuda_version="13.0",
-        gpus=[
-            services.GpuReport(
-                index=0,
-                uuid="GPU-0000",
-                name="NVIDIA H100 80GB HBM3",
-                compute_capability="9.0",
-                memory_total_bytes=85_520_809_984,
-            )
-        ],
+    return factories.gpu_host(
+        "gpu-host", memory_total_bytes=85_520_809_984, driver_version="580.159.04", cuda_version="13.0"
     )
-
-
-def register_inspected(*, name: str, kind: str, path: Path, host: GpuHost) -> RegisteredModel:
-    """Register a checkpoint and run the host's inspection in this process (what its worker would do)."""
-    model = services.model_register(name=name, kind=kind, path=str(path), host=host.name)
-    services.model_inspect(model_id=model.pk, source="test")
-    model.refresh_from_db()
-    return model
 
 
 @pytest.fixture
 def minilm(db, minilm_path: Path, host: GpuHost) -> RegisteredModel:  # noqa: ANN001
-    return register_inspected(name="minilm", kind="embedding", path=minilm_path, host=host)
+    return factories.registered_model(name="minilm", kind="embedding", path=minilm_path, host=host)
+
+
+@pytest.fixture
+def builder_images(settings):  # noqa: ANN001, ANN201
+    settings.GANTRY_BUILDER_IMAGES = {factories.IMAGE: "0.16.0", "tritonserver:24.08-trtllm-python-py3": "0.12.0"}
+
+
+@pytest.fixture
+def h100(db, builder_images) -> GpuHost:  # noqa: ANN001
+    return factories.trtllm_host("h100-host", "9.0", count=2)
+
+
+@pytest.fixture
+def llama(db, tmp_path: Path, h100: GpuHost) -> RegisteredModel:  # noqa: ANN001
+    checkpoint = factories.write_checkpoint(tmp_path / "llama", factories.LLAMA)
+    return factories.registered_model(name="llama", kind="llm", path=checkpoint, host=h100)

@@ -18,13 +18,18 @@ import torch
 from django.utils import timezone
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
-from deployments import selectors, services
+from deployments import selectors
 from deployments.errors import ValidationFailed
 from deployments.models import BuildStatus, EngineBuild, GpuHost, MetricSample
-from tests.conftest import register_inspected
-from workers import deployer, nvml
-from workers.runtimes import LaunchSpec, process
+from deployments.services import deployments, hosts
+from deployments.services.placements import PlacementSpec
+from tests.factories import LLAMA, registered_model, write_checkpoint
+from workers import nvml
+from workers.deploy import lifecycle, plan
+from workers.deploy import telemetry as deploy_telemetry
 from workers.runtimes import docker as docker_engine
+from workers.runtimes import process
+from workers.runtimes.base import LaunchSpec
 from workers.triton.client import TritonClient
 
 # Not transactional: nothing is queued (there is no broker on the GPU machine), the test runs the host side itself.
@@ -65,7 +70,7 @@ def gpu_host(db):  # noqa: ANN001, ANN201
     inventory = nvml.read_inventory()
     from django.conf import settings
 
-    return services.host_heartbeat(
+    return hosts.host_heartbeat(
         name=settings.GANTRY_HOST_NAME,
         driver_version=inventory.driver_version,
         cuda_version=inventory.cuda_version,
@@ -120,18 +125,18 @@ def _torch_scores(folder: Path, query: str, passages: list[str]) -> np.ndarray:
 
 
 def _create(operator, fractions: tuple[float, float]):  # noqa: ANN001, ANN202
-    return services.deployment_create(
+    return deployments.deployment_create(
         name="gpu-stack",
         host_name=GpuHost.objects.get().name,
         placements=[
-            services.PlacementSpec(
+            PlacementSpec(
                 model="embedder",
                 instance_kind="KIND_GPU",
                 gpu_ids=(0,),
                 gpu_memory_fraction=fractions[0],
                 max_batch_size=32,
             ),
-            services.PlacementSpec(
+            PlacementSpec(
                 model="reranker",
                 instance_kind="KIND_GPU",
                 gpu_ids=(0,),
@@ -144,27 +149,27 @@ def _create(operator, fractions: tuple[float, float]):  # noqa: ANN001, ANN202
 
 
 def test_planned_deployment_runs_on_the_gpu_within_its_fractions(gpu_host, checkpoints, operator, report, settings):
-    register_inspected(name="embedder", kind="embedding", path=checkpoints["embedder"], host=gpu_host)
-    register_inspected(name="reranker", kind="reranker", path=checkpoints["reranker"], host=gpu_host)
+    registered_model(name="embedder", kind="embedding", path=checkpoints["embedder"], host=gpu_host)
+    registered_model(name="reranker", kind="reranker", path=checkpoints["reranker"], host=gpu_host)
     deployment = _create(operator, (EMBED_FRACTION, RERANK_FRACTION))
     plan = selectors.deployment_plan(selectors.deployment_list().get(pk=deployment.pk))
     assert plan[0]["fraction"] == pytest.approx(EMBED_FRACTION + RERANK_FRACTION) and plan[0]["within_headroom"]
 
-    services.deployment_start(deployment_id=deployment.pk, user=operator)
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
     started = time.monotonic()
-    deployer.launch(deployment.pk)  # what the host's launch task runs
+    lifecycle.launch(deployment.pk)  # what the host's launch task runs
     try:
         _exercise(deployment, checkpoints, operator, report, time.monotonic() - started)
     finally:
         # Whatever failed, leave no server behind (by process id, as the product does).
-        for handle, repository in process.servers_under(deployer.paths_for(deployment).root):
+        for handle, repository in process.servers_under(plan.paths_for(deployment).root):
             process.stop(handle, repository)
 
 
 def _exercise(deployment, checkpoints, operator, report, load_s: float) -> None:  # noqa: ANN001, C901
     deployment.refresh_from_db()
     assert deployment.status == "ready", deployment.status_message
-    configs = {p.name: (p / "config.pbtxt").read_text() for p in deployer.paths_for(deployment).repository.iterdir()}
+    configs = {p.name: (p / "config.pbtxt").read_text() for p in plan.paths_for(deployment).repository.iterdir()}
     assert all("KIND_GPU" in text and "gpus: 0" in text for text in configs.values())
 
     client = TritonClient(f"127.0.0.1:{deployment.http_port}")
@@ -202,15 +207,15 @@ def _exercise(deployment, checkpoints, operator, report, load_s: float) -> None:
         for pid, used in nvml.compute_processes([0]).items():
             peaks[pid] = max(peaks.get(pid, 0), used)
         utilization.append(nvml.read_inventory().gpus[0].utilization_percent)
-        deployer._collect_metrics(deployment, nvml.read_inventory())
+        deploy_telemetry.collect_metrics(deployment, nvml.read_inventory())
         time.sleep(0.5)
     stop.set()
     for thread in threads:
         thread.join()
     burst_s = time.monotonic() - burst_started
 
-    runtime = deployer.runtime_for(deployment)
-    server_pids = set(runtime.pids(deployment.runtime_handle, deployer.launch_spec(deployment)))
+    runtime = plan.runtime_for(deployment)
+    server_pids = set(runtime.pids(deployment.runtime_handle, plan.launch_spec(deployment)))
     stubs = {pid: used for pid, used in peaks.items() if pid in server_pids}
     assert stubs, f"no server process on the GPU: {peaks}"
     budget = max(EMBED_FRACTION, RERANK_FRACTION) * total
@@ -220,8 +225,8 @@ def _exercise(deployment, checkpoints, operator, report, load_s: float) -> None:
     assert max(s.values.get("memory_used_bytes", 0) for s in gpu_samples) > 0
     assert max(s.values.get("utilization", 0) for s in gpu_samples) > 0
 
-    services.deployment_stop(deployment_id=deployment.pk, user=operator)
-    deployer.stop(deployment.pk)
+    deployments.deployment_stop(deployment_id=deployment.pk, user=operator)
+    lifecycle.stop(deployment.pk)
     deployment.refresh_from_db()
     assert deployment.status == "stopped", deployment.status_message
     assert not set(nvml.compute_processes([0])) & server_pids
@@ -246,8 +251,8 @@ def _exercise(deployment, checkpoints, operator, report, load_s: float) -> None:
 
 
 def test_over_headroom_plan_is_refused_before_launch(gpu_host, checkpoints, operator):
-    register_inspected(name="embedder", kind="embedding", path=checkpoints["embedder"], host=gpu_host)
-    register_inspected(name="reranker", kind="reranker", path=checkpoints["reranker"], host=gpu_host)
+    registered_model(name="embedder", kind="embedding", path=checkpoints["embedder"], host=gpu_host)
+    registered_model(name="reranker", kind="reranker", path=checkpoints["reranker"], host=gpu_host)
     with pytest.raises(ValidationFailed) as refused:
         _create(operator, (0.6, 0.5))
     assert refused.value.errors["models"] == ["GPU 0: memory fractions add up to 1.10, above the headroom limit 0.95"]
@@ -296,13 +301,12 @@ def test_docker_paths_compose_the_gpu_arguments(gpu_host):
 
 
 def test_engine_built_for_sm80_is_refused_on_this_gpu(gpu_host, operator, tmp_path, settings):
-    from tests.unit.test_builds import LLAMA, write_checkpoint
 
     image = "tritonserver:24.12-trtllm-python-py3"
     settings.GANTRY_BUILDER_IMAGES = {image: "0.16.0"}
     settings.GANTRY_ALLOWED_IMAGES = [image]
     GpuHost.objects.filter(pk=gpu_host.pk).update(builders={"images": {image: "sha256:" + "ab" * 32}})
-    llama = register_inspected(name="llama", kind="llm", path=write_checkpoint(tmp_path / "llama", LLAMA),
+    llama = registered_model(name="llama", kind="llm", path=write_checkpoint(tmp_path / "llama", LLAMA),
                                host=gpu_host)  # fmt: skip
     gpu = nvml.read_inventory().gpus[0]
     build = EngineBuild.objects.create(
@@ -313,9 +317,9 @@ def test_engine_built_for_sm80_is_refused_on_this_gpu(gpu_host, operator, tmp_pa
         finished_at=timezone.now(),
     )  # fmt: skip
     with pytest.raises(ValidationFailed) as refused:
-        services.deployment_create(
+        deployments.deployment_create(
             name="llm", host_name=gpu_host.name, runtime="docker", image=image,
-            placements=[services.PlacementSpec(model="llama", engine_build=build.pk, gpu_memory_fraction=0.5)],
+            placements=[PlacementSpec(model="llama", engine_build=build.pk, gpu_memory_fraction=0.5)],
             user=operator,
         )  # fmt: skip
     assert refused.value.errors["models[0].gpu_ids"] == [

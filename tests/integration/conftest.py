@@ -25,7 +25,8 @@ from rest_framework.authtoken.models import Token
 
 from controlplane.celery import host_worker_argv
 from deployments.models import GpuHost
-from workers.runtimes import busy_ports, process
+from workers.runtimes import process
+from workers.runtimes.base import busy_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,11 +18,11 @@ from django.contrib.auth.models import User
 from websockets.sync.client import connect
 
 from controlplane.celery import app as celery_app
-from controlplane.celery import host_queue
 from deployments.models import BuildLogLine, BuildStatus, EngineBuild
+from deployments.queues import host_queue
+from tests.factories import LLAMA, write_checkpoint
 from tests.fixtures.trtllm_tree import lay_out
 from tests.integration.conftest import ROOT, Stack, make_stack, wait_for
-from tests.unit.test_builds import LLAMA, write_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 

@@ -19,6 +19,7 @@ from websockets.sync.client import connect
 
 from deployments.models import Deployment, Event, MetricSample
 from tests.integration.conftest import Stack, free_port, wait_for
+from workers import processes
 from workers.runtimes import process
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -144,7 +145,7 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
     row.refresh_from_db()
     assert row.status == "stopped" and row.runtime_handle == ""
     assert not process.is_running(str(pid), repository)
-    assert process.group_members(pid) == []  # no tritonserver or python stub left
+    assert processes.group_members(pid) == []  # no tritonserver or python stub left
 
 
 def test_embedder_and_reranker_share_one_server(stack: Stack, minilm_path: Path):

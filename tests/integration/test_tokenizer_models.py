@@ -1,7 +1,7 @@
 """The tokenizer ends of an engine's ensemble in a real tritonserver: Gantry's
 generated preprocessing and postprocessing configs load, and round-trip text
 through the checkpoint's tokenizer (the engine itself needs a GPU and the
-TensorRT-LLM image; see tests/unit/test_trtllm_serving.py for its config)."""
+TensorRT-LLM image; see tests/unit/workers/triton/test_config.py for its config)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import tritonclient.http as httpclient
 from transformers import AutoTokenizer
 
 from tests.integration.conftest import free_ports
-from workers.runtimes import LaunchSpec
+from workers.runtimes.base import LaunchSpec
 from workers.runtimes.process import ProcessRuntime
 from workers.triton.client import TritonClient
 from workers.triton.config import Batching, TrtllmSpec

@@ -1,25 +1,27 @@
+"""The docker runtime's container options (no Docker engine needed)."""
+
+from __future__ import annotations
+
 from pathlib import Path
 
-from workers.runtimes import LaunchSpec
+from tests import factories
+from workers.runtimes.base import LaunchSpec
 from workers.runtimes.docker import run_options
 
 
-def _spec(**overrides) -> LaunchSpec:
-    values = {
-        "deployment_id": 7,
-        "generation": 3,
-        "repository": Path("/data/deployments/7-x/repository"),
-        "models": ["minilm", "rerank"],
-        "http_port": 18000,
-        "grpc_port": 18001,
-        "metrics_port": 18002,
-        "log_path": Path("/data/deployments/7-x/tritonserver.log"),
-        "image": "gantry/tritonserver-test:abc",
-        "read_only_mounts": (Path("/models/minilm"),),
-        "ulimits": (("memlock", -1, -1), ("stack", 67108864, 67108864)),
-    }
-    values.update(overrides)
-    return LaunchSpec(**values)
+def _spec(**overrides) -> LaunchSpec:  # noqa: ANN003
+    return factories.launch_spec(
+        Path("/data/deployments/7-x"),
+        generation=3,
+        models=["minilm", "rerank"],
+        http_port=18000,
+        grpc_port=18001,
+        metrics_port=18002,
+        image="gantry/tritonserver-test:abc",
+        read_only_mounts=(Path("/models/minilm"),),
+        ulimits=(("memlock", -1, -1), ("stack", 67108864, 67108864)),
+        **overrides,
+    )
 
 
 def test_container_is_host_networked_labelled_and_read_only():

@@ -1,3 +1,7 @@
+"""Typed environment variables: bad values fail loudly, naming the variable."""
+
+from __future__ import annotations
+
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 

@@ -1,9 +1,16 @@
+"""The state machines: every table is complete, and a transition is a compare-and-swap with an event."""
+
+from __future__ import annotations
+
 import pytest
 
-from deployments import services, states
+from deployments import states
 from deployments.errors import InvalidTransition
 from deployments.models import Deployment, Event
 from deployments.models import DeploymentStatus as S
+from deployments.services import deployments
+from deployments.services.placements import PlacementSpec
+from tests import factories
 
 
 def test_every_status_has_a_row_in_the_transition_table():
@@ -39,13 +46,13 @@ def test_ready_is_reached_by_loading_updating_or_recovering():
 
 @pytest.fixture
 def deployment(host, minilm, operator):
-    return services.deployment_create(
-        name="demo", host_name=host.name, placements=[services.PlacementSpec(model="minilm")], user=operator
+    return deployments.deployment_create(
+        name="demo", host_name=host.name, placements=[PlacementSpec(model="minilm")], user=operator
     )
 
 
 def test_transition_records_an_event_with_both_states(deployment):
-    services.deployment_transition(deployment_id=deployment.pk, to=S.LAUNCHING, source="test")
+    states.deployment_transition(deployment_id=deployment.pk, to=S.LAUNCHING, source="test")
     event = Event.objects.filter(deployment=deployment, kind="deployment.status").get()
     assert (event.from_status, event.to_status, event.source) == (S.PENDING, S.LAUNCHING, "test")
 
@@ -53,30 +60,19 @@ def test_transition_records_an_event_with_both_states(deployment):
 def test_disallowed_transition_changes_nothing(deployment):
     before = Event.objects.count()
     with pytest.raises(InvalidTransition, match="cannot go from pending to ready"):
-        services.deployment_transition(deployment_id=deployment.pk, to=S.READY, source="test")
+        states.deployment_transition(deployment_id=deployment.pk, to=S.READY, source="test")
     deployment.refresh_from_db()
     assert deployment.status == S.PENDING
     assert Event.objects.count() == before
 
 
 def test_only_from_narrows_the_table(deployment):
-    services.deployment_transition(deployment_id=deployment.pk, to=S.LAUNCHING, source="test")
+    states.deployment_transition(deployment_id=deployment.pk, to=S.LAUNCHING, source="test")
     with pytest.raises(InvalidTransition):
-        services.deployment_transition(
+        states.deployment_transition(
             deployment_id=deployment.pk, to=S.FAILED, source="test", only_from=frozenset({S.LOADING})
         )
     assert Deployment.objects.get(pk=deployment.pk).status == S.LAUNCHING
-
-
-def test_start_of_running_deployment_is_refused(deployment, operator):
-    services.deployment_start(deployment_id=deployment.pk, user=operator)
-    with pytest.raises(InvalidTransition, match="launching"):
-        services.deployment_start(deployment_id=deployment.pk, user=operator)
-
-
-def test_stop_of_stopped_deployment_is_refused(deployment, operator):
-    with pytest.raises(InvalidTransition, match="nothing to stop"):
-        services.deployment_stop(deployment_id=deployment.pk, user=operator)
 
 
 def test_events_are_append_only(deployment):
@@ -86,3 +82,30 @@ def test_events_are_append_only(deployment):
         event.save()
     with pytest.raises(TypeError):
         Event.objects.filter(pk=event.pk).update(message="rewritten")
+
+
+@pytest.mark.parametrize(
+    ("status", "actions"),
+    [
+        (S.PENDING, {"start": True, "stop": False, "change": True}),
+        (S.LAUNCHING, {"start": False, "stop": True, "change": False}),
+        (S.READY, {"start": False, "stop": True, "change": True}),
+        (S.STOPPING, {"start": False, "stop": False, "change": False}),
+        (S.FAILED, {"start": True, "stop": True, "change": True}),
+    ],
+)
+def test_the_actions_a_status_allows_come_from_the_table(status, actions):
+    assert states.deployment_actions(status) == actions
+
+
+def test_a_second_inspection_of_the_same_model_changes_nothing(minilm):
+    assert not states.inspection_transition(model_id=minilm.pk, to="failed", message="late duplicate")
+    minilm.refresh_from_db()
+    assert (minilm.inspection, minilm.inspection_message) == ("ready", "")
+
+
+def test_a_failed_revision_cannot_become_current_again(host, minilm, operator):
+    deployment = factories.deployment(host=host, user=operator)
+    states.revision_transition(deployment_id=deployment.pk, generation=1, to="failed", message="did not load")
+    with pytest.raises(InvalidTransition, match="revision 1 of deployment .* cannot become current"):
+        states.revision_transition(deployment_id=deployment.pk, generation=1, to="current")

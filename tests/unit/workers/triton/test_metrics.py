@@ -1,3 +1,7 @@
+"""Triton's metrics exposition parsed and turned into rates."""
+
+from __future__ import annotations
+
 from workers.triton.metrics import derive, parse
 
 EXPOSITION = """\

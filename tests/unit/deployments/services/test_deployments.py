@@ -1,20 +1,37 @@
+"""The deployment lifecycle services: create, change (generations), roll back, start, stop."""
+
+from __future__ import annotations
+
 import pytest
 
-from deployments import services
+from deployments import states
 from deployments.errors import InvalidTransition, ValidationFailed
 from deployments.models import Deployment, DeploymentStatus, RevisionStatus
+from deployments.services import deployments
+from deployments.services.placements import PlacementSpec
+
+
+def test_start_of_running_deployment_is_refused(deployment, operator):
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    with pytest.raises(InvalidTransition, match="launching"):
+        deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+
+
+def test_stop_of_stopped_deployment_is_refused(deployment, operator):
+    with pytest.raises(InvalidTransition, match="nothing to stop"):
+        deployments.deployment_stop(deployment_id=deployment.pk, user=operator)
 
 
 @pytest.fixture
 def deployment(host, minilm, operator):
-    return services.deployment_create(
-        name="d", host_name=host.name, placements=[services.PlacementSpec(model="minilm")], user=operator
+    return deployments.deployment_create(
+        name="d", host_name=host.name, placements=[PlacementSpec(model="minilm")], user=operator
     )
 
 
 def _change(deployment, operator, **overrides):
-    return services.deployment_change(
-        deployment_id=deployment.pk, placements=[services.PlacementSpec(model="minilm", **overrides)], user=operator
+    return deployments.deployment_change(
+        deployment_id=deployment.pk, placements=[PlacementSpec(model="minilm", **overrides)], user=operator
     )
 
 
@@ -34,22 +51,22 @@ def test_a_change_to_the_same_placements_is_refused_and_stores_nothing(deploymen
 
 
 def test_a_change_while_launching_is_refused(deployment, operator):
-    services.deployment_start(deployment_id=deployment.pk, user=operator)
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
     with pytest.raises(InvalidTransition, match="launching"):
         _change(deployment, operator, max_batch_size=8)
 
 
 def test_a_ready_deployment_loads_its_new_generation(deployment, operator):
-    services.deployment_start(deployment_id=deployment.pk, user=operator)
-    services.deployment_transition(deployment_id=deployment.pk, to="loading", source="t", runtime_handle="1")
-    services.deployment_transition(deployment_id=deployment.pk, to="ready", source="t")
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    states.deployment_transition(deployment_id=deployment.pk, to="loading", source="t", runtime_handle="1")
+    states.deployment_transition(deployment_id=deployment.pk, to="ready", source="t")
     changed = _change(deployment, operator, max_batch_size=8)
     assert (changed.status, changed.status_message) == (DeploymentStatus.UPDATING, "applying generation 2")
 
 
 def test_rollback_restores_the_previous_placements(deployment, operator):
     _change(deployment, operator, max_batch_size=8)
-    restored = services.deployment_rollback(
+    restored = deployments.deployment_rollback(
         deployment_id=deployment.pk, failed_generation=2, reason="did not load", source="t"
     )
     assert restored.generation == 1

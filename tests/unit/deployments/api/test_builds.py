@@ -1,0 +1,40 @@
+"""/api/builds/: request, reuse and field errors."""
+
+from __future__ import annotations
+
+from deployments.models import EngineBuild, Event
+from tests import factories
+
+
+def test_build_api_refuses_bad_types_and_names_the_field(api, llama):
+    response = api.post(
+        "/api/builds/",
+        {"model": "llama", "host": "h100-host", "image": factories.IMAGE, "spec": {"dtype": "fp64"}},
+        format="json",
+    )
+    assert response.status_code == 400
+    assert "spec" in response.data["errors"] and "dtype" in response.data["errors"]["spec"]
+
+
+def test_identical_request_returns_the_succeeded_build_and_force_rebuilds(api, llama):
+    body = {"model": "llama", "host": "h100-host", "image": factories.IMAGE, "spec": {"max_batch_size": 16}}
+    first = api.post("/api/builds/", body, format="json")
+    assert first.status_code == 201 and first.data["how"] == "queued"
+    joined = api.post("/api/builds/", body, format="json")
+    assert joined.status_code == 200 and joined.data["how"] == "joined" and joined.data["id"] == first.data["id"]
+    factories.succeeded_build(EngineBuild.objects.get(pk=first.data["id"]))
+    again = api.post("/api/builds/", {**body, "spec": {"max_batch_size": 16, "gpu_ids": [1]}}, format="json")
+    assert again.status_code == 200 and again.data["how"] == "cached" and again.data["id"] == first.data["id"]
+    forced = api.post("/api/builds/", {**body, "force": True}, format="json")
+    assert forced.status_code == 201 and forced.data["id"] != first.data["id"] and forced.data["forced"]
+    other = api.post("/api/builds/", {**body, "spec": {"max_batch_size": 32}}, format="json")
+    assert other.status_code == 201
+    assert Event.objects.filter(kind="build.reused", build_id=first.data["id"]).count() == 1
+
+
+def test_a_build_says_whether_it_can_still_be_cancelled(api, llama):
+    body = {"model": "llama", "host": "h100-host", "image": factories.IMAGE}
+    queued = api.post("/api/builds/", body, format="json")
+    assert queued.data["actions"] == {"cancel": True}
+    cancelled = api.post(f"/api/builds/{queued.data['id']}/cancel/")
+    assert cancelled.data["status"] == "cancelled" and cancelled.data["actions"] == {"cancel": False}

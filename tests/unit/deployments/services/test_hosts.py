@@ -1,0 +1,38 @@
+"""Host heartbeats, GPU inventory, and the offline sweep."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from deployments.models import Event, GpuHost
+from deployments.services import hosts
+
+
+def test_first_beat_registers_the_host_with_its_gpus(gpu_host):
+    assert gpu_host.gpus.get().compute_capability == "9.0"
+    assert Event.objects.filter(host=gpu_host, kind="host.registered").count() == 1
+
+
+def test_a_gpu_gone_from_the_inventory_is_removed(gpu_host):
+    hosts.host_heartbeat(name="gpu-host", gpus=[])
+    assert not gpu_host.gpus.exists()
+
+
+def test_silent_host_is_marked_offline_once_and_back_online_on_its_next_beat(host, settings):
+    GpuHost.objects.filter(pk=host.pk).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+    assert hosts.hosts_sweep() == ["cpu-host"]
+    assert hosts.hosts_sweep() == []
+    host.refresh_from_db()
+    assert host.offline_since is not None and not host.is_online
+    assert Event.objects.filter(host=host, kind="host.offline").count() == 1
+
+    hosts.host_heartbeat(name="cpu-host", gpus=[])
+    host.refresh_from_db()
+    assert host.offline_since is None and host.is_online
+    assert Event.objects.filter(host=host, kind="host.online").count() == 1
+
+
+def test_live_host_is_not_swept(host):
+    assert hosts.hosts_sweep() == []

@@ -1,0 +1,175 @@
+"""Placement rules: engine gates, KV-cache planning, the LLM-API path, headroom."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from django.utils import timezone
+
+from deployments import selectors
+from deployments.errors import ValidationFailed
+from deployments.models import BuildStatus, EngineBuild, GpuHost, RegisteredModel
+from deployments.placement import kv_bytes_per_token, kv_cache_tokens
+from deployments.services import deployments
+from deployments.services.placements import PlacementSpec
+from tests import factories
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+ENGINE_BYTES = 2_500_000_000
+
+
+@pytest.fixture
+def h100(db, settings) -> GpuHost:  # noqa: ANN001
+    settings.GANTRY_BUILDER_IMAGES = {factories.IMAGE: "0.16.0"}
+    settings.GANTRY_ALLOWED_IMAGES = [factories.IMAGE, "other:1"]
+    return factories.trtllm_host("h100-host", "9.0", count=2)
+
+
+@pytest.fixture
+def llama(h100: GpuHost, tmp_path: Path) -> RegisteredModel:
+    return factories.registered_model(
+        name="llama", kind="llm", path=factories.write_checkpoint(tmp_path / "llama", factories.LLAMA), host=h100
+    )
+
+
+def _engine(model: RegisteredModel, host: GpuHost, **overrides) -> EngineBuild:  # noqa: ANN003
+    values = {
+        "model": model,
+        "host": host,
+        "spec": {"max_batch_size": 32, "max_seq_len": 2048, "max_beam_width": 1, "quantization": "none"},
+        "builder_image": factories.IMAGE,
+        "image_digest": DIGEST,
+        "trtllm_version": "0.16.0",
+        "gpu_name": "NVIDIA H100 80GB HBM3",
+        "compute_capability": "9.0",
+        "status": BuildStatus.SUCCEEDED,
+        "output_dir": "/data/builds/1/engine",
+        "artifacts": [
+            {"name": "config.json", "size": 4000, "sha256": "0"},
+            {"name": "rank0.engine", "size": ENGINE_BYTES, "sha256": "1"},
+        ],  # fmt: skip
+        "cache_key": str(timezone.now().timestamp()),
+        "finished_at": timezone.now(),
+    }
+    return EngineBuild.objects.create(**{**values, **overrides})
+
+
+def test_kv_cache_tokens_come_from_the_checkpoint_shape(llama, h100):
+    build = _engine(llama, h100)
+    # 2 (K and V) x 16 layers x 8 KV heads x 64 head size x 2 bytes.
+    assert kv_bytes_per_token(llama, build) == 32768
+    memory = 80 * 2**30
+    assert (
+        kv_cache_tokens(model=llama, build=build, fraction=0.5, gpu_memory_bytes=memory)
+        == int((0.5 * memory - ENGINE_BYTES) * 0.9) // 32768
+    )
+    fp8 = _engine(llama, h100, spec={**build.spec, "quantization": "fp8"}, cache_key="fp8")
+    assert kv_bytes_per_token(llama, fp8) == 16384
+    tp2 = _engine(llama, h100, tp_size=2, cache_key="tp2")
+    assert kv_bytes_per_token(llama, tp2) == 16384
+
+
+def _deploy(llama: RegisteredModel, build: EngineBuild, operator, **placement):  # noqa: ANN001, ANN003
+    values = {"runtime": "docker", "image": factories.IMAGE}
+    values.update(placement.pop("deployment", {}))
+    return deployments.deployment_create(
+        name="stack",
+        host_name="h100-host",
+        placements=[
+            PlacementSpec(**{"model": "llama", "engine_build": build.pk, "gpu_memory_fraction": 0.8, **placement}),
+            PlacementSpec(model="mini", gpu_memory_fraction=0.1, gpu_ids=(0,)),
+        ],
+        user=operator,
+        **values,
+    )
+
+
+@pytest.fixture
+def mini(h100, minilm_path) -> RegisteredModel:
+    return factories.registered_model(name="mini", kind="embedding", path=minilm_path, host=h100)
+
+
+def test_engine_deployment_is_planned_with_an_absolute_kv_budget(llama, mini, h100, operator, client):
+    build = _engine(llama, h100)
+    deployment = _deploy(llama, build, operator)
+    engine = deployment.placements.get(triton_name="llama")
+    assert engine.engine_build == build and engine.gpu_ids == [0] and engine.kv_cache_tokens > 2048
+    gpu0 = selectors.deployment_plan(selectors.deployment_list().get(pk=deployment.pk))[0]
+    row = next(m for m in gpu0["models"] if m["triton_name"] == "llama")
+    assert row["engine_bytes"] == ENGINE_BYTES and row["kv_cache_tokens"] == engine.kv_cache_tokens
+    assert gpu0["fraction"] == pytest.approx(0.9) and gpu0["within_headroom"]
+    client.force_login(operator)
+    assert "stack" in client.get(f"/builds/{build.pk}/").content.decode()  # where the build is deployed
+    page = client.get(f"/deployments/{deployment.pk}/").content.decode()
+    assert f"KV cache {engine.kv_cache_tokens} tokens" in page
+
+
+def _refusal(callable_) -> dict:  # noqa: ANN001
+    with pytest.raises(ValidationFailed) as caught:
+        callable_()
+    return caught.value.errors
+
+
+def test_engine_built_for_sm80_is_refused_on_an_sm90_gpu(llama, mini, h100, operator):
+    build = _engine(llama, h100, compute_capability="8.0", gpu_name="NVIDIA A100-SXM4-80GB")
+    errors = _refusal(lambda: _deploy(llama, build, operator))
+    assert errors["models[0].gpu_ids"] == [
+        f"build {build.pk} was built for SM 8.0 (NVIDIA A100-SXM4-80GB); GPU 0 is NVIDIA H100 80GB HBM3 with SM 9.0"
+    ]
+
+
+def test_engine_gates_name_the_model_and_the_rule(llama, mini, h100, operator):
+    build = _engine(llama, h100)
+    assert (
+        "engines run in the docker runtime"
+        in _refusal(lambda: _deploy(llama, build, operator, deployment={"runtime": "process", "image": ""}))[
+            "models[0].engine_build"
+        ][0]
+    )
+    assert (
+        f"was built in {factories.IMAGE}; serve it from that image"
+        in _refusal(lambda: _deploy(llama, build, operator, deployment={"image": "other:1"}))["models[0].engine_build"][
+            0
+        ]
+    )
+    GpuHost.objects.filter(pk=h100.pk).update(builders={"images": {factories.IMAGE: "sha256:" + "cd" * 32}})
+    assert (
+        "an engine only loads in its own image"
+        in _refusal(lambda: _deploy(llama, build, operator))["models[0].engine_build"][0]
+    )
+    GpuHost.objects.filter(pk=h100.pk).update(builders={"images": {factories.IMAGE: DIGEST}})
+    tp2 = _engine(llama, h100, tp_size=2, cache_key="tp2")
+    assert _refusal(lambda: _deploy(llama, tp2, operator, gpu_ids=(0,)))["models[0].gpu_ids"] == [
+        f"build {tp2.pk} is tp 2 x pp 1 = 2 GPUs; it is given 1"
+    ]
+    assert _refusal(lambda: _deploy(llama, build, operator, max_batch_size=64))["models[0].max_batch_size"] == [
+        f"build {build.pk} was built for at most 32"
+    ]
+    small = _refusal(lambda: _deploy(llama, build, operator, gpu_memory_fraction=0.02))
+    assert re.search(r"leaves room for \d+ KV-cache tokens", small["models[0].gpu_memory_fraction"][0])
+    failed = _engine(llama, h100, status=BuildStatus.FAILED, cache_key="failed")
+    assert (
+        "only succeeded builds can be served"
+        in _refusal(lambda: _deploy(llama, failed, operator))["models[0].engine_build"][0]
+    )
+    assert _refusal(lambda: _deploy(llama, build, operator, gpu_memory_fraction=0.9))["models"] == [
+        "GPU 0: memory fractions add up to 1.00, above the headroom limit 0.95"
+    ]
+
+
+def test_llm_needs_an_engine_or_the_llm_api(llama, operator):
+    errors = _refusal(
+        lambda: deployments.deployment_create(
+            name="x",
+            host_name="h100-host",
+            runtime="docker",
+            image=factories.IMAGE,
+            placements=[PlacementSpec(model="llama")],
+            user=operator,
+        )  # fmt: skip
+    )
+    assert errors["models[0].engine_build"] == ["llama is an llm: name the engine build to serve, or set llm_api"]

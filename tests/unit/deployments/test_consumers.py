@@ -1,0 +1,73 @@
+"""The live websocket consumer over the real Redis channel layer: it refuses
+anonymous users and unknown objects, joins the object's group, forwards what
+services publish, and is read-only."""
+
+from __future__ import annotations
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.routing import URLRouter
+from channels.testing import WebsocketCommunicator
+from django.contrib.auth.models import AnonymousUser
+
+from deployments import events
+from deployments.routing import websocket_urlpatterns
+from tests import factories
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _connect(path: str, user) -> WebsocketCommunicator:  # noqa: ANN001
+    communicator = WebsocketCommunicator(URLRouter(websocket_urlpatterns), path)
+    communicator.scope["user"] = user
+    return communicator
+
+
+def test_anonymous_socket_is_refused_before_joining():
+    async def run() -> tuple:
+        communicator = _connect("/ws/dashboard/", AnonymousUser())
+        connected, code = await communicator.connect()
+        await communicator.disconnect()
+        return connected, code
+
+    assert async_to_sync(run)() == (False, 4401)
+
+
+def test_socket_for_a_missing_deployment_is_refused(operator):
+    async def run() -> tuple:
+        communicator = _connect("/ws/deployments/999999/", operator)
+        connected, code = await communicator.connect()
+        await communicator.disconnect()
+        return connected, code
+
+    assert async_to_sync(run)() == (False, 4404)
+
+
+def test_joined_socket_receives_what_is_published_to_its_deployment_only(operator, minilm):
+    deployment = factories.deployment(host=minilm.host, user=operator)
+    other = factories.deployment(host=minilm.host, user=operator, name="other")
+
+    async def run() -> tuple:
+        communicator = _connect(f"/ws/deployments/{deployment.pk}/", operator)
+        connected, _ = await communicator.connect()
+        await communicator.send_json_to({"type": "start"})
+        refusal = await communicator.receive_json_from(timeout=5)
+        # Published from a worker's thread, as services do: to another deployment, then to this one.
+        await _publish(events.deployment_group(other.pk), {"type": "log", "lines": ["not for us"]})
+        await _publish(events.deployment_group(deployment.pk), {"type": "log", "lines": ["for us"]})
+        forwarded = await communicator.receive_json_from(timeout=5)
+        nothing_more = await communicator.receive_nothing(timeout=0.3)
+        await communicator.disconnect()
+        return connected, refusal, forwarded, nothing_more
+
+    connected, refusal, forwarded, nothing_more = async_to_sync(run)()
+    assert connected
+    assert refusal == {"type": "error", "detail": "this socket is read-only; use the REST API"}
+    assert forwarded == {"type": "log", "lines": ["for us"]}
+    assert nothing_more
+
+
+async def _publish(group: str, payload: dict) -> None:
+    from channels.db import database_sync_to_async
+
+    await database_sync_to_async(events.publish)(group, payload)

@@ -1,0 +1,78 @@
+"""Rows into launch specs: engine and LLM-API model specs, MPI ranks, server environment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deployments import selectors
+from deployments.errors import ValidationFailed
+from deployments.models import GpuHost, RegisteredModel
+from deployments.services import deployments
+from deployments.services.placements import PlacementSpec
+from tests import factories
+from workers.deploy import plan
+from workers.triton.config import read_config
+from workers.triton.repository import write_repository
+
+
+@pytest.fixture
+def h100(db, settings) -> GpuHost:  # noqa: ANN001
+    settings.GANTRY_BUILDER_IMAGES = {factories.IMAGE: "0.16.0"}
+    settings.GANTRY_ALLOWED_IMAGES = [factories.IMAGE, "other:1"]
+    return factories.trtllm_host("h100-host", "9.0", count=2)
+
+
+@pytest.fixture
+def llama(h100: GpuHost, tmp_path: Path) -> RegisteredModel:
+    return factories.registered_model(
+        name="llama", kind="llm", path=factories.write_checkpoint(tmp_path / "llama", factories.LLAMA), host=h100
+    )
+
+
+def _refusal(callable_) -> dict:  # noqa: ANN001
+    with pytest.raises(ValidationFailed) as caught:
+        callable_()
+    return caught.value.errors
+
+
+NEWER = "tritonserver:25.06-trtllm-python-py3"
+
+
+def _llm_api(operator, image: str, **placement):  # noqa: ANN001, ANN003
+    return deployments.deployment_create(
+        name="direct",
+        host_name="h100-host",
+        runtime="docker",
+        image=image,
+        placements=[PlacementSpec(**{"model": "llama", "llm_api": True, "gpu_memory_fraction": 0.5, **placement})],
+        user=operator,
+    )
+
+
+def test_checkpoint_is_served_through_the_llm_api_where_the_image_has_it(llama, operator, settings, tmp_path):
+    settings.GANTRY_BUILDER_IMAGES = {factories.IMAGE: "0.16.0", NEWER: "0.20.0"}
+    settings.GANTRY_ALLOWED_IMAGES = [factories.IMAGE, NEWER]
+    errors = _refusal(lambda: _llm_api(operator, factories.IMAGE))
+    assert (
+        f"{factories.IMAGE} has no LLM-API backend Gantry knows of (TensorRT-LLM 0.16.0); images that have one: {NEWER}"
+        in (errors["models[0].llm_api"][0])
+    )
+    deployment = _llm_api(operator, NEWER, gpu_ids=(0, 1))
+    placement = deployment.placements.get()
+    assert placement.backend == "llmapi" and placement.gpu_ids == [0, 1] and placement.kv_cache_tokens > 2048
+
+    specs = plan.model_specs(selectors.deployment_list().get(pk=deployment.pk))
+    write_repository(tmp_path / "repo", specs)
+    folder = tmp_path / "repo" / "llama"
+    assert (folder / "1").is_symlink() and str((folder / "1").readlink()) == "/app/all_models/llmapi/tensorrt_llm/1"
+    args = json.loads((folder / "model.yaml").read_text())
+    assert args["model"] == llama.path and args["backend"] == "pytorch" and args["tensor_parallel_size"] == 2
+    assert args["kv_cache_config"]["max_tokens"] == placement.kv_cache_tokens
+    assert args["triton_config"] == {"max_batch_size": 32, "decoupled": True}
+    config = read_config(folder)
+    assert config.backend == "python" and config.model_transaction_policy.decoupled
+    env = plan.launch_spec(selectors.deployment_list().get(pk=deployment.pk)).extra_env
+    assert env == {"LLM_CONFIG_PATH": str(plan.paths_for(deployment).repository / "llama" / "model.yaml")}

@@ -1,0 +1,64 @@
+"""Process groups for real: started in their own group, recognised by a marker
+so a reused pid is never signalled, stopped TERM-then-KILL with every child."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from workers import processes
+
+# A parent that starts a child in its group, then (optionally) ignores SIGTERM.
+TREE = """
+import signal, subprocess, sys, time
+if sys.argv[1] == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print("started", flush=True)
+time.sleep(60)
+"""
+
+
+def _tree(mode: str) -> subprocess.Popen:
+    process = processes.start_group([sys.executable, "-c", TREE, mode, "--gantry-test-marker"], stdout=subprocess.PIPE)
+    assert process.stdout.readline().strip() == b"started"
+    return process
+
+
+def test_a_group_is_ours_by_its_marker_and_stops_with_its_children():
+    process = _tree("polite")
+    try:
+        assert processes.is_ours(process.pid, argv_contains=b"--gantry-test-marker")
+        assert not processes.is_ours(process.pid, argv_contains=b"--someone-else")
+        assert len(processes.group_members(process.pid)) == 2
+        processes.terminate_group(process.pid, grace_s=5)
+        assert processes.group_members(process.pid) == []
+        assert not processes.is_alive(process.pid)
+    finally:
+        processes.terminate_group(process.pid, grace_s=0)
+
+
+def test_a_leader_that_ignores_sigterm_is_killed_after_the_grace():
+    process = _tree("stubborn")
+    started = time.monotonic()
+    processes.terminate_group(process.pid, grace_s=1)
+    assert 1 <= time.monotonic() - started < 10
+    assert processes.group_members(process.pid) == []
+    assert process.wait(timeout=5) == -9
+
+
+def test_a_leader_that_is_not_ours_is_never_signalled():
+    process = _tree("polite")
+    try:
+        processes.terminate_group(process.pid, grace_s=1, leader_running=lambda: False)
+        # Not ours, so untouched: only stray members of a group we own would be killed.
+        assert processes.is_alive(process.pid) or processes.group_members(process.pid) == []
+    finally:
+        processes.terminate_group(process.pid, grace_s=0)
+
+
+def test_exits_are_described_by_code_or_signal():
+    assert processes.describe_exit(3) == "exit code 3"
+    assert processes.describe_exit(-9) == "killed by SIGKILL"
+    assert processes.describe_exit(None) == "still running"
