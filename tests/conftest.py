@@ -61,6 +61,8 @@ def minilm(db, minilm_path: Path, host: GpuHost) -> RegisteredModel:  # noqa: AN
 @pytest.fixture
 def builder_images(settings):  # noqa: ANN001, ANN201
     settings.GANTRY_BUILDER_IMAGES = {factories.IMAGE: "0.16.0", "tritonserver:24.08-trtllm-python-py3": "0.12.0"}
+    # The builder image also serves its engines; "other:1" is a Triton image without TensorRT-LLM.
+    settings.GANTRY_ALLOWED_IMAGES = [factories.IMAGE, "other:1"]
 
 
 @pytest.fixture

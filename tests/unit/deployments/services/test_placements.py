@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 from django.utils import timezone
@@ -20,20 +19,6 @@ DIGEST = "sha256:" + "ab" * 32
 
 
 ENGINE_BYTES = 2_500_000_000
-
-
-@pytest.fixture
-def h100(db, settings) -> GpuHost:  # noqa: ANN001
-    settings.GANTRY_BUILDER_IMAGES = {factories.IMAGE: "0.16.0"}
-    settings.GANTRY_ALLOWED_IMAGES = [factories.IMAGE, "other:1"]
-    return factories.trtllm_host("h100-host", "9.0", count=2)
-
-
-@pytest.fixture
-def llama(h100: GpuHost, tmp_path: Path) -> RegisteredModel:
-    return factories.registered_model(
-        name="llama", kind="llm", path=factories.write_checkpoint(tmp_path / "llama", factories.LLAMA), host=h100
-    )
 
 
 def _engine(model: RegisteredModel, host: GpuHost, **overrides) -> EngineBuild:  # noqa: ANN003

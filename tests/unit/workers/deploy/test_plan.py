@@ -3,33 +3,17 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from deployments import selectors
 from deployments.errors import ValidationFailed
-from deployments.models import GpuHost, RegisteredModel
 from deployments.services import deployments
 from deployments.services.placements import PlacementSpec
 from tests import factories
 from workers.deploy import plan
 from workers.triton.config import read_config
 from workers.triton.repository import write_repository
-
-
-@pytest.fixture
-def h100(db, settings) -> GpuHost:  # noqa: ANN001
-    settings.GANTRY_BUILDER_IMAGES = {factories.IMAGE: "0.16.0"}
-    settings.GANTRY_ALLOWED_IMAGES = [factories.IMAGE, "other:1"]
-    return factories.trtllm_host("h100-host", "9.0", count=2)
-
-
-@pytest.fixture
-def llama(h100: GpuHost, tmp_path: Path) -> RegisteredModel:
-    return factories.registered_model(
-        name="llama", kind="llm", path=factories.write_checkpoint(tmp_path / "llama", factories.LLAMA), host=h100
-    )
 
 
 def _refusal(callable_) -> dict:  # noqa: ANN001
