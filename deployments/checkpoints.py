@@ -16,6 +16,9 @@ from deployments.errors import ValidationFailed
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "tokenizer_config.json")
 _CHUNK = 1 << 20
+# Written by workers/untrained_llm.py into the checkpoints Gantry makes itself.
+UNTRAINED_MARKER = "gantry_untrained.json"
+UNTRAINED_NOTICE = "untrained: random weights, so it answers with random words"
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ class CheckpointInfo:
     parameter_count: int | None = None
     tokenizer_files: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    chat_template: str = ""
+    special_tokens: dict[str, str] = field(default_factory=dict)
+    notice: str = ""
 
 
 def under_roots(path: Path, roots: list[Path]) -> bool:
@@ -89,7 +95,35 @@ def inspect_checkpoint(path: Path, *, roots: list[Path], field_name: str = "path
         fingerprint=fingerprint(path, files),
         tokenizer_files=[name for name in TOKENIZER_FILES if (path / name).is_file()],
         config=config,
+        **_tokenizer_extras(path),
+        notice=UNTRAINED_NOTICE if (path / UNTRAINED_MARKER).is_file() else "",
     )
+
+
+def _tokenizer_extras(path: Path) -> dict[str, Any]:
+    """The chat template and special tokens from the tokenizer files (transformers
+    keeps the template in chat_template.jinja, or in tokenizer_config.json)."""
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tokenizer_config = {}
+    if not isinstance(tokenizer_config, dict):
+        tokenizer_config = {}
+    template = tokenizer_config.get("chat_template") or ""
+    if isinstance(template, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template", "") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), "")
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        template = jinja.read_text()
+    tokens = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = tokenizer_config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            tokens[key] = value
+    return {"chat_template": template if isinstance(template, str) else "", "special_tokens": tokens}
 
 
 def parameter_count(files: list[Path]) -> int | None:

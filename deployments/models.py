@@ -132,6 +132,14 @@ class RegisteredModel(models.Model):
         max_length=64, blank=True, help_text="sha256 over the checkpoint's files and contents."
     )
     config = models.JSONField(default=dict, help_text="The checkpoint's config.json as read.")
+    trust_remote_code = models.BooleanField(
+        default=False, help_text="Allow the checkpoint's own Python code (auto_map) to run on the host."
+    )
+    chat_template = models.TextField(blank=True, help_text="The Jinja chat template of its tokenizer files.")
+    special_tokens = models.JSONField(default=dict, blank=True, help_text="bos_token, eos_token, ... as strings.")
+    notice = models.CharField(
+        max_length=255, blank=True, help_text="What a user must know about it (e.g. untrained weights)."
+    )
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -308,6 +316,12 @@ class Backend(models.TextChoices):
     PYTHON = "python"
     TENSORRTLLM = "tensorrtllm", "tensorrtllm (an engine build)"
     LLM_API = "llmapi", "TensorRT-LLM LLM API (the checkpoint, no engine build)"
+    TRANSFORMERS = "transformers", "HuggingFace transformers on the python backend (any Triton host)"
+
+
+# The backends that generate text, all behind the same interface (text_input,
+# max_tokens, sampling fields, stream -> text_output).
+GENERATIVE_BACKENDS = frozenset({Backend.TENSORRTLLM, Backend.LLM_API, Backend.TRANSFORMERS})
 
 
 class SchedulerPolicy(models.TextChoices):

@@ -103,7 +103,7 @@ def deployment_plan(deployment: Deployment) -> list[dict]:
                     "fraction": placement.gpu_memory_fraction,
                     "bytes": int(placement.gpu_memory_fraction * entry["memory_total_bytes"]),
                 }
-                if placement.backend != Backend.PYTHON:
+                if placement.backend in (Backend.TENSORRTLLM, Backend.LLM_API):
                     # From the engine files' (or checkpoint's) real sizes and the checkpoint's shape.
                     model, build, tp = placement.registered_model, placement.engine_build, len(placement.gpu_ids)
                     row["engine_bytes"] = weights_bytes_per_gpu(model, build, tp_size=tp)

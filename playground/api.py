@@ -1,15 +1,23 @@
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
 from dataclasses import asdict
+from typing import Any
 
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.middleware.csrf import CsrfViewMiddleware
+from django.views.decorators.csrf import csrf_exempt
 from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from deployments.api.base import StrictSerializer, validated
-from deployments.errors import TransientError
-from deployments.permissions import CanView
+from deployments.api.base import StrictSerializer, error_body, gantry_error, validated
+from deployments.errors import GantryError
+from deployments.permissions import CanView, can_view
+from playground.generation import MAX_PROMPT_CHARS, Outcome, Sampling, generate, prepare_generation
 from playground.services import MAX_TEXT_CHARS, MAX_TEXTS, embed_texts, rerank_passages
 
 
@@ -30,10 +38,7 @@ class DeploymentEmbed(APIView):
 
     def post(self, request: Request, pk: int) -> Response:
         data = validated(EmbedIn, request)
-        try:
-            result = embed_texts(deployment_id=pk, texts=data["texts"], model=data["model"])
-        except TransientError as exc:
-            return Response({"detail": str(exc)}, status=503)
+        result = embed_texts(deployment_id=pk, texts=data["texts"], model=data["model"])
         return Response(asdict(result))
 
 
@@ -52,10 +57,128 @@ class DeploymentRerank(APIView):
 
     def post(self, request: Request, pk: int) -> Response:
         data = validated(RerankIn, request)
-        try:
-            result = rerank_passages(
-                deployment_id=pk, query=data["query"], passages=data["passages"], model=data["model"]
-            )
-        except TransientError as exc:
-            return Response({"detail": str(exc)}, status=503)
+        result = rerank_passages(deployment_id=pk, query=data["query"], passages=data["passages"], model=data["model"])
         return Response(asdict(result))
+
+
+class MessageIn(StrictSerializer):
+    role = serializers.ChoiceField(choices=["system", "user", "assistant", "tool"])
+    content = serializers.CharField(max_length=MAX_PROMPT_CHARS, allow_blank=True, trim_whitespace=False)
+
+
+class GenerateIn(StrictSerializer):
+    """One generation: a prompt, or chat messages (rendered with the checkpoint's
+    chat template), and the sampling fields every LLM route understands."""
+
+    model = serializers.CharField(max_length=63, required=False, default="", allow_blank=True)
+    prompt = serializers.CharField(max_length=MAX_PROMPT_CHARS, required=False, trim_whitespace=False)
+    messages = MessageIn(many=True, required=False)
+    max_tokens = serializers.IntegerField(min_value=1, max_value=32768, default=128)
+    temperature = serializers.FloatField(min_value=0.0, max_value=2.0, required=False)
+    top_p = serializers.FloatField(min_value=0.0, max_value=1.0, required=False)
+    top_k = serializers.IntegerField(min_value=0, max_value=1000, required=False)
+    seed = serializers.IntegerField(min_value=0, max_value=2**63 - 1, required=False)
+    repetition_penalty = serializers.FloatField(min_value=0.01, max_value=10.0, required=False)
+    stop = serializers.ListField(
+        child=serializers.CharField(max_length=64, trim_whitespace=False), max_length=8, default=list
+    )
+    stream = serializers.BooleanField(default=False)
+
+    def validate_top_p(self, value: float) -> float:
+        if value <= 0:
+            raise serializers.ValidationError("must be greater than 0")
+        return value
+
+
+def _token_user(key: str) -> Any:
+    from rest_framework.authtoken.models import Token
+
+    token = Token.objects.select_related("user").filter(key=key).first()
+    return token.user if token is not None and token.user.is_active else None
+
+
+async def _authenticated(request: HttpRequest) -> tuple[Any, HttpResponse | None]:
+    """The signed-in user (session, with its CSRF check, or a Token header), or the refusal."""
+    header = request.headers.get("Authorization", "")
+    if header.startswith("Token "):
+        user = await sync_to_async(_token_user)(header[6:].strip())
+    else:
+        user = await request.auser()
+        if user.is_authenticated:
+            refused = CsrfViewMiddleware(lambda r: None).process_view(request, None, (), {})
+            if refused is not None:
+                return None, JsonResponse({"detail": "CSRF check failed: reload the page"}, status=403)
+    if not can_view(user):
+        return None, JsonResponse({"detail": "Authentication credentials were not provided."}, status=401)
+    return user, None
+
+
+@csrf_exempt
+async def deployment_generate(request: HttpRequest, pk: int) -> HttpResponse:
+    """POST /api/deployments/<id>/generate/: text from the deployment's LLM, as one
+    JSON answer or, with "stream": true, server-sent events (one per piece of
+    text, then a summary with usage and timings). A client that disconnects
+    mid-stream cancels the request inside Triton."""
+    if request.method != "POST":
+        return JsonResponse({"detail": f'Method "{request.method}" not allowed.'}, status=405)
+    _, refused = await _authenticated(request)
+    if refused is not None:
+        return refused
+    try:
+        body = json.loads(request.body or b"null")
+    except ValueError:
+        return JsonResponse(error_body({"body": ["must be JSON"]}), status=400)
+    if not isinstance(body, dict):
+        return JsonResponse(error_body({"body": ["must be a JSON object"]}), status=400)
+    serializer = GenerateIn(data=body)
+    if not serializer.is_valid():
+        return JsonResponse(error_body(serializer.errors), status=400)
+    data = serializer.validated_data
+    sampling = Sampling(
+        max_tokens=data["max_tokens"],
+        temperature=data.get("temperature"),
+        top_p=data.get("top_p"),
+        top_k=data.get("top_k"),
+        seed=data.get("seed"),
+        repetition_penalty=data.get("repetition_penalty"),
+        stop=tuple(data["stop"]),
+    )
+    try:
+        prepared = await sync_to_async(prepare_generation)(
+            deployment_id=pk,
+            model=data["model"],
+            prompt=data.get("prompt"),
+            messages=[dict(m) for m in data["messages"]] if "messages" in data else None,
+            sampling=sampling,
+        )
+    except GantryError as exc:
+        return _error(exc)
+    outcome = Outcome()
+    if data["stream"]:
+        response = StreamingHttpResponse(_events(prepared, outcome), content_type="text/event-stream")
+        response["Cache-Control"] = "no-cache"
+        response["X-Accel-Buffering"] = "no"
+        return response
+    try:
+        text = "".join([piece.text async for piece in generate(prepared, stream=False, outcome=outcome)])
+    except GantryError as exc:
+        return _error(exc)
+    return JsonResponse({"model": prepared.model, "text": text, "notice": prepared.notice, **outcome.summary()})
+
+
+async def _events(prepared, outcome: Outcome) -> AsyncIterator[str]:  # noqa: ANN001
+    try:
+        async for piece in generate(prepared, stream=True, outcome=outcome):
+            yield _sse({"text": piece.text, "tokens": piece.tokens})
+        yield _sse({"done": True, "model": prepared.model, "notice": prepared.notice, **outcome.summary()})
+    except GantryError as exc:
+        yield _sse({"error": str(exc)})
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _error(exc: GantryError) -> JsonResponse:
+    body, code = gantry_error(exc)
+    return JsonResponse(body, status=code)

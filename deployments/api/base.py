@@ -11,27 +11,50 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from deployments.errors import InvalidTransition, NotFound, PermissionDenied, ValidationFailed
+from deployments.errors import (
+    GantryError,
+    InvalidTransition,
+    NotFound,
+    PermanentError,
+    PermissionDenied,
+    TransientError,
+    ValidationFailed,
+)
 
 _STATUS_FOR = {
     ValidationFailed: status.HTTP_400_BAD_REQUEST,
     NotFound: status.HTTP_404_NOT_FOUND,
     PermissionDenied: status.HTTP_403_FORBIDDEN,
     InvalidTransition: status.HTTP_409_CONFLICT,
+    # A model server that cannot be reached may be back soon; one that refused the request will refuse it again.
+    TransientError: status.HTTP_503_SERVICE_UNAVAILABLE,
+    PermanentError: status.HTTP_400_BAD_REQUEST,
 }
+
+
+def gantry_error(exc: GantryError) -> tuple[dict[str, Any], int]:
+    """The body and status code of one of Gantry's errors: a ``detail`` line,
+    and for bad input the broken rules by field."""
+    code = next((code for error_type, code in _STATUS_FOR.items() if isinstance(exc, error_type)), 500)
+    body: dict[str, Any] = {"detail": str(exc)}
+    if isinstance(exc, ValidationFailed):
+        body["errors"] = exc.errors
+    return body, code
+
+
+def error_body(detail: Any) -> dict[str, Any]:
+    """The body of a serializer's refusal: one line, and the rules by field."""
+    return {"detail": _flatten(detail), "errors": detail}
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """Map Gantry's errors to status codes; keep a ``detail`` line on every error."""
-    for error_type, code in _STATUS_FOR.items():
-        if isinstance(exc, error_type):
-            body: dict[str, Any] = {"detail": str(exc)}
-            if isinstance(exc, ValidationFailed):
-                body["errors"] = exc.errors
-            return Response(body, status=code)
+    if isinstance(exc, GantryError):
+        body, code = gantry_error(exc)
+        return Response(body, status=code)
     response = drf_exception_handler(exc, context)
     if response is not None and isinstance(exc, DRFValidationError):
-        response.data = {"detail": _flatten(exc.detail), "errors": exc.detail}
+        response.data = error_body(exc.detail)
     return response
 
 

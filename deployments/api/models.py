@@ -17,6 +17,10 @@ from deployments.services import registered_models
 
 class ModelOut(serializers.ModelSerializer):
     host = serializers.CharField(source="host.name", default=None)
+    has_chat_template = serializers.SerializerMethodField(help_text="whether chat messages can be sent to it")
+
+    def get_has_chat_template(self, model: RegisteredModel) -> bool:
+        return bool(model.chat_template)
 
     class Meta:
         model = RegisteredModel
@@ -44,6 +48,10 @@ class ModelOut(serializers.ModelSerializer):
             "size_bytes",
             "tokenizer_files",
             "fingerprint",
+            "trust_remote_code",
+            "has_chat_template",
+            "special_tokens",
+            "notice",
             "created_at",
         ]
 
@@ -55,6 +63,9 @@ class ModelIn(StrictSerializer):
     path = serializers.CharField(max_length=1024)
     hub_id = serializers.CharField(max_length=255, required=False, default="", allow_blank=True)
     revision = serializers.CharField(max_length=64, required=False, default="", allow_blank=True)
+    trust_remote_code = serializers.BooleanField(
+        default=False, help_text="let the checkpoint's own Python code (auto_map) run on the host"
+    )
 
 
 class ModelList(APIView):

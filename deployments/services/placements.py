@@ -37,7 +37,7 @@ from deployments.placement import engine_bytes_per_gpu, kv_cache_tokens, resolve
 SERVABLE_KINDS = {
     ModelKind.EMBEDDING: Backend.PYTHON,
     ModelKind.RERANKER: Backend.PYTHON,
-    ModelKind.LLM: Backend.TENSORRTLLM,
+    ModelKind.LLM: Backend.TENSORRTLLM,  # or LLM_API, or TRANSFORMERS: see _llm_backend
 }
 
 
@@ -98,18 +98,19 @@ class Resolved:
     kv_cache_tokens: int | None = None
 
 
-def _check_engine(
+def _check_llm(
     spec: PlacementSpec, model: RegisteredModel, host: GpuHost, runtime: str, image: str, fail: Any
 ) -> Resolved | None:
-    """The gates an engine passes before it is placed: built and verified, in the
-    image it will run in (same digest, same TensorRT-LLM), for this GPU's SM,
-    on exactly tp*pp GPUs, with a batch size it was built for, and a memory
-    fraction that holds its weights and leaves room for a KV cache."""
+    """An llm takes one of three paths: its engine build, the LLM API, or (neither
+    named) transformers on the python backend. The gates an engine passes
+    before it is placed: built and verified, in the image it will run in (same
+    digest, same TensorRT-LLM), for this GPU's SM, on exactly tp*pp GPUs, with
+    a batch size it was built for, and a memory fraction that holds its weights
+    and leaves room for a KV cache."""
     if spec.engine_build is None and spec.llm_api:
         return _check_llm_api(spec, model, host, runtime, image, fail)
     if spec.engine_build is None:
-        fail("engine_build", f"{model.name} is an llm: name the engine build to serve, or set llm_api")
-        return None
+        return _check_transformers(spec, model, host, fail)
     if spec.llm_api:
         fail("llm_api", "serves the checkpoint without an engine: leave engine_build empty")
     build = EngineBuild.objects.filter(pk=spec.engine_build).first()
@@ -175,6 +176,34 @@ def _check_engine(
                     f"{build.spec.get('max_seq_len')}-token sequence",
                 )
     return Resolved(spec=spec, model=model, build=build, gpus=chosen, kv_cache_tokens=tokens)
+
+
+def _check_transformers(spec: PlacementSpec, model: RegisteredModel, host: GpuHost, fail: Any) -> Resolved:
+    """The path that runs wherever Triton's python backend does: the checkpoint
+    through transformers' AutoModelForCausalLM, streamed (decoupled), on a GPU
+    within its memory fraction or on the CPU."""
+    if not spec.decoupled:
+        fail("decoupled", "the transformers path always streams (a decoupled model): leave decoupled on")
+    causal = model.architecture.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
+    if not causal and not model.config.get("auto_map"):
+        fail(
+            "model",
+            f"{model.name} is a {model.architecture or 'model of unknown architecture'}, "
+            "not a causal language model transformers can generate with",
+        )
+    host_gpus = {gpu.index: gpu for gpu in host.gpus.all()}
+    kind, gpus = resolve_instances(spec.instance_kind, spec.gpu_ids, host_gpus)
+    if kind == InstanceKind.GPU:
+        weights = 2 * (model.parameter_count or model.size_bytes // 2)  # 16-bit weights on a GPU
+        for index in gpus:
+            gpu = host_gpus.get(index)
+            if gpu is not None and spec.gpu_memory_fraction * gpu.memory_total_bytes < weights * 1.2:
+                fail(
+                    "gpu_memory_fraction",
+                    f"{spec.gpu_memory_fraction:g} of GPU {index}'s {gpu.memory_total_bytes / 2**30:.0f} GiB cannot "
+                    f"hold {model.name}'s {weights / 2**30:.2f} GiB of 16-bit weights and room to generate",
+                )
+    return Resolved(spec=spec, model=model)
 
 
 def _check_llm_api(
@@ -267,19 +296,20 @@ def placements_validate(*, host: GpuHost, specs: list[PlacementSpec], runtime: s
         if unknown:
             errors.setdefault(f"{where}.gpu_ids", []).append(f"{host.name} has no GPU with index {unknown}")
         if model.kind == ModelKind.LLM:
-            engine = _check_engine(
+            engine = _check_llm(
                 spec, model, host, runtime, image,
                 lambda field, message, where=where: errors.setdefault(f"{where}.{field}", []).append(message),
             )  # fmt: skip
             if engine is None:
                 continue
-            for gpu in engine.gpus:
+            on_gpus = engine.gpus if (engine.build or spec.llm_api) else _instance_gpus(spec, gpu_indexes)
+            for gpu in on_gpus:
                 per_gpu_fraction[gpu] = per_gpu_fraction.get(gpu, 0.0) + spec.gpu_memory_fraction
             resolved.append(engine)
             continue
         if spec.engine_build is not None:
             errors.setdefault(f"{where}.engine_build", []).append(f"{model.name} is a {model.kind} model, not an llm")
-        for gpu in resolve_instances(spec.instance_kind, spec.gpu_ids, gpu_indexes)[1]:
+        for gpu in _instance_gpus(spec, gpu_indexes):
             per_gpu_fraction[gpu] = per_gpu_fraction.get(gpu, 0.0) + spec.gpu_memory_fraction
         resolved.append(Resolved(spec=spec, model=model))
     if sum(1 for spec in specs if spec.llm_api) > 1:
@@ -295,18 +325,23 @@ def placements_validate(*, host: GpuHost, specs: list[PlacementSpec], runtime: s
     return resolved
 
 
+def _instance_gpus(spec: PlacementSpec, host_gpus: set[int]) -> tuple[int, ...]:
+    """The GPUs a python-backend placement's instances use (none on the CPU)."""
+    return resolve_instances(spec.instance_kind, spec.gpu_ids, host_gpus)[1]
+
+
 def placements_write(*, deployment: Deployment, resolved: list[Resolved]) -> None:
     """Replace the deployment's placement rows with ``resolved``."""
     deployment.placements.all().delete()
     for item in resolved:
         spec, model = item.spec, item.model
-        engine = model.kind == ModelKind.LLM
+        engine = item.build is not None or spec.llm_api
         DeploymentModel.objects.create(
             deployment=deployment,
             triton_name=spec.triton_name or model.name,
             registered_model=model,
             engine_build=item.build,
-            backend=Backend.LLM_API if spec.llm_api else SERVABLE_KINDS[model.kind],
+            backend=_backend(item),
             max_batch_size=spec.max_batch_size,
             preferred_batch_sizes=list(spec.preferred_batch_sizes),
             max_queue_delay_us=spec.max_queue_delay_us,
@@ -323,6 +358,15 @@ def placements_write(*, deployment: Deployment, resolved: list[Resolved]) -> Non
             decoupled=spec.decoupled,
             kv_cache_tokens=item.kv_cache_tokens,
         )
+
+
+def _backend(item: Resolved) -> str:
+    """An llm is served from its engine build, through the LLM API, or by transformers."""
+    if item.model.kind != ModelKind.LLM:
+        return SERVABLE_KINDS[item.model.kind]
+    if item.build is not None:
+        return Backend.TENSORRTLLM
+    return Backend.LLM_API if item.spec.llm_api else Backend.TRANSFORMERS
 
 
 def placements_snapshot(deployment: Deployment) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ def model_register(
     host: str,
     hub_id: str = "",
     revision: str = "",
+    trust_remote_code: bool = False,
     user: Any = None,
 ) -> RegisteredModel:
     """Register a HuggingFace-format checkpoint folder on ``host``. The row is
@@ -58,6 +59,7 @@ def model_register(
                 path=str(checkpoint),
                 hub_id=hub_id,
                 revision=revision,
+                trust_remote_code=trust_remote_code,
                 inspection=Inspection.PENDING,
                 created_by=events.signed_in(user),
             )
@@ -85,6 +87,11 @@ def model_inspect(*, model_id: int, source: str) -> None:
     info = inspect_checkpoint(Path(model.path), roots=settings.GANTRY_MODEL_ROOTS)
     if model.kind in NEEDS_TOKENIZER and not info.tokenizer_files:
         raise ValidationFailed({"path": f"a {model.kind} model needs its tokenizer files beside config.json"})
+    if info.config.get("auto_map") and not model.trust_remote_code:
+        raise ValidationFailed(
+            {"trust_remote_code": f"{model.name} needs its own Python code (auto_map in config.json): "
+             "register it with trust_remote_code set if you trust that code"}
+        )  # fmt: skip
     _record_inspection(model, info, source=source)
 
 
@@ -109,6 +116,9 @@ def _record_inspection(model: RegisteredModel, info: CheckpointInfo, *, source: 
             tokenizer_files=info.tokenizer_files,
             fingerprint=info.fingerprint,
             config=info.config,
+            chat_template=info.chat_template,
+            special_tokens=info.special_tokens,
+            notice=info.notice,
         )
         if not recorded:
             return

@@ -72,7 +72,7 @@ def _launch(deployment_id: int) -> None:
         return
     runtime = runtime_for(deployment)
     specs = model_specs(deployment)
-    spec = launch_spec(deployment, specs)
+    spec = launch_spec(deployment)
     if deployment.runtime_handle and runtime.is_running(deployment.runtime_handle, spec):
         # A redelivered task: the server from the first delivery still runs.
         runtime.stop(deployment.runtime_handle, spec)
@@ -220,10 +220,7 @@ def _stop(deployment_id: int) -> None:
     to = S.STOPPED
     if deployment.runtime_handle:
         runtime = runtime_for(deployment)
-        try:
-            spec = launch_spec(deployment, model_specs(deployment))
-        except PermanentError:
-            spec = launch_spec(deployment)
+        spec = launch_spec(deployment)
         pids = runtime.pids(deployment.runtime_handle, spec) if spec.gpu_ids else []
         runtime.stop(deployment.runtime_handle, spec)
         holding = _await_gpu_release(list(spec.gpu_ids), pids)

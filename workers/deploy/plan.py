@@ -23,6 +23,7 @@ from workers.triton.config import (
     LLMAPI_CONFIG_FILE,
     RERANK,
     Batching,
+    CausalLmSpec,
     Instances,
     LlmApiSpec,
     PythonModelSpec,
@@ -70,9 +71,32 @@ def _batching(placement: DeploymentModel) -> Batching:
     )
 
 
-def model_specs(deployment: Deployment) -> list[ModelSpec]:
-    """Triton model specs for the deployment's placements on its host."""
+def placement_gpus(placement: DeploymentModel, host_gpus: list[int]) -> tuple[int, ...]:
+    """The host GPUs a placement's server processes use (none on the CPU)."""
+    if placement.backend in (Backend.TENSORRTLLM, Backend.LLM_API):
+        return tuple(placement.gpu_ids)
+    return resolve_instances(placement.instance_kind, placement.gpu_ids, host_gpus)[1]
+
+
+def server_gpus(deployment: Deployment) -> tuple[int, ...]:
+    """Every host GPU the deployment's server uses, in order."""
     host_gpus = sorted(gpu.index for gpu in deployment.host.gpus.all())
+    return tuple(sorted({g for p in deployment.placements.all() for g in placement_gpus(p, host_gpus)}))
+
+
+def model_specs(deployment: Deployment) -> list[ModelSpec]:
+    """Triton model specs for the deployment's placements, with GPUs numbered as
+    its server sees them: host indexes for a process, and for a container the
+    positions among the GPUs Docker hands it (it renumbers them from 0)."""
+    host_gpus = sorted(gpu.index for gpu in deployment.host.gpus.all())
+    if deployment.runtime == DeploymentRuntime.DOCKER:
+        seen = {host_index: i for i, host_index in enumerate(server_gpus(deployment))}
+    else:
+        seen = {index: index for index in host_gpus}
+
+    def visible(gpus: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+        return tuple(seen.get(g, g) for g in gpus)
+
     specs: list[ModelSpec] = []
     for placement in deployment.placements.all():
         model = placement.registered_model
@@ -85,7 +109,7 @@ def model_specs(deployment: Deployment) -> list[ModelSpec]:
                     name=placement.triton_name,
                     checkpoint_path=model.path,
                     image_model_dir=release.llmapi_model_dir,
-                    gpu_device_ids=tuple(placement.gpu_ids),
+                    gpu_device_ids=visible(placement.gpu_ids),
                     max_batch_size=placement.max_batch_size,
                     max_tokens_in_kv_cache=placement.kv_cache_tokens,
                     decoupled=placement.decoupled,
@@ -100,7 +124,7 @@ def model_specs(deployment: Deployment) -> list[ModelSpec]:
                     engine_dir=build.output_dir,
                     tokenizer_dir=model.path,
                     batching=_batching(placement),
-                    gpu_device_ids=tuple(placement.gpu_ids),
+                    gpu_device_ids=visible(placement.gpu_ids),
                     max_beam_width=int(build.spec.get("max_beam_width", 1)),
                     batch_scheduler_policy=placement.batch_scheduler_policy,
                     max_tokens_in_paged_kv_cache=placement.kv_cache_tokens,
@@ -109,6 +133,19 @@ def model_specs(deployment: Deployment) -> list[ModelSpec]:
             )
             continue
         kind, gpus = resolve_instances(placement.instance_kind, placement.gpu_ids, host_gpus)
+        instances = Instances(count=placement.instance_count, kind=kind, gpus=visible(gpus))
+        if placement.backend == Backend.TRANSFORMERS:
+            specs.append(
+                CausalLmSpec(
+                    name=placement.triton_name,
+                    checkpoint_path=model.path,
+                    batching=_batching(placement),
+                    instances=instances,
+                    gpu_memory_fraction=placement.gpu_memory_fraction,
+                    trust_remote_code=model.trust_remote_code,
+                )
+            )
+            continue
         if not model.hidden_size:
             raise PermanentError(f"{model.name}: its config.json gives no hidden_size")
         specs.append(
@@ -118,15 +155,11 @@ def model_specs(deployment: Deployment) -> list[ModelSpec]:
                 checkpoint_path=model.path,
                 embedding_dim=model.hidden_size,
                 batching=_batching(placement),
-                instances=Instances(count=placement.instance_count, kind=kind, gpus=gpus),
+                instances=instances,
                 gpu_memory_fraction=placement.gpu_memory_fraction,
             )
         )
     return specs
-
-
-def _spec_gpus(spec: ModelSpec) -> tuple[int, ...]:
-    return spec.instances.gpus if isinstance(spec, PythonModelSpec) else spec.gpu_device_ids
 
 
 def triton_client(deployment: Deployment) -> TritonClient:
@@ -152,7 +185,7 @@ def _server_env(paths: Paths, placements: list[DeploymentModel]) -> dict[str, st
     return {}
 
 
-def launch_spec(deployment: Deployment, specs: list[ModelSpec] | None = None) -> LaunchSpec:
+def launch_spec(deployment: Deployment) -> LaunchSpec:
     """How to run the deployment's server: its repository, ports, image, GPUs,
     checkpoint and engine mounts, and one MPI rank per GPU of a multi-GPU engine."""
     paths = paths_for(deployment)
@@ -171,7 +204,7 @@ def launch_spec(deployment: Deployment, specs: list[ModelSpec] | None = None) ->
         log_path=paths.log,
         bind_address=settings.GANTRY_HOST_ADDRESS,
         image=deployment.image,
-        gpu_ids=tuple(sorted({gpu for spec in specs or [] for gpu in _spec_gpus(spec)})),
+        gpu_ids=server_gpus(deployment),
         ulimits=tuple(settings.GANTRY_DOCKER_ULIMITS),
         admin_secret=deployment.admin_secret,
         extra_env=_server_env(paths, placements),

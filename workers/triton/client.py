@@ -1,15 +1,24 @@
-"""Talking to a running Triton server over HTTP with tritonclient.
+"""Talking to a running Triton server over HTTP: tritonclient for health,
+the repository API and tensor inference, and Triton's generate extension
+(``/v2/models/<m>/generate_stream``, server-sent events) for text generation,
+asynchronously, so the web tier streams tokens without a thread per request.
 
-Callers get numpy arrays and Gantry's TransientError / PermanentError, never
-tritonclient's exceptions.
+Callers get numpy arrays, dicts and Gantry's TransientError / PermanentError,
+never tritonclient's or aiohttp's exceptions. This is the one module through
+which every door reaches Triton: the host worker, the playground, the
+generate action and the gateway.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
+import aiohttp
 import numpy as np
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
@@ -131,3 +140,64 @@ class TritonClient:
         except (OSError, ConnectionError) as exc:
             raise TransientError(f"{model}: server unreachable at {self.url}: {exc}") from exc
         return result.as_numpy(output)
+
+
+# --- text generation (Triton's generate extension) ------------------------------------
+
+_sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+
+
+def _session() -> aiohttp.ClientSession:
+    """One pooled HTTP session per event loop (the ASGI server runs one)."""
+    loop = asyncio.get_running_loop()
+    session = _sessions.get(loop)
+    if session is None or session.closed:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        timeout = aiohttp.ClientTimeout(total=None, connect=_CONNECT_TIMEOUT_S, sock_read=_NETWORK_TIMEOUT_S)
+        session = _sessions[loop] = aiohttp.ClientSession(connector=connector, timeout=timeout)
+    return session
+
+
+async def generate_stream(url: str, model: str, inputs: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """Each response of ``model`` for ``inputs`` (the generate interface's fields),
+    as Triton streams them. Leaving the loop early closes the connection, which
+    Triton turns into a cancelled request (the model stops generating).
+
+    PermanentError when Triton refuses the request (bad input, unknown model),
+    TransientError when the server cannot be reached or fails mid-way.
+    """
+    endpoint = f"http://{url}/v2/models/{model}/generate_stream"
+    try:
+        response = await _session().post(endpoint, json=inputs)
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        raise TransientError(f"{model}: server unreachable at {url}: {exc}") from exc
+    finished = False
+    try:
+        if response.status != 200:
+            raise _refusal(model, response.status, await response.text())
+        async for raw in response.content:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise PermanentError(f"{model}: {event['error']}")
+            yield event
+        finished = True
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        raise TransientError(f"{model}: the stream from {url} broke: {exc}") from exc
+    finally:
+        if finished:
+            response.release()
+        else:
+            response.close()  # the client went away or failed: drop the connection so Triton cancels
+
+
+def _refusal(model: str, status: int, body: str) -> Exception:
+    try:
+        message = json.loads(body).get("error", body)
+    except ValueError:
+        message = body
+    if status in (400, 404):
+        return PermanentError(f"{model}: {message}")
+    return TransientError(f"{model}: Triton answered {status}: {message}")

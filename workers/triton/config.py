@@ -52,6 +52,48 @@ class PythonModelSpec:
     max_length: int = 256
 
 
+CAUSAL_LM_MODEL_FILE = "causal_lm_model.py"
+
+
+@dataclass(frozen=True)
+class CausalLmSpec:
+    """A HuggingFace causal LM on the python backend (python_models/causal_lm_model.py):
+    decoupled, with the TensorRT-LLM ensemble's inputs and outputs."""
+
+    name: str
+    checkpoint_path: str
+    batching: Batching
+    instances: Instances = field(default_factory=Instances)
+    gpu_memory_fraction: float = 0.1
+    trust_remote_code: bool = False
+    dtype: str = "auto"  # bfloat16 or float16 on a GPU, float32 on a CPU
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.name]
+
+
+# The generate interface every LLM placement shares (name, type, dims): what the
+# TensorRT-LLM ensemble takes, and what the transformers model takes too.
+GENERATE_INPUTS: list[tuple[str, int, list[int]]] = [
+    ("text_input", mc.TYPE_STRING, [1]),
+    ("max_tokens", mc.TYPE_INT32, [1]),
+    ("temperature", mc.TYPE_FP32, [1]),
+    ("top_p", mc.TYPE_FP32, [1]),
+    ("top_k", mc.TYPE_INT32, [1]),
+    ("random_seed", mc.TYPE_UINT64, [1]),
+    ("repetition_penalty", mc.TYPE_FP32, [1]),
+    ("stop_words", mc.TYPE_STRING, [-1]),
+    ("stream", mc.TYPE_BOOL, [1]),
+]
+GENERATE_REQUIRED = ("text_input", "max_tokens")
+GENERATE_OUTPUTS: list[tuple[str, int, list[int]]] = [
+    ("text_output", mc.TYPE_STRING, [-1]),
+    ("num_input_tokens", mc.TYPE_INT32, [1]),
+    ("num_output_tokens", mc.TYPE_INT32, [1]),
+]
+
+
 def _parameters(config: mc.ModelConfig, values: dict[str, str]) -> None:
     for key, value in values.items():
         config.parameters[key].string_value = value
@@ -109,6 +151,31 @@ def python_model_config(spec: PythonModelSpec) -> mc.ModelConfig:
             "checkpoint_path": spec.checkpoint_path,
             "gpu_memory_fraction": f"{spec.gpu_memory_fraction:g}",
             "max_length": str(spec.max_length),
+        },
+    )
+    return config
+
+
+def causal_lm_config(spec: CausalLmSpec) -> mc.ModelConfig:
+    """Decoupled (it streams), with Triton's dynamic batcher handing concurrent
+    requests to execute() together; the model batches them into one forward pass
+    per token."""
+    config = mc.ModelConfig(name=spec.name, backend="python")
+    config.model_transaction_policy.decoupled = True
+    for name, data_type, dims in GENERATE_INPUTS:
+        _input(config, name, data_type, dims, optional=name not in GENERATE_REQUIRED)
+    for name, data_type, dims in GENERATE_OUTPUTS:
+        _tensor(config.output, name, data_type, dims)
+    _apply_batching(config, spec.batching)
+    _apply_instances(config, spec.instances)
+    _parameters(
+        config,
+        {
+            "checkpoint_path": spec.checkpoint_path,
+            "max_batch_size": str(spec.batching.max_batch_size),
+            "gpu_memory_fraction": f"{spec.gpu_memory_fraction:g}",
+            "trust_remote_code": str(spec.trust_remote_code).lower(),
+            "dtype": spec.dtype,
         },
     )
     return config
@@ -258,7 +325,8 @@ def tensorrtllm_model_config(spec: TrtllmSpec) -> mc.ModelConfig:
 
 
 def preprocessing_config(spec: TrtllmSpec) -> mc.ModelConfig:
-    """Text in, token ids out (python backend, the checkpoint's tokenizer)."""
+    """Text in, token ids out (python backend, the checkpoint's tokenizer); stop
+    strings become the engine's stop_words_list."""
     config = mc.ModelConfig(
         name=spec.preprocessing_model, backend="python", max_batch_size=spec.batching.max_batch_size
     )
@@ -266,24 +334,28 @@ def preprocessing_config(spec: TrtllmSpec) -> mc.ModelConfig:
     _input(config, "REQUEST_OUTPUT_LEN", mc.TYPE_INT32, [1])
     _input(config, "END_ID", mc.TYPE_INT32, [1], optional=True)
     _input(config, "PAD_ID", mc.TYPE_INT32, [1], optional=True)
+    _input(config, "STOP_WORDS_DICT", mc.TYPE_STRING, [-1], optional=True)
     _tensor(config.output, "INPUT_ID", mc.TYPE_INT32, [-1])
     _tensor(config.output, "REQUEST_INPUT_LEN", mc.TYPE_INT32, [1])
     _tensor(config.output, "REQUEST_OUTPUT_LEN", mc.TYPE_INT32, [1])
     _tensor(config.output, "OUT_END_ID", mc.TYPE_INT32, [1])
     _tensor(config.output, "OUT_PAD_ID", mc.TYPE_INT32, [1])
+    _tensor(config.output, "STOP_WORDS_IDS", mc.TYPE_INT32, [2, -1])
     _apply_instances(config, Instances(count=spec.tokenizer_instances, kind="KIND_CPU"))
     _parameters(config, {"task": PREPROCESSING, "tokenizer_dir": spec.tokenizer_dir})
     return config
 
 
 def postprocessing_config(spec: TrtllmSpec) -> mc.ModelConfig:
-    """Token ids in, text out (python backend, the checkpoint's tokenizer)."""
+    """Token ids in, text out (python backend, the checkpoint's tokenizer), with
+    how many tokens each response adds."""
     config = mc.ModelConfig(
         name=spec.postprocessing_model, backend="python", max_batch_size=spec.batching.max_batch_size
     )
     _input(config, "TOKENS_BATCH", mc.TYPE_INT32, [-1, -1])
     _input(config, "SEQUENCE_LENGTH", mc.TYPE_INT32, [-1])
     _tensor(config.output, "OUTPUT", mc.TYPE_STRING, [-1])
+    _tensor(config.output, "NUM_OUTPUT_TOKENS", mc.TYPE_INT32, [1])
     _apply_instances(config, Instances(count=spec.tokenizer_instances, kind="KIND_CPU"))
     _parameters(config, {"task": POSTPROCESSING, "tokenizer_dir": spec.tokenizer_dir, "skip_special_tokens": "true"})
     return config
@@ -298,28 +370,33 @@ def _step(config: mc.ModelConfig, model: str, inputs: dict[str, str], outputs: d
 
 
 def ensemble_config(spec: TrtllmSpec) -> mc.ModelConfig:
-    """preprocessing -> engine -> postprocessing: text_input and max_tokens in,
-    text_output out (streamed when the client sets stream and the engine model is decoupled)."""
+    """preprocessing -> engine -> postprocessing behind the generate interface
+    (GENERATE_INPUTS -> text_output and token counts), streamed when the client
+    sets stream and the engine model is decoupled."""
     config = mc.ModelConfig(name=spec.name, platform="ensemble", max_batch_size=spec.batching.max_batch_size)
-    _input(config, "text_input", mc.TYPE_STRING, [1])
-    _input(config, "max_tokens", mc.TYPE_INT32, [1])
+    for name, data_type, dims in GENERATE_INPUTS:
+        _input(config, name, data_type, dims, optional=name not in GENERATE_REQUIRED)
     _input(config, "end_id", mc.TYPE_INT32, [1], optional=True)
     _input(config, "pad_id", mc.TYPE_INT32, [1], optional=True)
-    for name in ("temperature", "top_p"):
-        _input(config, name, mc.TYPE_FP32, [1], optional=True)
-    _input(config, "top_k", mc.TYPE_INT32, [1], optional=True)
-    _input(config, "stream", mc.TYPE_BOOL, [1], optional=True)
-    _tensor(config.output, "text_output", mc.TYPE_STRING, [-1])
+    for name, data_type, dims in GENERATE_OUTPUTS:
+        _tensor(config.output, name, data_type, dims)
     _step(
         config,
         spec.preprocessing_model,
-        {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "END_ID": "end_id", "PAD_ID": "pad_id"},
+        {
+            "QUERY": "text_input",
+            "REQUEST_OUTPUT_LEN": "max_tokens",
+            "END_ID": "end_id",
+            "PAD_ID": "pad_id",
+            "STOP_WORDS_DICT": "stop_words",
+        },
         {
             "INPUT_ID": "_INPUT_ID",
-            "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
+            "REQUEST_INPUT_LEN": "num_input_tokens",
             "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN",
             "OUT_END_ID": "_END_ID",
             "OUT_PAD_ID": "_PAD_ID",
+            "STOP_WORDS_IDS": "_STOP_WORDS_IDS",
         },
     )
     _step(
@@ -327,13 +404,16 @@ def ensemble_config(spec: TrtllmSpec) -> mc.ModelConfig:
         spec.engine_model,
         {
             "input_ids": "_INPUT_ID",
-            "input_lengths": "_REQUEST_INPUT_LEN",
+            "input_lengths": "num_input_tokens",
             "request_output_len": "_REQUEST_OUTPUT_LEN",
             "end_id": "_END_ID",
             "pad_id": "_PAD_ID",
+            "stop_words_list": "_STOP_WORDS_IDS",
             "temperature": "temperature",
             "runtime_top_k": "top_k",
             "runtime_top_p": "top_p",
+            "random_seed": "random_seed",
+            "repetition_penalty": "repetition_penalty",
             "streaming": "stream",
         },
         {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"},
@@ -342,7 +422,7 @@ def ensemble_config(spec: TrtllmSpec) -> mc.ModelConfig:
         config,
         spec.postprocessing_model,
         {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"},
-        {"OUTPUT": "text_output"},
+        {"OUTPUT": "text_output", "NUM_OUTPUT_TOKENS": "num_output_tokens"},
     )
     return config
 

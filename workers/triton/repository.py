@@ -10,11 +10,14 @@ import shutil
 from pathlib import Path
 
 from workers.triton.config import (
+    CAUSAL_LM_MODEL_FILE,
     LLMAPI_CONFIG_FILE,
     TOKENIZER_MODEL_FILE,
+    CausalLmSpec,
     LlmApiSpec,
     PythonModelSpec,
     TrtllmSpec,
+    causal_lm_config,
     llmapi_model_config,
     llmapi_model_yaml,
     python_model_config,
@@ -23,7 +26,7 @@ from workers.triton.config import (
 )
 
 PYTHON_MODELS = Path(__file__).parent / "python_models"
-ModelSpec = PythonModelSpec | TrtllmSpec | LlmApiSpec
+ModelSpec = PythonModelSpec | CausalLmSpec | TrtllmSpec | LlmApiSpec
 
 
 def model_names(spec: ModelSpec) -> list[str]:
@@ -36,6 +39,11 @@ def _write_model(staging: Path, spec: ModelSpec) -> None:
         write_config(staging / spec.name, python_model_config(spec))
         (staging / spec.name / "1").mkdir()
         shutil.copyfile(PYTHON_MODELS / "sentence_model.py", staging / spec.name / "1" / "model.py")
+        return
+    if isinstance(spec, CausalLmSpec):
+        write_config(staging / spec.name, causal_lm_config(spec))
+        (staging / spec.name / "1").mkdir()
+        shutil.copyfile(PYTHON_MODELS / CAUSAL_LM_MODEL_FILE, staging / spec.name / "1" / "model.py")
         return
     if isinstance(spec, LlmApiSpec):
         write_config(staging / spec.name, llmapi_model_config(spec))

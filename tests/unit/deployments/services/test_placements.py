@@ -146,15 +146,28 @@ def test_engine_gates_name_the_model_and_the_rule(llama, mini, h100, operator):
     ]
 
 
-def test_llm_needs_an_engine_or_the_llm_api(llama, operator):
+def test_an_llm_with_neither_engine_nor_llm_api_is_served_by_transformers(llama, operator):
+    deployment = deployments.deployment_create(
+        name="x", host_name="h100-host", placements=[PlacementSpec(model="llama", gpu_ids=(1,))], user=operator
+    )
+    placement = deployment.placements.get()
+    assert (placement.backend, placement.instance_kind, placement.gpu_ids) == ("transformers", "auto", [1])
+    assert placement.kv_cache_tokens is None
+
+
+def test_transformers_path_refuses_a_fraction_that_cannot_hold_the_weights(llama, operator):
+    RegisteredModel.objects.filter(pk=llama.pk).update(parameter_count=8_000_000_000)
     errors = _refusal(
         lambda: deployments.deployment_create(
             name="x",
             host_name="h100-host",
-            runtime="docker",
-            image=factories.IMAGE,
-            placements=[PlacementSpec(model="llama")],
             user=operator,
+            placements=[PlacementSpec(model="llama", gpu_memory_fraction=0.1, decoupled=False)],
         )  # fmt: skip
     )
-    assert errors["models[0].engine_build"] == ["llama is an llm: name the engine build to serve, or set llm_api"]
+    assert errors["models[0].gpu_memory_fraction"] == [
+        "0.1 of GPU 0's 80 GiB cannot hold llama's 14.90 GiB of 16-bit weights and room to generate"
+    ]
+    assert errors["models[0].decoupled"] == [
+        "the transformers path always streams (a decoupled model): leave decoupled on"
+    ]
