@@ -61,7 +61,7 @@ class Piece:
 class Outcome:
     """How a generation ended, for usage and the playground's figures."""
 
-    prompt_tokens: int = 0
+    prompt_tokens: int | None = None  # None: the route does not report it (the TensorRT-LLM ensemble)
     completion_tokens: int = 0
     finish_reason: str = "stop"
     started: float = field(default_factory=time.monotonic)
@@ -86,7 +86,7 @@ class Outcome:
             "usage": {
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "total_tokens": None if self.prompt_tokens is None else self.prompt_tokens + self.completion_tokens,
             },
             "time_to_first_token_ms": self.time_to_first_token_ms,
             "duration_ms": None if self.ended is None else round((self.ended - self.started) * 1000, 2),
@@ -164,7 +164,9 @@ async def generate(prepared: Prepared, *, stream: bool, outcome: Outcome) -> Asy
     async for event in generate_stream(prepared.url, prepared.model, {**prepared.inputs, "stream": stream}):
         text = _text(event.get("text_output"))
         added = int(_first(event.get("num_output_tokens"), 0))
-        outcome.prompt_tokens = int(_first(event.get("num_input_tokens"), outcome.prompt_tokens))
+        prompt_tokens = _first(event.get("num_input_tokens"), None)
+        if prompt_tokens is not None:
+            outcome.prompt_tokens = int(prompt_tokens)
         outcome.completion_tokens += added
         if (text or added) and outcome.first_token_at is None:
             outcome.first_token_at = time.monotonic()

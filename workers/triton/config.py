@@ -371,15 +371,21 @@ def _step(config: mc.ModelConfig, model: str, inputs: dict[str, str], outputs: d
 
 def ensemble_config(spec: TrtllmSpec) -> mc.ModelConfig:
     """preprocessing -> engine -> postprocessing behind the generate interface
-    (GENERATE_INPUTS -> text_output and token counts), streamed when the client
-    sets stream and the engine model is decoupled."""
+    (GENERATE_INPUTS -> text_output and num_output_tokens), streamed when the
+    client sets stream and the engine model is decoupled.
+
+    num_input_tokens is not among its outputs: Triton refuses an ensemble
+    whose outputs mix the decoupled engine's lineage with preprocessing's
+    ("receives inputs originated from different decoupled models"), so
+    callers read the prompt's token count as unknown on this route."""
     config = mc.ModelConfig(name=spec.name, platform="ensemble", max_batch_size=spec.batching.max_batch_size)
     for name, data_type, dims in GENERATE_INPUTS:
         _input(config, name, data_type, dims, optional=name not in GENERATE_REQUIRED)
     _input(config, "end_id", mc.TYPE_INT32, [1], optional=True)
     _input(config, "pad_id", mc.TYPE_INT32, [1], optional=True)
     for name, data_type, dims in GENERATE_OUTPUTS:
-        _tensor(config.output, name, data_type, dims)
+        if name != "num_input_tokens":
+            _tensor(config.output, name, data_type, dims)
     _step(
         config,
         spec.preprocessing_model,
@@ -392,7 +398,7 @@ def ensemble_config(spec: TrtllmSpec) -> mc.ModelConfig:
         },
         {
             "INPUT_ID": "_INPUT_ID",
-            "REQUEST_INPUT_LEN": "num_input_tokens",
+            "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
             "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN",
             "OUT_END_ID": "_END_ID",
             "OUT_PAD_ID": "_PAD_ID",
@@ -404,7 +410,7 @@ def ensemble_config(spec: TrtllmSpec) -> mc.ModelConfig:
         spec.engine_model,
         {
             "input_ids": "_INPUT_ID",
-            "input_lengths": "num_input_tokens",
+            "input_lengths": "_REQUEST_INPUT_LEN",
             "request_output_len": "_REQUEST_OUTPUT_LEN",
             "end_id": "_END_ID",
             "pad_id": "_PAD_ID",
