@@ -153,6 +153,131 @@ const Gantry = (() => {
     if (embedButton) embedButton.addEventListener("click", () => embed(id, embedButton.dataset.model));
     const rerankButton = document.getElementById("rerank");
     if (rerankButton) rerankButton.addEventListener("click", () => rerank(id, rerankButton.dataset.model));
+    if (document.getElementById("chat")) chat(id);
+  }
+
+  // Server-sent events from a fetch body: calls onEvent with each "data:" JSON object.
+  async function readEvents(response, onEvent) {
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += decoder.decode(value, { stream: true });
+      let end;
+      while ((end = buffer.indexOf("\n\n")) !== -1) {
+        const block = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        for (const line of block.split("\n")) {
+          if (line.startsWith("data:")) onEvent(JSON.parse(line.slice(5)));
+        }
+      }
+    }
+  }
+
+  // The LLM chat: messages stream in; Stop aborts the request, which closes the
+  // connection, and Gantry's generate action cancels it inside Triton.
+  function chat(id) {
+    const section = document.getElementById("chat");
+    const model = section.dataset.model;
+    const log = document.getElementById("chat-log");
+    const input = document.getElementById("chat-input");
+    const send = document.getElementById("chat-send");
+    const stop = document.getElementById("chat-stop");
+    const figures = document.getElementById("chat-figures");
+    const error = document.getElementById("chat-error");
+    const hasTemplate = send.dataset.template === "1";
+    const history = [];
+    let controller = null;
+
+    function turn(role, content) {
+      const element = text("div", content, `turn ${role}`);
+      element.dataset.role = role;
+      log.append(element);
+      log.scrollTop = log.scrollHeight;
+      return element;
+    }
+
+    async function ask() {
+      const content = input.value.trim();
+      if (!content) return;
+      error.hidden = true;
+      figures.textContent = "";
+      history.push({ role: "user", content });
+      turn("user", content);
+      input.value = "";
+      const answer = turn("assistant", "");
+      const body = {
+        model,
+        stream: true,
+        max_tokens: Number(document.getElementById("chat-max-tokens").value),
+        temperature: Number(document.getElementById("chat-temperature").value),
+        top_p: Number(document.getElementById("chat-top-p").value),
+      };
+      if (hasTemplate) body.messages = history.slice();
+      else body.prompt = content;
+      controller = new AbortController();
+      send.disabled = true;
+      stop.disabled = false;
+      const started = performance.now();
+      let firstAt = null;
+      let tokens = 0;
+      try {
+        const response = await fetch(`/api/deployments/${id}/generate/`, {
+          method: "POST",
+          credentials: "same-origin",
+          headers: { "Content-Type": "application/json", "X-CSRFToken": csrfToken() },
+          body: JSON.stringify(body),
+          signal: controller.signal,
+        });
+        if (!response.ok) {
+          const data = await response.json().catch(() => ({}));
+          throw new Error(data.detail || `${response.status} ${response.statusText}`);
+        }
+        await readEvents(response, (event) => {
+          if (event.error) throw new Error(event.error);
+          if (event.text) {
+            if (firstAt === null) firstAt = performance.now();
+            tokens += event.tokens || 0;
+            answer.textContent += event.text;
+            log.scrollTop = log.scrollHeight;
+          }
+          if (event.done) {
+            const rate = event.tokens_per_s === null ? "–" : event.tokens_per_s.toFixed(1);
+            figures.textContent = `time to first token ${event.time_to_first_token_ms} ms · ${rate} tokens/s · ` +
+              `${event.usage.completion_tokens} tokens (${event.finish_reason})`;
+          }
+        });
+        history.push({ role: "assistant", content: answer.textContent });
+      } catch (err) {
+        if (err.name === "AbortError") {
+          const seconds = firstAt === null ? 0 : (performance.now() - firstAt) / 1000;
+          figures.textContent = `stopped after ${tokens} tokens` +
+            (firstAt === null ? "" : ` · time to first token ${(firstAt - started).toFixed(0)} ms` +
+              (seconds > 0 && tokens > 1 ? ` · ${((tokens - 1) / seconds).toFixed(1)} tokens/s` : ""));
+          answer.dataset.stopped = "true";
+          history.push({ role: "assistant", content: answer.textContent });
+        } else {
+          error.textContent = err.message;
+          error.hidden = false;
+          history.pop();
+        }
+      } finally {
+        controller = null;
+        send.disabled = false;
+        stop.disabled = true;
+      }
+    }
+
+    send.addEventListener("click", ask);
+    stop.addEventListener("click", () => controller && controller.abort());
+    input.addEventListener("keydown", (event) => {
+      if (event.key === "Enter" && !event.shiftKey) {
+        event.preventDefault();
+        ask();
+      }
+    });
   }
 
   function buildPage(id) {

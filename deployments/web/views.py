@@ -10,7 +10,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 
 from deployments import selectors
 from deployments.errors import GantryError
-from deployments.models import ModelKind, RegisteredModel
+from deployments.models import GENERATIVE_BACKENDS, ModelKind, RegisteredModel
 from deployments.permissions import can_operate
 from deployments.services import builds, deployments
 from deployments.services.placements import SERVABLE_KINDS, PlacementSpec
@@ -133,6 +133,7 @@ def deployment_detail(request: HttpRequest, pk: int) -> HttpResponse:
         {
             "deployment": deployment,
             "can_operate": can_operate(request.user),
+            "llms": [p for p in deployment.placements.all() if p.backend in GENERATIVE_BACKENDS],
             "embedders": [p for p in deployment.placements.all() if p.registered_model.kind == ModelKind.EMBEDDING],
             "rerankers": [p for p in deployment.placements.all() if p.registered_model.kind == ModelKind.RERANKER],
             "plan": selectors.deployment_plan(deployment),

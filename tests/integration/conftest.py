@@ -112,6 +112,14 @@ def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.P
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An untrained Llama with a real tokenizer, made once per run (workers/untrained_llm.py)."""
+    from workers.untrained_llm import make_untrained_llm
+
+    return make_untrained_llm(tmp_path_factory.mktemp("llm") / "tiny-llama")
+
+
 @pytest.fixture
 def stack(transactional_db, tmp_path: Path, operator: User) -> Iterator[Stack]:  # noqa: ANN001
     """daphne + a Celery worker for a fresh host name, sharing the test database."""

@@ -78,3 +78,59 @@ def test_user_deploys_queries_and_stops_from_the_browser(stack: Stack, minilm, p
 
     page.click("#stop")
     expect(badge).to_have_text("stopped", timeout=60_000)
+
+
+@pytest.fixture
+def chat_deployment(stack: Stack, tiny_llm: Path) -> int:
+    """A ready deployment of the untrained Llama, made over the REST API."""
+    from tests.integration.conftest import wait_for
+
+    stack.register_models(tiny_llm, tiny="llm")
+    http = stack.session()
+    body = {"name": "chat", "host": stack.host_name, "models": [{"model": "tiny"}]}
+    created = http.post(f"{stack.web_url}/api/deployments/", json=body, timeout=30).json()
+    url = f"{stack.web_url}/api/deployments/{created['id']}/"
+    http.post(url + "start/", timeout=30)
+    wait_for(lambda: http.get(url, timeout=10).json()["status"] == "ready", 240, "the chat deployment")
+    return created["id"]
+
+
+def test_chat_streams_tokens_and_stop_cancels_inside_triton(stack: Stack, chat_deployment: int, page, tmp_path: Path):
+    from playwright.sync_api import expect
+
+    from tests.integration.conftest import wait_for
+
+    page.goto(f"{stack.web_url}/deployments/{chat_deployment}/")
+    page.fill("input[name=username]", stack.user.username)
+    page.fill("input[name=password]", "operator-pass")
+    page.click("button[type=submit]")
+    expect(page.locator("#chat-notice")).to_contain_text("untrained")
+
+    # A short answer streams in, with its figures.
+    page.fill("#chat-max-tokens", "16")
+    page.fill("#chat-input", "Hello there")
+    page.click("#chat-send")
+    expect(page.locator("#chat-figures")).to_contain_text("time to first token", timeout=60_000)
+    expect(page.locator("#chat-figures")).to_contain_text("tokens/s")
+    assert page.locator(".turn.assistant").first.inner_text().strip()
+
+    # A long one is stopped midway: the page stops, and so does the model inside Triton.
+    page.fill("#chat-max-tokens", "400")
+    page.fill("#chat-temperature", "1.5")
+    page.fill("#chat-input", "Tell me everything")
+    page.click("#chat-send")
+    answer = page.locator(".turn.assistant").nth(1)
+    expect(answer).not_to_be_empty(timeout=60_000)
+    page.click("#chat-stop")
+    expect(page.locator("#chat-figures")).to_contain_text("stopped after", timeout=10_000)
+    expect(page.locator("#chat-send")).to_be_enabled()
+    page.screenshot(path=str(tmp_path / "chat-stopped.png"), full_page=True)
+
+    http = stack.session()
+
+    def cancelled() -> str | None:
+        lines = http.get(f"{stack.web_url}/api/deployments/{chat_deployment}/log/?lines=1000", timeout=10).json()
+        return next((line for line in lines["lines"] if "cancelled by its client" in line), None)
+
+    line = wait_for(cancelled, 30, "the model to log the cancelled request")
+    assert int(line.rsplit("after ", 1)[1].split()[0]) < 400

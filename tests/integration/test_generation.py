@@ -13,14 +13,8 @@ import pytest
 import requests
 
 from tests.integration.conftest import Stack, wait_for
-from workers.untrained_llm import make_untrained_llm
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
-
-
-@pytest.fixture(scope="session")
-def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_untrained_llm(tmp_path_factory.mktemp("llm") / "tiny-llama")
 
 
 def _ready_deployment(stack: Stack, tiny_llm: Path, minilm_path: Path) -> dict:
