@@ -64,6 +64,7 @@ class Outcome:
     prompt_tokens: int | None = None  # None: the route does not report it (the TensorRT-LLM ensemble)
     completion_tokens: int = 0
     finish_reason: str = "stop"
+    streamed: bool = True
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     ended: float | None = None
@@ -74,11 +75,15 @@ class Outcome:
 
     @property
     def tokens_per_s(self) -> float | None:
-        """Output tokens per second after the first one arrived (the decode rate)."""
-        if self.first_token_at is None or self.ended is None or self.completion_tokens < 2:
+        """Streamed: output tokens per second after the first one arrived (the
+        decode rate). Not streamed: all of them over the whole request."""
+        if self.first_token_at is None or self.ended is None:
             return None
+        if not self.streamed:
+            span = self.ended - self.started
+            return round(self.completion_tokens / span, 2) if span > 0 else None
         span = self.ended - self.first_token_at
-        return round((self.completion_tokens - 1) / span, 2) if span > 0 else None
+        return round((self.completion_tokens - 1) / span, 2) if span > 0 and self.completion_tokens > 1 else None
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -161,6 +166,7 @@ async def generate(prepared: Prepared, *, stream: bool, outcome: Outcome) -> Asy
     With ``stream`` off the model answers once with the whole text. Stopping the
     iteration early (a client that went away) cancels the request in Triton.
     """
+    outcome.streamed = stream
     async for event in generate_stream(prepared.url, prepared.model, {**prepared.inputs, "stream": stream}):
         text = _text(event.get("text_output"))
         added = int(_first(event.get("num_output_tokens"), 0))

@@ -20,7 +20,7 @@ from docker.types import DeviceRequest, Mount, Ulimit
 
 from deployments.errors import PermanentError, TransientError
 from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec
-from workers.triton.server import server_command
+from workers.triton.server import STOP_GRACE_S, server_command
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class DockerRuntime:
         container = self._get(handle)
         return container is not None and container.status == "running"
 
-    def stop(self, handle: str, spec: LaunchSpec | None = None, *, grace_s: int = 30) -> None:
+    def stop(self, handle: str, spec: LaunchSpec | None = None, *, grace_s: int = STOP_GRACE_S) -> None:
         """Stop and remove the container; returns once it is gone."""
         container = self._get(handle) if handle else None
         if container is None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from deployments.errors import PermanentError
 from workers import processes
 from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec
-from workers.triton.server import tritonserver_args
+from workers.triton.server import STOP_GRACE_S, tritonserver_args
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def servers_under(root: Path) -> list[tuple[str, Path]]:
     return found
 
 
-def stop(handle: str, repository: Path, *, grace_s: float = 30.0) -> None:
+def stop(handle: str, repository: Path, *, grace_s: float = STOP_GRACE_S) -> None:
     """Stop the server and everything it started; returns once they are gone."""
     if handle.isdigit():
         processes.terminate_group(int(handle), grace_s=grace_s, leader_running=lambda: is_running(handle, repository))

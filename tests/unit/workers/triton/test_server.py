@@ -28,3 +28,16 @@ def test_multi_gpu_engine_runs_one_mpi_rank_per_gpu():
     assert "--allow-http=false" in ranks[1] and "--http-port" not in ranks[1]
     single = server_command(LaunchSpec(**{**spec.__dict__, "world_size": 1}))
     assert single[0] == "tritonserver"
+
+
+def test_a_stopping_server_waits_briefly_for_open_connections_and_gantry_outwaits_it():
+    from workers.runtimes import docker, process
+    from workers.triton import server
+
+    args = tritonserver_args(factories.launch_spec())
+    assert f"--exit-timeout-secs={server.EXIT_TIMEOUT_S}" in args
+    # Gantry's TERM-then-KILL must not race Triton's own orderly exit.
+    assert process.stop.__kwdefaults__["grace_s"] > server.EXIT_TIMEOUT_S
+    assert docker.DockerRuntime.stop.__kwdefaults__["grace_s"] > server.EXIT_TIMEOUT_S
+    ranks = " ".join(server_command(factories.launch_spec(world_size=2, engine_models=["e"]))).split(" : ")
+    assert all(f"--exit-timeout-secs={server.EXIT_TIMEOUT_S}" in rank for rank in ranks)
