@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deployments.errors import InvalidTransition, NotFound, ValidationFailed
-from deployments.models import Deployment, DeploymentStatus, ModelKind
+from deployments.models import Deployment, DeploymentModel, DeploymentStatus, ModelKind
 from workers.triton.client import TritonClient
 
 MAX_TEXTS = 64
@@ -22,7 +22,7 @@ class EmbeddingResult:
     similarity: list[list[float]]
 
 
-def _ready_placement(deployment_id: int, kind: str, model: str) -> tuple[Deployment, str]:
+def _ready_placement(deployment_id: int, kind: str, model: str) -> tuple[Deployment, DeploymentModel]:
     deployment = Deployment.objects.select_related("host").filter(pk=deployment_id).first()
     if deployment is None:
         raise NotFound(f"deployment {deployment_id} does not exist")
@@ -34,7 +34,7 @@ def _ready_placement(deployment_id: int, kind: str, model: str) -> tuple[Deploym
         raise ValidationFailed(
             {"model": f"{deployment.name} serves no {kind} model" + (f" named {model!r}" if model else "")}
         )
-    return deployment, placement.triton_name
+    return deployment, placement
 
 
 def _client(deployment: Deployment) -> TritonClient:
@@ -43,10 +43,13 @@ def _client(deployment: Deployment) -> TritonClient:
 
 def embed_texts(*, deployment_id: int, texts: list[str], model: str = "") -> EmbeddingResult:
     """Embeddings of ``texts`` from an embedding model of a ready deployment, and their cosine similarities."""
-    deployment, name = _ready_placement(deployment_id, ModelKind.EMBEDDING, model)
+    deployment, placement = _ready_placement(deployment_id, ModelKind.EMBEDDING, model)
+    name = placement.triton_name
     client = _client(deployment)
     try:
-        vectors = client.embed(name, texts)
+        # Triton refuses a batch above the model's max_batch_size: send it in batches that fit.
+        step = placement.max_batch_size
+        vectors = np.concatenate([client.embed(name, texts[i : i + step]) for i in range(0, len(texts), step)])
     finally:
         client.close()
     # Rows are L2-normalized by the model; normalize again so any embedder's output compares fairly.
@@ -68,7 +71,8 @@ class RerankResult:
 
 def rerank_passages(*, deployment_id: int, query: str, passages: list[str], model: str = "") -> RerankResult:
     """Scores of ``passages`` for ``query`` from a reranker of a ready deployment, best first in ``order``."""
-    deployment, name = _ready_placement(deployment_id, ModelKind.RERANKER, model)
+    deployment, placement = _ready_placement(deployment_id, ModelKind.RERANKER, model)
+    name = placement.triton_name
     client = _client(deployment)
     try:
         scores = client.rerank(name, query, passages)

@@ -53,3 +53,19 @@ def test_a_model_the_deployment_does_not_serve_is_named(ready):
     assert refused.value.errors == {"model": ["d serves no reranker model"]}
     with pytest.raises(ValidationFailed, match="named 'other'"):
         embed_texts(deployment_id=ready.pk, texts=["a"], model="other")
+
+
+def test_more_texts_than_the_model_batches_go_to_triton_in_batches(minilm, operator, monkeypatch):
+    deployment = factories.deployment(host=minilm.host, user=operator, max_batch_size=4)
+    factories.deployment_in(deployment, "launching", "loading", "ready")
+    sizes = []
+
+    def embed(self, model, texts):  # noqa: ANN001, ANN202
+        sizes.append(len(texts))
+        return np.array([[float(len(t)), 1.0] for t in texts], dtype=np.float32)
+
+    monkeypatch.setattr(TritonClient, "embed", embed)
+    texts = [f"text {'x' * i}" for i in range(10)]
+    result = embed_texts(deployment_id=deployment.pk, texts=texts)
+    assert sizes == [4, 4, 2]
+    assert [row[0] for row in result.embeddings] == [float(len(t)) for t in texts]
