@@ -60,3 +60,24 @@ def test_checkpoint_is_served_through_the_llm_api_where_the_image_has_it(llama, 
     assert config.backend == "python" and config.model_transaction_policy.decoupled
     env = plan.launch_spec(selectors.deployment_list().get(pk=deployment.pk)).extra_env
     assert env == {"LLM_CONFIG_PATH": str(plan.paths_for(deployment).repository / "llama" / "model.yaml")}
+
+
+@pytest.mark.parametrize(("runtime", "image", "seen"), [("docker", "triton:test", (0, 1)), ("process", "", (2, 3))])
+def test_a_placement_on_host_gpus_2_and_3_runs_on_them_whatever_the_runtime(
+    minilm, operator, settings, runtime, image, seen
+):
+    settings.GANTRY_ALLOWED_IMAGES = ["triton:test"]
+    quad = factories.gpu_host("quad", count=4)
+    created = deployments.deployment_create(
+        name="pinned",
+        host_name=quad.name,
+        runtime=runtime,
+        image=image,
+        placements=[PlacementSpec(model="minilm", instance_kind="KIND_GPU", gpu_ids=(2, 3), gpu_memory_fraction=0.2)],
+        user=operator,
+    )
+    deployment = selectors.deployment_list().get(pk=created.pk)
+    [spec] = plan.model_specs(deployment)
+    # Docker hands the container host GPUs 2 and 3 as its GPUs 0 and 1; a process sees the host's numbering.
+    assert spec.instances.gpus == seen
+    assert plan.launch_spec(deployment).gpu_ids == (2, 3)
