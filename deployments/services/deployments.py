@@ -308,3 +308,12 @@ def deployment_fail(
     except InvalidTransition:
         return False
     return True
+
+
+def deployment_server_replaced(*, deployment_id: int, runtime_handle: str) -> bool:
+    """Record the new server a deployment being updated now runs on (a container
+    restarted for its new generation); False when it is no longer updating."""
+    changed = Deployment.objects.filter(pk=deployment_id, status=DeploymentStatus.UPDATING).update(
+        runtime_handle=runtime_handle
+    )
+    return bool(changed)

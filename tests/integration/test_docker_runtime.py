@@ -107,3 +107,67 @@ def test_container_no_deployment_wants_is_removed(stack: Stack, image: str, engi
             stray.remove(force=True)
         except docker.errors.NotFound:
             pass
+
+
+def test_a_new_generation_reaches_a_running_container_even_with_new_folders(
+    stack: Stack, minilm_path: Path, image: str, engine, tmp_path: Path
+):
+    """The repository is rewritten beside the old one and swapped in by renaming,
+    and a new generation may name a checkpoint the container has never seen."""
+    import shutil
+
+    import requests
+
+    copy = tmp_path / "minilm-copy"
+    shutil.copytree(minilm_path, copy)
+    http = stack.session()
+    stack.register_models(minilm_path, minilm="embedding")
+    stack.register_models(copy, elsewhere="embedding")
+    created = http.post(
+        f"{stack.web_url}/api/deployments/",
+        json={
+            "name": "regen",
+            "host": stack.host_name,
+            "runtime": "docker",
+            "image": image,
+            "models": [{"model": "minilm"}],
+        },
+        timeout=30,
+    ).json()
+    url = f"{stack.web_url}/api/deployments/{created['id']}/"
+
+    def ready_at(generation: int):  # noqa: ANN202
+        def check() -> dict | None:
+            current = http.get(url, timeout=10).json()
+            assert current["status"] != "failed", current["status_message"]
+            return current if current["status"] == "ready" and current["generation"] == generation else None
+
+        return check
+
+    def triton_config(name: str) -> dict:
+        row = Deployment.objects.get(pk=created["id"])
+        return requests.get(f"http://127.0.0.1:{row.http_port}/v2/models/{name}/config", timeout=10).json()
+
+    try:
+        http.post(url + "start/", timeout=30)
+        wait_for(ready_at(1), 300, "generation 1")
+        # Same folders, new batching: applied in place, and the container sees the new config.
+        changed = http.put(url + "models/", json={"models": [{"model": "minilm", "max_batch_size": 8}]}, timeout=30)
+        assert changed.status_code == 202, changed.text
+        wait_for(ready_at(2), 300, "generation 2")
+        wait_for(
+            lambda: triton_config("minilm").get("max_batch_size") == 8, 30, "the container to serve the new config"
+        )
+        # A checkpoint in a folder the container was not started with.
+        moved = http.put(url + "models/", json={"models": [{"model": "elsewhere"}]}, timeout=30)
+        assert moved.status_code == 202, moved.text
+        wait_for(ready_at(3), 300, "generation 3")
+        assert triton_config("elsewhere")["parameters"]["checkpoint_path"]["string_value"] == str(copy.resolve())
+        [container] = _containers(engine, stack)
+        assert str(copy.resolve()) in {m["Source"] for m in container.attrs["Mounts"]}
+        embedded = http.post(url + "embed/", json={"texts": ["a"]}, timeout=60)
+        assert embedded.status_code == 200, embedded.text
+        _stop(stack, created["id"])
+    finally:
+        for leftover in _containers(engine, stack):
+            leftover.remove(force=True)

@@ -171,6 +171,11 @@ def _apply_generation(deployment_id: int, generation: int) -> None:
     if deployment is None or deployment.status != S.UPDATING or deployment.generation != generation:
         return
     spec = launch_spec(deployment)
+    runtime = runtime_for(deployment)
+    missing = runtime.missing_mounts(deployment.runtime_handle, spec)
+    if missing:
+        _restart_for_generation(deployment, runtime, spec, generation, missing)
+        return
     try:
         plan = swap_models(deployment, spec, model_specs(deployment))
     except GantryError as exc:
@@ -187,6 +192,43 @@ def _apply_generation(deployment_id: int, generation: int) -> None:
         mark_ready(deployment, spec.models, only_from=frozenset({S.UPDATING}))
     except InvalidTransition:
         log.info("deployment %s left updating while its generation %s was applied", deployment.pk, generation)
+
+
+def _restart_for_generation(
+    deployment: Deployment, runtime: Runtime, spec: LaunchSpec, generation: int, missing: list[str]
+) -> None:
+    """A container cannot be given new folders while it runs: start a new one for
+    the generation (the old one stops first, so the ports are free)."""
+    deployments.record_deployment_event(
+        deployment_id=deployment.pk,
+        kind="deployment.generation_restart",
+        source=source(),
+        message=f"generation {generation} reads {', '.join(missing)}, which the running container was not "
+        "started with: restarting its server",
+    )
+    runtime.stop(deployment.runtime_handle, spec)
+    write_repository(spec.repository, model_specs(deployment))
+    handle = runtime.start(spec)
+    if not deployments.deployment_server_replaced(deployment_id=deployment.pk, runtime_handle=handle):
+        runtime.stop(handle, spec)  # stopped meanwhile: the stop task owns the deployment now
+        return
+    client = triton_client(deployment)
+    try:
+        client.wait_until_ready(
+            spec.models,
+            timeout_s=settings.GANTRY_TRITON_READY_TIMEOUT,
+            keep_waiting=lambda: runtime.is_running(handle, spec) and current_status(deployment.pk) == S.UPDATING,
+        )
+    except GantryError as exc:
+        tail = runtime.log_tail(handle, spec)
+        runtime.stop(handle, spec)
+        raise JobFailed(f"generation {generation} did not load in its new server: {exc}", log_tail=tail) from exc
+    finally:
+        client.close()
+    try:
+        mark_ready(deployment, spec.models, only_from=frozenset({S.UPDATING}))
+    except InvalidTransition:
+        log.info("deployment %s left updating while its new server started", deployment.pk)
 
 
 def roll_back(deployment: Deployment, generation: int, reason: str) -> None:

@@ -66,6 +66,10 @@ class Runtime(Protocol):
         """Server log lines written since ``cursor`` (None: only the recent ones), and the next cursor."""
         ...
 
+    def missing_mounts(self, handle: str, spec: LaunchSpec) -> list[str]:
+        """Folders ``spec`` reads that the running server cannot see (a container's mounts)."""
+        ...
+
     def pids(self, handle: str, spec: LaunchSpec) -> list[int]:
         """Host process ids of the server and its children (model stubs, MPI ranks)."""
         ...

@@ -45,7 +45,11 @@ def container_name(spec: LaunchSpec) -> str:
 
 def run_options(spec: LaunchSpec, host_name: str) -> dict:
     """Everything ``containers.run`` gets, for review and tests: no free-form flags."""
-    mounts = [Mount(target=str(spec.repository), source=str(spec.repository), type="bind", read_only=True)]
+    # The deployment's folder, not the repository in it: a new generation's
+    # repository is written beside the old one and renamed into place, which a
+    # mount of the repository folder itself would never see.
+    folder = spec.repository.parent
+    mounts = [Mount(target=str(folder), source=str(folder), type="bind", read_only=True)]
     mounts += [Mount(target=str(path), source=str(path), type="bind", read_only=True) for path in spec.read_only_mounts]
     options = {
         "image": spec.image,
@@ -169,6 +173,14 @@ class DockerRuntime:
         except APIError:
             return []
         return [int(row[0]) for row in top.get("Processes") or [] if row and str(row[0]).isdigit()]
+
+    def missing_mounts(self, handle: str, spec: LaunchSpec) -> list[str]:
+        """Folders ``spec`` reads that the running container was not started with."""
+        container = self._get(handle) if handle else None
+        if container is None:
+            return []
+        mounted = {m.get("Source", "") for m in container.attrs.get("Mounts") or []}
+        return sorted(str(p) for p in spec.read_only_mounts if str(p) not in mounted)
 
     def containers(self) -> list[Container]:
         """Every deployment container Gantry started on this host, running or not."""

@@ -191,6 +191,9 @@ class ProcessRuntime:
     def log_tail(self, handle: str, spec: LaunchSpec, lines: int = 20) -> str:
         return log_tail(spec.log_path, lines)
 
+    def missing_mounts(self, handle: str, spec: LaunchSpec) -> list[str]:
+        return []  # a process on the host sees every folder
+
     def pids(self, handle: str, spec: LaunchSpec) -> list[int]:
         return processes.group_members(int(handle)) if handle.isdigit() else []
 

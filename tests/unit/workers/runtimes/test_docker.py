@@ -36,7 +36,8 @@ def test_container_is_host_networked_labelled_and_read_only():
         ("stack", 67108864, 67108864),
     }
     assert [(m["Source"], m["Target"], m["ReadOnly"]) for m in options["mounts"]] == [
-        ("/data/deployments/7-x/repository", "/data/deployments/7-x/repository", True),
+        # The deployment folder, so a repository renamed into place is seen inside.
+        ("/data/deployments/7-x", "/data/deployments/7-x", True),
         ("/models/minilm", "/models/minilm", True),
     ]
     command = options["command"]
