@@ -12,7 +12,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             SECRET_KEY=gantry-test-secret-key-not-for-production \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv demo test gpu-test lint clean
+.PHONY: venv demo test gpu-test lint clean bench
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-test:
 	DATABASE_URL=sqlite:///$${TMPDIR:-/tmp}/gantry-gpu-test.sqlite3 SECRET_KEY=gantry-gpu-test-key GANTRY_MODEL_ROOTS=/ \
 	  $(GPU_PYTHON) -m pytest -m gpu tests/gpu -v $(PYTEST_ARGS)
+
+# Benchmarks print each figure beside its floor, measured in the same run (see docs/performance.md).
+BENCH_ARGS ?=
+bench: venv
+	$(PY) bench/generate.py $(BENCH_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -6,6 +6,7 @@ from dataclasses import asdict
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.middleware.csrf import CsrfViewMiddleware
 from django.views.decorators.csrf import csrf_exempt
@@ -97,20 +98,15 @@ def _token_user(key: str) -> Any:
     return token.user if token is not None and token.user.is_active else None
 
 
-async def _authenticated(request: HttpRequest) -> tuple[Any, HttpResponse | None]:
-    """The signed-in user (session, with its CSRF check, or a Token header), or the refusal."""
-    header = request.headers.get("Authorization", "")
-    if header.startswith("Token "):
-        user = await sync_to_async(_token_user)(header[6:].strip())
-    else:
-        user = await request.auser()
-        if user.is_authenticated:
-            refused = CsrfViewMiddleware(lambda r: None).process_view(request, None, (), {})
-            if refused is not None:
-                return None, JsonResponse({"detail": "CSRF check failed: reload the page"}, status=403)
+_UNAUTHENTICATED = {"detail": "Authentication credentials were not provided."}
+
+
+def _authenticate_and_prepare(request: HttpRequest, token: str | None, **prepare: Any) -> Any:
+    """In one trip to a thread: who asks (a Token, or the session) and the checked request."""
+    user = _token_user(token) if token is not None else request.user
     if not can_view(user):
-        return None, JsonResponse({"detail": "Authentication credentials were not provided."}, status=401)
-    return user, None
+        return None
+    return prepare_generation(**prepare)
 
 
 @csrf_exempt
@@ -121,9 +117,15 @@ async def deployment_generate(request: HttpRequest, pk: int) -> HttpResponse:
     mid-stream cancels the request inside Triton."""
     if request.method != "POST":
         return JsonResponse({"detail": f'Method "{request.method}" not allowed.'}, status=405)
-    _, refused = await _authenticated(request)
-    if refused is not None:
-        return refused
+    header = request.headers.get("Authorization", "")
+    token = header[6:].strip() if header.startswith("Token ") else None
+    if token is None:
+        if settings.SESSION_COOKIE_NAME not in request.COOKIES:
+            return JsonResponse(_UNAUTHENTICATED, status=401)
+        # A browser session: Django's CSRF check, as for every form post.
+        refused = CsrfViewMiddleware(lambda r: None).process_view(request, None, (), {})
+        if refused is not None:
+            return JsonResponse({"detail": "CSRF check failed: reload the page"}, status=403)
     try:
         body = json.loads(request.body or b"null")
     except ValueError:
@@ -144,7 +146,9 @@ async def deployment_generate(request: HttpRequest, pk: int) -> HttpResponse:
         stop=tuple(data["stop"]),
     )
     try:
-        prepared = await sync_to_async(prepare_generation)(
+        prepared = await sync_to_async(_authenticate_and_prepare)(
+            request,
+            token,
             deployment_id=pk,
             model=data["model"],
             prompt=data.get("prompt"),
@@ -153,6 +157,8 @@ async def deployment_generate(request: HttpRequest, pk: int) -> HttpResponse:
         )
     except GantryError as exc:
         return _error(exc)
+    if prepared is None:
+        return JsonResponse(_UNAUTHENTICATED, status=401)
     outcome = Outcome()
     if data["stream"]:
         response = StreamingHttpResponse(_events(prepared, outcome), content_type="text/event-stream")

@@ -18,7 +18,7 @@ from typing import Any
 
 from deployments import chat_template
 from deployments.errors import InvalidTransition, NotFound, ValidationFailed
-from deployments.models import GENERATIVE_BACKENDS, Deployment, DeploymentStatus
+from deployments.models import GENERATIVE_BACKENDS, Deployment, DeploymentModel, DeploymentStatus
 from workers.triton.client import generate_stream
 
 MAX_PROMPT_CHARS = 200_000
@@ -112,15 +112,19 @@ def prepare_generation(
     Exactly one of ``prompt`` and ``messages``; chat messages become the prompt
     through the checkpoint's chat template. ValidationFailed names the field.
     """
-    deployment = Deployment.objects.select_related("host").filter(pk=deployment_id).first()
-    if deployment is None:
-        raise NotFound(f"deployment {deployment_id} does not exist")
+    # One query on the hot path: the placement with its deployment, host and checkpoint.
+    candidates = DeploymentModel.objects.select_related("deployment__host", "registered_model").filter(
+        deployment_id=deployment_id, backend__in=GENERATIVE_BACKENDS
+    )
+    placement = (candidates.filter(triton_name=model) if model else candidates).order_by("triton_name").first()
+    if placement is None:
+        name = Deployment.objects.filter(pk=deployment_id).values_list("name", flat=True).first()
+        if name is None:
+            raise NotFound(f"deployment {deployment_id} does not exist")
+        raise ValidationFailed({"model": f"{name} serves no llm" + (f" named {model!r}" if model else "")})
+    deployment = placement.deployment
     if deployment.status not in {DeploymentStatus.READY, DeploymentStatus.DEGRADED}:
         raise InvalidTransition(f"{deployment.name} is {deployment.status}; start it and wait until it is ready")
-    candidates = deployment.placements.select_related("registered_model").filter(backend__in=GENERATIVE_BACKENDS)
-    placement = candidates.filter(triton_name=model).first() if model else candidates.first()
-    if placement is None:
-        raise ValidationFailed({"model": f"{deployment.name} serves no llm" + (f" named {model!r}" if model else "")})
     checkpoint = placement.registered_model
     if (prompt is None) == (messages is None):
         raise ValidationFailed({"prompt": "send either prompt or messages, not both and not neither"})

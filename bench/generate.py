@@ -1,0 +1,224 @@
+"""Benchmark: text generation through Gantry's generate action against Triton's
+own generate_stream on the same model, in the same run.
+
+It sets up a one-machine Gantry (SQLite, daphne) and a real tritonserver
+serving an LLM through the transformers path (the untrained tiny Llama by
+default, or --checkpoint DIR), then alternates rounds of streamed requests
+straight to Triton and through Gantry, and prints each figure beside its
+floor: time to first token p50/p99, output tokens/s per stream, and the
+batching gain (output tokens/s at N concurrent streams over one stream).
+
+    make bench                                # or: python bench/generate.py --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass
+class Sample:
+    ttft_ms: float
+    tokens: int
+    decode_s: float  # from the first token to the last
+
+
+@dataclass
+class Figures:
+    samples: list[Sample] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def ttft(self, q: float) -> float:
+        values = sorted(s.ttft_ms for s in self.samples)
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    def per_stream_tps(self) -> float:
+        rates = [(s.tokens - 1) / s.decode_s for s in self.samples if s.tokens > 1 and s.decode_s > 0]
+        return statistics.median(rates)
+
+    def aggregate_tps(self) -> float:
+        return sum(s.tokens for s in self.samples) / self.wall_s
+
+
+async def _stream(session, url: str, body: dict, headers: dict, gantry: bool) -> Sample:  # noqa: ANN001
+    started = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with session.post(url, json=body, headers=headers) as response:
+        assert response.status == 200, await response.text()
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])
+            added = event.get("tokens", 0) if gantry else event.get("num_output_tokens", 0)
+            if added:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                tokens += added
+    return Sample(ttft_ms=(first - started) * 1000, tokens=tokens, decode_s=(last - first) if last else 0.0)
+
+
+async def _round(session, target: str, args, concurrency: int, requests: int) -> Figures:  # noqa: ANN001
+    gantry = target == "gantry"
+    url = args.gantry_url if gantry else args.triton_url
+    headers = {"Authorization": f"Token {args.token}"} if gantry else {}
+    figures = Figures()
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(i)
+
+    async def worker() -> None:
+        while not queue.empty():
+            i = queue.get_nowait()
+            body = {"prompt" if gantry else "text_input": f"{args.prompt} {i}", "max_tokens": args.max_tokens,
+                    "stream": True, "temperature": 1.0}  # fmt: skip
+            figures.samples.append(await _stream(session, url, body, headers, gantry))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    figures.wall_s = time.perf_counter() - started
+    return figures
+
+
+async def _measure(args) -> dict:  # noqa: ANN001
+    import aiohttp
+
+    results: dict[tuple[str, int], Figures] = {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await _round(session, "triton", args, 2, 4)  # warm both paths
+        await _round(session, "gantry", args, 2, 4)
+        for _ in range(args.rounds):
+            for concurrency in sorted({1, args.concurrency}):
+                for target in ("triton", "gantry"):  # alternate, so drift hits both alike
+                    figures = await _round(session, target, args, concurrency, args.requests * concurrency)
+                    merged = results.setdefault((target, concurrency), Figures())
+                    merged.samples += figures.samples
+                    merged.wall_s += figures.wall_s
+    return results
+
+
+def _print(results: dict, concurrency: int) -> None:
+    print(f"\n{'figure':44} {'Gantry':>10} {'Triton (floor)':>15} {'ratio':>7}")
+    for c in sorted({1, concurrency}):
+        g, t = results[("gantry", c)], results[("triton", c)]
+        rows = [
+            (f"time to first token p50 (ms), {c} stream(s)", g.ttft(0.5), t.ttft(0.5)),
+            (f"time to first token p99 (ms), {c} stream(s)", g.ttft(0.99), t.ttft(0.99)),
+            (f"output tokens/s per stream, {c} stream(s)", g.per_stream_tps(), t.per_stream_tps()),
+            (f"output tokens/s all streams, {c} stream(s)", g.aggregate_tps(), t.aggregate_tps()),
+        ]
+        for name, ours, floor in rows:
+            print(f"{name:44} {ours:10.2f} {floor:15.2f} {ours / floor:7.3f}")
+        print(f"{'  added to TTFT p99 (ms)':44} {g.ttft(0.99) - t.ttft(0.99):10.2f}")
+    one, many = results[("triton", 1)], results[("triton", concurrency)]
+    print(
+        f"\nbatching: {concurrency} concurrent streams give {many.aggregate_tps():.1f} output tokens/s, "
+        f"one stream {one.aggregate_tps():.1f}: {many.aggregate_tps() / one.aggregate_tps():.2f}x "
+        f"(target on an H100: at least 4x at 8 streams)"
+    )
+    print("targets: Gantry adds under 5 ms at p99 to time to first token and loses under 5% of tokens/s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, help="a causal-LM folder (default: make the untrained tiny Llama)")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=6, help="requests per stream per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--prompt", default="Benchmarks measure what users wait for:")
+    parser.add_argument("--port", type=int, default=18600, help="first of the ports used (web, then Triton's three)")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="gantry-bench-"))
+    os.environ.update(
+        DJANGO_SETTINGS_MODULE="controlplane.settings",
+        DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
+        SECRET_KEY=os.environ.get("SECRET_KEY", "gantry-bench-key"),
+        GANTRY_DATA_DIR=str(work / "data"),
+        GANTRY_MODEL_ROOTS="/",
+        GANTRY_HOST_NAME="bench-host",
+        GANTRY_TRITON_PORT_RANGE=f"{args.port + 1}-{args.port + 30}",
+    )
+    import django
+
+    django.setup()
+    from django.contrib.auth.models import User
+    from django.core.management import call_command
+    from rest_framework.authtoken.models import Token
+
+    from deployments import states
+    from deployments.services import deployments, hosts, registered_models
+    from deployments.services.placements import PlacementSpec
+    from workers.deploy import plan
+    from workers.triton.client import TritonClient
+    from workers.triton.repository import write_repository
+    from workers.untrained_llm import make_untrained_llm
+
+    call_command("migrate", verbosity=0)
+    checkpoint = args.checkpoint or make_untrained_llm(work / "tiny-llama")
+    host = hosts.host_heartbeat(name="bench-host", address="127.0.0.1", gpus=[])
+    model = registered_models.model_register(name="llm", kind="llm", path=str(checkpoint.resolve()), host=host.name)
+    registered_models.model_inspect(model_id=model.pk, source="bench")
+    deployment = deployments.deployment_create(
+        name="bench",
+        host_name=host.name,
+        placements=[PlacementSpec(model="llm", max_batch_size=max(8, args.concurrency), max_queue_delay_us=500)],
+    )
+    deployment = plan.load(deployment.pk)
+    spec = plan.launch_spec(deployment)
+    write_repository(spec.repository, plan.model_specs(deployment))
+    runtime = plan.runtime_for(deployment)
+    handle = runtime.start(spec)
+    web = None
+    try:
+        client = TritonClient(f"127.0.0.1:{deployment.http_port}")
+        client.wait_until_ready(spec.models, timeout_s=300, keep_waiting=lambda: runtime.is_running(handle, spec))
+        client.close()
+        for to in ("launching", "loading", "ready"):
+            states.deployment_transition(
+                deployment_id=deployment.pk, to=to, source="bench", runtime_handle=handle if to == "loading" else None
+            )
+        user = User.objects.create_user("bench")
+        args.token = Token.objects.create(user=user).key
+        server = ["-m", "daphne", "-b", "127.0.0.1", "-p", str(args.port), "controlplane.asgi:application"]
+        web = subprocess.Popen(  # noqa: S603 - the product's own ASGI server, as make demo runs it
+            [sys.executable, *server],
+            cwd=ROOT,
+            env=os.environ.copy(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(3)
+        args.gantry_url = f"http://127.0.0.1:{args.port}/api/deployments/{deployment.pk}/generate/"
+        args.triton_url = f"http://127.0.0.1:{deployment.http_port}/v2/models/llm/generate_stream"
+        print(
+            f"model: {checkpoint}; {args.rounds} rounds x {args.requests} requests per stream, "
+            f"{args.max_tokens} tokens each, streamed; Triton {spec.http_port}, Gantry (daphne) {args.port}"
+        )
+        _print(asyncio.run(_measure(args)), args.concurrency)
+    finally:
+        if web is not None:
+            web.terminate()
+            web.wait(timeout=20)
+        runtime.stop(handle, spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
