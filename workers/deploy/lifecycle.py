@@ -100,29 +100,35 @@ def _launch(deployment_id: int) -> None:
     _await_ready(deployment, runtime, handle, spec)
 
 
-def _await_ready(deployment: Deployment, runtime: Runtime, handle: str, spec: LaunchSpec) -> None:
+def _await_ready(
+    deployment: Deployment, runtime: Runtime, handle: str, spec: LaunchSpec, *, status: str = S.LOADING, what: str = ""
+) -> None:
+    """Wait until the server just started has every model ready, then mark the
+    deployment ready from ``status``. If the server dies or times out, stop it
+    and end the job failed with its last log lines (``what`` says which job)."""
+
     def keep_waiting() -> bool:
-        return runtime.is_running(handle, spec) and current_status(deployment.pk) == S.LOADING
+        return runtime.is_running(handle, spec) and current_status(deployment.pk) == status
 
     client = triton_client(deployment)
     try:
         client.wait_until_ready(spec.models, timeout_s=settings.GANTRY_TRITON_READY_TIMEOUT, keep_waiting=keep_waiting)
     except PermanentError:
-        if current_status(deployment.pk) != S.LOADING:
+        if current_status(deployment.pk) != status:
             return  # stopped or failed elsewhere; the stop task owns the server now
         tail = runtime.log_tail(handle, spec)
         runtime.stop(handle, spec)
-        raise JobFailed("tritonserver exited while loading", log_tail=tail) from None
+        raise JobFailed(f"{what}tritonserver exited while loading", log_tail=tail) from None
     except TransientError as exc:
         tail = runtime.log_tail(handle, spec)
         runtime.stop(handle, spec)
-        raise JobFailed(f"tritonserver {exc}", log_tail=tail) from exc
+        raise JobFailed(f"{what}tritonserver {exc}", log_tail=tail) from exc
     finally:
         client.close()
     try:
-        mark_ready(deployment, spec.models)
+        mark_ready(deployment, spec.models, only_from=frozenset({status}))
     except InvalidTransition:
-        log.info("deployment %s left loading before it became ready", deployment.pk)
+        log.info("deployment %s left %s before it became ready", deployment.pk, status)
 
 
 # --- a new generation, in place ---------------------------------------------------
@@ -212,23 +218,7 @@ def _restart_for_generation(
     if not deployments.deployment_server_replaced(deployment_id=deployment.pk, runtime_handle=handle):
         runtime.stop(handle, spec)  # stopped meanwhile: the stop task owns the deployment now
         return
-    client = triton_client(deployment)
-    try:
-        client.wait_until_ready(
-            spec.models,
-            timeout_s=settings.GANTRY_TRITON_READY_TIMEOUT,
-            keep_waiting=lambda: runtime.is_running(handle, spec) and current_status(deployment.pk) == S.UPDATING,
-        )
-    except GantryError as exc:
-        tail = runtime.log_tail(handle, spec)
-        runtime.stop(handle, spec)
-        raise JobFailed(f"generation {generation} did not load in its new server: {exc}", log_tail=tail) from exc
-    finally:
-        client.close()
-    try:
-        mark_ready(deployment, spec.models, only_from=frozenset({S.UPDATING}))
-    except InvalidTransition:
-        log.info("deployment %s left updating while its new server started", deployment.pk)
+    _await_ready(deployment, runtime, handle, spec, status=S.UPDATING, what=f"generation {generation}: ")
 
 
 def roll_back(deployment: Deployment, generation: int, reason: str) -> None:
