@@ -1,4 +1,5 @@
-"""ASGI entry point: Django for HTTP, Channels for websockets."""
+"""ASGI entry point: Django for HTTP (token-authenticated generate requests by
+the lean path in front of it, playground.lean), Channels for websockets."""
 
 import os
 
@@ -12,10 +13,11 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 
 from deployments.routing import websocket_urlpatterns  # noqa: E402
 from deployments.ws_auth import TokenOrSessionAuthMiddlewareStack  # noqa: E402
+from playground.lean import InferenceRouter  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        "http": InferenceRouter(django_asgi_app),
         "websocket": AllowedHostsOriginValidator(TokenOrSessionAuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from dataclasses import asdict
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -18,7 +19,7 @@ from rest_framework.views import APIView
 from deployments.api.base import StrictSerializer, error_body, gantry_error, validated
 from deployments.errors import GantryError
 from deployments.permissions import CanView, can_view
-from playground.generation import MAX_PROMPT_CHARS, Outcome, Sampling, generate, prepare_generation
+from playground.generation import MAX_PROMPT_CHARS, Outcome, Sampling, cached_route, generate, prepare_generation
 from playground.services import MAX_TEXT_CHARS, MAX_TEXTS, embed_texts, rerank_passages
 
 
@@ -98,15 +99,99 @@ def _token_user(key: str) -> Any:
     return token.user if token is not None and token.user.is_active else None
 
 
+# Token checks of the lean path, kept a second per process: a revoked or
+# deactivated key stops working within a second.
+TOKEN_CACHE_S = 1.0
+_token_cache: dict[str, tuple[float, bool]] = {}
+
+
+def _token_may_view_cached(key: str) -> bool | None:
+    """Whether the key's user may view, if checked less than TOKEN_CACHE_S ago; None if not known."""
+    cached = _token_cache.get(key)
+    return cached[1] if cached is not None and cached[0] > time.monotonic() else None
+
+
+def _token_may_view(key: str) -> bool:
+    now = time.monotonic()
+    allowed = can_view(_token_user(key))
+    if len(_token_cache) > 10_000:
+        _token_cache.clear()
+    _token_cache[key] = (now + TOKEN_CACHE_S, allowed)
+    return allowed
+
+
 _UNAUTHENTICATED = {"detail": "Authentication credentials were not provided."}
 
 
-def _authenticate_and_prepare(request: HttpRequest, token: str | None, **prepare: Any) -> Any:
-    """In one trip to a thread: who asks (a Token, or the session) and the checked request."""
-    user = _token_user(token) if token is not None else request.user
-    if not can_view(user):
-        return None
-    return prepare_generation(**prepare)
+@dataclass
+class Answer:
+    """What the generate action answers, whichever server path carries it:
+    a JSON body with its status, or a stream of server-sent events."""
+
+    status: int = 200
+    body: dict[str, Any] | None = None
+    events: AsyncIterator[str] | None = None
+
+
+async def generate_answer(
+    pk: int, raw: bytes, may_view: Callable[[], bool], known: Callable[[], bool | None] = lambda: None
+) -> Answer:
+    """Validate a generate request, check who asks and start the generation.
+
+    ``may_view`` and the route lookup go to a thread together (they read the
+    database); when ``known`` already says who asks and the route is cached,
+    the request is prepared on the event loop without that trip."""
+    try:
+        body = json.loads(raw or b"null")
+    except ValueError:
+        return Answer(400, error_body({"body": ["must be JSON"]}))
+    if not isinstance(body, dict):
+        return Answer(400, error_body({"body": ["must be a JSON object"]}))
+    serializer = GenerateIn(data=body)
+    if not serializer.is_valid():
+        return Answer(400, error_body(serializer.errors))
+    data = serializer.validated_data
+    sampling = Sampling(
+        max_tokens=data["max_tokens"],
+        temperature=data.get("temperature"),
+        top_p=data.get("top_p"),
+        top_k=data.get("top_k"),
+        seed=data.get("seed"),
+        repetition_penalty=data.get("repetition_penalty"),
+        stop=tuple(data["stop"]),
+    )
+
+    def check_and_prepare_with(route: dict[str, Any] | None) -> Any:
+        return prepare_generation(
+            deployment_id=pk,
+            model=data["model"],
+            prompt=data.get("prompt"),
+            messages=[dict(m) for m in data["messages"]] if "messages" in data else None,
+            sampling=sampling,
+            route=route,
+        )
+
+    def check_and_prepare() -> Any:
+        return check_and_prepare_with(None) if may_view() else None
+
+    try:
+        allowed, route = known(), cached_route(pk, data["model"])
+        if allowed is not None and route is not None:
+            prepared = None if not allowed else check_and_prepare_with(route)
+        else:
+            prepared = await sync_to_async(check_and_prepare)()
+    except GantryError as exc:
+        return Answer(*reversed(gantry_error(exc)))
+    if prepared is None:
+        return Answer(401, _UNAUTHENTICATED)
+    outcome = Outcome()
+    if data["stream"]:
+        return Answer(events=_events(prepared, outcome))
+    try:
+        text = "".join([piece.text async for piece in generate(prepared, stream=False, outcome=outcome)])
+    except GantryError as exc:
+        return Answer(*reversed(gantry_error(exc)))
+    return Answer(200, {"model": prepared.model, "text": text, "notice": prepared.notice, **outcome.summary()})
 
 
 @csrf_exempt
@@ -114,7 +199,9 @@ async def deployment_generate(request: HttpRequest, pk: int) -> HttpResponse:
     """POST /api/deployments/<id>/generate/: text from the deployment's LLM, as one
     JSON answer or, with "stream": true, server-sent events (one per piece of
     text, then a summary with usage and timings). A client that disconnects
-    mid-stream cancels the request inside Triton."""
+    mid-stream cancels the request inside Triton. Requests with a Token header
+    usually arrive by the lean path instead (playground.lean); this view
+    serves browser sessions (with Django's CSRF check) and the rest."""
     if request.method != "POST":
         return JsonResponse({"detail": f'Method "{request.method}" not allowed.'}, status=405)
     header = request.headers.get("Authorization", "")
@@ -126,50 +213,15 @@ async def deployment_generate(request: HttpRequest, pk: int) -> HttpResponse:
         refused = CsrfViewMiddleware(lambda r: None).process_view(request, None, (), {})
         if refused is not None:
             return JsonResponse({"detail": "CSRF check failed: reload the page"}, status=403)
-    try:
-        body = json.loads(request.body or b"null")
-    except ValueError:
-        return JsonResponse(error_body({"body": ["must be JSON"]}), status=400)
-    if not isinstance(body, dict):
-        return JsonResponse(error_body({"body": ["must be a JSON object"]}), status=400)
-    serializer = GenerateIn(data=body)
-    if not serializer.is_valid():
-        return JsonResponse(error_body(serializer.errors), status=400)
-    data = serializer.validated_data
-    sampling = Sampling(
-        max_tokens=data["max_tokens"],
-        temperature=data.get("temperature"),
-        top_p=data.get("top_p"),
-        top_k=data.get("top_k"),
-        seed=data.get("seed"),
-        repetition_penalty=data.get("repetition_penalty"),
-        stop=tuple(data["stop"]),
+    answer = await generate_answer(
+        pk, request.body, lambda: can_view(request.user) if token is None else _token_may_view(token)
     )
-    try:
-        prepared = await sync_to_async(_authenticate_and_prepare)(
-            request,
-            token,
-            deployment_id=pk,
-            model=data["model"],
-            prompt=data.get("prompt"),
-            messages=[dict(m) for m in data["messages"]] if "messages" in data else None,
-            sampling=sampling,
-        )
-    except GantryError as exc:
-        return _error(exc)
-    if prepared is None:
-        return JsonResponse(_UNAUTHENTICATED, status=401)
-    outcome = Outcome()
-    if data["stream"]:
-        response = StreamingHttpResponse(_events(prepared, outcome), content_type="text/event-stream")
-        response["Cache-Control"] = "no-cache"
-        response["X-Accel-Buffering"] = "no"
-        return response
-    try:
-        text = "".join([piece.text async for piece in generate(prepared, stream=False, outcome=outcome)])
-    except GantryError as exc:
-        return _error(exc)
-    return JsonResponse({"model": prepared.model, "text": text, "notice": prepared.notice, **outcome.summary()})
+    if answer.events is None:
+        return JsonResponse(answer.body, status=answer.status)
+    response = StreamingHttpResponse(answer.events, content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    return response
 
 
 async def _events(prepared, outcome: Outcome) -> AsyncIterator[str]:  # noqa: ANN001
@@ -183,8 +235,3 @@ async def _events(prepared, outcome: Outcome) -> AsyncIterator[str]:  # noqa: AN
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
-
-
-def _error(exc: GantryError) -> JsonResponse:
-    body, code = gantry_error(exc)
-    return JsonResponse(body, status=code)

@@ -99,20 +99,23 @@ class Outcome:
         }
 
 
-def prepare_generation(
-    *,
-    deployment_id: int,
-    model: str = "",
-    prompt: str | None = None,
-    messages: list[dict[str, Any]] | None = None,
-    sampling: Sampling,
-) -> Prepared:
-    """Check a generation request against the deployment and its checkpoint.
+# Routes of ready LLM placements, kept a second per process so a busy door does
+# not read the database per request: a deployment stopped meanwhile answers 503
+# (its server is gone) for at most that second.
+ROUTE_CACHE_S = 1.0
+_routes: dict[tuple[int, str], tuple[float, dict[str, Any]]] = {}
 
-    Exactly one of ``prompt`` and ``messages``; chat messages become the prompt
-    through the checkpoint's chat template. ValidationFailed names the field.
-    """
-    # One query on the hot path: the placement with its deployment, host and checkpoint.
+
+def cached_route(deployment_id: int, model: str) -> dict[str, Any] | None:
+    """The route of a ready placement if it was read less than ROUTE_CACHE_S ago."""
+    cached = _routes.get((deployment_id, model))
+    return cached[1] if cached is not None and cached[0] > time.monotonic() else None
+
+
+def read_route(deployment_id: int, model: str) -> dict[str, Any]:
+    """Where a deployment's LLM (named, or its first) is served and what its checkpoint
+    says, in one query; NotFound, ValidationFailed or InvalidTransition when it cannot
+    be asked now."""
     candidates = DeploymentModel.objects.select_related("deployment__host", "registered_model").filter(
         deployment_id=deployment_id, backend__in=GENERATIVE_BACKENDS
     )
@@ -122,26 +125,56 @@ def prepare_generation(
         if name is None:
             raise NotFound(f"deployment {deployment_id} does not exist")
         raise ValidationFailed({"model": f"{name} serves no llm" + (f" named {model!r}" if model else "")})
-    deployment = placement.deployment
+    deployment, checkpoint = placement.deployment, placement.registered_model
     if deployment.status not in {DeploymentStatus.READY, DeploymentStatus.DEGRADED}:
         raise InvalidTransition(f"{deployment.name} is {deployment.status}; start it and wait until it is ready")
-    checkpoint = placement.registered_model
+    route = {
+        "url": f"{deployment.host.address}:{deployment.http_port}",
+        "triton_name": placement.triton_name,
+        "model_name": checkpoint.name,
+        "chat_template": checkpoint.chat_template,
+        "special_tokens": checkpoint.special_tokens,
+        "context": checkpoint.max_position_embeddings,
+        "notice": checkpoint.notice,
+    }
+    if len(_routes) > 10_000:
+        _routes.clear()
+    _routes[(deployment_id, model)] = (time.monotonic() + ROUTE_CACHE_S, route)
+    return route
+
+
+def prepare_generation(
+    *,
+    deployment_id: int,
+    model: str = "",
+    prompt: str | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    sampling: Sampling,
+    route: dict[str, Any] | None = None,
+) -> Prepared:
+    """Check a generation request against the deployment and its checkpoint.
+
+    Exactly one of ``prompt`` and ``messages``; chat messages become the prompt
+    through the checkpoint's chat template. ValidationFailed names the field.
+    ``route`` (from cached_route) spares the database read.
+    """
+    route = route or read_route(deployment_id, model)
     if (prompt is None) == (messages is None):
         raise ValidationFailed({"prompt": "send either prompt or messages, not both and not neither"})
     if messages is not None:
         if not messages:
             raise ValidationFailed({"messages": "must hold at least one message"})
         prompt = chat_template.render(
-            checkpoint.chat_template, messages, special_tokens=checkpoint.special_tokens, model_name=checkpoint.name
+            route["chat_template"], messages, special_tokens=route["special_tokens"], model_name=route["model_name"]
         )
     if not prompt or not prompt.strip():
         raise ValidationFailed({"prompt": "must not be empty"})
     if len(prompt) > MAX_PROMPT_CHARS:
         raise ValidationFailed({"prompt": f"must be at most {MAX_PROMPT_CHARS} characters"})
-    context = checkpoint.max_position_embeddings
+    context = route["context"]
     if context and sampling.max_tokens >= context:
         raise ValidationFailed(
-            {"max_tokens": f"must be below {context}, {checkpoint.name}'s context (prompt and output together)"}
+            {"max_tokens": f"must be below {context}, {route['model_name']}'s context (prompt and output together)"}
         )
     inputs: dict[str, Any] = {"text_input": prompt, "max_tokens": sampling.max_tokens}
     for name, value in (
@@ -156,12 +189,9 @@ def prepare_generation(
     if sampling.stop:
         inputs["stop_words"] = list(sampling.stop)
     return Prepared(
-        url=f"{deployment.host.address}:{deployment.http_port}",
-        model=placement.triton_name,
-        inputs=inputs,
-        max_tokens=sampling.max_tokens,
-        notice=checkpoint.notice,
-    )
+        url=route["url"], model=route["triton_name"], inputs=inputs, max_tokens=sampling.max_tokens,
+        notice=route["notice"],
+    )  # fmt: skip
 
 
 async def generate(prepared: Prepared, *, stream: bool, outcome: Outcome) -> AsyncIterator[Piece]:

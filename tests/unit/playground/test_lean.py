@@ -1,0 +1,57 @@
+"""The lean path answers token-authenticated generate requests itself, with the
+same checks and errors as the Django view; everything else goes to Django."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from asgiref.sync import async_to_sync
+from rest_framework.authtoken.models import Token
+
+from playground.lean import InferenceRouter
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _call(router: InferenceRouter, method: str, path: str, headers: list, body: bytes) -> list[dict]:
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "headers": headers}
+    async_to_sync(router)(scope, receive, send)
+    return sent
+
+
+def test_token_requests_for_generate_are_answered_by_the_lean_path(operator):
+    reached_django = []
+
+    async def django(scope, receive, send) -> None:  # noqa: ANN001
+        reached_django.append(scope["path"])
+
+    router = InferenceRouter(django)
+    key = Token.objects.create(user=operator).key
+    auth = [(b"authorization", f"Token {key}".encode())]
+
+    missing = _call(router, "POST", "/api/deployments/999999/generate/", auth, b'{"prompt": "a"}')
+    assert missing[0]["status"] == 404
+    assert json.loads(missing[1]["body"]) == {"detail": "deployment 999999 does not exist"}
+
+    unknown_field = _call(router, "POST", "/api/deployments/1/generate/", auth, b'{"prompt": "a", "n": 2}')
+    assert unknown_field[0]["status"] == 400
+    assert json.loads(unknown_field[1]["body"])["errors"] == {"n": ["is not a known field"]}
+
+    bad_key = [(b"authorization", b"Token not-a-key")]
+    assert _call(router, "POST", "/api/deployments/1/generate/", bad_key, b'{"prompt": "a"}')[0]["status"] == 401
+
+    # No token, another method or another path: Django's.
+    _call(router, "POST", "/api/deployments/1/generate/", [], b"{}")
+    _call(router, "GET", "/api/deployments/1/generate/", auth, b"")
+    _call(router, "POST", "/api/deployments/1/embed/", auth, b"{}")
+    assert reached_django == ["/api/deployments/1/generate/"] * 2 + ["/api/deployments/1/embed/"]
