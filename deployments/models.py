@@ -3,6 +3,10 @@ deployments with their model placements, and the append-only event timeline.
 
 Status fields are only ever changed through ``deployments.states`` and the
 services; nothing here flips a status in ``save()`` or a signal.
+
+Over 400 lines on purpose: Django wants an app's models in one module, and
+every table of the domain is here, each with the choices and validators that
+the serializers and forms derive from.
 """
 
 from __future__ import annotations

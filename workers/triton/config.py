@@ -3,6 +3,11 @@
 Configs are built as protobuf messages and serialized by protobuf, never from
 string templates; ``read_config`` parses a file back the same way, so what we
 write is exactly what Triton reads.
+
+Over 400 lines on purpose: every kind of model Gantry writes (sentence models,
+the causal LM, the four models of a TensorRT-LLM stack, the LLM-API model)
+shares the same batching, instance and tensor helpers here, and the generate
+interface is declared once for the causal LM and the ensemble alike.
 """
 
 from __future__ import annotations
