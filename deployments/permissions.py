@@ -25,6 +25,15 @@ def can_operate(user: Any) -> bool:
     return user.is_superuser or user.groups.filter(name=OPERATOR_GROUP).exists()
 
 
+def user_for_token(key: str) -> Any:
+    """The active user an API token belongs to, or None (the REST API's, websockets'
+    and the generate action's ``Authorization: Token`` header)."""
+    from rest_framework.authtoken.models import Token
+
+    token = Token.objects.select_related("user").filter(key=key).first()
+    return token.user if token is not None and token.user.is_active else None
+
+
 def require_operator(user: Any) -> None:
     """For services: refuse a signed-in user who may not act (None is the system itself)."""
     if user is not None and not can_operate(user):

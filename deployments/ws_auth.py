@@ -9,13 +9,9 @@ from channels.auth import AuthMiddlewareStack
 from channels.db import database_sync_to_async
 from channels.middleware import BaseMiddleware
 
+from deployments.permissions import user_for_token
 
-@database_sync_to_async
-def _user_for_token(key: str) -> Any:
-    from rest_framework.authtoken.models import Token
-
-    token = Token.objects.select_related("user").filter(key=key).first()
-    return token.user if token and token.user.is_active else None
+_user_for_token = database_sync_to_async(user_for_token)
 
 
 class TokenAuthMiddleware(BaseMiddleware):

@@ -18,7 +18,7 @@ from rest_framework.views import APIView
 
 from deployments.api.base import StrictSerializer, error_body, gantry_error, validated
 from deployments.errors import GantryError
-from deployments.permissions import CanView, can_view
+from deployments.permissions import CanView, can_view, user_for_token
 from playground.generation import MAX_PROMPT_CHARS, Outcome, Sampling, cached_route, generate, prepare_generation
 from playground.services import MAX_TEXT_CHARS, MAX_TEXTS, embed_texts, rerank_passages
 
@@ -92,13 +92,6 @@ class GenerateIn(StrictSerializer):
         return value
 
 
-def _token_user(key: str) -> Any:
-    from rest_framework.authtoken.models import Token
-
-    token = Token.objects.select_related("user").filter(key=key).first()
-    return token.user if token is not None and token.user.is_active else None
-
-
 # Token checks of the lean path, kept a second per process: a revoked or
 # deactivated key stops working within a second.
 TOKEN_CACHE_S = 1.0
@@ -113,7 +106,7 @@ def _token_may_view_cached(key: str) -> bool | None:
 
 def _token_may_view(key: str) -> bool:
     now = time.monotonic()
-    allowed = can_view(_token_user(key))
+    allowed = can_view(user_for_token(key))
     if len(_token_cache) > 10_000:
         _token_cache.clear()
     _token_cache[key] = (now + TOKEN_CACHE_S, allowed)
