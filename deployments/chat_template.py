@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from deployments.errors import ValidationFailed
 
+# The roles a chat message may take (the API refuses others before any template runs).
 ROLES = ("system", "user", "assistant", "tool")
 
 

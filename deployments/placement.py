@@ -27,6 +27,13 @@ def resolve_instances(
     return InstanceKind.GPU.value, tuple(gpu_ids) or tuple(host[:1])
 
 
+def placement_gpus(placement: DeploymentModel, host_gpus: Iterable[int]) -> tuple[int, ...]:
+    """The host GPUs a placement's server processes use (none on the CPU). An
+    engine's or the LLM API's GPUs are stored with instance kind KIND_GPU, so
+    the one rule covers every backend."""
+    return resolve_instances(placement.instance_kind, placement.gpu_ids, host_gpus)[1]
+
+
 def triton_model_names(placements: Iterable[DeploymentModel]) -> list[str]:
     """The Triton models the placements become, in load order: an engine placement
     is its engine, its tokenizer models and the ensemble clients call by the

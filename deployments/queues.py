@@ -20,9 +20,8 @@ STOP_DEPLOYMENT = "workers.tasks.stop_deployment"
 APPLY_GENERATION = "workers.tasks.apply_generation"
 INSPECT_MODEL = "workers.tasks.inspect_model"
 RUN_BUILD = "workers.tasks.run_build"
-# The control plane's periodic work, on queue CONTROL_QUEUE.
+# The control plane's periodic work (its beat runs it on queue "control", see settings).
 SWEEP_HOSTS = "deployments.tasks.sweep_hosts"
-CONTROL_QUEUE = "control"
 
 
 def host_queue(host_name: str) -> str:

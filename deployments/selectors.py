@@ -21,7 +21,7 @@ from deployments.models import (
     MetricSample,
     RegisteredModel,
 )
-from deployments.placement import kv_bytes_per_token, resolve_instances, weights_bytes_per_gpu
+from deployments.placement import kv_bytes_per_token, placement_gpus, weights_bytes_per_gpu
 
 
 def host_list() -> QuerySet[GpuHost]:
@@ -95,7 +95,7 @@ def deployment_plan(deployment: Deployment) -> list[dict]:
         for index, gpu in gpus.items()
     }  # fmt: skip
     for placement in deployment.placements.all():
-        for index in resolve_instances(placement.instance_kind, placement.gpu_ids, gpus)[1]:
+        for index in placement_gpus(placement, gpus):
             if index in plan:
                 entry = plan[index]
                 row = {

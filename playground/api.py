@@ -16,6 +16,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from deployments import chat_template
 from deployments.api.base import StrictSerializer, error_body, gantry_error, validated
 from deployments.errors import GantryError
 from deployments.permissions import CanView, can_view, user_for_token
@@ -64,7 +65,7 @@ class DeploymentRerank(APIView):
 
 
 class MessageIn(StrictSerializer):
-    role = serializers.ChoiceField(choices=["system", "user", "assistant", "tool"])
+    role = serializers.ChoiceField(choices=chat_template.ROLES)
     content = serializers.CharField(max_length=MAX_PROMPT_CHARS, allow_blank=True, trim_whitespace=False)
 
 

@@ -129,7 +129,7 @@ def deployment_change(*, deployment_id: int, placements: list[PlacementSpec], us
         if deployment is None:
             raise NotFound(f"deployment {deployment_id} does not exist")
         running = deployment.status == DeploymentStatus.READY
-        if not running and deployment.status not in states.AT_REST:
+        if not states.deployment_actions(deployment.status)["change"]:
             raise InvalidTransition(f"{deployment.name} is {deployment.status}; change it when it is ready or stopped")
         resolved = placements_validate(
             host=deployment.host, specs=placements, runtime=deployment.runtime, image=deployment.image

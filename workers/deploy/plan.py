@@ -13,7 +13,7 @@ from deployments import trtllm
 from deployments.errors import PermanentError
 from deployments.models import Backend, Deployment, DeploymentModel, ModelKind
 from deployments.models import Runtime as DeploymentRuntime
-from deployments.placement import resolve_instances, triton_model_names
+from deployments.placement import placement_gpus, resolve_instances, triton_model_names
 from workers.runtimes.base import LaunchSpec, Runtime
 from workers.runtimes.docker import DockerRuntime
 from workers.runtimes.process import ProcessRuntime
@@ -69,13 +69,6 @@ def _batching(placement: DeploymentModel) -> Batching:
         queue_timeout_us=placement.queue_timeout_us,
         max_queue_size=placement.max_queue_size,
     )
-
-
-def placement_gpus(placement: DeploymentModel, host_gpus: list[int]) -> tuple[int, ...]:
-    """The host GPUs a placement's server processes use (none on the CPU)."""
-    if placement.backend in (Backend.TENSORRTLLM, Backend.LLM_API):
-        return tuple(placement.gpu_ids)
-    return resolve_instances(placement.instance_kind, placement.gpu_ids, host_gpus)[1]
 
 
 def server_gpus(deployment: Deployment) -> tuple[int, ...]:
