@@ -11,15 +11,19 @@ through both.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from deployments import chat_template
-from deployments.errors import InvalidTransition, NotFound, ValidationFailed
-from deployments.models import GENERATIVE_BACKENDS, Deployment, DeploymentModel, DeploymentStatus
-from workers.triton.client import generate_stream
+from deployments.errors import GantryError, InvalidTransition, NotFound, ValidationFailed
+from deployments.models import GENERATIVE_BACKENDS, Backend, Deployment, DeploymentModel, DeploymentStatus
+from workers.triton.client import generate_stream, infer_async
+from workers.triton.config import trtllm_preprocessing_model
 
 MAX_PROMPT_CHARS = 200_000
 DEFAULT_MAX_TOKENS = 128
@@ -47,6 +51,7 @@ class Prepared:
     inputs: dict[str, Any]
     max_tokens: int
     notice: str = ""  # what the user must know about the checkpoint (e.g. untrained)
+    count_model: str = ""  # a model that counts the prompt's tokens, when the route does not
 
 
 @dataclass
@@ -125,10 +130,21 @@ def read_route(deployment_id: int, model: str) -> dict[str, Any]:
         if name is None:
             raise NotFound(f"deployment {deployment_id} does not exist")
         raise ValidationFailed({"model": f"{name} serves no llm" + (f" named {model!r}" if model else "")})
-    deployment, checkpoint = placement.deployment, placement.registered_model
+    deployment = placement.deployment
     if deployment.status not in {DeploymentStatus.READY, DeploymentStatus.DEGRADED}:
         raise InvalidTransition(f"{deployment.name} is {deployment.status}; start it and wait until it is ready")
-    route = {
+    route = route_of(placement)
+    if len(_routes) > 10_000:
+        _routes.clear()
+    _routes[(deployment_id, model)] = (time.monotonic() + ROUTE_CACHE_S, route)
+    return route
+
+
+def route_of(placement: DeploymentModel) -> dict[str, Any]:
+    """What generation needs of an llm placement (loaded with its deployment, host
+    and registered model): where it is served and what its checkpoint says."""
+    deployment, checkpoint = placement.deployment, placement.registered_model
+    return {
         "url": f"{deployment.host.address}:{deployment.http_port}",
         "triton_name": placement.triton_name,
         "model_name": checkpoint.name,
@@ -136,11 +152,13 @@ def read_route(deployment_id: int, model: str) -> dict[str, Any]:
         "special_tokens": checkpoint.special_tokens,
         "context": checkpoint.max_position_embeddings,
         "notice": checkpoint.notice,
+        # The TensorRT-LLM ensemble cannot report the prompt's tokens (Triton refuses an
+        # output that mixes the decoupled engine's lineage with preprocessing's); its
+        # preprocessing model counts them beside the generation instead.
+        "count_model": trtllm_preprocessing_model(placement.triton_name)
+        if placement.backend == Backend.TENSORRTLLM
+        else "",
     }
-    if len(_routes) > 10_000:
-        _routes.clear()
-    _routes[(deployment_id, model)] = (time.monotonic() + ROUTE_CACHE_S, route)
-    return route
 
 
 def prepare_generation(
@@ -190,7 +208,7 @@ def prepare_generation(
         inputs["stop_words"] = list(sampling.stop)
     return Prepared(
         url=route["url"], model=route["triton_name"], inputs=inputs, max_tokens=sampling.max_tokens,
-        notice=route["notice"],
+        notice=route["notice"], count_model=route.get("count_model", ""),
     )  # fmt: skip
 
 
@@ -201,19 +219,39 @@ async def generate(prepared: Prepared, *, stream: bool, outcome: Outcome) -> Asy
     iteration early (a client that went away) cancels the request in Triton.
     """
     outcome.streamed = stream
-    async for event in generate_stream(prepared.url, prepared.model, {**prepared.inputs, "stream": stream}):
-        text = _text(event.get("text_output"))
-        added = int(_first(event.get("num_output_tokens"), 0))
-        prompt_tokens = _first(event.get("num_input_tokens"), None)
-        if prompt_tokens is not None:
-            outcome.prompt_tokens = int(prompt_tokens)
-        outcome.completion_tokens += added
-        if (text or added) and outcome.first_token_at is None:
-            outcome.first_token_at = time.monotonic()
-        if text:
-            yield Piece(text=text, tokens=added)
-    outcome.ended = time.monotonic()
-    outcome.finish_reason = "length" if outcome.completion_tokens >= prepared.max_tokens else "stop"
+    counting = asyncio.ensure_future(_count_prompt(prepared)) if prepared.count_model else None
+    try:
+        async for event in generate_stream(prepared.url, prepared.model, {**prepared.inputs, "stream": stream}):
+            text = _text(event.get("text_output"))
+            added = int(_first(event.get("num_output_tokens"), 0))
+            prompt_tokens = _first(event.get("num_input_tokens"), None)
+            if prompt_tokens is not None:
+                outcome.prompt_tokens = int(prompt_tokens)
+            outcome.completion_tokens += added
+            if (text or added) and outcome.first_token_at is None:
+                outcome.first_token_at = time.monotonic()
+            if text:
+                yield Piece(text=text, tokens=added)
+        outcome.ended = time.monotonic()
+        outcome.finish_reason = "length" if outcome.completion_tokens >= prepared.max_tokens else "stop"
+        if counting is not None:
+            outcome.prompt_tokens = await counting
+    finally:
+        if counting is not None and not counting.done():
+            counting.cancel()
+
+
+async def _count_prompt(prepared: Prepared) -> int | None:
+    """The prompt's tokens by the route's tokenizer model; None if it cannot say."""
+    inputs = {
+        "QUERY": np.array([[prepared.inputs["text_input"]]], dtype=object),
+        "REQUEST_OUTPUT_LEN": np.array([[prepared.max_tokens]], dtype=np.int32),
+    }
+    try:
+        outputs = await infer_async(prepared.url, prepared.count_model, inputs)
+    except GantryError:
+        return None
+    return int(outputs["REQUEST_INPUT_LEN"].reshape(-1)[0]) if "REQUEST_INPUT_LEN" in outputs else None
 
 
 def _first(value: Any, default: Any) -> Any:

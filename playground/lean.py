@@ -13,16 +13,13 @@ to Django unchanged.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import re
 from typing import Any
 
+from controlplane.asgi_io import BodyTooLarge, read_body, send_json, stream_events
 from playground.api import _token_may_view, _token_may_view_cached, generate_answer
 
 GENERATE = re.compile(r"^/api/deployments/(\d+)/generate/$")
-_JSON = [(b"content-type", b"application/json")]
-_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 def _token(scope: dict[str, Any]) -> str | None:
@@ -48,42 +45,16 @@ class InferenceRouter:
         await self.inner(scope, receive, send)
 
 
-async def _read_body(receive: Any) -> bytes | None:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)
-
-
 async def _generate(pk: int, token: str, receive: Any, send: Any) -> None:
-    raw = await _read_body(receive)
+    try:
+        raw = await read_body(receive)
+    except BodyTooLarge as exc:
+        await send_json(send, 413, {"detail": str(exc)})
+        return
     if raw is None:
         return
     answer = await generate_answer(pk, raw, lambda: _token_may_view(token), lambda: _token_may_view_cached(token))
     if answer.events is None:
-        await send({"type": "http.response.start", "status": answer.status, "headers": _JSON})
-        await send({"type": "http.response.body", "body": json.dumps(answer.body).encode()})
+        await send_json(send, answer.status, answer.body)
         return
-    await send({"type": "http.response.start", "status": 200, "headers": _SSE})
-
-    async def pump() -> None:
-        async for event in answer.events:
-            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-
-    async def disconnected() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    streaming, watching = asyncio.create_task(pump()), asyncio.create_task(disconnected())
-    await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
-    # A client that went away: stopping the stream closes Triton's connection,
-    # and Triton cancels the request (the model stops generating).
-    for task in (streaming, watching):
-        task.cancel()
-    await asyncio.gather(streaming, watching, return_exceptions=True)
-    await answer.events.aclose()
+    await stream_events(send, receive, answer.events)

@@ -201,3 +201,59 @@ def _refusal(model: str, status: int, body: str) -> Exception:
     if status in (400, 404):
         return PermanentError(f"{model}: {message}")
     return TransientError(f"{model}: Triton answered {status}: {message}")
+
+
+# --- tensor inference from the event loop (the gateway) --------------------------------
+
+
+async def infer_async(url: str, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every output of ``model`` for ``inputs`` (numpy arrays; object arrays are
+    BYTES), through the pooled session. Outputs come back in Triton's binary
+    tensor extension, so a batch of embeddings is never printed as JSON numbers.
+
+    PermanentError when Triton refuses the request, TransientError when it
+    cannot be reached.
+    """
+    header: dict[str, Any] = {"inputs": [_json_tensor(name, array) for name, array in inputs.items()]}
+    header["parameters"] = {"binary_data_output": True}
+    endpoint = f"http://{url}/v2/models/{model}/infer"
+    try:
+        async with _session().post(endpoint, data=json.dumps(header).encode()) as response:
+            body = await response.read()
+            if response.status != 200:
+                raise _refusal(model, response.status, body.decode("utf-8", "replace"))
+            header_length = response.headers.get("Inference-Header-Content-Length")
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        raise TransientError(f"{model}: server unreachable at {url}: {exc}") from exc
+    return _outputs(body, int(header_length) if header_length else len(body))
+
+
+_NUMPY_OF = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT32": np.int32, "INT64": np.int64}
+
+
+def _json_tensor(name: str, array: np.ndarray) -> dict[str, Any]:
+    if array.dtype == object:
+        data = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
+        datatype = "BYTES"
+    else:
+        data, datatype = array.reshape(-1).tolist(), _DATATYPE_OF[array.dtype.type]
+    return {"name": name, "shape": list(array.shape), "datatype": datatype, "data": data}
+
+
+_DATATYPE_OF = {v: k for k, v in _NUMPY_OF.items()}
+
+
+def _outputs(body: bytes, header_length: int) -> dict[str, np.ndarray]:
+    header = json.loads(body[:header_length])
+    offset, arrays = header_length, {}
+    for output in header.get("outputs", []):
+        size = output.get("parameters", {}).get("binary_data_size")
+        dtype = _NUMPY_OF.get(output["datatype"])
+        if size is None:  # answered as JSON after all
+            arrays[output["name"]] = np.array(output.get("data", []), dtype=dtype).reshape(output["shape"])
+            continue
+        raw = body[offset : offset + size]
+        offset += size
+        if dtype is not None:  # (string outputs are skipped: the doors that call this never need them)
+            arrays[output["name"]] = np.frombuffer(raw, dtype=dtype).reshape(output["shape"])
+    return arrays

@@ -135,16 +135,19 @@ def _tensor(container, name: str, data_type: int, dims: list[int]) -> None:  # n
 
 
 def python_model_config(spec: PythonModelSpec) -> mc.ModelConfig:
-    """Embedding: TEXT (string) in, EMBEDDING (fp32) out.
-    Reranker: QUERY (one string) and PASSAGES (strings) in, SCORES (fp32, one per passage) out."""
+    """Embedding: TEXT (string) in, EMBEDDING (fp32) and NUM_TOKENS (int32) out.
+    Reranker: QUERY (one string) and PASSAGES (strings) in, SCORES (fp32, one per
+    passage) and NUM_TOKENS (all pairs) out. The token counts are the gateway's usage."""
     config = mc.ModelConfig(name=spec.name, backend="python")
     if spec.task == EMBED:
         _tensor(config.input, "TEXT", mc.TYPE_STRING, [1])
         _tensor(config.output, "EMBEDDING", mc.TYPE_FP32, [spec.embedding_dim])
+        _tensor(config.output, "NUM_TOKENS", mc.TYPE_INT32, [1])
     elif spec.task == RERANK:
         _tensor(config.input, "QUERY", mc.TYPE_STRING, [1])
         _tensor(config.input, "PASSAGES", mc.TYPE_STRING, [-1])
         _tensor(config.output, "SCORES", mc.TYPE_FP32, [-1])
+        _tensor(config.output, "NUM_TOKENS", mc.TYPE_INT32, [1])
     else:
         raise ValueError(f"unknown task {spec.task!r}")
     _apply_batching(config, spec.batching)
@@ -208,6 +211,13 @@ def read_config(model_dir: Path) -> mc.ModelConfig:
 # --- the TensorRT-LLM stack (tensorrtllm_backend's inflight_batcher_llm layout) ---------
 
 PREPROCESSING = "preprocessing"
+
+
+def trtllm_preprocessing_model(name: str) -> str:
+    """The tokenizer model beside the ensemble named ``name`` (also how the gateway counts prompt tokens)."""
+    return f"{name}-{PREPROCESSING}"
+
+
 POSTPROCESSING = "postprocessing"
 TOKENIZER_MODEL_FILE = "tokenizer_model.py"
 
@@ -240,7 +250,7 @@ class TrtllmSpec:
 
     @property
     def preprocessing_model(self) -> str:
-        return f"{self.name}-{PREPROCESSING}"
+        return trtllm_preprocessing_model(self.name)
 
     @property
     def postprocessing_model(self) -> str:

@@ -3,11 +3,11 @@ HuggingFace checkpoint.
 
 Gantry copies this file to <repository>/<model>/1/model.py. The config.pbtxt
 parameters say what to do:
-- task "embed": TEXT (strings) in, EMBEDDING out: tokens run through the
+- task "embed": TEXT (strings) in, EMBEDDING and NUM_TOKENS (per text) out: tokens run through the
   encoder, mean-pooled over real tokens, L2-normalized (the recipe
   sentence-transformers uses for all-MiniLM-L6-v2 and its kin).
 - task "rerank": QUERY (one string) and PASSAGES (strings) in, SCORES (one per
-  passage) out. A cross-encoder checkpoint (*ForSequenceClassification)
+  passage) and NUM_TOKENS (all pairs together) out. A cross-encoder checkpoint (*ForSequenceClassification)
   scores each (query, passage) pair; a bi-encoder scores by the cosine of the
   pooled embeddings.
 Also checkpoint_path, max_length and, on a GPU instance, gpu_memory_fraction,
@@ -63,13 +63,15 @@ class TritonPythonModel:
             return [self._rerank(request) for request in requests]
         texts_per_request = [_strings(request, "TEXT") for request in requests]
         flat = [text for texts in texts_per_request for text in texts]
-        embeddings = self._embed(flat)
+        embeddings, counts = self._embed(flat)
         responses = []
         start = 0
         for texts in texts_per_request:
             chunk = embeddings[start : start + len(texts)]
+            tokens = counts[start : start + len(texts)].reshape(-1, 1)
             start += len(texts)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("EMBEDDING", chunk)]))
+            outputs = [pb_utils.Tensor("EMBEDDING", chunk), pb_utils.Tensor("NUM_TOKENS", tokens)]
+            responses.append(pb_utils.InferenceResponse(outputs))
         return responses
 
     def _rerank(self, request):
@@ -81,10 +83,16 @@ class TritonPythonModel:
                 logits = self.model(**encoded).logits
             scores = logits[:, -1] if logits.shape[-1] > 1 else logits.squeeze(-1)
             scores = scores.float().cpu().numpy()
+            tokens = int(encoded["attention_mask"].sum())
         else:
-            vectors = self._embed([query, *passages])
+            vectors, counts = self._embed([query, *passages])
             scores = vectors[1:] @ vectors[0]
-        return pb_utils.InferenceResponse([pb_utils.Tensor("SCORES", scores.astype(np.float32).reshape(1, -1))])
+            tokens = int(counts.sum())
+        outputs = [
+            pb_utils.Tensor("SCORES", scores.astype(np.float32).reshape(1, -1)),
+            pb_utils.Tensor("NUM_TOKENS", np.array([[tokens]], dtype=np.int32)),
+        ]
+        return pb_utils.InferenceResponse(outputs)
 
     def _tokenize(self, texts, pairs=None):
         return self.tokenizer(
@@ -92,15 +100,17 @@ class TritonPythonModel:
         ).to(self.device)
 
     def _embed(self, texts):
+        """Unit vectors of ``texts`` and how many tokens each took (for usage)."""
         if not texts:
-            return np.zeros((0, self.model.config.hidden_size), dtype=np.float32)
+            return np.zeros((0, self.model.config.hidden_size), dtype=np.float32), np.zeros(0, dtype=np.int32)
         encoded = self._tokenize(texts)
         with torch.inference_mode():
             hidden = self.model(**encoded).last_hidden_state
         mask = encoded["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
         normalized = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return normalized.float().cpu().numpy().astype(np.float32)
+        counts = encoded["attention_mask"].sum(dim=1).cpu().numpy().astype(np.int32)
+        return normalized.float().cpu().numpy().astype(np.float32), counts
 
     def finalize(self):
         self.model = None
