@@ -1,5 +1,7 @@
-"""ASGI entry point: Django for HTTP (token-authenticated generate requests by
-the lean path in front of it, playground.lean), Channels for websockets."""
+"""ASGI entry point: Django for HTTP, with two doors in front of it that skip
+Django's request path: the OpenAI-compatible gateway (/v1/..., gateway.app)
+and token-authenticated generate requests (playground.lean); Channels for
+websockets."""
 
 import os
 
@@ -13,11 +15,12 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 
 from deployments.routing import websocket_urlpatterns  # noqa: E402
 from deployments.ws_auth import TokenOrSessionAuthMiddlewareStack  # noqa: E402
+from gateway.app import GatewayRouter  # noqa: E402
 from playground.lean import InferenceRouter  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
-        "http": InferenceRouter(django_asgi_app),
+        "http": GatewayRouter(InferenceRouter(django_asgi_app)),
         "websocket": AllowedHostsOriginValidator(TokenOrSessionAuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

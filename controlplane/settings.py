@@ -90,6 +90,7 @@ INSTALLED_APPS = [
     "controlplane",
     "deployments",
     "playground",
+    "gateway",
 ]
 
 MIDDLEWARE = [

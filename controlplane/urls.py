@@ -8,5 +8,6 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("api/", include("deployments.api.urls")),
     path("api/", include("playground.urls")),
+    path("api/", include("gateway.urls")),
     path("", include("deployments.web.urls")),
 ]

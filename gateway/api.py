@@ -1,0 +1,209 @@
+"""/api/gateway/: the gateway's aliases, keys and usage, for automation (the
+browser's gateway page uses the same services)."""
+
+from __future__ import annotations
+
+from django.db.models import Count, Q, QuerySet, Sum
+from rest_framework import serializers, status
+from rest_framework.generics import get_object_or_404
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from deployments.api.base import StrictSerializer, require_empty_body, validated
+from deployments.permissions import ReadOrOperate
+from gateway import services
+from gateway.models import Alias, ApiKey, Usage, alias_validator
+
+
+class AliasOut(serializers.ModelSerializer):
+    deployment_name = serializers.CharField(source="deployment.name")
+    deployment_status = serializers.CharField(source="deployment.status")
+    model = serializers.CharField(source="triton_name")
+
+    class Meta:
+        model = Alias
+        fields = [
+            "id",
+            "name",
+            "deployment",
+            "deployment_name",
+            "deployment_status",
+            "model",
+            "created_at",
+            "updated_at",
+        ]
+
+
+class AliasIn(StrictSerializer):
+    name = serializers.CharField(max_length=128, validators=[alias_validator])
+    deployment = serializers.IntegerField(min_value=1)
+    model = serializers.CharField(max_length=63, help_text="the model's name in the deployment (its Triton name)")
+
+
+class AliasMoveIn(StrictSerializer):
+    deployment = serializers.IntegerField(min_value=1)
+    model = serializers.CharField(max_length=63)
+
+
+def _aliases() -> QuerySet[Alias]:
+    return Alias.objects.select_related("deployment")
+
+
+class AliasList(APIView):
+    """GET: every alias. POST {name, deployment, model}: point a new gateway model name at a deployment's model."""
+
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request) -> Response:
+        return Response(AliasOut(_aliases(), many=True).data)
+
+    def post(self, request: Request) -> Response:
+        data = validated(AliasIn, request)
+        alias = services.alias_create(
+            name=data["name"], deployment_id=data["deployment"], triton_name=data["model"], user=request.user
+        )
+        return Response(AliasOut(_aliases().get(pk=alias.pk)).data, status=status.HTTP_201_CREATED)
+
+
+class AliasDetail(APIView):
+    """GET; PATCH {deployment, model}: move the alias (atomic, on the timeline); DELETE."""
+
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request, pk: int) -> Response:
+        return Response(AliasOut(get_object_or_404(_aliases(), pk=pk)).data)
+
+    def patch(self, request: Request, pk: int) -> Response:
+        data = validated(AliasMoveIn, request)
+        services.alias_move(alias_id=pk, deployment_id=data["deployment"], triton_name=data["model"], user=request.user)
+        return Response(AliasOut(_aliases().get(pk=pk)).data)
+
+    def delete(self, request: Request, pk: int) -> Response:
+        services.alias_delete(alias_id=pk, user=request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class KeyOut(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.username")
+    aliases = serializers.SerializerMethodField()
+    state = serializers.CharField()
+    usage = serializers.SerializerMethodField(help_text="all-time totals")
+
+    class Meta:
+        model = ApiKey
+        fields = [
+            "id", "name", "prefix", "owner", "state", "all_aliases", "aliases", "expires_at",
+            "requests_per_minute", "tokens_per_minute", "revoked_at", "last_used_at", "created_at", "usage",
+        ]  # fmt: skip
+
+    def get_aliases(self, key: ApiKey) -> list[str]:
+        return sorted(a.name for a in key.aliases.all())
+
+    def get_usage(self, key: ApiKey) -> dict[str, int]:
+        return {
+            "requests": key.total_requests or 0,
+            "failed": key.total_failed or 0,
+            "prompt_tokens": key.total_prompt_tokens or 0,
+            "completion_tokens": key.total_completion_tokens or 0,
+        }
+
+
+def keys_with_usage() -> QuerySet[ApiKey]:
+    """Keys with their owner, aliases and usage totals, in three queries whatever their number."""
+    return (
+        ApiKey.objects.select_related("owner")
+        .prefetch_related("aliases")
+        .annotate(
+            total_requests=Sum("usage__requests"),
+            total_failed=Sum("usage__failed"),
+            total_prompt_tokens=Sum("usage__prompt_tokens"),
+            total_completion_tokens=Sum("usage__completion_tokens"),
+        )
+    )
+
+
+class KeyIn(StrictSerializer):
+    name = serializers.CharField(max_length=100)
+    all_aliases = serializers.BooleanField(default=False)
+    aliases = serializers.ListField(child=serializers.CharField(max_length=128), max_length=1000, default=list)
+    expires_at = serializers.DateTimeField(required=False, allow_null=True, default=None)
+    requests_per_minute = serializers.IntegerField(min_value=1, max_value=10_000_000, required=False, allow_null=True)
+    tokens_per_minute = serializers.IntegerField(min_value=1, max_value=2_000_000_000, required=False, allow_null=True)
+
+
+class KeyList(APIView):
+    """GET: every key (never its secret). POST: a new key; the answer's ``key`` is the secret, shown this once."""
+
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request) -> Response:
+        return Response(KeyOut(keys_with_usage(), many=True).data)
+
+    def post(self, request: Request) -> Response:
+        data = validated(KeyIn, request)
+        created = services.key_create(
+            name=data["name"],
+            user=request.user,
+            all_aliases=data["all_aliases"],
+            alias_names=data["aliases"],
+            expires_at=data["expires_at"],
+            requests_per_minute=data.get("requests_per_minute"),
+            tokens_per_minute=data.get("tokens_per_minute"),
+        )
+        body = {**KeyOut(keys_with_usage().get(pk=created.key.pk)).data, "key": created.secret}
+        return Response(body, status=status.HTTP_201_CREATED)
+
+
+class KeyDetail(APIView):
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request, pk: int) -> Response:
+        return Response(KeyOut(get_object_or_404(keys_with_usage(), pk=pk)).data)
+
+
+class KeyRevoke(APIView):
+    """POST: the key stops working (within a second); it stays listed, with its usage."""
+
+    permission_classes = [ReadOrOperate]
+
+    def post(self, request: Request, pk: int) -> Response:
+        require_empty_body(request)
+        services.key_revoke(key_id=pk, user=request.user)
+        return Response(KeyOut(keys_with_usage().get(pk=pk)).data)
+
+
+class UsageOut(serializers.ModelSerializer):
+    key_name = serializers.CharField(source="key.name")
+
+    class Meta:
+        model = Usage
+        fields = ["key", "key_name", "alias", "day", "requests", "failed", "prompt_tokens", "completion_tokens"]
+
+
+class UsageQuery(StrictSerializer):
+    key = serializers.IntegerField(min_value=1, required=False)
+    alias = serializers.CharField(max_length=128, required=False)
+    since = serializers.DateField(required=False)
+
+
+class UsageList(APIView):
+    """GET ?key=&alias=&since=YYYY-MM-DD: usage per key, alias and day, newest first, with totals."""
+
+    permission_classes = [ReadOrOperate]
+
+    def get(self, request: Request) -> Response:
+        query = UsageQuery(data=request.query_params.dict())
+        query.is_valid(raise_exception=True)
+        filters = Q()
+        for field, lookup in (("key", "key_id"), ("alias", "alias"), ("since", "day__gte")):
+            if field in query.validated_data:
+                filters &= Q(**{lookup: query.validated_data[field]})
+        rows = Usage.objects.select_related("key").filter(filters)
+        totals = rows.aggregate(
+            requests=Sum("requests"), failed=Sum("failed"), prompt_tokens=Sum("prompt_tokens"),
+            completion_tokens=Sum("completion_tokens"), rows=Count("id"),
+        )  # fmt: skip
+        return Response(
+            {"totals": {k: v or 0 for k, v in totals.items()}, "rows": UsageOut(rows[:1000], many=True).data}
+        )
