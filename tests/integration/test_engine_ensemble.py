@@ -125,3 +125,50 @@ def test_gantrys_generate_interface_treats_the_ensemble_like_the_transformers_mo
     assert [e["text_output"] for e in whole] == ["one two three"]
     assert sum(e["num_output_tokens"] for e in streamed) == 3 and whole[0]["num_output_tokens"] == 3
     assert all("num_input_tokens" not in e for e in streamed + whole)  # see ensemble_config
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_openai_client_chats_through_the_ensemble_via_the_gateway(ensemble, stack):  # noqa: ANN001
+    """The gateway's chat on the engine route: the rows say a deployment serves the
+    ensemble above (what a worker records after launching it); the web process,
+    the ensemble and the stand-in engine are real. Prompt tokens are counted by
+    the ensemble's own preprocessing model."""
+    import openai
+
+    from deployments import chat_template
+    from deployments.models import Backend, Deployment, DeploymentModel, DeploymentStatus
+    from gateway import services as gateway
+
+    url, _, tokenizer_dir = ensemble
+    host = factories.cpu_host("engine-host")
+    checkpoint = factories.registered_model(name="engine-llm", kind="llm", path=tokenizer_dir, host=host)
+    deployment = Deployment.objects.create(
+        name="engine", host=host, http_port=int(url.rsplit(":", 1)[1]), grpc_port=1, metrics_port=2,
+        status=DeploymentStatus.READY, desired_state="running",
+    )  # fmt: skip
+    DeploymentModel.objects.create(
+        deployment=deployment, triton_name="llm", registered_model=checkpoint, backend=Backend.TENSORRTLLM
+    )
+    gateway.alias_create(name="engine-chat", deployment_id=deployment.pk, triton_name="llm", user=stack.user)
+    secret = gateway.key_create(name="t", user=stack.user, all_aliases=True).secret
+    client = openai.OpenAI(base_url=f"{stack.web_url}/v1", api_key=secret, max_retries=0)
+
+    # The stand-in engine echoes the prompt's tokens: the answer is the rendered chat prompt's start.
+    messages = [{"role": "user", "content": "one two three"}]
+    whole = client.chat.completions.create(model="engine-chat", messages=messages, max_tokens=8)
+    rendered = whole.choices[0].message.content
+    assert "one" in rendered or "user" in rendered.lower(), rendered
+    assert whole.usage.completion_tokens == 8 and whole.choices[0].finish_reason == "length"
+    # The prompt as Gantry renders it, tokenized as the preprocessing model does.
+    prompt = chat_template.render(checkpoint.chat_template, messages, special_tokens=checkpoint.special_tokens,
+                                  model_name=checkpoint.name)  # fmt: skip
+    assert whole.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(tokenizer_dir).encode(prompt))
+
+    stream = client.chat.completions.create(
+        model="engine-chat", messages=messages, max_tokens=8, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).replace(" ", "") == rendered.replace(
+        " ", ""
+    )
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens and chunks[-1].usage.completion_tokens == 8
