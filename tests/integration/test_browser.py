@@ -134,3 +134,64 @@ def test_chat_streams_tokens_and_stop_cancels_inside_triton(stack: Stack, chat_d
 
     line = wait_for(cancelled, 30, "the model to log the cancelled request")
     assert int(line.rsplit("after ", 1)[1].split()[0]) < 400
+
+
+@pytest.fixture
+def stopped_deployment(stack: Stack, minilm) -> int:  # noqa: ANN001
+    from tests import factories
+
+    return factories.deployment(host=minilm.host, name="gw-target").pk
+
+
+def test_operator_makes_an_alias_and_a_key_in_the_browser_and_the_key_works_until_revoked(
+    stack: Stack, stopped_deployment: int, page, tmp_path: Path
+):
+    import openai
+    from playwright.sync_api import expect
+
+    from tests.integration.conftest import wait_for
+
+    page.goto(f"{stack.web_url}/gateway/")
+    page.fill("input[name=username]", stack.user.username)
+    page.fill("input[name=password]", "operator-pass")
+    page.click("button[type=submit]")
+
+    page.fill("#alias-form input[name=name]", "team/embedder")
+    page.select_option("#alias-form select[name=target]", f"{stopped_deployment}/minilm")
+    page.click("#alias-form button[type=submit]")
+    expect(page.locator("#aliases")).to_contain_text("gw-target / minilm")
+
+    # A refused key names its field, and nothing is created.
+    page.fill("#key-form input[name=name]", "notebook")
+    page.click("#key-form button[type=submit]")
+    expect(page.locator("#key-form")).to_contain_text("name the aliases this key may use")
+    expect(page.locator("#keys")).to_contain_text("no keys yet")
+
+    page.fill("#key-form input[name=name]", "notebook")
+    page.select_option("#key-form select[name=aliases]", ["team/embedder"])
+    page.fill("#key-form input[name=requests_per_minute]", "100")
+    page.click("#key-form button[type=submit]")
+    secret = page.locator("#new-secret").inner_text().strip()
+    assert secret.startswith("gk-")
+    expect(page.locator("#keys")).to_contain_text(secret[:10])
+    page.screenshot(path=str(tmp_path / "gateway.png"), full_page=True)
+
+    client = openai.OpenAI(base_url=f"{stack.web_url}/v1", api_key=secret, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["team/embedder"]
+
+    # Shown once: a reload shows only the prefix.
+    page.reload()
+    expect(page.locator("#new-secret")).to_have_count(0)
+    assert secret not in page.content()
+
+    page.click("#keys button.danger")
+    expect(page.locator("#keys")).to_contain_text("revoked")
+
+    def refused() -> bool:
+        try:
+            client.models.list()
+        except openai.AuthenticationError:
+            return True
+        return False
+
+    wait_for(refused, 5, "the revoked key to be refused")

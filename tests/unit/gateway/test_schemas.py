@@ -34,8 +34,11 @@ def test_chat_accepts_text_parts_neutral_fields_and_max_completion_tokens():
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
         ({**CHAT, "max_tokens": 5, "max_completion_tokens": 5}, "max_tokens", "not both"),
         ({"model": "m", "messages": []}, "messages", "may not be empty"),
-        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content",
-         "only text parts"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+            "only text parts",
+        ),
         ({"messages": CHAT["messages"]}, "model", "required"),
     ],
 )

@@ -70,7 +70,9 @@ def test_usage_adds_up_per_key_alias_and_day(operator):  # noqa: ANN001
     today = timezone.now().date()
     for _ in range(2):
         services.usage_add(
-            counts={(key.pk, "chat", today): services.Tally(requests=3, failed=1, prompt_tokens=10, completion_tokens=5)},
+            counts={
+                (key.pk, "chat", today): services.Tally(requests=3, failed=1, prompt_tokens=10, completion_tokens=5)
+            },
             last_used={key.pk: timezone.now()},
         )
     row = Usage.objects.get(key=key, alias="chat", day=today)
