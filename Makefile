@@ -12,7 +12,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             SECRET_KEY=gantry-test-secret-key-not-for-production \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv demo test gpu-test lint clean bench
+.PHONY: venv demo test gpu-test lint clean bench bench-gateway
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,8 +39,13 @@ gpu-test:
 
 # Benchmarks print each figure beside its floor, measured in the same run (see docs/performance.md).
 BENCH_ARGS ?=
+BENCH_GATEWAY_ARGS ?=
 bench: venv
 	$(PY) bench/generate.py $(BENCH_ARGS)
+	$(PY) bench/gateway.py $(BENCH_GATEWAY_ARGS)
+
+bench-gateway: venv
+	$(PY) bench/gateway.py $(BENCH_GATEWAY_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -16,17 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import percentile, served, setup_django
 
 
 @dataclass
@@ -42,8 +38,7 @@ class Figures:
     wall_s: float = 0.0
 
     def ttft(self, q: float) -> float:
-        values = sorted(s.ttft_ms for s in self.samples)
-        return values[min(len(values) - 1, int(q * len(values)))]
+        return percentile([s.ttft_ms for s in self.samples], q)
 
     def per_stream_tps(self) -> float:
         rates = [(s.tokens - 1) / s.decode_s for s in self.samples if s.tokens > 1 and s.decode_s > 0]
@@ -145,78 +140,24 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=18600, help="first of the ports used (web, then Triton's three)")
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="gantry-bench-"))
-    os.environ.update(
-        DJANGO_SETTINGS_MODULE="controlplane.settings",
-        DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
-        SECRET_KEY=os.environ.get("SECRET_KEY", "gantry-bench-key"),
-        GANTRY_DATA_DIR=str(work / "data"),
-        GANTRY_MODEL_ROOTS="/",
-        GANTRY_HOST_NAME="bench-host",
-        GANTRY_TRITON_PORT_RANGE=f"{args.port + 1}-{args.port + 30}",
-    )
-    import django
-
-    django.setup()
+    work = setup_django(args.port)
     from django.contrib.auth.models import User
-    from django.core.management import call_command
     from rest_framework.authtoken.models import Token
 
-    from deployments import states
-    from deployments.services import deployments, hosts, registered_models
     from deployments.services.placements import PlacementSpec
-    from workers.deploy import plan
-    from workers.triton.client import TritonClient
-    from workers.triton.repository import write_repository
     from workers.untrained_llm import make_untrained_llm
 
-    call_command("migrate", verbosity=0)
     checkpoint = args.checkpoint or make_untrained_llm(work / "tiny-llama")
-    host = hosts.host_heartbeat(name="bench-host", address="127.0.0.1", gpus=[])
-    model = registered_models.model_register(name="llm", kind="llm", path=str(checkpoint.resolve()), host=host.name)
-    registered_models.model_inspect(model_id=model.pk, source="bench")
-    deployment = deployments.deployment_create(
-        name="bench",
-        host_name=host.name,
-        placements=[PlacementSpec(model="llm", max_batch_size=max(8, args.concurrency), max_queue_delay_us=500)],
-    )
-    deployment = plan.load(deployment.pk)
-    spec = plan.launch_spec(deployment)
-    write_repository(spec.repository, plan.model_specs(deployment))
-    runtime = plan.runtime_for(deployment)
-    handle = runtime.start(spec)
-    web = None
-    try:
-        client = TritonClient(f"127.0.0.1:{deployment.http_port}")
-        client.wait_until_ready(spec.models, timeout_s=300, keep_waiting=lambda: runtime.is_running(handle, spec))
-        client.close()
-        for to in ("launching", "loading", "ready"):
-            states.deployment_transition(
-                deployment_id=deployment.pk, to=to, source="bench", runtime_handle=handle if to == "loading" else None
-            )
-        user = User.objects.create_user("bench")
-        args.token = Token.objects.create(user=user).key
-        server = ["-m", "daphne", "-b", "127.0.0.1", "-p", str(args.port), "controlplane.asgi:application"]
-        web = subprocess.Popen(  # noqa: S603 - the product's own ASGI server, as make demo runs it
-            [sys.executable, *server],
-            cwd=ROOT,
-            env=os.environ.copy(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        time.sleep(3)
-        args.gantry_url = f"http://127.0.0.1:{args.port}/api/deployments/{deployment.pk}/generate/"
-        args.triton_url = f"http://127.0.0.1:{deployment.http_port}/v2/models/llm/generate_stream"
+    placement = PlacementSpec(model="llm", max_batch_size=max(8, args.concurrency), max_queue_delay_us=500)
+    with served(port=args.port, models={"llm": (checkpoint, "llm")}, placements=[placement]) as stack:
+        args.token = Token.objects.create(user=User.objects.create_user("bench")).key
+        args.gantry_url = f"{stack.web}/api/deployments/{stack.deployment.pk}/generate/"
+        args.triton_url = f"http://{stack.triton}/v2/models/llm/generate_stream"
         print(
             f"model: {checkpoint}; {args.rounds} rounds x {args.requests} requests per stream, "
-            f"{args.max_tokens} tokens each, streamed; Triton {spec.http_port}, Gantry (daphne) {args.port}"
+            f"{args.max_tokens} tokens each, streamed; Triton {stack.triton}, Gantry (daphne) {stack.web}"
         )
         _print(asyncio.run(_measure(args)), args.concurrency)
-    finally:
-        if web is not None:
-            web.terminate()
-            web.wait(timeout=20)
-        runtime.stop(handle, spec)
     return 0
 
 

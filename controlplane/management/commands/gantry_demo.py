@@ -37,6 +37,8 @@ from deployments.errors import GantryError
 from deployments.models import Deployment, DeploymentStatus, GpuHost, Inspection, RegisteredModel
 from deployments.services import deployments, registered_models
 from deployments.services.placements import PlacementSpec
+from gateway.models import Alias
+from gateway.services import alias_create
 from workers import processes
 from workers.deploy import lifecycle
 from workers.runtimes import process as triton_process
@@ -48,6 +50,8 @@ DEMO_LLM = "gantry-demo-llm"
 DEMO_STACK = "demo-stack"
 # The seeds' split of one GPU: LLM 0.80, reranker 0.10, embedder 0.05 (ignored on a CPU host).
 DEMO_FRACTIONS = {DEMO_LLM: 0.80, "all-minilm-l6-v2-reranker": 0.10, "all-minilm-l6-v2": 0.05}
+# The gateway's model names for demo-stack's three models.
+DEMO_ALIASES = {"demo-chat": DEMO_LLM, "demo-embed": "all-minilm-l6-v2", "demo-rerank": "all-minilm-l6-v2-reranker"}
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -89,11 +93,16 @@ class Command(BaseCommand):
             self._wait_for_host()
             self._register_demo_models()
             stack = self._start_demo_stack()
+            self._ensure_aliases(stack)
             url = f"http://{options['bind']}:{options['port']}/"
             self.stdout.write(self.style.SUCCESS(f"\nGantry is running at {url}"))
             self.stdout.write(
                 f"The deployment {DEMO_STACK} ({url}deployments/{stack.pk}/) serves an LLM, a reranker and an "
                 f"embedder in one Triton. Its LLM, {DEMO_LLM}, is {UNTRAINED_NOTICE}."
+            )
+            self.stdout.write(
+                f"OpenAI-compatible gateway: {url}v1 with the models {', '.join(DEMO_ALIASES)}; "
+                f"create a key at {url}gateway/."
             )
             self.stdout.write(admin_line)
             self.stdout.write("Press Ctrl-C to stop everything.\n")
@@ -236,6 +245,11 @@ class Command(BaseCommand):
             deployments.deployment_start(deployment_id=stack.pk)
             self.stdout.write(f"starting {DEMO_STACK}: {', '.join(DEMO_FRACTIONS)}")
         return stack
+
+    def _ensure_aliases(self, stack: Deployment) -> None:
+        for alias, model in DEMO_ALIASES.items():
+            if not Alias.objects.filter(name=alias).exists():
+                alias_create(name=alias, deployment_id=stack.pk, triton_name=model)
 
     # --- running and stopping ---------------------------------------------
 

@@ -1,0 +1,94 @@
+"""What the benchmarks share: a one-machine Gantry (SQLite, daphne) serving a
+real tritonserver deployment, and percentiles."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def setup_django(port: int) -> Path:
+    """Settings for a throw-away SQLite Gantry whose Triton ports follow ``port``; its folder."""
+    work = Path(tempfile.mkdtemp(prefix="gantry-bench-"))
+    os.environ.update(
+        DJANGO_SETTINGS_MODULE="controlplane.settings",
+        DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
+        SECRET_KEY=os.environ.get("SECRET_KEY", "gantry-bench-key"),
+        GANTRY_DATA_DIR=str(work / "data"),
+        GANTRY_MODEL_ROOTS="/",
+        GANTRY_HOST_NAME="bench-host",
+        GANTRY_TRITON_PORT_RANGE=f"{port + 1}-{port + 30}",
+    )
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    return work
+
+
+@dataclass
+class Served:
+    deployment: Any
+    triton: str  # host:port of Triton's HTTP endpoint
+    web: str  # base URL of Gantry's ASGI server
+
+
+@contextmanager
+def served(*, port: int, models: dict[str, tuple[Path, str]], placements: list[Any]) -> Iterator[Served]:
+    """Register ``models`` (name -> (folder, kind)), start a deployment of ``placements``
+    with the worker's own launch code, mark it ready, and run daphne as make demo does."""
+    from deployments import states
+    from deployments.services import deployments, hosts, registered_models
+    from workers.deploy import plan
+    from workers.triton.client import TritonClient
+    from workers.triton.repository import write_repository
+
+    host = hosts.host_heartbeat(name="bench-host", address="127.0.0.1", gpus=[])
+    for name, (folder, kind) in models.items():
+        model = registered_models.model_register(name=name, kind=kind, path=str(folder.resolve()), host=host.name)
+        registered_models.model_inspect(model_id=model.pk, source="bench")
+    deployment = deployments.deployment_create(name="bench", host_name=host.name, placements=placements)
+    deployment = plan.load(deployment.pk)
+    spec = plan.launch_spec(deployment)
+    write_repository(spec.repository, plan.model_specs(deployment))
+    runtime = plan.runtime_for(deployment)
+    handle = runtime.start(spec)
+    web = None
+    try:
+        client = TritonClient(f"127.0.0.1:{deployment.http_port}")
+        client.wait_until_ready(spec.models, timeout_s=300, keep_waiting=lambda: runtime.is_running(handle, spec))
+        client.close()
+        for to in ("launching", "loading", "ready"):
+            states.deployment_transition(
+                deployment_id=deployment.pk, to=to, source="bench", runtime_handle=handle if to == "loading" else None
+            )
+        server = ["-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"]
+        web = subprocess.Popen(  # noqa: S603 - the product's own ASGI server, as make demo runs it
+            [sys.executable, *server], cwd=ROOT, env=os.environ.copy(), stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        time.sleep(3)
+        yield Served(deployment=deployment, triton=f"127.0.0.1:{deployment.http_port}", web=f"http://127.0.0.1:{port}")
+    finally:
+        if web is not None:
+            web.terminate()
+            web.wait(timeout=20)
+        runtime.stop(handle, spec)
