@@ -16,7 +16,7 @@ def _refusal(serializer, body) -> dict:  # noqa: ANN001
 def test_chat_accepts_text_parts_neutral_fields_and_max_completion_tokens():
     data = schemas.parse(
         schemas.ChatIn,
-        {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],  # noqa: E501
          "n": 1, "presence_penalty": 0, "logprobs": False, "max_completion_tokens": 9, "stop": "END", "user": "u1"},
     )  # fmt: skip
     assert data["messages"][0]["content"] == "ab" and data["max_tokens"] == 9 and data["stop"] == ["END"]
