@@ -50,7 +50,10 @@ def test_embedding_config_fields():
     assert config.backend == "python"
     assert config.max_batch_size == 32
     assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [("TEXT", mc.TYPE_STRING, [1])]
-    assert [(o.name, o.data_type, list(o.dims)) for o in config.output] == [("EMBEDDING", mc.TYPE_FP32, [384])]
+    assert [(o.name, o.data_type, list(o.dims)) for o in config.output] == [
+        ("EMBEDDING", mc.TYPE_FP32, [384]),
+        ("NUM_TOKENS", mc.TYPE_INT32, [1]),  # the gateway's usage
+    ]
     assert list(config.dynamic_batching.preferred_batch_size) == [8, 16]
     assert config.dynamic_batching.max_queue_delay_microseconds == 2000
     group = config.instance_group[0]
@@ -80,7 +83,10 @@ def test_reranker_config_takes_a_query_and_passages_and_gives_one_score_each():
         ("QUERY", mc.TYPE_STRING, [1]),
         ("PASSAGES", mc.TYPE_STRING, [-1]),
     ]
-    assert [(o.name, o.data_type, list(o.dims)) for o in config.output] == [("SCORES", mc.TYPE_FP32, [-1])]
+    assert [(o.name, o.data_type, list(o.dims)) for o in config.output] == [
+        ("SCORES", mc.TYPE_FP32, [-1]),
+        ("NUM_TOKENS", mc.TYPE_INT32, [1]),
+    ]
     assert config.parameters["task"].string_value == "rerank"
 
 
