@@ -93,7 +93,6 @@ class Command(BaseCommand):
             self._wait_for_host()
             self._register_demo_models()
             stack = self._start_demo_stack()
-            self._ensure_aliases(stack)
             url = f"http://{options['bind']}:{options['port']}/"
             self.stdout.write(self.style.SUCCESS(f"\nGantry is running at {url}"))
             self.stdout.write(
@@ -241,6 +240,8 @@ class Command(BaseCommand):
                 )
             except GantryError as exc:
                 raise CommandError(f"could not create {DEMO_STACK}: {exc}") from exc
+        # Before the start: SQLite takes one writer at a time, and the launch is one.
+        self._ensure_aliases(stack)
         if stack.status in states.AT_REST:
             deployments.deployment_start(deployment_id=stack.pk)
             self.stdout.write(f"starting {DEMO_STACK}: {', '.join(DEMO_FRACTIONS)}")
