@@ -15,7 +15,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from deployments.models import DeploymentModel, DeploymentStatus, ModelKind
-from gateway.errors import GatewayError, model_not_found
+from gateway.errors import GatewayError, model_not_found, not_ready
 from gateway.models import Alias, ApiKey
 from gateway.services import key_digest
 from playground.generation import route_of
@@ -52,13 +52,7 @@ class Target:
 
     def require_ready(self) -> None:
         if self.status not in _SERVING:
-            raise GatewayError(
-                503,
-                f"model {self.alias!r} is not ready: deployment {self.deployment} is {self.status}",
-                type="server_error",
-                code="model_not_ready",
-                retry_after=5,
-            )
+            raise not_ready(self.alias, f"deployment {self.deployment} is {self.status}")
 
 
 class _Cache:

@@ -52,10 +52,7 @@ def from_gantry(exc: GantryError, *, alias: str) -> GatewayError:
     if isinstance(exc, NotFound):
         return model_not_found(alias)
     if isinstance(exc, InvalidTransition):  # the deployment is not ready
-        return GatewayError(
-            503, f"model {alias!r} is not ready: {exc}", type="server_error", code="model_not_ready",
-            retry_after=NOT_READY_RETRY_S,
-        )  # fmt: skip
+        return not_ready(alias, str(exc))
     if isinstance(exc, TransientError):
         return GatewayError(
             503, f"model {alias!r} is unavailable: {exc}", type="server_error", code="model_unavailable",
@@ -73,3 +70,10 @@ def model_not_found(alias: str) -> GatewayError:
         param="model",
         code="model_not_found",
     )
+
+
+def not_ready(alias: str, why: str) -> GatewayError:
+    return GatewayError(
+        503, f"model {alias!r} is not ready: {why}", type="server_error", code="model_not_ready",
+        retry_after=NOT_READY_RETRY_S,
+    )  # fmt: skip
