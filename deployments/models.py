@@ -212,6 +212,8 @@ class EngineBuild(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+        # The list pages newest first, filtered by status or model.
+        indexes = [models.Index(fields=["status", "-id"]), models.Index(fields=["model", "-id"])]
         constraints = [
             # Two identical requests at the same moment start one build.
             models.UniqueConstraint(
@@ -474,6 +476,15 @@ class Event(models.Model):
 
     class Meta:
         ordering = ["created_at", "id"]
+        # Each timeline pages newest first by id; without these PostgreSQL
+        # sorted all of a deployment's events on every page.
+        indexes = [
+            models.Index(fields=["deployment", "-id"]),
+            models.Index(fields=["build", "-id"]),
+            models.Index(fields=["host", "-id"]),
+            models.Index(fields=["model", "-id"]),
+            models.Index(fields=["kind", "-id"]),
+        ]
 
     def __str__(self) -> str:
         return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.kind} {self.message[:60]}"

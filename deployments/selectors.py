@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime
 
 from django.conf import settings
 from django.db.models import Prefetch, QuerySet
-from django.utils import timezone
 
 from deployments.errors import NotFound
 from deployments.models import (
     Backend,
-    BuildLogLine,
     Deployment,
     DeploymentModel,
     EngineBuild,
     Event,
     GpuHost,
-    LogLine,
-    MetricSample,
     RegisteredModel,
 )
 from deployments.placement import kv_bytes_per_token, placement_gpus, weights_bytes_per_gpu
@@ -32,17 +28,32 @@ def model_list() -> QuerySet[RegisteredModel]:
     return RegisteredModel.objects.select_related("created_by", "host")
 
 
-def build_list(
-    *, model: str | None = None, status: str | None = None, host: str | None = None
+def build_list(**filters: str) -> QuerySet[EngineBuild]:
+    """Builds with what their list shows, in a fixed number of queries whatever their number."""
+    placements = DeploymentModel.objects.select_related("deployment")
+    rows = EngineBuild.objects.select_related("model", "host", "created_by").prefetch_related(
+        Prefetch("placements", queryset=placements)
+    )
+    return build_filter(rows, **filters)
+
+
+def build_filter(
+    rows: QuerySet[EngineBuild],
+    *,
+    model: str | None = None,
+    status: str | None = None,
+    host: str | None = None,
+    cache_key: str | None = None,
 ) -> QuerySet[EngineBuild]:
-    found = EngineBuild.objects.select_related("model", "host", "created_by")
     if model:
-        found = found.filter(model__name=model)
+        rows = rows.filter(model__name=model)
     if status:
-        found = found.filter(status=status)
+        rows = rows.filter(status=status)
     if host:
-        found = found.filter(host__name=host)
-    return found
+        rows = rows.filter(host__name=host)
+    if cache_key:
+        rows = rows.filter(cache_key=cache_key)
+    return rows
 
 
 def build_get(build_id: int) -> EngineBuild:
@@ -53,14 +64,37 @@ def build_get(build_id: int) -> EngineBuild:
     return build
 
 
-def build_log(build_id: int, *, lines: int) -> list[str]:
-    newest = BuildLogLine.objects.filter(build_id=build_id).order_by("-id").values_list("line", flat=True)[:lines]
-    return list(reversed(newest))
+def event_list() -> QuerySet[Event]:
+    return Event.objects.select_related("host")
 
 
-def build_events(build_id: int, *, limit: int = 500) -> list[Event]:
-    recent = Event.objects.filter(build_id=build_id).select_related("host").order_by("-created_at", "-id")
-    return list(reversed(recent[:limit]))
+def event_filter(
+    rows: QuerySet[Event],
+    *,
+    after: int | None = None,
+    kind: str | None = None,
+    deployment: int | None = None,
+    build: int | None = None,
+    model: int | None = None,
+    host: str | None = None,
+    actor: str | None = None,
+    since: datetime | None = None,
+) -> QuerySet[Event]:
+    """Events matching every given filter; a ``kind`` ending in '.' is a prefix (``deployment.``)."""
+    if after is not None:
+        rows = rows.filter(id__gt=after)
+    if kind:
+        rows = rows.filter(kind__startswith=kind) if kind.endswith(".") else rows.filter(kind=kind)
+    for field, value in (("deployment_id", deployment), ("build_id", build), ("model_id", model)):
+        if value is not None:
+            rows = rows.filter(**{field: value})
+    if host:
+        rows = rows.filter(host__name=host)
+    if actor:
+        rows = rows.filter(actor__username=actor)
+    if since is not None:
+        rows = rows.filter(created_at__gte=since)
+    return rows
 
 
 def deployment_list() -> QuerySet[Deployment]:
@@ -68,21 +102,6 @@ def deployment_list() -> QuerySet[Deployment]:
     return Deployment.objects.select_related("host", "created_by").prefetch_related(
         Prefetch("placements", queryset=placements)
     )
-
-
-def deployment_events(deployment_id: int, *, limit: int = 200) -> list[Event]:
-    recent = Event.objects.filter(deployment_id=deployment_id).select_related("host").order_by("-created_at", "-id")
-    return list(reversed(recent[:limit]))
-
-
-def deployment_metrics(deployment_id: int, *, minutes: int) -> QuerySet[MetricSample]:
-    since = timezone.now() - timedelta(minutes=minutes)
-    return MetricSample.objects.filter(deployment_id=deployment_id, at__gte=since).order_by("at", "id")
-
-
-def deployment_log(deployment_id: int, *, lines: int) -> list[str]:
-    newest = LogLine.objects.filter(deployment_id=deployment_id).order_by("-id").values_list("line", flat=True)[:lines]
-    return list(reversed(newest))
 
 
 def deployment_plan(deployment: Deployment) -> list[dict]:

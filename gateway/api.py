@@ -3,7 +3,9 @@ browser's gateway page uses the same services)."""
 
 from __future__ import annotations
 
-from django.db.models import Count, Q, QuerySet, Sum
+from typing import Any
+
+from django.db.models import Count, QuerySet, Sum
 from rest_framework import serializers, status
 from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
@@ -11,6 +13,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from deployments.api.base import StrictSerializer, require_empty_body, validated
+from deployments.api.lists import ListEndpoint
 from deployments.permissions import ReadOrOperate
 from gateway import services
 from gateway.models import Alias, ApiKey, Usage, alias_validator
@@ -50,13 +53,25 @@ def _aliases() -> QuerySet[Alias]:
     return Alias.objects.select_related("deployment")
 
 
-class AliasList(APIView):
-    """GET: every alias. POST {name, deployment, model}: point a new gateway model name at a deployment's model."""
+class AliasQuery(StrictSerializer):
+    deployment = serializers.IntegerField(min_value=1, required=False)
+
+
+class AliasList(ListEndpoint):
+    """GET: the aliases, by name. POST {name, deployment, model}: point a new
+    gateway model name at a deployment's model."""
 
     permission_classes = [ReadOrOperate]
+    serializer_class = AliasOut
+    query_class = AliasQuery
+    ordering_fields = ("name", "updated_at")
+    ordering = "name"
 
-    def get(self, request: Request) -> Response:
-        return Response(AliasOut(_aliases(), many=True).data)
+    def get_queryset(self) -> QuerySet[Alias]:
+        return _aliases()
+
+    def filter_rows(self, rows: QuerySet[Alias], query: dict[str, Any]) -> QuerySet[Alias]:
+        return rows.filter(deployment_id=query["deployment"]) if "deployment" in query else rows
 
     def post(self, request: Request) -> Response:
         data = validated(AliasIn, request)
@@ -132,13 +147,30 @@ class KeyIn(StrictSerializer):
     tokens_per_minute = serializers.IntegerField(min_value=1, max_value=2_000_000_000, required=False, allow_null=True)
 
 
-class KeyList(APIView):
-    """GET: every key (never its secret). POST: a new key; the answer's ``key`` is the secret, shown this once."""
+class KeyQuery(StrictSerializer):
+    owner = serializers.CharField(max_length=150, required=False)
+    revoked = serializers.BooleanField(required=False)
+
+
+class KeyList(ListEndpoint):
+    """GET: the keys, newest first (never their secrets). POST: a new key; the
+    answer's ``key`` is the secret, shown this once."""
 
     permission_classes = [ReadOrOperate]
+    serializer_class = KeyOut
+    query_class = KeyQuery
+    ordering_fields = ("created_at", "name", "last_used_at")
+    ordering = "-created_at"
 
-    def get(self, request: Request) -> Response:
-        return Response(KeyOut(keys_with_usage(), many=True).data)
+    def get_queryset(self) -> QuerySet[ApiKey]:
+        return keys_with_usage()
+
+    def filter_rows(self, rows: QuerySet[ApiKey], query: dict[str, Any]) -> QuerySet[ApiKey]:
+        if "owner" in query:
+            rows = rows.filter(owner__username=query["owner"])
+        if "revoked" in query:
+            rows = rows.filter(revoked_at__isnull=not query["revoked"])
+        return rows
 
     def post(self, request: Request) -> Response:
         data = validated(KeyIn, request)
@@ -187,23 +219,29 @@ class UsageQuery(StrictSerializer):
     since = serializers.DateField(required=False)
 
 
-class UsageList(APIView):
-    """GET ?key=&alias=&since=YYYY-MM-DD: usage per key, alias and day, newest first, with totals."""
+class UsageList(ListEndpoint):
+    """GET ?key=&alias=&since=YYYY-MM-DD: usage per key, alias and day, newest
+    first, with the totals of every matching row (not only this page's)."""
 
     permission_classes = [ReadOrOperate]
+    serializer_class = UsageOut
+    query_class = UsageQuery
+    ordering_fields = ("day", "requests")
+    ordering = "-day"
 
-    def get(self, request: Request) -> Response:
-        query = UsageQuery(data=request.query_params.dict())
-        query.is_valid(raise_exception=True)
-        filters = Q()
-        for field, lookup in (("key", "key_id"), ("alias", "alias"), ("since", "day__gte")):
-            if field in query.validated_data:
-                filters &= Q(**{lookup: query.validated_data[field]})
-        rows = Usage.objects.select_related("key").filter(filters)
+    def get_queryset(self) -> QuerySet[Usage]:
+        return Usage.objects.select_related("key")
+
+    def filter_rows(self, rows: QuerySet[Usage], query: dict[str, Any]) -> QuerySet[Usage]:
+        lookups = {"key": "key_id", "alias": "alias", "since": "day__gte"}
+        return rows.filter(**{lookups[k]: v for k, v in query.items()})
+
+    def get(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        response = super().get(request, *args, **kwargs)
+        rows = self.filter_rows(self.get_queryset(), self.query())
         totals = rows.aggregate(
             requests=Sum("requests"), failed=Sum("failed"), prompt_tokens=Sum("prompt_tokens"),
             completion_tokens=Sum("completion_tokens"), rows=Count("id"),
         )  # fmt: skip
-        return Response(
-            {"totals": {k: v or 0 for k, v in totals.items()}, "rows": UsageOut(rows[:1000], many=True).data}
-        )
+        response.data["totals"] = {k: v or 0 for k, v in totals.items()}
+        return response

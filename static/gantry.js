@@ -28,6 +28,11 @@ const Gantry = (() => {
     return data;
   }
 
+  // A log page comes newest line first; the page shows the newest line last.
+  function newestLast(page) {
+    return page.results.map((row) => row.line).reverse();
+  }
+
   function live(path, { onMessage, onOpen, indicator }) {
     let delay = 500;
     function connect() {
@@ -111,13 +116,12 @@ const Gantry = (() => {
     async function refresh() {
       render(await api("GET", `/api/deployments/${id}/`));
       events.replaceChildren();
-      (await api("GET", `/api/deployments/${id}/events/`)).forEach(addEvent);
+      (await api("GET", `/api/deployments/${id}/events/`)).results.reverse().forEach(addEvent);
       const latest = {};
-      for (const sample of await api("GET", `/api/deployments/${id}/metrics/?minutes=5`)) {
-        if (sample.kind === "model") latest[sample.subject] = sample;
-      }
+      const samples = await api("GET", `/api/deployments/${id}/metrics/?minutes=5&kind=model&ordering=-id&limit=100`);
+      for (const sample of samples.results) latest[sample.subject] ??= sample;
       serverLog.textContent = "";
-      appendLog((await api("GET", `/api/deployments/${id}/log/?lines=200`)).lines);
+      appendLog(newestLast(await api("GET", `/api/deployments/${id}/log/?limit=200`)));
       const at = Object.values(latest).map((s) => s.at).sort().pop();
       if (at) renderMetrics(at, Object.fromEntries(Object.entries(latest).map(([k, s]) => [k, s.values])));
     }
@@ -310,9 +314,9 @@ const Gantry = (() => {
     async function refresh() {
       render(await api("GET", `/api/builds/${id}/`));
       events.replaceChildren();
-      (await api("GET", `/api/builds/${id}/events/`)).forEach(addEvent);
+      (await api("GET", `/api/builds/${id}/events/`)).results.reverse().forEach(addEvent);
       log.textContent = "";
-      appendLog((await api("GET", `/api/builds/${id}/log/?lines=1000`)).lines);
+      appendLog(newestLast(await api("GET", `/api/builds/${id}/log/?limit=500`)));
     }
     live(`/ws/builds/${id}/`, {
       indicator: document.getElementById("live-indicator"),

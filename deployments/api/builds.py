@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.conf import settings
+from django.db.models import QuerySet
 from rest_framework import serializers, status
 from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
@@ -12,9 +12,10 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from deployments import build_spec, selectors, states, trtllm
-from deployments.api.base import StrictSerializer, int_param, require_empty_body, validated
-from deployments.events import event_payload
-from deployments.models import EngineBuild
+from deployments.api.base import StrictSerializer, require_empty_body, validated
+from deployments.api.lists import CursorPage, ListEndpoint
+from deployments.api.timeline import Events, LogLines
+from deployments.models import BuildLogLine, BuildStatus, EngineBuild, Event
 from deployments.permissions import ReadOrOperate
 from deployments.services import builds
 
@@ -66,9 +67,10 @@ class BuildOut(serializers.ModelSerializer):
         return states.build_actions(build.status)
 
     def get_deployed_in(self, build: EngineBuild) -> list[dict[str, Any]]:
+        # selectors.build_list prefetches the placements with their deployments.
         return [
             {"deployment": p.deployment_id, "name": p.deployment.name, "triton_name": p.triton_name}
-            for p in build.placements.select_related("deployment")
+            for p in build.placements.all()
         ]
 
 
@@ -105,19 +107,29 @@ class BuildIn(StrictSerializer):
     force = serializers.BooleanField(required=False, default=False)
 
 
-class BuildList(APIView):
-    """GET /api/builds/ (filters: model, status, host); POST a build request:
+class BuildQuery(StrictSerializer):
+    model = serializers.CharField(max_length=63, required=False, help_text="a registered model's name")
+    status = serializers.ChoiceField(choices=BuildStatus.choices, required=False)
+    host = serializers.CharField(max_length=63, required=False)
+    cache_key = serializers.CharField(max_length=64, required=False)
+
+
+class BuildList(ListEndpoint):
+    """GET /api/builds/: newest first, a cursor page; POST a build request:
     201 queued, 200 with "how": "cached" or "joined" when an identical build is reused."""
 
     permission_classes = [ReadOrOperate]
+    serializer_class = BuildOut
+    pagination_class = CursorPage
+    query_class = BuildQuery
+    ordering_fields = ("id",)
+    ordering = "-id"
 
-    def get(self, request: Request) -> Response:
-        found = selectors.build_list(
-            model=request.query_params.get("model"),
-            status=request.query_params.get("status"),
-            host=request.query_params.get("host"),
-        )
-        return Response(BuildOut(found, many=True).data)
+    def get_queryset(self) -> QuerySet[EngineBuild]:
+        return selectors.build_list()
+
+    def filter_rows(self, rows: QuerySet[EngineBuild], query: dict[str, Any]) -> QuerySet[EngineBuild]:
+        return selectors.build_filter(rows, **query)
 
     def post(self, request: Request) -> Response:
         data = validated(BuildIn, request)
@@ -151,20 +163,16 @@ class BuildCancel(APIView):
         return Response(BuildOut(build).data, status=status.HTTP_202_ACCEPTED)
 
 
-class BuildLog(APIView):
-    """GET /api/builds/<id>/log/?lines=500: the newest stored lines of the build's output."""
+class BuildLog(LogLines):
+    """GET /api/builds/<id>/log/: the build's stored output, newest lines first
+    (``?ordering=id`` for oldest first; ``after`` follows a running build)."""
 
-    permission_classes = [ReadOrOperate]
-
-    def get(self, request: Request, pk: int) -> Response:
-        get_object_or_404(EngineBuild, pk=pk)
-        count = int_param(request, "lines", default=500, high=settings.GANTRY_BUILD_LOG_LINES)
-        return Response({"lines": selectors.build_log(pk, lines=count)})
+    def get_queryset(self) -> QuerySet[BuildLogLine]:
+        return BuildLogLine.objects.filter(build=get_object_or_404(EngineBuild, pk=self.kwargs["pk"]))
 
 
-class BuildEvents(APIView):
-    permission_classes = [ReadOrOperate]
+class BuildEvents(Events):
+    """GET /api/builds/<id>/events/: the build's timeline, newest first."""
 
-    def get(self, request: Request, pk: int) -> Response:
-        get_object_or_404(EngineBuild, pk=pk)
-        return Response([event_payload(e) for e in selectors.build_events(pk)])
+    def get_queryset(self) -> QuerySet[Event]:
+        return selectors.event_list().filter(build=get_object_or_404(EngineBuild, pk=self.kwargs["pk"]))

@@ -3,8 +3,11 @@ deployments, and read their revisions, events, GPU plan, server log and metrics.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
+from django.db.models import QuerySet
+from django.utils import timezone
 from rest_framework import serializers, status
 from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
@@ -12,11 +15,23 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from deployments import selectors, states
-from deployments.api.base import StrictModelSerializer, StrictSerializer, int_param, require_empty_body, validated
-from deployments.events import event_payload
-from deployments.models import Deployment, DeploymentModel, Runtime, slug_validator
+from deployments.api.base import StrictModelSerializer, StrictSerializer, require_empty_body, validated
+from deployments.api.lists import CursorPage, ListEndpoint
+from deployments.api.timeline import Events, LogLines
+from deployments.models import (
+    Deployment,
+    DeploymentModel,
+    DeploymentRevision,
+    DeploymentStatus,
+    DesiredState,
+    Event,
+    LogLine,
+    MetricSample,
+    Runtime,
+    slug_validator,
+)
 from deployments.permissions import ReadOrOperate
-from deployments.services import deployments, telemetry
+from deployments.services import deployments
 from deployments.services.placements import MAX_BATCH_SIZE, PLACEMENT_FIELDS, PlacementSpec
 
 
@@ -125,11 +140,30 @@ class DeploymentIn(StrictSerializer):
     models = PlacementIn(many=True, allow_empty=False)
 
 
-class DeploymentList(APIView):
-    permission_classes = [ReadOrOperate]
+class DeploymentQuery(StrictSerializer):
+    host = serializers.CharField(max_length=63, required=False)
+    status = serializers.ChoiceField(choices=DeploymentStatus.choices, required=False)
+    desired_state = serializers.ChoiceField(choices=DesiredState.choices, required=False)
+    runtime = serializers.ChoiceField(choices=Runtime.choices, required=False)
+    name = serializers.CharField(max_length=63, required=False, help_text="names containing this")
 
-    def get(self, request: Request) -> Response:
-        return Response(DeploymentOut(selectors.deployment_list(), many=True).data)
+
+class DeploymentList(ListEndpoint):
+    """GET /api/deployments/ (by name); POST a new deployment (stopped until started)."""
+
+    permission_classes = [ReadOrOperate]
+    serializer_class = DeploymentOut
+    query_class = DeploymentQuery
+    ordering_fields = ("name", "created_at", "status_changed_at", "id")
+    ordering = "name"
+
+    def get_queryset(self) -> QuerySet[Deployment]:
+        return selectors.deployment_list()
+
+    def filter_rows(self, rows: QuerySet[Deployment], query: dict[str, Any]) -> QuerySet[Deployment]:
+        lookups = {"host": "host__name", "status": "status", "desired_state": "desired_state", "runtime": "runtime"}
+        rows = rows.filter(**{lookups[k]: v for k, v in query.items() if k in lookups})
+        return rows.filter(name__contains=query["name"]) if "name" in query else rows
 
     def post(self, request: Request) -> Response:
         data = validated(DeploymentIn, request)
@@ -173,23 +207,24 @@ class DeploymentModels(APIView):
         return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
 
 
-class DeploymentRevisions(APIView):
-    permission_classes = [ReadOrOperate]
+class RevisionOut(serializers.ModelSerializer):
+    models = serializers.JSONField(source="spec", help_text="the placements of this generation")
 
-    def get(self, request: Request, pk: int) -> Response:
-        deployment = get_object_or_404(Deployment, pk=pk)
-        return Response(
-            [
-                {
-                    "generation": r.generation,
-                    "status": r.status,
-                    "message": r.message,
-                    "models": r.spec,
-                    "created_at": r.created_at.isoformat(),
-                }
-                for r in deployment.revisions.order_by("generation")
-            ]
-        )
+    class Meta:
+        model = DeploymentRevision
+        fields = ["generation", "status", "message", "models", "created_at"]
+
+
+class DeploymentRevisions(ListEndpoint):
+    """GET /api/deployments/<id>/revisions/: every generation, oldest first."""
+
+    permission_classes = [ReadOrOperate]
+    serializer_class = RevisionOut
+    ordering_fields = ("generation",)
+    ordering = "generation"
+
+    def get_queryset(self) -> QuerySet[DeploymentRevision]:
+        return DeploymentRevision.objects.filter(deployment=get_object_or_404(Deployment, pk=self.kwargs["pk"]))
 
 
 class DeploymentStart(APIView):
@@ -214,12 +249,11 @@ class DeploymentStop(APIView):
         return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
 
 
-class DeploymentEvents(APIView):
-    permission_classes = [ReadOrOperate]
+class DeploymentEvents(Events):
+    """GET /api/deployments/<id>/events/: the deployment's timeline, newest first."""
 
-    def get(self, request: Request, pk: int) -> Response:
-        get_object_or_404(Deployment, pk=pk)
-        return Response([event_payload(e) for e in selectors.deployment_events(pk)])
+    def get_queryset(self) -> QuerySet[Event]:
+        return selectors.event_list().filter(deployment=get_object_or_404(Deployment, pk=self.kwargs["pk"]))
 
 
 class DeploymentPlan(APIView):
@@ -231,26 +265,45 @@ class DeploymentPlan(APIView):
         return Response(selectors.deployment_plan(get_object_or_404(selectors.deployment_list(), pk=pk)))
 
 
-class DeploymentLog(APIView):
-    """GET /api/deployments/<id>/log/?lines=200: the newest lines of the deployment's Triton log."""
+class DeploymentLog(LogLines):
+    """GET /api/deployments/<id>/log/: the Triton server's log, newest lines first
+    (``?ordering=id`` for oldest first; ``after`` follows it)."""
+
+    def get_queryset(self) -> QuerySet[LogLine]:
+        return LogLine.objects.filter(deployment=get_object_or_404(Deployment, pk=self.kwargs["pk"]))
+
+
+class MetricOut(serializers.ModelSerializer):
+    class Meta:
+        model = MetricSample
+        fields = ["id", "at", "kind", "subject", "values"]
+
+
+class MetricQuery(StrictSerializer):
+    minutes = serializers.IntegerField(
+        min_value=1, max_value=7 * 24 * 60, required=False, default=15, help_text="how far back (default 15)"
+    )
+    kind = serializers.ChoiceField(choices=MetricSample.Kind.choices, required=False)
+    subject = serializers.CharField(max_length=128, required=False, help_text="a Triton model name, or a GPU uuid")
+    after = serializers.IntegerField(min_value=0, required=False, help_text="only samples with a greater id")
+
+
+class DeploymentMetrics(ListEndpoint):
+    """GET /api/deployments/<id>/metrics/: the samples of the last ``minutes``, oldest first, a cursor page."""
 
     permission_classes = [ReadOrOperate]
+    serializer_class = MetricOut
+    pagination_class = CursorPage
+    query_class = MetricQuery
+    ordering_fields = ("id",)
+    ordering = "id"
 
-    def get(self, request: Request, pk: int) -> Response:
-        get_object_or_404(Deployment, pk=pk)
-        count = int_param(request, "lines", default=200, high=telemetry.LOG_LINES_KEPT)
-        return Response({"lines": selectors.deployment_log(pk, lines=count)})
+    def get_queryset(self) -> QuerySet[MetricSample]:
+        return MetricSample.objects.filter(deployment=get_object_or_404(Deployment, pk=self.kwargs["pk"]))
 
-
-class DeploymentMetrics(APIView):
-    """GET /api/deployments/<id>/metrics/?minutes=N: the samples of the last N minutes (default 15)."""
-
-    permission_classes = [ReadOrOperate]
-
-    def get(self, request: Request, pk: int) -> Response:
-        get_object_or_404(Deployment, pk=pk)
-        minutes = int_param(request, "minutes", default=15, high=24 * 60)
-        samples = selectors.deployment_metrics(pk, minutes=minutes)
-        return Response(
-            [{"at": s.at.isoformat(), "kind": s.kind, "subject": s.subject, "values": s.values} for s in samples]
-        )
+    def filter_rows(self, rows: QuerySet[MetricSample], query: dict[str, Any]) -> QuerySet[MetricSample]:
+        rows = rows.filter(at__gte=timezone.now() - timedelta(minutes=query["minutes"]))
+        for field in ("kind", "subject"):
+            if field in query:
+                rows = rows.filter(**{field: query[field]})
+        return rows.filter(id__gt=query["after"]) if "after" in query else rows

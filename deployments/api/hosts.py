@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.db.models import QuerySet
 from rest_framework import serializers
 from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
@@ -9,6 +10,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from deployments import selectors
+from deployments.api.lists import ListEndpoint
 from deployments.models import Gpu, GpuHost
 from deployments.permissions import ReadOrOperate
 
@@ -49,11 +51,16 @@ class HostOut(serializers.ModelSerializer):
         ]
 
 
-class HostList(APIView):
-    permission_classes = [ReadOrOperate]
+class HostList(ListEndpoint):
+    """GET /api/hosts/: every GPU host that has announced itself, by name."""
 
-    def get(self, request: Request) -> Response:
-        return Response(HostOut(selectors.host_list(), many=True).data)
+    permission_classes = [ReadOrOperate]
+    serializer_class = HostOut
+    ordering_fields = ("name", "last_heartbeat")
+    ordering = "name"
+
+    def get_queryset(self) -> QuerySet[GpuHost]:
+        return selectors.host_list()
 
 
 class HostDetail(APIView):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from django.db.models import QuerySet
 from rest_framework import serializers, status
 from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
@@ -10,7 +13,8 @@ from rest_framework.views import APIView
 
 from deployments import selectors
 from deployments.api.base import StrictSerializer, validated
-from deployments.models import ModelKind, RegisteredModel, slug_validator
+from deployments.api.lists import ListEndpoint
+from deployments.models import Inspection, ModelKind, RegisteredModel, slug_validator
 from deployments.permissions import ReadOrOperate
 from deployments.services import registered_models
 
@@ -68,11 +72,29 @@ class ModelIn(StrictSerializer):
     )
 
 
-class ModelList(APIView):
-    permission_classes = [ReadOrOperate]
+class ModelQuery(StrictSerializer):
+    kind = serializers.ChoiceField(choices=ModelKind.choices, required=False)
+    host = serializers.CharField(max_length=63, required=False)
+    inspection = serializers.ChoiceField(choices=Inspection.choices, required=False)
+    name = serializers.CharField(max_length=63, required=False, help_text="names containing this")
 
-    def get(self, request: Request) -> Response:
-        return Response(ModelOut(selectors.model_list(), many=True).data)
+
+class ModelList(ListEndpoint):
+    """GET /api/models/ (by name); POST registers a checkpoint and queues its inspection."""
+
+    permission_classes = [ReadOrOperate]
+    serializer_class = ModelOut
+    query_class = ModelQuery
+    ordering_fields = ("name", "created_at", "id")
+    ordering = "name"
+
+    def get_queryset(self) -> QuerySet[RegisteredModel]:
+        return selectors.model_list()
+
+    def filter_rows(self, rows: QuerySet[RegisteredModel], query: dict[str, Any]) -> QuerySet[RegisteredModel]:
+        lookups = {"kind": "kind", "host": "host__name", "inspection": "inspection"}
+        rows = rows.filter(**{lookups[k]: v for k, v in query.items() if k in lookups})
+        return rows.filter(name__contains=query["name"]) if "name" in query else rows
 
     def post(self, request: Request) -> Response:
         data = validated(ModelIn, request)

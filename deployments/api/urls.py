@@ -1,6 +1,6 @@
 from django.urls import path
 
-from deployments.api import builds, deployments, hosts, models
+from deployments.api import builds, deployments, hosts, models, timeline
 
 urlpatterns = [
     path("hosts/", hosts.HostList.as_view(), name="api-hosts"),
@@ -12,6 +12,7 @@ urlpatterns = [
     path("builds/<int:pk>/cancel/", builds.BuildCancel.as_view(), name="api-build-cancel"),
     path("builds/<int:pk>/log/", builds.BuildLog.as_view(), name="api-build-log"),
     path("builds/<int:pk>/events/", builds.BuildEvents.as_view(), name="api-build-events"),
+    path("events/", timeline.EventList.as_view(), name="api-events"),
     path("deployments/", deployments.DeploymentList.as_view(), name="api-deployments"),
     path("deployments/<int:pk>/", deployments.DeploymentDetail.as_view(), name="api-deployment"),
     path("deployments/<int:pk>/start/", deployments.DeploymentStart.as_view(), name="api-deployment-start"),

@@ -129,8 +129,8 @@ def test_chat_streams_tokens_and_stop_cancels_inside_triton(stack: Stack, chat_d
     http = stack.session()
 
     def cancelled() -> str | None:
-        lines = http.get(f"{stack.web_url}/api/deployments/{chat_deployment}/log/?lines=1000", timeout=10).json()
-        return next((line for line in lines["lines"] if "cancelled by its client" in line), None)
+        page = http.get(f"{stack.web_url}/api/deployments/{chat_deployment}/log/?limit=500", timeout=10).json()
+        return next((row["line"] for row in page["results"] if "cancelled by its client" in row["line"]), None)
 
     line = wait_for(cancelled, 30, "the model to log the cancelled request")
     assert int(line.rsplit("after ", 1)[1].split()[0]) < 400

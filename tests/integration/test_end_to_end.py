@@ -131,8 +131,8 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
     )
     assert counted.values["request_rate"] > 0 and counted.values["failures_total"] == 0
     assert counted.values["compute_ms"] > 0
-    api_samples = http.get(f"{stack.web_url}/api/deployments/{row.pk}/metrics/?minutes=5", timeout=30).json()
-    assert any(s["subject"] == "minilm" and s["values"]["requests_total"] >= 2 for s in api_samples)
+    api_samples = http.get(f"{stack.web_url}/api/deployments/{row.pk}/metrics/?minutes=5&kind=model", timeout=30)
+    assert any(s["subject"] == "minilm" and s["values"]["requests_total"] >= 2 for s in api_samples.json()["results"])
 
     # A second start is refused and changes nothing.
     again = http.post(f"{stack.web_url}/api/deployments/{row.pk}/start/", timeout=30)

@@ -177,8 +177,8 @@ def test_the_openai_client_chats_completes_embeds_and_reranks_through_the_gatewa
         assert next(line for line in lines if line.startswith("data:") and '"content": "' in line and '""' not in line)
 
     def cancelled_line() -> str | None:
-        log = stack.session().get(f"{stack.web_url}/api/deployments/{deployment['id']}/log/?lines=1000", timeout=10)
-        return next((line for line in log.json()["lines"] if "cancelled by its client" in line), None)
+        log = stack.session().get(f"{stack.web_url}/api/deployments/{deployment['id']}/log/?limit=500", timeout=10)
+        return next((r["line"] for r in log.json()["results"] if "cancelled by its client" in r["line"]), None)
 
     line = wait_for(cancelled_line, 30, "the model to log the cancelled request")
     assert int(line.rsplit("after ", 1)[1].split()[0]) < 400, line
@@ -186,7 +186,7 @@ def test_the_openai_client_chats_completes_embeds_and_reranks_through_the_gatewa
     # Usage per key and alias, counted and saved within a second or two.
     def usage() -> dict | None:
         body = stack.session().get(f"{stack.web_url}/api/gateway/usage/?key={key['id']}", timeout=10).json()
-        rows = {row["alias"]: row for row in body["rows"]}
+        rows = {row["alias"]: row for row in body["results"]}
         return rows if rows.get("embedder", {}).get("requests") == 3 and "reranker" in rows else None
 
     rows = wait_for(usage, 10, "usage to be saved")

@@ -100,8 +100,8 @@ def test_llm_generates_json_and_streams_and_a_dropped_stream_is_cancelled_in_tri
     dropped.close()
 
     def cancelled_line() -> str | None:
-        log = http.get(f"{stack.web_url}/api/deployments/{deployment['id']}/log/?lines=1000", timeout=10).json()
-        return next((line for line in log["lines"] if "cancelled by its client" in line), None)
+        log = http.get(f"{stack.web_url}/api/deployments/{deployment['id']}/log/?limit=500", timeout=10).json()
+        return next((row["line"] for row in log["results"] if "cancelled by its client" in row["line"]), None)
 
     line = wait_for(cancelled_line, 30, "the model to log the cancelled request")
     produced = int(line.rsplit("after ", 1)[1].split()[0])

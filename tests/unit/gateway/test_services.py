@@ -1,8 +1,6 @@
 import datetime as dt
 
 import pytest
-from django.db import connection
-from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -78,19 +76,6 @@ def test_usage_adds_up_per_key_alias_and_day(operator):  # noqa: ANN001
     row = Usage.objects.get(key=key, alias="chat", day=today)
     assert (row.requests, row.failed, row.prompt_tokens, row.completion_tokens) == (6, 2, 20, 10)
     assert ApiKey.objects.get(pk=key.pk).last_used_at is not None
-
-
-def test_listing_keys_takes_the_same_queries_for_one_key_or_many(operator):  # noqa: ANN001
-    client = APIClient()
-    client.force_authenticate(operator)
-    services.key_create(name="one", user=operator, all_aliases=True)
-    with CaptureQueriesContext(connection) as one:
-        assert client.get("/api/gateway/keys/").status_code == 200
-    for i in range(20):
-        services.key_create(name=f"k{i}", user=operator, all_aliases=True)
-    with CaptureQueriesContext(connection) as many:
-        assert len(client.get("/api/gateway/keys/").json()) == 21
-    assert len(many) == len(one)
 
 
 def test_a_new_key_is_shown_once_through_the_api(operator):  # noqa: ANN001

@@ -1,0 +1,105 @@
+"""How every collection under /api/ pages, filters and orders.
+
+Two kinds of page, both sized by ``limit`` (default 50, at most 500):
+
+- offset pages (``limit``, ``offset``, and a ``count``) for what people
+  curate and that stays small: hosts, models, deployments, revisions, aliases,
+  keys, tokens;
+- cursor pages (``limit``, ``cursor``) where rows keep arriving: builds,
+  events, log lines, metric samples. A page costs the same at the millionth row
+  as at the first (no OFFSET, no COUNT) and never repeats or skips a row when
+  new ones land while a client walks the pages.
+
+Filters are a strict serializer of query parameters (``query_class``): an
+unknown parameter or a bad value is a 400 that names it, never a silently
+ignored filter that returns everything.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from django.db.models import QuerySet
+from rest_framework import serializers
+from rest_framework.exceptions import ValidationError
+from rest_framework.filters import OrderingFilter
+from rest_framework.generics import GenericAPIView
+from rest_framework.pagination import CursorPagination, LimitOffsetPagination
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+MAX_PAGE = 500
+DEFAULT_PAGE = 50
+
+
+class OffsetPage(LimitOffsetPagination):
+    default_limit = DEFAULT_PAGE
+    max_limit = MAX_PAGE
+
+
+class CursorPage(CursorPagination):
+    page_size = DEFAULT_PAGE
+    page_size_query_param = "limit"
+    max_page_size = MAX_PAGE
+    ordering = "-id"
+
+
+class NoFilters(serializers.Serializer):
+    pass
+
+
+class ListEndpoint(GenericAPIView):
+    """GET a page of ``get_queryset()`` filtered by ``query_class`` through ``filter_rows``.
+
+    ``ordering_fields`` are what ``?ordering=`` may name (each also with a
+    leading ``-``); ``ordering`` is the default. A cursor list should order by
+    something that only grows (the id), so that new rows land on one end.
+    """
+
+    pagination_class: ClassVar[type] = OffsetPage
+    filter_backends: ClassVar[list[type]] = [OrderingFilter]
+    query_class: ClassVar[type[serializers.Serializer]] = NoFilters
+    ordering_fields: ClassVar[tuple[str, ...]] = ("id",)
+    ordering: ClassVar[str] = "id"
+
+    def filter_rows(self, rows: QuerySet, query: dict[str, Any]) -> QuerySet:
+        """Apply the validated filters; lists with filters override this."""
+        return rows
+
+    def get(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        query = self.query()
+        rows = self.filter_queryset(self.filter_rows(self.get_queryset(), query))
+        page = self.paginate_queryset(rows)
+        return self.get_paginated_response(self.get_serializer(page, many=True).data)
+
+    def query(self) -> dict[str, Any]:
+        """The query parameters, checked: names, page size, ordering and filters."""
+        params = self.request.query_params
+        filters = self.query_class()
+        paging = {"cursor"} if issubclass(self.pagination_class, CursorPagination) else {"offset"}
+        known = set(filters.fields) | paging | {"limit", "ordering"}
+        errors: dict[str, list[str]] = {
+            name: ["is not a known query parameter"] for name in sorted(set(params) - known)
+        }
+        errors.update(_paging_errors(params, self.ordering_fields))
+        checked = self.query_class(data={k: v for k, v in params.items() if k in filters.fields})
+        if not checked.is_valid():
+            errors.update(checked.errors)
+        if errors:
+            raise ValidationError(errors)
+        return dict(checked.validated_data)
+
+
+def _paging_errors(params: Any, ordering_fields: tuple[str, ...]) -> dict[str, list[str]]:
+    errors: dict[str, list[str]] = {}
+    for name, low in (("limit", 1), ("offset", 0)):
+        if name in params:
+            value = params[name]
+            if not value.isdigit() or not low <= int(value) <= (MAX_PAGE if name == "limit" else 2**31):
+                rule = f"must be an integer from 1 to {MAX_PAGE}" if name == "limit" else "must be an integer >= 0"
+                errors[name] = [rule]
+    if "ordering" in params:
+        allowed = [f for field in ordering_fields for f in (field, f"-{field}")]
+        if params["ordering"] not in allowed:
+            errors["ordering"] = [f"must be one of: {', '.join(allowed)}"]
+    return errors
