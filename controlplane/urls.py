@@ -14,3 +14,6 @@ urlpatterns = [
     path("gateway/", gateway_page, name="gateway"),
     path("", include("deployments.web.urls")),
 ]
+
+handler404 = "controlplane.errors.not_found"
+handler500 = "controlplane.errors.server_error"

@@ -17,7 +17,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from deployments import chat_template
-from deployments.api.base import StrictSerializer, error_body, gantry_error, validated
+from deployments.api.base import StrictSerializer, error_body, gantry_error, problem, validated
 from deployments.errors import GantryError
 from deployments.permissions import CanView, can_view, user_for_token
 from playground.generation import MAX_PROMPT_CHARS, Outcome, Sampling, cached_route, generate, prepare_generation
@@ -114,7 +114,7 @@ def _token_may_view(key: str) -> bool:
     return allowed
 
 
-_UNAUTHENTICATED = {"detail": "Authentication credentials were not provided."}
+_UNAUTHENTICATED = problem(401, "not_authenticated", "Authentication credentials were not provided.")
 
 
 @dataclass
@@ -197,7 +197,7 @@ async def deployment_generate(request: HttpRequest, pk: int) -> HttpResponse:
     usually arrive by the lean path instead (playground.lean); this view
     serves browser sessions (with Django's CSRF check) and the rest."""
     if request.method != "POST":
-        return JsonResponse({"detail": f'Method "{request.method}" not allowed.'}, status=405)
+        return JsonResponse(problem(405, "method_not_allowed", f'Method "{request.method}" not allowed.'), status=405)
     header = request.headers.get("Authorization", "")
     token = header[6:].strip() if header.startswith("Token ") else None
     if token is None:
@@ -206,7 +206,7 @@ async def deployment_generate(request: HttpRequest, pk: int) -> HttpResponse:
         # A browser session: Django's CSRF check, as for every form post.
         refused = CsrfViewMiddleware(lambda r: None).process_view(request, None, (), {})
         if refused is not None:
-            return JsonResponse({"detail": "CSRF check failed: reload the page"}, status=403)
+            return JsonResponse(problem(403, "permission_denied", "CSRF check failed: reload the page"), status=403)
     answer = await generate_answer(
         pk, request.body, lambda: can_view(request.user) if token is None else _token_may_view(token)
     )

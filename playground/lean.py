@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from controlplane.asgi_io import BodyTooLarge, read_body, send_json, stream_events
+from deployments.api.base import problem
 from playground.api import _token_may_view, _token_may_view_cached, generate_answer
 
 GENERATE = re.compile(r"^/api/deployments/(\d+)/generate/$")
@@ -49,7 +50,7 @@ async def _generate(pk: int, token: str, receive: Any, send: Any) -> None:
     try:
         raw = await read_body(receive)
     except BodyTooLarge as exc:
-        await send_json(send, 413, {"detail": str(exc)})
+        await send_json(send, 413, problem(413, "too_large", str(exc)))
         return
     if raw is None:
         return

@@ -21,51 +21,79 @@ from deployments.errors import (
     ValidationFailed,
 )
 
-_STATUS_FOR = {
-    ValidationFailed: status.HTTP_400_BAD_REQUEST,
-    NotFound: status.HTTP_404_NOT_FOUND,
-    PermissionDenied: status.HTTP_403_FORBIDDEN,
-    InvalidTransition: status.HTTP_409_CONFLICT,
+# Each of Gantry's errors: its status code and machine-readable code.
+_STATUS_FOR: dict[type[GantryError], tuple[int, str]] = {
+    ValidationFailed: (status.HTTP_400_BAD_REQUEST, "invalid"),
+    NotFound: (status.HTTP_404_NOT_FOUND, "not_found"),
+    PermissionDenied: (status.HTTP_403_FORBIDDEN, "permission_denied"),
+    InvalidTransition: (status.HTTP_409_CONFLICT, "conflict"),
     # A model server that cannot be reached may be back soon; one that refused the request will refuse it again.
-    TransientError: status.HTTP_503_SERVICE_UNAVAILABLE,
-    PermanentError: status.HTTP_400_BAD_REQUEST,
+    TransientError: (status.HTTP_503_SERVICE_UNAVAILABLE, "unavailable"),
+    PermanentError: (status.HTTP_400_BAD_REQUEST, "refused"),
 }
 
 
+def problem(code: int, kind: str, detail: str, errors: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """The one shape of every error under /api/: the status code again, a
+    machine-readable ``code``, a ``detail`` line for people, and for bad input
+    ``errors``: each broken rule by field path (``spec.dtype``, ``models[0].gpu_ids``)."""
+    return {"status": code, "code": kind, "detail": detail, "errors": errors or {}}
+
+
 def gantry_error(exc: GantryError) -> tuple[dict[str, Any], int]:
-    """The body and status code of one of Gantry's errors: a ``detail`` line,
-    and for bad input the broken rules by field."""
-    code = next((code for error_type, code in _STATUS_FOR.items() if isinstance(exc, error_type)), 500)
-    body: dict[str, Any] = {"detail": str(exc)}
-    if isinstance(exc, ValidationFailed):
-        body["errors"] = exc.errors
-    return body, code
+    """The body and status code of one of Gantry's errors."""
+    code, kind = next(
+        (found for error_type, found in _STATUS_FOR.items() if isinstance(exc, error_type)), (500, "error")
+    )
+    errors = exc.errors if isinstance(exc, ValidationFailed) else None
+    return problem(code, kind, str(exc), errors), code
 
 
 def error_body(detail: Any) -> dict[str, Any]:
-    """The body of a serializer's refusal: one line, and the rules by field."""
-    return {"detail": _flatten(detail), "errors": detail}
+    """The body of a serializer's refusal (a 400): one line, and the rules by field path."""
+    errors = field_errors(detail)
+    return problem(400, "invalid", "; ".join(f"{k}: {' '.join(v)}" for k, v in errors.items()), errors)
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
-    """Map Gantry's errors to status codes; keep a ``detail`` line on every error."""
+    """Every error a view raises, in the shape of ``problem``."""
     if isinstance(exc, GantryError):
         body, code = gantry_error(exc)
         return Response(body, status=code)
     response = drf_exception_handler(exc, context)
-    if response is not None and isinstance(exc, DRFValidationError):
+    if response is None:
+        return None  # a bug: Django's 500 handler answers (JSON under /api/, controlplane.urls)
+    if isinstance(exc, DRFValidationError):
         response.data = error_body(exc.detail)
+    else:
+        detail = response.data.get("detail", "") if isinstance(response.data, dict) else response.data
+        kind = getattr(detail, "code", None) or getattr(exc, "default_code", "error")
+        response.data = problem(response.status_code, str(kind), str(detail))
     return response
 
 
-def _flatten(detail: Any, prefix: str = "") -> str:
+def field_errors(detail: Any, prefix: str = "") -> dict[str, list[str]]:
+    """DRF's nested error detail as one flat map from field path to messages,
+    the notation the services use (``models[0].gpu_ids``); "body" for the whole body."""
     if isinstance(detail, dict):
-        return "; ".join(_flatten(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}") for k, v in detail.items())
+        found: dict[str, list[str]] = {}
+        for key, value in detail.items():
+            if isinstance(key, int):  # a list field's item
+                path = f"{prefix}[{key}]"
+            elif key == "non_field_errors":  # the object as a whole
+                path = prefix or "body"
+            else:
+                path = f"{prefix}.{key}" if prefix else str(key)
+            found.update(field_errors(value, path))
+        return found
     if isinstance(detail, list):
         if all(not isinstance(item, (dict, list)) for item in detail):
-            return f"{prefix}: {' '.join(str(item) for item in detail)}" if prefix else " ".join(map(str, detail))
-        return "; ".join(_flatten(item, f"{prefix}[{i}]") for i, item in enumerate(detail) if item)
-    return f"{prefix}: {detail}" if prefix else str(detail)
+            return {prefix: [str(item) for item in detail]} if detail else {}
+        found = {}
+        for i, item in enumerate(detail):
+            found.update(field_errors(item, f"{prefix}[{i}]"))
+        return found
+    return {prefix: [str(detail)]}
 
 
 class _RefusesUnknownFields:
@@ -90,17 +118,6 @@ class StrictSerializer(_RefusesUnknownFields, serializers.Serializer):
 
 class StrictModelSerializer(_RefusesUnknownFields, serializers.ModelSerializer):
     pass
-
-
-def int_param(request: Request, name: str, *, default: int, high: int) -> int:
-    """An integer query parameter between 1 and ``high``, or a 400 naming it and the rule."""
-    try:
-        value = int(request.query_params.get(name, str(default)))
-    except ValueError as exc:
-        raise DRFValidationError({name: ["must be an integer"]}) from exc
-    if not 1 <= value <= high:
-        raise DRFValidationError({name: [f"must be between 1 and {high}"]})
-    return value
 
 
 def validated(serializer_class: type[serializers.Serializer], request: Request) -> dict[str, Any]:

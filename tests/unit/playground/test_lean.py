@@ -41,7 +41,12 @@ def test_token_requests_for_generate_are_answered_by_the_lean_path(operator):
 
     missing = _call(router, "POST", "/api/deployments/999999/generate/", auth, b'{"prompt": "a"}')
     assert missing[0]["status"] == 404
-    assert json.loads(missing[1]["body"]) == {"detail": "deployment 999999 does not exist"}
+    assert json.loads(missing[1]["body"]) == {
+        "status": 404,
+        "code": "not_found",
+        "detail": "deployment 999999 does not exist",
+        "errors": {},
+    }
 
     unknown_field = _call(router, "POST", "/api/deployments/1/generate/", auth, b'{"prompt": "a", "n": 2}')
     assert unknown_field[0]["status"] == 400

@@ -13,7 +13,8 @@ def test_build_api_refuses_bad_types_and_names_the_field(api, llama):
         format="json",
     )
     assert response.status_code == 400
-    assert "spec" in response.data["errors"] and "dtype" in response.data["errors"]["spec"]
+    assert response.data["code"] == "invalid" and response.data["status"] == 400
+    assert response.data["errors"] == {"spec.dtype": ['"fp64" is not a valid choice.']}
 
 
 def test_identical_request_returns_the_succeeded_build_and_force_rebuilds(api, llama):

@@ -1,0 +1,33 @@
+"""What answers when no view does: a request for something that does not
+exist, or a bug. Under /api/ that is JSON in the API's one error shape (a
+client parsing JSON never meets an HTML page); elsewhere a page in Gantry's
+own layout."""
+
+from __future__ import annotations
+
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import render
+
+from deployments.api.base import problem
+
+
+def _is_api(request: HttpRequest) -> bool:
+    return request.path.startswith("/api/")
+
+
+def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    if _is_api(request):
+        return JsonResponse(problem(404, "not_found", f"nothing at {request.path}"), status=404)
+    return render(request, "404.html", {"path": request.path}, status=404)
+
+
+def server_error(request: HttpRequest) -> HttpResponse:
+    if _is_api(request):
+        detail = "the server failed to answer this request; the error is in its log"
+        return JsonResponse(problem(500, "server_error", detail), status=500)
+    # No context processors, no database: the failure may be either.
+    return HttpResponse(
+        "<!doctype html><title>Server error · Gantry</title><h1>Something went wrong</h1>"
+        "<p>The server could not answer this page. The error is in its log; try again in a moment.</p>",
+        status=500,
+    )

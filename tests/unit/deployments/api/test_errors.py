@@ -1,0 +1,46 @@
+"""One error shape under /api/: status, code, detail and field errors, JSON
+even where no view answers."""
+
+from __future__ import annotations
+
+from rest_framework.test import APIClient
+
+
+def test_an_unknown_api_path_is_a_json_404(api):  # noqa: ANN001
+    response = api.get("/api/no-such-thing/")
+    assert response.status_code == 404 and response["Content-Type"] == "application/json"
+    assert response.json() == {
+        "status": 404,
+        "code": "not_found",
+        "detail": "nothing at /api/no-such-thing/",
+        "errors": {},
+    }
+
+
+def test_a_missing_object_and_a_wrong_method_answer_in_the_same_shape(api):  # noqa: ANN001
+    missing = api.get("/api/deployments/999999/").json()
+    assert (missing["status"], missing["code"]) == (404, "not_found")
+    wrong = api.delete("/api/hosts/").json()
+    assert (wrong["status"], wrong["code"]) == (405, "method_not_allowed")
+
+
+def test_nested_field_errors_are_flat_paths(api, host, minilm):  # noqa: ANN001
+    response = api.post(
+        "/api/deployments/",
+        {"name": "d", "host": "cpu-host", "models": [{"model": "minilm", "gpu_ids": [0, -1]}]},
+        format="json",
+    )
+    assert response.status_code == 400
+    assert list(response.data["errors"]) == ["models[0].gpu_ids[1]"]
+    assert response.data["detail"].startswith("models[0].gpu_ids[1]: ")
+
+
+def test_a_page_outside_the_api_is_not_found_in_gantrys_layout(client, operator):  # noqa: ANN001
+    client.force_login(operator)
+    response = client.get("/no-such-page/")
+    assert response.status_code == 404 and b"Back to the dashboard" in response.content
+
+
+def test_a_body_that_is_not_json_is_refused_in_the_same_shape():
+    response = APIClient().post("/api/models/", "{", content_type="application/json")
+    assert response.json()["status"] == response.status_code
