@@ -71,7 +71,7 @@ async def _stream(session, url: str, body: dict, headers: dict, gantry: bool) ->
 async def _round(session, target: str, args, concurrency: int, requests: int) -> Figures:  # noqa: ANN001
     gantry = target == "gantry"
     url = args.gantry_url if gantry else args.triton_url
-    headers = {"Authorization": f"Token {args.token}"} if gantry else {}
+    headers = {"Authorization": f"Bearer {args.token}"} if gantry else {}
     figures = Figures()
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
@@ -142,15 +142,15 @@ def main() -> int:
 
     work = setup_django(args.port)
     from django.contrib.auth.models import User
-    from rest_framework.authtoken.models import Token
 
+    from access.services import token_create
     from deployments.services.placements import PlacementSpec
     from workers.untrained_llm import make_untrained_llm
 
     checkpoint = args.checkpoint or make_untrained_llm(work / "tiny-llama")
     placement = PlacementSpec(model="llm", max_batch_size=max(8, args.concurrency), max_queue_delay_us=500)
     with served(port=args.port, models={"llm": (checkpoint, "llm")}, placements=[placement]) as stack:
-        args.token = Token.objects.create(user=User.objects.create_user("bench")).key
+        args.token = token_create(user=User.objects.create_user("bench"), name="bench").secret
         args.gantry_url = f"{stack.web}/api/deployments/{stack.deployment.pk}/generate/"
         args.triton_url = f"http://{stack.triton}/v2/models/llm/generate_stream"
         print(

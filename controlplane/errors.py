@@ -21,6 +21,19 @@ def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpR
     return render(request, "404.html", {"path": request.path}, status=404)
 
 
+def bad_request(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    """Django's own refusals before any view: a malformed or oversized request."""
+    if _is_api(request):
+        return JsonResponse(problem(400, "invalid", "the request is malformed or too large"), status=400)
+    return HttpResponse("<!doctype html><title>Bad request · Gantry</title><h1>Bad request</h1>", status=400)
+
+
+def forbidden(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    if _is_api(request):
+        return JsonResponse(problem(403, "permission_denied", "this is not allowed"), status=403)
+    return render(request, "403.html", status=403)
+
+
 def server_error(request: HttpRequest) -> HttpResponse:
     if _is_api(request):
         detail = "the server failed to answer this request; the error is in its log"

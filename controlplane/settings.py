@@ -78,16 +78,18 @@ GANTRY_TRTLLM_EXAMPLES_DIR = env_str("GANTRY_TRTLLM_EXAMPLES_DIR", "")
 
 INSTALLED_APPS = [
     "daphne",
-    "django.contrib.admin",
+    "access.apps.GantryAdminConfig",  # the admin, for the admin role only
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
     "channels",
     "controlplane",
+    "access",
     "deployments",
     "playground",
     "gateway",
@@ -116,9 +118,15 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "access.context.role",
             ]
         },
     }
+]
+
+AUTHENTICATION_BACKENDS = [
+    "django.contrib.auth.backends.ModelBackend",
+    "access.admin_site.AdminGroupBackend",
 ]
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -140,13 +148,41 @@ WHITENOISE_USE_FINDERS = True
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
+        # First, so that a request without credentials is a 401 that names the scheme.
+        "access.auth.PersonalTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
-        "rest_framework.authentication.TokenAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "EXCEPTION_HANDLER": "deployments.api.base.exception_handler",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
-    "PAGE_SIZE": 100,
+    "DEFAULT_SCHEMA_CLASS": "deployments.api.schema.GantrySchema",
+    # Bodies are JSON objects: nested specs and lists have no honest form encoding.
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Gantry API",
+    "DESCRIPTION": "Register checkpoints, build TensorRT-LLM engines, and deploy and operate "
+    "multi-model Triton servers on GPU hosts. The OpenAI-compatible gateway (/v1) is documented "
+    "by OpenAI's own reference; this schema covers /api/.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SCHEMA_PATH_PREFIX": "/api/",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "deployments.api.schema.refuse_unknown_fields",
+    ],
+    "ENUM_NAME_OVERRIDES": {
+        "BuildStatusEnum": "deployments.models.BuildStatus",
+        "DeploymentStatusEnum": "deployments.models.DeploymentStatus",
+        "RevisionStatusEnum": "deployments.models.RevisionStatus",
+        "ModelKindEnum": "deployments.models.ModelKind",
+        "MetricKindEnum": "deployments.models.MetricSample.Kind",
+        "PluginEnum": "deployments.trtllm.PLUGIN_CHOICES",
+    },
 }
 
 CHANNEL_LAYERS = {

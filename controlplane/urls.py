@@ -1,19 +1,28 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
+from access.views import tokens_page
 from gateway.views import gateway_page
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+    path("api/redoc/", SpectacularRedocView.as_view(url_name="api-schema"), name="api-redoc"),
     path("api/", include("deployments.api.urls")),
     path("api/", include("playground.urls")),
     path("api/", include("gateway.urls")),
+    path("api/", include("access.urls")),
     path("gateway/", gateway_page, name="gateway"),
+    path("tokens/", tokens_page, name="tokens"),
     path("", include("deployments.web.urls")),
 ]
 
+handler400 = "controlplane.errors.bad_request"
+handler403 = "controlplane.errors.forbidden"
 handler404 = "controlplane.errors.not_found"
 handler500 = "controlplane.errors.server_error"

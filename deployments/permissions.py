@@ -1,6 +1,12 @@
-"""Roles. Any active signed-in user may look; operators and admins may act.
+"""Roles, one set of rules for every door (pages, REST API, websockets, admin).
 
-An operator is a member of the group named by OPERATOR_GROUP, or a superuser.
+- viewer: any active signed-in user. Reads everything, queries deployed
+  models (the playgrounds), and manages their own personal tokens.
+- operator: a member of the group OPERATOR_GROUP (or an admin). Also
+  registers, builds, deploys, starts, stops, changes, rolls back and deletes,
+  and manages gateway aliases and keys.
+- admin: a superuser, or a member of ADMIN_GROUP. Also the Django admin, and
+  everyone's personal tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from rest_framework.permissions import SAFE_METHODS, BasePermission
 from deployments.errors import PermissionDenied
 
 OPERATOR_GROUP = "gantry-operators"
+ADMIN_GROUP = "gantry-admins"
 OPERATOR_REQUIRED = "this needs the operator role (group 'gantry-operators') or an admin"
 
 
@@ -19,19 +26,38 @@ def can_view(user: Any) -> bool:
     return bool(user and user.is_authenticated and user.is_active)
 
 
+def _in_group(user: Any, name: str) -> bool:
+    # Groups are read once per request object: a page checks roles many times.
+    names = getattr(user, "_gantry_groups", None)
+    if names is None:
+        names = set(user.groups.values_list("name", flat=True))
+        user._gantry_groups = names
+    return name in names
+
+
+def can_admin(user: Any) -> bool:
+    return can_view(user) and (user.is_superuser or _in_group(user, ADMIN_GROUP))
+
+
 def can_operate(user: Any) -> bool:
-    if not can_view(user):
-        return False
-    return user.is_superuser or user.groups.filter(name=OPERATOR_GROUP).exists()
+    return can_view(user) and (can_admin(user) or _in_group(user, OPERATOR_GROUP))
 
 
-def user_for_token(key: str) -> Any:
-    """The active user an API token belongs to, or None (the REST API's, websockets'
-    and the generate action's ``Authorization: Token`` header)."""
-    from rest_framework.authtoken.models import Token
+def role_of(user: Any) -> str:
+    """The highest role of ``user``: admin, operator, viewer, or anonymous."""
+    if can_admin(user):
+        return "admin"
+    if can_operate(user):
+        return "operator"
+    return "viewer" if can_view(user) else "anonymous"
 
-    token = Token.objects.select_related("user").filter(key=key).first()
-    return token.user if token is not None and token.user.is_active else None
+
+def user_for_token(secret: str) -> Any:
+    """The active user a personal API token belongs to, or None (the REST API's,
+    websockets' and the generate action's ``Authorization: Bearer`` header)."""
+    from access.services import token_user
+
+    return token_user(secret)
 
 
 def require_operator(user: Any) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db.models import Count, QuerySet, Sum
+from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
@@ -73,6 +74,7 @@ class AliasList(ListEndpoint):
     def filter_rows(self, rows: QuerySet[Alias], query: dict[str, Any]) -> QuerySet[Alias]:
         return rows.filter(deployment_id=query["deployment"]) if "deployment" in query else rows
 
+    @extend_schema(request=AliasIn, responses={201: AliasOut})
     def post(self, request: Request) -> Response:
         data = validated(AliasIn, request)
         alias = services.alias_create(
@@ -86,14 +88,17 @@ class AliasDetail(APIView):
 
     permission_classes = [ReadOrOperate]
 
+    @extend_schema(responses=AliasOut)
     def get(self, request: Request, pk: int) -> Response:
         return Response(AliasOut(get_object_or_404(_aliases(), pk=pk)).data)
 
+    @extend_schema(request=AliasMoveIn, responses=AliasOut)
     def patch(self, request: Request, pk: int) -> Response:
         data = validated(AliasMoveIn, request)
         services.alias_move(alias_id=pk, deployment_id=data["deployment"], triton_name=data["model"], user=request.user)
         return Response(AliasOut(_aliases().get(pk=pk)).data)
 
+    @extend_schema(responses={204: None})
     def delete(self, request: Request, pk: int) -> Response:
         services.alias_delete(alias_id=pk, user=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -122,6 +127,13 @@ class KeyOut(serializers.ModelSerializer):
             "prompt_tokens": key.total_prompt_tokens or 0,
             "completion_tokens": key.total_completion_tokens or 0,
         }
+
+
+class NewKeyOut(KeyOut):
+    key = serializers.CharField(help_text="the secret: shown this once, stored only as a digest")
+
+    class Meta(KeyOut.Meta):
+        fields = [*KeyOut.Meta.fields, "key"]
 
 
 def keys_with_usage() -> QuerySet[ApiKey]:
@@ -172,6 +184,7 @@ class KeyList(ListEndpoint):
             rows = rows.filter(revoked_at__isnull=not query["revoked"])
         return rows
 
+    @extend_schema(request=KeyIn, responses={201: NewKeyOut})
     def post(self, request: Request) -> Response:
         data = validated(KeyIn, request)
         created = services.key_create(
@@ -190,6 +203,7 @@ class KeyList(ListEndpoint):
 class KeyDetail(APIView):
     permission_classes = [ReadOrOperate]
 
+    @extend_schema(responses=KeyOut)
     def get(self, request: Request, pk: int) -> Response:
         return Response(KeyOut(get_object_or_404(keys_with_usage(), pk=pk)).data)
 
@@ -199,6 +213,7 @@ class KeyRevoke(APIView):
 
     permission_classes = [ReadOrOperate]
 
+    @extend_schema(request=None, responses=KeyOut)
     def post(self, request: Request, pk: int) -> Response:
         require_empty_body(request)
         services.key_revoke(key_id=pk, user=request.user)

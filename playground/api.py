@@ -11,13 +11,15 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.middleware.csrf import CsrfViewMiddleware
 from django.views.decorators.csrf import csrf_exempt
+from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from access.services import bearer_secret
 from deployments import chat_template
-from deployments.api.base import StrictSerializer, error_body, gantry_error, problem, validated
+from deployments.api.base import StrictSerializer, error_body, gantry_error, json_type_errors, problem, validated
 from deployments.errors import GantryError
 from deployments.permissions import CanView, can_view, user_for_token
 from playground.generation import MAX_PROMPT_CHARS, Outcome, Sampling, cached_route, generate, prepare_generation
@@ -33,12 +35,21 @@ class EmbedIn(StrictSerializer):
     model = serializers.CharField(max_length=63, required=False, default="", allow_blank=True)
 
 
+class EmbedOut(serializers.Serializer):
+    model = serializers.CharField()
+    embeddings = serializers.ListField(child=serializers.ListField(child=serializers.FloatField()))
+    similarity = serializers.ListField(
+        child=serializers.ListField(child=serializers.FloatField()), help_text="cosine similarity of each pair"
+    )
+
+
 class DeploymentEmbed(APIView):
     """POST /api/deployments/<id>/embed/ {"texts": [...]} -> embeddings and cosine similarities."""
 
     # Querying a model only reads: viewers may use the playground too.
     permission_classes = [CanView]
 
+    @extend_schema(request=EmbedIn, responses=EmbedOut)
     def post(self, request: Request, pk: int) -> Response:
         data = validated(EmbedIn, request)
         result = embed_texts(deployment_id=pk, texts=data["texts"], model=data["model"])
@@ -53,11 +64,18 @@ class RerankIn(StrictSerializer):
     model = serializers.CharField(max_length=63, required=False, default="", allow_blank=True)
 
 
+class RerankOut(serializers.Serializer):
+    model = serializers.CharField()
+    scores = serializers.ListField(child=serializers.FloatField(), help_text="one per passage, in their order")
+    order = serializers.ListField(child=serializers.IntegerField(), help_text="passage indexes, best first")
+
+
 class DeploymentRerank(APIView):
     """POST /api/deployments/<id>/rerank/ {"query": ..., "passages": [...]} -> one score per passage."""
 
     permission_classes = [CanView]
 
+    @extend_schema(request=RerankIn, responses=RerankOut)
     def post(self, request: Request, pk: int) -> Response:
         data = validated(RerankIn, request)
         result = rerank_passages(deployment_id=pk, query=data["query"], passages=data["passages"], model=data["model"])
@@ -142,6 +160,9 @@ async def generate_answer(
     if not isinstance(body, dict):
         return Answer(400, error_body({"body": ["must be a JSON object"]}))
     serializer = GenerateIn(data=body)
+    wrong_types = json_type_errors(serializer, body)
+    if wrong_types:
+        return Answer(400, error_body(wrong_types))
     if not serializer.is_valid():
         return Answer(400, error_body(serializer.errors))
     data = serializer.validated_data
@@ -198,8 +219,7 @@ async def deployment_generate(request: HttpRequest, pk: int) -> HttpResponse:
     serves browser sessions (with Django's CSRF check) and the rest."""
     if request.method != "POST":
         return JsonResponse(problem(405, "method_not_allowed", f'Method "{request.method}" not allowed.'), status=405)
-    header = request.headers.get("Authorization", "")
-    token = header[6:].strip() if header.startswith("Token ") else None
+    token = bearer_secret(request.headers.get("Authorization", ""))
     if token is None:
         if settings.SESSION_COOKIE_NAME not in request.COOKIES:
             return JsonResponse(_UNAUTHENTICATED, status=401)

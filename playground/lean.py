@@ -3,7 +3,7 @@
 Django's request path (handler, middleware chain, request object) costs
 milliseconds per request on a busy host, which a streamed generation pays
 before its first token (docs/performance.md). Automation authenticates with an
-``Authorization: Token`` header and needs none of that chain (no session, no
+``Authorization: Bearer`` header and needs none of that chain (no session, no
 CSRF, no messages), so ``InferenceRouter`` answers ``POST
 /api/deployments/<id>/generate/`` with such a header itself, through the same
 ``playground.api.generate_answer`` as the Django view: the same validation,
@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from access.services import bearer_secret
 from controlplane.asgi_io import BodyTooLarge, read_body, send_json, stream_events
 from deployments.api.base import problem
 from playground.api import _token_may_view, _token_may_view_cached, generate_answer
@@ -25,8 +26,8 @@ GENERATE = re.compile(r"^/api/deployments/(\d+)/generate/$")
 
 def _token(scope: dict[str, Any]) -> str | None:
     for name, value in scope.get("headers", []):
-        if name == b"authorization" and value.startswith(b"Token "):
-            return value[6:].strip().decode("latin-1")
+        if name == b"authorization":
+            return bearer_secret(value.decode("latin-1"))
     return None
 
 

@@ -121,11 +121,63 @@ class StrictModelSerializer(_RefusesUnknownFields, serializers.ModelSerializer):
 
 
 def validated(serializer_class: type[serializers.Serializer], request: Request) -> dict[str, Any]:
-    if not isinstance(request.data, dict):
+    """A JSON body checked by ``serializer_class``: its JSON types first (DRF would
+    turn 12 into "12" or "1" into 1), then the serializer's rules."""
+    body = request.data
+    if not isinstance(body, dict):
         raise DRFValidationError({"body": ["must be a JSON object"]})
-    serializer = serializer_class(data=request.data)
+    serializer = serializer_class(data=body)
+    errors = json_type_errors(serializer, body)
+    if errors:
+        raise DRFValidationError(errors)
     serializer.is_valid(raise_exception=True)
     return serializer.validated_data
+
+
+# The JSON type each kind of field takes; checked in this order (subclasses first).
+_JSON_TYPES: list[tuple[type, tuple[type, ...], str]] = [
+    (serializers.BooleanField, (bool,), "a boolean"),
+    (serializers.IntegerField, (int,), "an integer"),
+    (serializers.FloatField, (int, float), "a number"),
+    (serializers.ChoiceField, (str,), "a string"),
+    (serializers.CharField, (str,), "a string"),
+    (serializers.DateTimeField, (str,), "a date-time string"),
+    (serializers.DateField, (str,), "a date string"),
+    (serializers.ListField, (list,), "a list"),
+    (serializers.DictField, (dict,), "an object"),
+]
+
+
+def json_type_errors(field: Any, value: Any, path: str = "") -> dict[str, list[str]]:
+    """Fields of ``value`` whose JSON type is not what ``field`` declares, by field path."""
+    if value is None:
+        return {}
+    if isinstance(field, serializers.ListSerializer):
+        if not isinstance(value, list):
+            return {path: ["must be a list"]}
+        return {
+            k: v for i, item in enumerate(value) for k, v in json_type_errors(field.child, item, f"{path}[{i}]").items()
+        }
+    if isinstance(field, serializers.Serializer):
+        if not isinstance(value, dict):
+            return {path or "body": ["must be an object"]}
+        found: dict[str, list[str]] = {}
+        for name, child in field.fields.items():
+            if name in value and not child.read_only:
+                found.update(json_type_errors(child, value[name], f"{path}.{name}" if path else name))
+        return found
+    for kind, types, words in _JSON_TYPES:
+        if isinstance(field, kind):
+            if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+                return {path: [f"must be {words}"]}
+            if isinstance(field, serializers.ListField) and field.child is not None:
+                return {
+                    k: v
+                    for i, item in enumerate(value)
+                    for k, v in json_type_errors(field.child, item, f"{path}[{i}]").items()
+                }
+            return {}
+    return {}
 
 
 def require_empty_body(request: Request) -> None:

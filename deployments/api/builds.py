@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db.models import QuerySet
+from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
@@ -74,6 +75,16 @@ class BuildOut(serializers.ModelSerializer):
         ]
 
 
+class BuildRequestOut(BuildOut):
+    how = serializers.ChoiceField(
+        choices=["queued", "cached", "joined"],
+        help_text="queued: a new build; cached: an identical build succeeded; joined: one is under way",
+    )
+
+    class Meta(BuildOut.Meta):
+        fields = ["how", *BuildOut.Meta.fields]
+
+
 class BuildSpecIn(StrictSerializer):
     """Types and ranges; the rules that need the checkpoint and host are in deployments.build_spec."""
 
@@ -131,6 +142,7 @@ class BuildList(ListEndpoint):
     def filter_rows(self, rows: QuerySet[EngineBuild], query: dict[str, Any]) -> QuerySet[EngineBuild]:
         return selectors.build_filter(rows, **query)
 
+    @extend_schema(request=BuildIn, responses={201: BuildRequestOut, 200: BuildRequestOut})
     def post(self, request: Request) -> Response:
         data = validated(BuildIn, request)
         build, how = builds.build_request(
@@ -143,12 +155,14 @@ class BuildList(ListEndpoint):
             user=request.user,
         )
         code = status.HTTP_201_CREATED if how == "queued" else status.HTTP_200_OK
-        return Response({"how": how, **BuildOut(build).data}, status=code)
+        build.how = how
+        return Response(BuildRequestOut(build).data, status=code)
 
 
 class BuildDetail(APIView):
     permission_classes = [ReadOrOperate]
 
+    @extend_schema(responses=BuildOut)
     def get(self, request: Request, pk: int) -> Response:
         return Response(BuildOut(get_object_or_404(selectors.build_list(), pk=pk)).data)
 
@@ -156,6 +170,7 @@ class BuildDetail(APIView):
 class BuildCancel(APIView):
     permission_classes = [ReadOrOperate]
 
+    @extend_schema(request=None, responses={202: BuildOut})
     def post(self, request: Request, pk: int) -> Response:
         require_empty_body(request)
         get_object_or_404(EngineBuild, pk=pk)

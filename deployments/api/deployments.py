@@ -8,6 +8,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 from django.utils import timezone
+from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
@@ -165,6 +166,7 @@ class DeploymentList(ListEndpoint):
         rows = rows.filter(**{lookups[k]: v for k, v in query.items() if k in lookups})
         return rows.filter(name__contains=query["name"]) if "name" in query else rows
 
+    @extend_schema(request=DeploymentIn, responses={201: DeploymentOut})
     def post(self, request: Request) -> Response:
         data = validated(DeploymentIn, request)
         ports = data.get("ports")
@@ -184,6 +186,7 @@ class DeploymentList(ListEndpoint):
 class DeploymentDetail(APIView):
     permission_classes = [ReadOrOperate]
 
+    @extend_schema(responses=DeploymentOut)
     def get(self, request: Request, pk: int) -> Response:
         return Response(DeploymentOut(get_object_or_404(selectors.deployment_list(), pk=pk)).data)
 
@@ -201,6 +204,7 @@ class DeploymentModels(APIView):
 
     permission_classes = [ReadOrOperate]
 
+    @extend_schema(request=ModelsIn, responses={202: DeploymentOut})
     def put(self, request: Request, pk: int) -> Response:
         data = validated(ModelsIn, request)
         deployments.deployment_change(deployment_id=pk, placements=placement_specs(data["models"]), user=request.user)
@@ -232,6 +236,7 @@ class DeploymentStart(APIView):
 
     permission_classes = [ReadOrOperate]
 
+    @extend_schema(request=None, responses={202: DeploymentOut})
     def post(self, request: Request, pk: int) -> Response:
         require_empty_body(request)
         deployments.deployment_start(deployment_id=pk, user=request.user)
@@ -243,6 +248,7 @@ class DeploymentStop(APIView):
 
     permission_classes = [ReadOrOperate]
 
+    @extend_schema(request=None, responses={202: DeploymentOut})
     def post(self, request: Request, pk: int) -> Response:
         require_empty_body(request)
         deployments.deployment_stop(deployment_id=pk, user=request.user)
@@ -256,11 +262,32 @@ class DeploymentEvents(Events):
         return selectors.event_list().filter(deployment=get_object_or_404(Deployment, pk=self.kwargs["pk"]))
 
 
+class PlannedModelOut(serializers.Serializer):
+    triton_name = serializers.CharField()
+    fraction = serializers.FloatField()
+    bytes = serializers.IntegerField()
+    engine_bytes = serializers.IntegerField(required=False, allow_null=True)
+    kv_cache_tokens = serializers.IntegerField(required=False, allow_null=True)
+    kv_cache_bytes = serializers.IntegerField(required=False, allow_null=True)
+
+
+class GpuPlanOut(serializers.Serializer):
+    gpu = serializers.IntegerField()
+    name = serializers.CharField()
+    uuid = serializers.CharField()
+    memory_total_bytes = serializers.IntegerField()
+    models = PlannedModelOut(many=True)
+    fraction = serializers.FloatField(help_text="the sum of the models' fractions on this GPU")
+    headroom = serializers.FloatField()
+    within_headroom = serializers.BooleanField()
+
+
 class DeploymentPlan(APIView):
     """GET /api/deployments/<id>/plan/: GPU memory per model per GPU, against the headroom limit."""
 
     permission_classes = [ReadOrOperate]
 
+    @extend_schema(responses=GpuPlanOut(many=True))
     def get(self, request: Request, pk: int) -> Response:
         return Response(selectors.deployment_plan(get_object_or_404(selectors.deployment_list(), pk=pk)))
 

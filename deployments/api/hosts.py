@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.db.models import QuerySet
+from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
@@ -66,5 +67,6 @@ class HostList(ListEndpoint):
 class HostDetail(APIView):
     permission_classes = [ReadOrOperate]
 
+    @extend_schema(responses=HostOut)
     def get(self, request: Request, name: str) -> Response:
         return Response(HostOut(get_object_or_404(selectors.host_list(), name=name)).data)

@@ -24,6 +24,7 @@ from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
 from rest_framework.filters import OrderingFilter
 from rest_framework.generics import GenericAPIView
+from rest_framework.mixins import ListModelMixin
 from rest_framework.pagination import CursorPagination, LimitOffsetPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -32,9 +33,23 @@ MAX_PAGE = 500
 DEFAULT_PAGE = 50
 
 
+MAX_OFFSET = 2**31 - 1
+
+
+def _bounded(parameters: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The paging parameters as ListEndpoint.query checks them, for the schema."""
+    bounds = {"limit": {"minimum": 1, "maximum": MAX_PAGE}, "offset": {"minimum": 0, "maximum": MAX_OFFSET}}
+    for parameter in parameters:
+        parameter["schema"].update(bounds.get(parameter["name"], {}))
+    return parameters
+
+
 class OffsetPage(LimitOffsetPagination):
     default_limit = DEFAULT_PAGE
     max_limit = MAX_PAGE
+
+    def get_schema_operation_parameters(self, view: Any) -> list[dict[str, Any]]:
+        return _bounded(super().get_schema_operation_parameters(view))
 
 
 class CursorPage(CursorPagination):
@@ -43,12 +58,34 @@ class CursorPage(CursorPagination):
     max_page_size = MAX_PAGE
     ordering = "-id"
 
+    def get_schema_operation_parameters(self, view: Any) -> list[dict[str, Any]]:
+        return _bounded(super().get_schema_operation_parameters(view))
+
+
+class Ordering(OrderingFilter):
+    """``?ordering=<field>`` or ``-<field>``, one of the view's ``ordering_fields``."""
+
+    def get_schema_operation_parameters(self, view: Any) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": self.ordering_param,
+                "required": False,
+                "in": "query",
+                "description": f"the order of the rows (default {view.ordering})",
+                "schema": {"type": "string", "enum": _orderings(view.ordering_fields)},
+            }
+        ]
+
+
+def _orderings(fields: tuple[str, ...]) -> list[str]:
+    return [f for field in fields for f in (field, f"-{field}")]
+
 
 class NoFilters(serializers.Serializer):
     pass
 
 
-class ListEndpoint(GenericAPIView):
+class ListEndpoint(ListModelMixin, GenericAPIView):
     """GET a page of ``get_queryset()`` filtered by ``query_class`` through ``filter_rows``.
 
     ``ordering_fields`` are what ``?ordering=`` may name (each also with a
@@ -57,7 +94,7 @@ class ListEndpoint(GenericAPIView):
     """
 
     pagination_class: ClassVar[type] = OffsetPage
-    filter_backends: ClassVar[list[type]] = [OrderingFilter]
+    filter_backends: ClassVar[list[type]] = [Ordering]
     query_class: ClassVar[type[serializers.Serializer]] = NoFilters
     ordering_fields: ClassVar[tuple[str, ...]] = ("id",)
     ordering: ClassVar[str] = "id"
@@ -95,11 +132,11 @@ def _paging_errors(params: Any, ordering_fields: tuple[str, ...]) -> dict[str, l
     for name, low in (("limit", 1), ("offset", 0)):
         if name in params:
             value = params[name]
-            if not value.isdigit() or not low <= int(value) <= (MAX_PAGE if name == "limit" else 2**31):
+            if not value.isdigit() or not low <= int(value) <= (MAX_PAGE if name == "limit" else MAX_OFFSET):
                 rule = f"must be an integer from 1 to {MAX_PAGE}" if name == "limit" else "must be an integer >= 0"
                 errors[name] = [rule]
     if "ordering" in params:
-        allowed = [f for field in ordering_fields for f in (field, f"-{field}")]
+        allowed = _orderings(ordering_fields)
         if params["ordering"] not in allowed:
             errors["ordering"] = [f"must be one of: {', '.join(allowed)}"]
     return errors

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db.models import QuerySet
+from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
@@ -96,6 +97,7 @@ class ModelList(ListEndpoint):
         rows = rows.filter(**{lookups[k]: v for k, v in query.items() if k in lookups})
         return rows.filter(name__contains=query["name"]) if "name" in query else rows
 
+    @extend_schema(request=ModelIn, responses={201: ModelOut})
     def post(self, request: Request) -> Response:
         data = validated(ModelIn, request)
         model = registered_models.model_register(user=request.user, **data)
@@ -105,5 +107,6 @@ class ModelList(ListEndpoint):
 class ModelDetail(APIView):
     permission_classes = [ReadOrOperate]
 
+    @extend_schema(responses=ModelOut)
     def get(self, request: Request, pk: int) -> Response:
         return Response(ModelOut(get_object_or_404(selectors.model_list(), pk=pk)).data)

@@ -21,8 +21,8 @@ import requests
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import connection
-from rest_framework.authtoken.models import Token
 
+from access.services import token_create
 from controlplane.celery import host_worker_argv
 from deployments.models import GpuHost
 from workers.runtimes import process
@@ -87,7 +87,7 @@ class Stack:
 
     def session(self) -> requests.Session:
         session = requests.Session()
-        session.headers["Authorization"] = f"Token {self.token}"
+        session.headers["Authorization"] = f"Bearer {self.token}"
         return session
 
     def register_models(self, path: Path, **kinds: str) -> None:
@@ -161,7 +161,7 @@ def make_stack(
         env,
         log_dir / "web.log",
     )
-    token = Token.objects.create(user=operator).key
+    token = token_create(user=operator, name="tests").secret
     result = Stack(
         host_name=host_name,
         web_url=f"http://127.0.0.1:{web_port}",

@@ -106,7 +106,7 @@ def test_docker_build_streams_its_log_live_and_records_the_engine(build_stack: S
     build = _request(stack, "llama", builder_image, spec={"tp_size": 2, "workers": 2, "max_batch_size": 16})
     assert build["how"] == "queued" and build["status"] == "pending"
 
-    headers = {"Authorization": f"Token {stack.token}", "Origin": stack.web_url}
+    headers = {"Authorization": f"Bearer {stack.token}", "Origin": stack.web_url}
     log_messages, lines, phases = 0, [], set()
     with connect(f"{stack.ws_url}/ws/builds/{build['id']}/", additional_headers=headers) as socket:
         deadline = time.monotonic() + 120

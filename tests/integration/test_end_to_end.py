@@ -46,7 +46,7 @@ def _register_and_create(stack: Stack, minilm_path: Path) -> dict:
 def _socket(stack: Stack, deployment_id: int):
     return connect(
         f"{stack.ws_url}/ws/deployments/{deployment_id}/",
-        additional_headers={"Authorization": f"Token {stack.token}", "Origin": stack.web_url},
+        additional_headers={"Authorization": f"Bearer {stack.token}", "Origin": stack.web_url},
         open_timeout=10,
     )
 
@@ -263,7 +263,7 @@ def test_websocket_refuses_anonymous_clients(stack: Stack):
 
 
 def test_websocket_refuses_foreign_origins(stack: Stack):
-    headers = {"Authorization": f"Token {stack.token}", "Origin": "http://evil.example"}
+    headers = {"Authorization": f"Bearer {stack.token}", "Origin": "http://evil.example"}
     with pytest.raises(InvalidStatus) as refused:
         with connect(f"{stack.ws_url}/ws/dashboard/", additional_headers=headers):
             pass

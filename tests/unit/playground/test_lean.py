@@ -7,8 +7,8 @@ import json
 
 import pytest
 from asgiref.sync import async_to_sync
-from rest_framework.authtoken.models import Token
 
+from access.services import token_create
 from playground.lean import InferenceRouter
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -36,8 +36,8 @@ def test_token_requests_for_generate_are_answered_by_the_lean_path(operator):
         reached_django.append(scope["path"])
 
     router = InferenceRouter(django)
-    key = Token.objects.create(user=operator).key
-    auth = [(b"authorization", f"Token {key}".encode())]
+    key = token_create(user=operator, name="t").secret
+    auth = [(b"authorization", f"Bearer {key}".encode())]
 
     missing = _call(router, "POST", "/api/deployments/999999/generate/", auth, b'{"prompt": "a"}')
     assert missing[0]["status"] == 404
@@ -52,7 +52,7 @@ def test_token_requests_for_generate_are_answered_by_the_lean_path(operator):
     assert unknown_field[0]["status"] == 400
     assert json.loads(unknown_field[1]["body"])["errors"] == {"n": ["is not a known field"]}
 
-    bad_key = [(b"authorization", b"Token not-a-key")]
+    bad_key = [(b"authorization", b"Bearer not-a-key")]
     assert _call(router, "POST", "/api/deployments/1/generate/", bad_key, b'{"prompt": "a"}')[0]["status"] == 401
 
     # No token, another method or another path: Django's.

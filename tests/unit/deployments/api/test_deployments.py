@@ -96,7 +96,9 @@ def test_start_of_missing_deployment_is_404(api, host):
 
 
 def test_anonymous_requests_are_refused(db):
-    assert APIClient().get("/api/deployments/").status_code == 403
+    response = APIClient().get("/api/deployments/")
+    assert response.status_code == 401 and response["WWW-Authenticate"] == 'Bearer realm="gantry"'
+    assert response.json()["code"] == "not_authenticated"
 
 
 def test_viewer_can_read_but_not_act(viewer, host, minilm, api):

@@ -44,3 +44,17 @@ def test_a_page_outside_the_api_is_not_found_in_gantrys_layout(client, operator)
 def test_a_body_that_is_not_json_is_refused_in_the_same_shape():
     response = APIClient().post("/api/models/", "{", content_type="application/json")
     assert response.json()["status"] == response.status_code
+
+
+def test_json_types_are_not_coerced(api, host, minilm):  # noqa: ANN001
+    response = api.post(
+        "/api/deployments/",
+        {"name": 12, "host": "cpu-host", "models": [{"model": "minilm", "max_batch_size": "8", "gpu_ids": [True]}]},
+        format="json",
+    )
+    assert response.status_code == 400
+    assert response.data["errors"] == {
+        "name": ["must be a string"],
+        "models[0].max_batch_size": ["must be an integer"],
+        "models[0].gpu_ids[0]": ["must be an integer"],
+    }
