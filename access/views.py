@@ -4,15 +4,18 @@ when each was last used, revoke it."""
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 from django import forms
+from django.conf import settings
 from django.contrib import messages
+from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
 
-from access import services
+from access import services, throttles
 from access.api import visible_tokens
 from deployments.errors import GantryError
 from deployments.web.forms import show_refusal
@@ -54,3 +57,25 @@ def tokens_page(request: HttpRequest) -> HttpResponse:
         "access/tokens.html",
         {"tokens": visible_tokens(request.user)[:500], "form": form, "new_secret": new_secret},
     )
+
+
+class LoginView(auth_views.LoginView):
+    """Django's sign-in form, refusing for a while after GANTRY_LOGIN_ATTEMPTS
+    failures for one username from one address (429, said in words)."""
+
+    def post(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        username, address = request.POST.get("username", ""), request.META.get("REMOTE_ADDR", "")
+        if throttles.login_locked(username, address):
+            form = self.get_form()
+            minutes = max(1, settings.GANTRY_LOGIN_LOCKOUT_S // 60)
+            form.add_error(None, f"Too many failed sign-ins: try again in {minutes} minutes.")
+            return self.render_to_response(self.get_context_data(form=form), status=429)
+        return super().post(request, *args, **kwargs)
+
+    def form_invalid(self, form: Any) -> HttpResponse:
+        throttles.login_failed(self.request.POST.get("username", ""), self.request.META.get("REMOTE_ADDR", ""))
+        return super().form_invalid(form)
+
+    def form_valid(self, form: Any) -> HttpResponse:
+        throttles.login_succeeded(form.get_user().get_username(), self.request.META.get("REMOTE_ADDR", ""))
+        return super().form_valid(form)

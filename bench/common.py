@@ -34,6 +34,8 @@ def setup_django(port: int) -> Path:
         GANTRY_MODEL_ROOTS="/",
         GANTRY_HOST_NAME="bench-host",
         GANTRY_TRITON_PORT_RANGE=f"{port + 1}-{port + 30}",
+        GANTRY_PLAIN_HTTP="1",  # a benchmark talks plain HTTP to localhost
+        GANTRY_API_THROTTLE="off",  # and is one client measuring the server's ceiling
     )
     import django
 

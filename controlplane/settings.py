@@ -29,6 +29,37 @@ if not DEBUG and SECRET_KEY == _DEV_SECRET:
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
+# --- Transport security ---------------------------------------------------
+# Secure by default: HTTPS only (redirect, HSTS, secure cookies), so that with
+# DEBUG off and nothing else set `manage.py check --deploy` finds nothing. A
+# plain-HTTP setup (the demo, the tests, a laptop) opts out explicitly with
+# GANTRY_PLAIN_HTTP=1. Behind a TLS-terminating proxy, GANTRY_TRUST_PROXY_TLS=1
+# trusts its X-Forwarded-Proto header.
+GANTRY_PLAIN_HTTP = env_bool("GANTRY_PLAIN_HTTP", False)
+_https = not GANTRY_PLAIN_HTTP
+SECURE_SSL_REDIRECT = _https
+SESSION_COOKIE_SECURE = _https
+CSRF_COOKIE_SECURE = _https
+SECURE_HSTS_SECONDS = env_int("GANTRY_HSTS_SECONDS", 31_536_000 if _https else 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("GANTRY_HSTS_INCLUDE_SUBDOMAINS", True)
+SECURE_HSTS_PRELOAD = env_bool("GANTRY_HSTS_PRELOAD", True)
+if env_bool("GANTRY_TRUST_PROXY_TLS", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# Health and metrics checks from the host itself need no redirect.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+SESSION_COOKIE_HTTPONLY = True
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+
+# --- Abuse limits ---------------------------------------------------------
+# REST API requests per signed-in user and per anonymous address ("<n>/<second|minute|hour|day>", or "off").
+GANTRY_API_THROTTLE = env_str("GANTRY_API_THROTTLE", "1200/minute")
+GANTRY_API_THROTTLE_ANON = env_str("GANTRY_API_THROTTLE_ANON", "120/minute")
+# Failed sign-ins per username and address before the form refuses for GANTRY_LOGIN_LOCKOUT_S.
+GANTRY_LOGIN_ATTEMPTS = env_int("GANTRY_LOGIN_ATTEMPTS", 5, minimum=1)
+GANTRY_LOGIN_LOCKOUT_S = env_int("GANTRY_LOGIN_LOCKOUT_S", 900, minimum=1)
+
 GANTRY_DATA_DIR = Path(env_str("GANTRY_DATA_DIR", str(BASE_DIR / "var"))).resolve()
 DATABASES = {
     "default": dj_database_url.parse(
@@ -157,6 +188,19 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "deployments.api.schema.GantrySchema",
     # Bodies are JSON objects: nested specs and lists have no honest form encoding.
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_THROTTLE_CLASSES": ["access.throttles.PerUser", "access.throttles.PerAddress"],
+}
+
+# Throttle counters and sign-in failures live in Redis, so every web process
+# counts together; they fail open (an outage must not lock everyone out).
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    "shared": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "gantry",
+        "OPTIONS": {"socket_connect_timeout": 0.5, "socket_timeout": 0.5},
+    },
 }
 
 SPECTACULAR_SETTINGS = {
