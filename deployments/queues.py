@@ -20,6 +20,9 @@ STOP_DEPLOYMENT = "workers.tasks.stop_deployment"
 APPLY_GENERATION = "workers.tasks.apply_generation"
 INSPECT_MODEL = "workers.tasks.inspect_model"
 RUN_BUILD = "workers.tasks.run_build"
+# Remove what a deleted deployment or build left on its host's disk.
+FORGET_DEPLOYMENT = "workers.tasks.forget_deployment"
+FORGET_BUILD = "workers.tasks.forget_build"
 # The control plane's periodic work (its beat runs it on queue "control", see settings).
 SWEEP_HOSTS = "deployments.tasks.sweep_hosts"
 

@@ -62,7 +62,10 @@ def deployment_actions(status: str) -> dict[str, bool]:
     return {
         "start": is_allowed(status, S.LAUNCHING),
         "stop": is_allowed(status, S.STOPPING),
+        "restart": status in (S.READY, S.DEGRADED, S.FAILED),
         "change": status == S.READY or status in AT_REST,
+        "rollback": status == S.READY or status in AT_REST,
+        "delete": status in AT_REST,
     }
 
 

@@ -24,6 +24,16 @@ def stop_deployment(deployment_id: int) -> None:
     lifecycle.stop(deployment_id)
 
 
+@shared_task(name=queues.FORGET_DEPLOYMENT)
+def forget_deployment(deployment_id: int, name: str) -> None:
+    lifecycle.forget(deployment_id, name)
+
+
+@shared_task(name=queues.FORGET_BUILD)
+def forget_build(build_id: int) -> None:
+    run.forget(build_id)
+
+
 @shared_task(name=queues.APPLY_GENERATION)
 def apply_generation(deployment_id: int, generation: int) -> None:
     lifecycle.apply_generation(deployment_id, generation)

@@ -160,7 +160,15 @@ class BuildList(ListEndpoint):
 
 
 class BuildDetail(APIView):
+    """GET one build; DELETE a finished one and its engine files (refused while it
+    runs or is deployed)."""
+
     permission_classes = [ReadOrOperate]
+
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, pk: int) -> Response:
+        builds.build_delete(build_id=pk, user=request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(responses=BuildOut)
     def get(self, request: Request, pk: int) -> Response:

@@ -184,7 +184,15 @@ class DeploymentList(ListEndpoint):
 
 
 class DeploymentDetail(APIView):
+    """GET one deployment; DELETE it (only at rest and with no gateway alias on it;
+    its name and ports are free again, its timeline stays)."""
+
     permission_classes = [ReadOrOperate]
+
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, pk: int) -> Response:
+        deployments.deployment_delete(deployment_id=pk, user=request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(responses=DeploymentOut)
     def get(self, request: Request, pk: int) -> Response:
@@ -240,6 +248,36 @@ class DeploymentStart(APIView):
     def post(self, request: Request, pk: int) -> Response:
         require_empty_body(request)
         deployments.deployment_start(deployment_id=pk, user=request.user)
+        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+
+
+class DeploymentRestart(APIView):
+    """POST /api/deployments/<id>/restart/ (no body): stop its server and start it
+    again (a failed one is started)."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(request=None, responses={202: DeploymentOut})
+    def post(self, request: Request, pk: int) -> Response:
+        require_empty_body(request)
+        deployments.deployment_restart(deployment_id=pk, user=request.user)
+        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+
+
+class RollbackIn(StrictSerializer):
+    generation = serializers.IntegerField(min_value=1, help_text="an earlier generation (see revisions)")
+
+
+class DeploymentRollback(APIView):
+    """POST /api/deployments/<id>/rollback/ {"generation": N}: a new generation
+    with generation N's models, applied like any change."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(request=RollbackIn, responses={202: DeploymentOut})
+    def post(self, request: Request, pk: int) -> Response:
+        data = validated(RollbackIn, request)
+        deployments.deployment_roll_back_to(deployment_id=pk, generation=data["generation"], user=request.user)
         return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
 
 

@@ -105,7 +105,14 @@ class ModelList(ListEndpoint):
 
 
 class ModelDetail(APIView):
+    """GET one model; DELETE unregisters it (refused while builds or deployments use it)."""
+
     permission_classes = [ReadOrOperate]
+
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, pk: int) -> Response:
+        registered_models.model_delete(model_id=pk, user=request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(responses=ModelOut)
     def get(self, request: Request, pk: int) -> Response:

@@ -18,7 +18,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from deployments import build_spec, events, queues, selectors, states
-from deployments.errors import InvalidTransition, ValidationFailed
+from deployments.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments.models import BuildExecutor, BuildLogLine, EngineBuild, GpuHost, RegisteredModel
 from deployments.models import BuildStatus as B
 from deployments.permissions import require_operator
@@ -125,6 +125,32 @@ def build_cancel(*, build_id: int, user: Any = None) -> EngineBuild:
 
 
 # --- the worker's writes ------------------------------------------------------
+
+
+def build_delete(*, build_id: int, user: Any = None) -> None:
+    """Delete a finished build and, on its host, its engine files. Refused while
+    it is pending or running (cancel it) or while a deployment uses it."""
+    require_operator(user)
+    with transaction.atomic():
+        build = EngineBuild.objects.select_related("host", "model").select_for_update().filter(pk=build_id).first()
+        if build is None:
+            raise NotFound(f"build {build_id} does not exist")
+        if build.status not in states.BUILD_TERMINAL:
+            raise InvalidTransition(f"build {build_id} is {build.status}; cancel it before deleting it")
+        users = sorted(build.placements.values_list("deployment__name", flat=True).distinct())
+        if users:
+            raise InvalidTransition(f"build {build_id} is deployed in {', '.join(users)}; change them first")
+        events.record(
+            kind="build.deleted",
+            source=events.source_of(user),
+            actor=user,
+            host=build.host,
+            message=f"build {build_id} of {build.model.name} deleted; its engine files are removed from "
+            f"{build.host.name}",
+            data={"build": build_id, "model": build.model.name, "cache_key": build.cache_key},
+        )
+        queues.enqueue_on_commit(queues.FORGET_BUILD, host_name=build.host.name, args=[build_id])
+        build.delete()
 
 
 def build_claim(*, build_id: int, source: str, output_dir: str) -> EngineBuild | None:

@@ -116,7 +116,9 @@ def deployment_create(
     return deployment
 
 
-def deployment_change(*, deployment_id: int, placements: list[PlacementSpec], user: Any = None) -> Deployment:
+def deployment_change(
+    *, deployment_id: int, placements: list[PlacementSpec], user: Any = None, reason: str = ""
+) -> Deployment:
     """Give a deployment new placements as a new generation.
 
     A ready deployment applies it in place (its host reloads only the models
@@ -153,8 +155,9 @@ def deployment_change(*, deployment_id: int, placements: list[PlacementSpec], us
             source=events.source_of(user),
             actor=user,
             deployment=deployment,
-            message=f"generation {generation}: {', '.join(p['triton_name'] for p in after)}",
-            data={"before": before, "after": after},
+            message=f"generation {generation}: {', '.join(p['triton_name'] for p in after)}"
+            + (f" ({reason})" if reason else ""),
+            data={"before": before, "after": after, **({"reason": reason} if reason else {})},
         )
         if running:
             deployment = states.deployment_transition(
@@ -196,6 +199,101 @@ def deployment_rollback(*, deployment_id: int, failed_generation: int, reason: s
             message=f"generation {failed_generation} failed ({reason}); back to generation {previous.generation}",
         )
     return Deployment.objects.select_related("host").get(pk=deployment_id)
+
+
+def deployment_roll_back_to(*, deployment_id: int, generation: int, user: Any = None) -> Deployment:
+    """A new generation with the placements of an earlier one (checked again: a
+    model or build it named may be gone). The history keeps every generation."""
+    require_operator(user)
+    deployment = _get_deployment(deployment_id)
+    revision = deployment.revisions.filter(generation=generation).first()
+    if revision is None:
+        raise ValidationFailed({"generation": f"{deployment.name} has no generation {generation}"})
+    if generation == deployment.generation:
+        raise ValidationFailed({"generation": f"generation {generation} is the one {deployment.name} holds now"})
+    specs = [
+        PlacementSpec.from_fields({k: v for k, v in item.items() if k != "kv_cache_tokens"}) for item in revision.spec
+    ]
+    return deployment_change(
+        deployment_id=deployment_id, placements=specs, user=user, reason=f"rolled back to generation {generation}"
+    )
+
+
+def deployment_restart(*, deployment_id: int, user: Any = None) -> Deployment:
+    """Stop the deployment's server and start it again. A failed one is simply
+    started; one at rest is refused (start it)."""
+    require_operator(user)
+    deployment = _get_deployment(deployment_id)
+    if deployment.status == DeploymentStatus.FAILED and not deployment.runtime_handle:
+        return deployment_start(deployment_id=deployment_id, user=user)
+    if deployment.status not in RESTARTABLE:
+        raise InvalidTransition(f"{deployment.name} is {deployment.status}; only a running deployment restarts")
+    with transaction.atomic():
+        # Stopping with running desired: the stop task starts it again (lifecycle._stop).
+        deployment = states.deployment_transition(
+            deployment_id=deployment_id,
+            to=DeploymentStatus.STOPPING,
+            source=events.source_of(user),
+            actor=user,
+            only_from=RESTARTABLE,
+            message="restart requested: stopping, then starting again",
+            desired_state=DesiredState.RUNNING,
+        )
+        _enqueue(queues.STOP_DEPLOYMENT, deployment)
+    return deployment
+
+
+RESTARTABLE = frozenset({DeploymentStatus.READY, DeploymentStatus.DEGRADED, DeploymentStatus.FAILED})
+
+
+def deployment_start_after_stop(*, deployment_id: int, source: str) -> Deployment | None:
+    """The second half of a restart: launch a stopped deployment that should be
+    running; None if it is not stopped or no longer wanted running."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_related("host").select_for_update().get(pk=deployment_id)
+        if deployment.status != DeploymentStatus.STOPPED or deployment.desired_state != DesiredState.RUNNING:
+            return None
+        deployment = states.deployment_transition(
+            deployment_id=deployment_id,
+            to=DeploymentStatus.LAUNCHING,
+            source=source,
+            only_from=frozenset({DeploymentStatus.STOPPED}),
+            message="restarting: starting again",
+        )
+        _enqueue(queues.LAUNCH_DEPLOYMENT, deployment)
+    return deployment
+
+
+def deployment_delete(*, deployment_id: int, user: Any = None) -> None:
+    """Delete a deployment at rest: its name and ports are free again, its host
+    removes its files, and its timeline stays (the events lose only the link).
+    Refused while a server may run or while gateway aliases point at it."""
+    require_operator(user)
+    with transaction.atomic():
+        deployment = Deployment.objects.select_related("host").select_for_update().filter(pk=deployment_id).first()
+        if deployment is None:
+            raise NotFound(f"deployment {deployment_id} does not exist")
+        if deployment.status not in states.AT_REST:
+            raise InvalidTransition(f"{deployment.name} is {deployment.status}; stop it before deleting it")
+        # The gateway's aliases (gateway.models.Alias) point here by a protected foreign key.
+        aliases = sorted(deployment.aliases.values_list("name", flat=True))
+        if aliases:
+            raise InvalidTransition(
+                f"gateway aliases point at {deployment.name}: {', '.join(aliases)}; move or delete them first"
+            )
+        events.record(
+            kind="deployment.deleted",
+            source=events.source_of(user),
+            actor=user,
+            host=deployment.host,
+            message=f"{deployment.name} deleted; ports {deployment.http_port}/{deployment.grpc_port}/"
+            f"{deployment.metrics_port} are free",
+            data={"deployment": deployment.pk, "name": deployment.name, "generation": deployment.generation},
+        )
+        queues.enqueue_on_commit(
+            queues.FORGET_DEPLOYMENT, host_name=deployment.host.name, args=[deployment.pk, deployment.name]
+        )
+        deployment.delete()
 
 
 def _enqueue(task_name: str, deployment: Deployment, *more_args: Any) -> None:

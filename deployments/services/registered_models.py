@@ -11,7 +11,7 @@ from django.db import IntegrityError, transaction
 
 from deployments import events, queues, states
 from deployments.checkpoints import CheckpointInfo, inspect_checkpoint, under_roots
-from deployments.errors import ValidationFailed
+from deployments.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments.models import GpuHost, Inspection, ModelKind, RegisteredModel
 from deployments.permissions import require_operator
 
@@ -75,6 +75,31 @@ def model_register(
     except IntegrityError as exc:
         raise ValidationFailed({"name": f"a model named {name!r} is already registered"}) from exc
     return model
+
+
+def model_delete(*, model_id: int, user: Any = None) -> None:
+    """Forget a registered checkpoint (its files stay where they are). Refused
+    while builds or deployments use it, naming them; its name is free again."""
+    require_operator(user)
+    with transaction.atomic():
+        model = RegisteredModel.objects.select_for_update().filter(pk=model_id).first()
+        if model is None:
+            raise NotFound(f"model {model_id} does not exist")
+        deployed = sorted(model.placements.values_list("deployment__name", flat=True).distinct())
+        if deployed:
+            raise InvalidTransition(f"{model.name} is deployed in {', '.join(deployed)}; change or delete them first")
+        built = sorted(model.builds.values_list("pk", flat=True))
+        if built:
+            raise InvalidTransition(f"{model.name} has builds {', '.join(map(str, built))}; delete them first")
+        events.record(
+            kind="model.deleted",
+            source=events.source_of(user),
+            actor=user,
+            host=model.host,
+            message=f"model {model.name} unregistered; its checkpoint stays in {model.path}",
+            data={"model": model.pk, "name": model.name, "path": model.path},
+        )
+        model.delete()
 
 
 def model_inspect(*, model_id: int, source: str) -> None:

@@ -89,3 +89,49 @@ def test_a_generation_that_fails_to_load_rolls_back(stack: Stack, ready_pair: in
     embedded = http.post(f"{stack.web_url}/api/deployments/{ready_pair}/embed/", json={"texts": ["x"]}, timeout=60)
     assert embedded.status_code == 200
     wait_for(lambda: _loads(stack, deployment, "minilm") == 1, 5, "no reload of the unchanged embedder")
+
+
+def test_restart_roll_back_and_delete_a_real_server(stack: Stack, minilm_path: Path):
+    http = stack.session()
+    stack.register_models(minilm_path, minilm="embedding")
+    created = http.post(
+        f"{stack.web_url}/api/deployments/",
+        json={"name": "life", "host": stack.host_name, "models": [EMBED]},
+        timeout=30,
+    ).json()
+    url = f"{stack.web_url}/api/deployments/{created['id']}"
+    with _socket(stack, created["id"]) as socket:
+        http.post(f"{url}/start/", timeout=30)
+        _wait_for_status(socket, "ready", timeout_s=240)
+        first_server = Deployment.objects.get(pk=created["id"]).runtime_handle
+        assert http.post(f"{url}/restart/", timeout=30).status_code == 202
+        seen = _wait_for_status(socket, "ready", timeout_s=240)
+        assert [e["to_status"] for e in seen if e["to_status"]] == [
+            "stopping",
+            "stopped",
+            "launching",
+            "loading",
+            "ready",
+        ]
+        assert Deployment.objects.get(pk=created["id"]).runtime_handle not in ("", first_server)
+
+        changed = http.put(f"{url}/models/", json={"models": [{**EMBED, "max_batch_size": 8}]}, timeout=30)
+        assert changed.status_code == 202, changed.text
+        _wait_for_status(socket, "ready", timeout_s=240)
+        rolled = http.post(f"{url}/rollback/", json={"generation": 1}, timeout=30)
+        assert rolled.status_code == 202 and rolled.json()["generation"] == 3, rolled.text
+        _wait_for_status(socket, "ready", timeout_s=240)
+    deployment = Deployment.objects.get(pk=created["id"])
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{deployment.http_port}")
+    wait_for(lambda: client.get_model_config("minilm")["max_batch_size"] == 16, 30, "generation 1's config again")
+    client.close()
+
+    refused = http.delete(f"{url}/", timeout=30)
+    assert refused.status_code == 409 and "stop it before deleting it" in refused.json()["detail"]
+    _stop(stack, created["id"])
+    folder = stack.data_dir / "deployments" / f"{deployment.pk}-{deployment.name}"
+    assert folder.exists()
+    assert http.delete(f"{url}/", timeout=30).status_code == 204
+    wait_for(lambda: not folder.exists(), 30, "the host to remove the deleted deployment's files")
+    assert http.get(f"{url}/", timeout=30).status_code == 404
+    assert Event.objects.filter(kind="deployment.deleted", data__name="life").exists()

@@ -12,6 +12,7 @@ runner (workers.jobs) and keep the log tail and a hint.
 from __future__ import annotations
 
 import hashlib
+import logging
 import queue
 import re
 import shutil
@@ -65,6 +66,8 @@ HINTS: list[tuple[re.Pattern[str], str]] = [
         "checkpoint files are missing: restore the checkpoint folder and register it again",
     ),
 ]
+
+log = logging.getLogger(__name__)
 
 
 def hint_for(lines: list[str]) -> str:
@@ -277,3 +280,13 @@ def _build(build: EngineBuild, batcher: LogBatcher) -> None:
         runtime_handle="",
         **recorded,
     )
+
+
+def forget(build_id: int) -> None:
+    """Remove what a deleted build left on this host (its work folder and engine)."""
+    if EngineBuild.objects.filter(pk=build_id).exists():
+        return  # not deleted after all (a stale message): keep its files
+    root = work_dir(build_id)
+    if root.exists():
+        shutil.rmtree(root)
+        log.info("removed %s of deleted build %s", root, build_id)

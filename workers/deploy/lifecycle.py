@@ -10,6 +10,7 @@ one racing a stop, ends in the state the database asks for.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,15 @@ from deployments.models import Deployment
 from deployments.models import DeploymentStatus as S
 from deployments.services import deployments
 from workers import nvml
-from workers.deploy.plan import current_status, launch_spec, load, model_specs, runtime_for, triton_client
+from workers.deploy.plan import (
+    current_status,
+    launch_spec,
+    load,
+    model_specs,
+    paths_for,
+    runtime_for,
+    triton_client,
+)
 from workers.jobs import JobFailed, run_job, source
 from workers.runtimes.base import LaunchSpec, Runtime, busy_ports
 from workers.triton.config import CONFIG_FILE
@@ -274,6 +283,19 @@ def _stop(deployment_id: int) -> None:
         )
     except InvalidTransition:
         log.info("deployment %s left stopping before the stop finished", deployment_id)
+        return
+    # A restart stops with "running" still desired: start it again.
+    deployments.deployment_start_after_stop(deployment_id=deployment_id, source=source())
+
+
+def forget(deployment_id: int, name: str) -> None:
+    """Remove what a deleted deployment left on this host (its repository and log)."""
+    if Deployment.objects.filter(pk=deployment_id).exists():
+        return  # not deleted after all (a stale message): keep its files
+    root = paths_for(Deployment(pk=deployment_id, name=name)).root
+    if root.exists():
+        shutil.rmtree(root)
+        log.info("removed %s of deleted deployment %s", root, name)
 
 
 def _await_gpu_release(gpu_indexes: list[int], pids: list[int]) -> dict[int, int]:

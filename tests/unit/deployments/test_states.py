@@ -87,11 +87,17 @@ def test_events_are_append_only(deployment):
 @pytest.mark.parametrize(
     ("status", "actions"),
     [
-        (S.PENDING, {"start": True, "stop": False, "change": True}),
-        (S.LAUNCHING, {"start": False, "stop": True, "change": False}),
-        (S.READY, {"start": False, "stop": True, "change": True}),
-        (S.STOPPING, {"start": False, "stop": False, "change": False}),
-        (S.FAILED, {"start": True, "stop": True, "change": True}),
+        (S.PENDING, {"start": True, "stop": False, "restart": False, "change": True, "rollback": True, "delete": True}),
+        (
+            S.LAUNCHING,
+            {"start": False, "stop": True, "restart": False, "change": False, "rollback": False, "delete": False},
+        ),
+        (S.READY, {"start": False, "stop": True, "restart": True, "change": True, "rollback": True, "delete": False}),
+        (
+            S.STOPPING,
+            {"start": False, "stop": False, "restart": False, "change": False, "rollback": False, "delete": False},
+        ),
+        (S.FAILED, {"start": True, "stop": True, "restart": True, "change": True, "rollback": True, "delete": True}),
     ],
 )
 def test_the_actions_a_status_allows_come_from_the_table(status, actions):

@@ -167,10 +167,12 @@ def test_plan_of_a_cpu_host_is_empty(api, host, minilm):
 
 def test_the_api_says_which_actions_the_deployment_allows_now(api, host, minilm):
     created = _create(api)
-    assert created.data["actions"] == {"start": True, "stop": False, "change": True}
+    at_rest = {"start": True, "stop": False, "restart": False, "change": True, "rollback": True, "delete": True}
+    assert created.data["actions"] == at_rest
     started = api.post(f"/api/deployments/{created.data['id']}/start/")
     assert started.status_code == 202
-    assert started.data["actions"] == {"start": False, "stop": True, "change": False}
+    starting = {"start": False, "stop": True, "restart": False, "change": False, "rollback": False, "delete": False}
+    assert started.data["actions"] == starting
 
 
 def test_an_action_with_a_body_is_refused_by_name(api, host, minilm):
