@@ -210,6 +210,7 @@ SPECTACULAR_SETTINGS = {
     "by OpenAI's own reference; this schema covers /api/.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["deployments.permissions.CanView"],
     "SCHEMA_PATH_PREFIX": "/api/",
     "COMPONENT_SPLIT_REQUEST": True,
     "SWAGGER_UI_DIST": "SIDECAR",
