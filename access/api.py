@@ -14,6 +14,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from access import services
+from access.idempotency import idempotent
 from access.models import ApiToken
 from deployments.api.base import StrictSerializer, require_empty_body, validated
 from deployments.api.lists import ListEndpoint
@@ -71,6 +72,7 @@ class TokenList(ListEndpoint):
             rows = rows.filter(revoked_at__isnull=query["state"] == "active")
         return rows
 
+    @idempotent(redact=("token",))
     @extend_schema(request=TokenIn, responses={201: NewTokenOut})
     def post(self, request: Request) -> Response:
         data = validated(TokenIn, request)

@@ -13,6 +13,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from access.idempotency import idempotent
 from deployments.api.base import StrictSerializer, require_empty_body, validated
 from deployments.api.lists import ListEndpoint
 from deployments.permissions import ReadOrOperate
@@ -74,6 +75,7 @@ class AliasList(ListEndpoint):
     def filter_rows(self, rows: QuerySet[Alias], query: dict[str, Any]) -> QuerySet[Alias]:
         return rows.filter(deployment_id=query["deployment"]) if "deployment" in query else rows
 
+    @idempotent()
     @extend_schema(request=AliasIn, responses={201: AliasOut})
     def post(self, request: Request) -> Response:
         data = validated(AliasIn, request)
@@ -184,6 +186,7 @@ class KeyList(ListEndpoint):
             rows = rows.filter(revoked_at__isnull=not query["revoked"])
         return rows
 
+    @idempotent(redact=("key",))
     @extend_schema(request=KeyIn, responses={201: NewKeyOut})
     def post(self, request: Request) -> Response:
         data = validated(KeyIn, request)

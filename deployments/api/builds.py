@@ -12,6 +12,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from access.idempotency import idempotent
 from deployments import build_spec, selectors, states, trtllm
 from deployments.api.base import StrictSerializer, require_empty_body, validated
 from deployments.api.lists import CursorPage, ListEndpoint
@@ -142,6 +143,7 @@ class BuildList(ListEndpoint):
     def filter_rows(self, rows: QuerySet[EngineBuild], query: dict[str, Any]) -> QuerySet[EngineBuild]:
         return selectors.build_filter(rows, **query)
 
+    @idempotent()
     @extend_schema(request=BuildIn, responses={201: BuildRequestOut, 200: BuildRequestOut})
     def post(self, request: Request) -> Response:
         data = validated(BuildIn, request)

@@ -15,6 +15,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from access.idempotency import idempotent
 from deployments import selectors, states
 from deployments.api.base import StrictModelSerializer, StrictSerializer, require_empty_body, validated
 from deployments.api.lists import CursorPage, ListEndpoint
@@ -166,6 +167,7 @@ class DeploymentList(ListEndpoint):
         rows = rows.filter(**{lookups[k]: v for k, v in query.items() if k in lookups})
         return rows.filter(name__contains=query["name"]) if "name" in query else rows
 
+    @idempotent()
     @extend_schema(request=DeploymentIn, responses={201: DeploymentOut})
     def post(self, request: Request) -> Response:
         data = validated(DeploymentIn, request)

@@ -12,6 +12,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from access.idempotency import idempotent
 from deployments import selectors
 from deployments.api.base import StrictSerializer, validated
 from deployments.api.lists import ListEndpoint
@@ -97,6 +98,7 @@ class ModelList(ListEndpoint):
         rows = rows.filter(**{lookups[k]: v for k, v in query.items() if k in lookups})
         return rows.filter(name__contains=query["name"]) if "name" in query else rows
 
+    @idempotent()
     @extend_schema(request=ModelIn, responses={201: ModelOut})
     def post(self, request: Request) -> Response:
         data = validated(ModelIn, request)
