@@ -84,9 +84,7 @@ def _claim(user: Any, key: str, method: str, path: str, digest: str) -> tuple[An
     for _ in range(2):
         try:
             with transaction.atomic():
-                row = IdempotentRequest.objects.create(
-                    user=user, key=key, method=method, path=path, body_digest=digest
-                )
+                row = IdempotentRequest.objects.create(user=user, key=key, method=method, path=path, body_digest=digest)
             IdempotentRequest.objects.filter(user=user, created_at__lt=cutoff).delete()
             return row, None
         except IntegrityError:
