@@ -16,4 +16,4 @@ COPY templates templates
 COPY static static
 RUN SECRET_KEY=collectstatic-only python manage.py collectstatic --noinput
 EXPOSE 8000
-CMD ["daphne", "-b", "0.0.0.0", "-p", "8000", "controlplane.asgi:application"]
+CMD ["python", "manage.py", "gantry_serve", "web", "--bind", "0.0.0.0", "--port", "8000"]

@@ -1,4 +1,4 @@
-"""What the benchmarks share: a one-machine Gantry (SQLite, daphne) serving a
+"""What the benchmarks share: a one-machine Gantry (SQLite, the web server) serving a
 real tritonserver deployment, and percentiles."""
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class Served:
 @contextmanager
 def served(*, port: int, models: dict[str, tuple[Path, str]], placements: list[Any]) -> Iterator[Served]:
     """Register ``models`` (name -> (folder, kind)), start a deployment of ``placements``
-    with the worker's own launch code, mark it ready, and run daphne as make demo does."""
+    with the worker's own launch code, mark it ready, and run the web server as make demo does."""
+    from controlplane.serving import web_argv
     from deployments import states
     from deployments.services import deployments, hosts, registered_models
     from workers.deploy import plan
@@ -82,10 +83,9 @@ def served(*, port: int, models: dict[str, tuple[Path, str]], placements: list[A
             states.deployment_transition(
                 deployment_id=deployment.pk, to=to, source="bench", runtime_handle=handle if to == "loading" else None
             )
-        server = ["-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"]
-        web = subprocess.Popen(  # noqa: S603 - the product's own ASGI server, as make demo runs it
-            [sys.executable, *server], cwd=ROOT, env=os.environ.copy(), stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        web = subprocess.Popen(  # noqa: S603 - the product's own web server, as make demo runs it
+            web_argv(sys.executable, bind="127.0.0.1", port=port), cwd=ROOT, env=os.environ.copy(),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         time.sleep(3)
         yield Served(deployment=deployment, triton=f"127.0.0.1:{deployment.http_port}", web=f"http://127.0.0.1:{port}")

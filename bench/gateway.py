@@ -1,6 +1,6 @@
 """Benchmark: the OpenAI-compatible gateway against calling Triton directly, in the same run.
 
-It sets up a one-machine Gantry (SQLite, daphne) and a real tritonserver
+It sets up a one-machine Gantry (SQLite, the web server) and a real tritonserver
 serving the packaged MiniLM embedder and an LLM on the transformers path (the
 untrained tiny Llama by default, or --checkpoint DIR), then alternates rounds
 through the gateway and straight to Triton:
@@ -174,7 +174,7 @@ def main() -> int:
         )  # fmt: skip
         print(
             f"models: MiniLM embedder, {checkpoint} (untrained) on the transformers path; {args.rounds} rounds; "
-            f"Triton {stack.triton}, gateway (daphne) {stack.web}"
+            f"Triton {stack.triton}, gateway (web server) {stack.web}"
         )
         _print(asyncio.run(_measure(args)))
     return 0

@@ -1,7 +1,7 @@
 """Benchmark: text generation through Gantry's generate action against Triton's
 own generate_stream on the same model, in the same run.
 
-It sets up a one-machine Gantry (SQLite, daphne) and a real tritonserver
+It sets up a one-machine Gantry (SQLite, the web server) and a real tritonserver
 serving an LLM through the transformers path (the untrained tiny Llama by
 default, or --checkpoint DIR), then alternates rounds of streamed requests
 straight to Triton and through Gantry, and prints each figure beside its
@@ -155,7 +155,7 @@ def main() -> int:
         args.triton_url = f"http://{stack.triton}/v2/models/llm/generate_stream"
         print(
             f"model: {checkpoint}; {args.rounds} rounds x {args.requests} requests per stream, "
-            f"{args.max_tokens} tokens each, streamed; Triton {stack.triton}, Gantry (daphne) {stack.web}"
+            f"{args.max_tokens} tokens each, streamed; Triton {stack.triton}, Gantry (web server) {stack.web}"
         )
         _print(asyncio.run(_measure(args)), args.concurrency)
     return 0

@@ -61,6 +61,13 @@ GANTRY_LOGIN_ATTEMPTS = env_int("GANTRY_LOGIN_ATTEMPTS", 5, minimum=1)
 GANTRY_LOGIN_LOCKOUT_S = env_int("GANTRY_LOGIN_LOCKOUT_S", 900, minimum=1)
 
 GANTRY_DATA_DIR = Path(env_str("GANTRY_DATA_DIR", str(BASE_DIR / "var"))).resolve()
+# PostgreSQL connections come from a pool per process (psycopg_pool): a
+# request borrows one and gives it back, so web and live processes reuse
+# connections without each thread holding its own (DATABASE_CONN_MAX_AGE>0
+# under ASGI opened one per thread until PostgreSQL refused more clients).
+# The ASGI servers turn it on (controlplane.asgi); elsewhere it stays off: a
+# Celery worker forks after start-up, and a pool's threads do not survive a fork.
+DATABASE_POOL_SIZE = env_int("DATABASE_POOL_SIZE", 0, minimum=0, maximum=200)
 DATABASES = {
     "default": dj_database_url.parse(
         env_str("DATABASE_URL", f"sqlite:///{GANTRY_DATA_DIR / 'gantry.sqlite3'}"),
@@ -70,9 +77,22 @@ DATABASES = {
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # The demo's worker and web server write concurrently: wait for the lock.
     DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+elif DATABASE_POOL_SIZE:
+    if DATABASES["default"]["CONN_MAX_AGE"]:
+        raise ImproperlyConfigured("DATABASE_CONN_MAX_AGE: must be 0 with a pool (DATABASE_POOL_SIZE=0 turns it off)")
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": 1,
+        "max_size": DATABASE_POOL_SIZE,
+        "timeout": env_int("DATABASE_POOL_TIMEOUT", 10, minimum=1),
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+# Where the browser reaches the live (websocket) server: empty for the pages'
+# own address (a proxy routes /ws/ there), or a port on the same host.
+GANTRY_LIVE_PORT = env_str("GANTRY_LIVE_PORT", "")
+if GANTRY_LIVE_PORT and not (GANTRY_LIVE_PORT.isdigit() and 1 <= int(GANTRY_LIVE_PORT) <= 65535):
+    raise ImproperlyConfigured("GANTRY_LIVE_PORT: must be a port number (1-65535) or empty")
 
 # --- Gantry's own ---------------------------------------------------------
 # The name this process's host is known by; a worker listens on gpu.<name>.
@@ -150,6 +170,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
                 "access.context.role",
+                "controlplane.context.live",
             ]
         },
     }

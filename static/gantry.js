@@ -37,7 +37,10 @@ const Gantry = (() => {
     let delay = 500;
     function connect() {
       const scheme = location.protocol === "https:" ? "wss" : "ws";
-      const socket = new WebSocket(`${scheme}://${location.host}${path}`);
+      // The live server is the pages' own address (behind a proxy) or a port of the same host.
+      const port = document.body.dataset.livePort;
+      const where = port ? `${location.hostname}:${port}` : location.host;
+      const socket = new WebSocket(`${scheme}://${where}${path}`);
       socket.onopen = () => {
         delay = 500;
         if (indicator) indicator.textContent = "live";

@@ -1,4 +1,5 @@
-"""Real processes for end-to-end tests: the ASGI server (daphne) and a Celery
+"""Real processes for end-to-end tests: the web and live servers (as
+controlplane.serving runs them) and a Celery
 worker pinned to a fresh host queue, both on the test PostgreSQL database and
 the test Redis. Everything started here is stopped by process id."""
 
@@ -24,6 +25,7 @@ from django.db import connection
 
 from access.services import token_create
 from controlplane.celery import host_worker_argv
+from controlplane.serving import live_argv, web_argv
 from deployments.models import GpuHost
 from workers.runtimes import process
 from workers.runtimes.base import busy_ports
@@ -122,7 +124,7 @@ def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def stack(transactional_db, tmp_path: Path, operator: User) -> Iterator[Stack]:  # noqa: ANN001
-    """daphne + a Celery worker for a fresh host name, sharing the test database."""
+    """The web and live servers + a Celery worker for a fresh host name, sharing the test database."""
     yield from make_stack(tmp_path, operator)
 
 
@@ -153,19 +155,18 @@ def make_stack(
         **(extra_env or {}),
     }
     settings.GANTRY_TRITON_PORT_RANGE = (triton_base, triton_base + 29)
-    web_port = free_port()
+    web_port, live_port = free_port(), free_port()
+    env["GANTRY_LIVE_PORT"] = str(live_port)
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
-    web = _spawn(
-        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(web_port), "controlplane.asgi:application"],
-        env,
-        log_dir / "web.log",
-    )
+    # As the product runs: the web server (gunicorn, two processes) and the live server.
+    web = _spawn(web_argv(sys.executable, bind="127.0.0.1", port=web_port, workers=2), env, log_dir / "web.log")
+    live = _spawn(live_argv(sys.executable, bind="127.0.0.1", port=live_port), env, log_dir / "live.log")
     token = token_create(user=operator, name="tests").secret
     result = Stack(
         host_name=host_name,
         web_url=f"http://127.0.0.1:{web_port}",
-        ws_url=f"ws://127.0.0.1:{web_port}",
+        ws_url=f"ws://127.0.0.1:{live_port}",
         token=token,
         user=operator,
         data_dir=data_dir,
@@ -176,12 +177,14 @@ def make_stack(
     )
     result.start_worker()
     try:
-        wait_for(lambda: _web_answers(result.web_url), 30, "the ASGI server")
+        wait_for(lambda: _web_answers(result.web_url), 30, "the web server")
+        wait_for(lambda: _live_answers(live_port), 30, "the live server")
         wait_for(lambda: GpuHost.objects.filter(name=host_name).exists(), 60, "the worker's first heartbeat")
         yield result
     finally:
         stop_process(result.worker)
         stop_process(web)
+        stop_process(live)
         # Whatever a failed test left serving: stop it by process id.
         for handle, repository in process.servers_under(data_dir):
             process.stop(handle, repository)
@@ -199,6 +202,10 @@ def _other_sessions() -> int:
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
         )
         return cursor.fetchone()[0]
+
+
+def _live_answers(port: int) -> bool:
+    return bool(busy_ports("127.0.0.1", [port]))
 
 
 def _web_answers(url: str) -> bool:

@@ -1,5 +1,5 @@
 """The OpenAPI contract, fuzzed from outside: schemathesis generates requests
-from /api/schema/ against a live ASGI server and checks every answer (no 5xx,
+from /api/schema/ against the live web server (as it runs in production) and checks every answer (no 5xx,
 bodies, status codes, content types and headers as documented, bad input
 refused, credentials enforced). Bounded by examples per operation, so it stays
 around a minute; GANTRY_FUZZ_EXAMPLES and GANTRY_FUZZ_SEED widen or vary it."""
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from access.services import token_create
+from controlplane.serving import web_argv
 from tests import factories
 from tests.integration.conftest import ROOT, _spawn, _web_answers, free_port, stop_process, wait_for
 
@@ -37,11 +38,7 @@ def test_the_api_keeps_its_openapi_contract_under_fuzzing(transactional_db, tmp_
         "GANTRY_API_THROTTLE": "off",  # the fuzzer is one client sending thousands of requests
     }
     port = free_port()
-    web = _spawn(
-        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"],
-        env,
-        tmp_path / "web.log",
-    )
+    web = _spawn(web_argv(sys.executable, bind="127.0.0.1", port=port, workers=2), env, tmp_path / "web.log")
     try:
         wait_for(lambda: _web_answers(f"http://127.0.0.1:{port}"), 30, "the ASGI server")
         run = subprocess.run(

@@ -68,7 +68,8 @@ def _wait_for_status(socket, wanted: str, timeout_s: float) -> list[dict]:
 
 
 def _server_log(stack: Stack, deployment_id: int) -> list[str]:
-    return stack.session().get(f"{stack.web_url}/api/deployments/{deployment_id}/log/", timeout=30).json()["lines"]
+    page = stack.session().get(f"{stack.web_url}/api/deployments/{deployment_id}/log/?limit=500", timeout=30).json()
+    return [row["line"] for row in reversed(page["results"])]
 
 
 def _stop(stack: Stack, deployment_id: int) -> None:

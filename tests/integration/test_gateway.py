@@ -235,7 +235,7 @@ def test_keys_scope_expire_revoke_and_rate_limit_and_aliases_move_between_deploy
     )  # fmt: skip
     assert moved.status_code == 200 and moved.json()["deployment_name"] == "embed-b", moved.text
     for deployment in (first, second):
-        events = http.get(f"{stack.web_url}/api/deployments/{deployment['id']}/events/", timeout=10).json()
+        events = http.get(f"{stack.web_url}/api/deployments/{deployment['id']}/events/", timeout=10).json()["results"]
         assert any(e["kind"] == "alias.moved" and "embed-a/minilm to embed-b/minilm-v2" in e["message"]
                    for e in events), events  # fmt: skip
     assert http.post(f"{stack.web_url}/api/deployments/{first['id']}/stop/", timeout=30).status_code == 202
@@ -285,7 +285,7 @@ def test_keys_scope_expire_revoke_and_rate_limit_and_aliases_move_between_deploy
     assert out_of_tokens.value.body["type"] == "tokens"
 
     # Bad key requests are refused by field, and nothing is created.
-    before = len(http.get(f"{stack.web_url}/api/gateway/keys/", timeout=10).json())
+    before = http.get(f"{stack.web_url}/api/gateway/keys/", timeout=10).json()["count"]
     for body, field in (
         ({"name": "x"}, "aliases"),
         ({"name": "x", "aliases": ["nope"]}, "aliases"),
@@ -294,8 +294,8 @@ def test_keys_scope_expire_revoke_and_rate_limit_and_aliases_move_between_deploy
     ):
         response = http.post(f"{stack.web_url}/api/gateway/keys/", json=body, timeout=10)
         assert response.status_code == 400 and field in response.json()["errors"], response.text
-    assert len(http.get(f"{stack.web_url}/api/gateway/keys/", timeout=10).json()) == before
+    assert http.get(f"{stack.web_url}/api/gateway/keys/", timeout=10).json()["count"] == before
     # Secrets are shown once, at creation, and never listed.
     listed = json.dumps(http.get(f"{stack.web_url}/api/gateway/keys/", timeout=10).json())
     assert scoped["key"] not in listed and tokens["key"] not in listed and '"key":' not in listed
-    assert requests.get(f"{stack.web_url}/api/gateway/keys/", timeout=10).status_code in (401, 403)
+    assert requests.get(f"{stack.web_url}/api/gateway/keys/", timeout=10).status_code == 401

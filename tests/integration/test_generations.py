@@ -83,7 +83,7 @@ def test_a_generation_that_fails_to_load_rolls_back(stack: Stack, ready_pair: in
     assert sorted(deployment.placements.values_list("triton_name", flat=True)) == ["minilm", "minilm-rerank"]
     rollback = Event.objects.get(deployment=deployment, kind="deployment.rollback")
     assert "generation 2 failed" in rollback.message
-    revisions = http.get(f"{stack.web_url}/api/deployments/{ready_pair}/revisions/", timeout=30).json()
+    revisions = http.get(f"{stack.web_url}/api/deployments/{ready_pair}/revisions/", timeout=30).json()["results"]
     assert [(r["generation"], r["status"]) for r in revisions] == [(1, "current"), (2, "failed")]
     # The good models kept serving throughout.
     embedded = http.post(f"{stack.web_url}/api/deployments/{ready_pair}/embed/", json={"texts": ["x"]}, timeout=60)

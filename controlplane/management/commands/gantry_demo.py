@@ -31,6 +31,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from controlplane.celery import host_worker_argv
+from controlplane.serving import live_argv, web_argv
 from deployments import states
 from deployments.checkpoints import UNTRAINED_NOTICE
 from deployments.errors import GantryError
@@ -59,7 +60,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 class Command(BaseCommand):
-    help = "Run Gantry on this machine: Redis, a worker, the ASGI server. Ctrl-C stops it all."
+    help = "Run Gantry on this machine: Redis, a worker, the web and live servers. Ctrl-C stops it all."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--port", type=int, default=int(os.environ.get("GANTRY_WEB_PORT", "8000")))
@@ -77,19 +78,12 @@ class Command(BaseCommand):
             call_command("collectstatic", interactive=False, verbosity=0)
             admin_line = self._ensure_admin()
             self._spawn("worker", host_worker_argv(sys.executable, settings.GANTRY_HOST_NAME))
-            self._spawn(
-                "web",
-                [
-                    sys.executable,
-                    "-m",
-                    "daphne",
-                    "-b",
-                    options["bind"],
-                    "-p",
-                    str(options["port"]),
-                    "controlplane.asgi:application",
-                ],
-            )
+            # Pages and API on the multi-process web server, websockets on their own
+            # live server one port up (controlplane.serving); the pages know it.
+            live_port = options["port"] + 1
+            os.environ["GANTRY_LIVE_PORT"] = str(live_port)
+            self._spawn("web", web_argv(sys.executable, bind=options["bind"], port=options["port"]))
+            self._spawn("live", live_argv(sys.executable, bind=options["bind"], port=live_port))
             self._wait_for_host()
             self._register_demo_models()
             stack = self._start_demo_stack()

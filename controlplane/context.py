@@ -1,0 +1,10 @@
+"""Every page knows where the browser finds the live (websocket) server."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.http import HttpRequest
+
+
+def live(request: HttpRequest) -> dict[str, str]:
+    return {"live_port": settings.GANTRY_LIVE_PORT}
