@@ -107,7 +107,13 @@ class ListEndpoint(ListModelMixin, GenericAPIView):
         query = self.query()
         rows = self.filter_queryset(self.filter_rows(self.get_queryset(), query))
         page = self.paginate_queryset(rows)
-        return self.get_paginated_response(self.get_serializer(page, many=True).data)
+        context = {**self.get_serializer_context(), **self.page_context(page)}
+        return self.get_paginated_response(self.get_serializer(page, many=True, context=context).data)
+
+    def page_context(self, page: list[Any]) -> dict[str, Any]:
+        """What the serializer needs about the whole page, read in one go (a list
+        may look up related rows for all its rows at once instead of row by row)."""
+        return {}
 
     def query(self) -> dict[str, Any]:
         """The query parameters, checked: names, page size, ordering and filters."""

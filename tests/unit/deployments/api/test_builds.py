@@ -39,3 +39,23 @@ def test_a_build_says_whether_it_can_still_be_cancelled(api, llama):
     assert queued.data["actions"] == {"cancel": True}
     cancelled = api.post(f"/api/builds/{queued.data['id']}/cancel/")
     assert cancelled.data["status"] == "cancelled" and cancelled.data["actions"] == {"cancel": False}
+
+
+def test_the_fast_build_rows_equal_drfs_own(api, llama, host, operator):  # noqa: ANN001
+    from rest_framework import serializers
+
+    from deployments import selectors
+    from deployments.api.builds import BuildOut
+
+    body = {"model": "llama", "host": "h100-host", "image": factories.IMAGE, "spec": {"max_batch_size": 4}}
+    build = EngineBuild.objects.get(pk=api.post("/api/builds/", body, format="json").data["id"])
+    factories.succeeded_build(build)
+    EngineBuild.objects.filter(pk=build.pk).update(
+        artifacts=[{"path": "rank0.engine", "size": 5, "sha256": "ab" * 32}], exit_code=0, hint="h",
+        build_config={"max_batch_size": 4}, image_digest=factories.IMAGE_DIGEST,
+    )  # fmt: skip
+    for row in (build, EngineBuild.objects.create(model=llama, host=llama.host, cache_key="c" * 64)):
+        loaded = selectors.build_list().get(pk=row.pk)
+        fast = BuildOut(loaded).data
+        generic = serializers.ModelSerializer.to_representation(BuildOut(loaded), loaded)
+        assert dict(fast) == dict(generic) and list(fast) == list(generic)

@@ -1,0 +1,280 @@
+"""The REST API at fleet scale (make bench-api).
+
+With 10 000 builds and 100 000 events in PostgreSQL, wrk's 16 connections
+read 50-row pages of the heaviest lists from the web server as make demo runs
+it (gunicorn + uvicorn workers); then websocket clients measure event
+delivery from the live server, idle and while one client loops the heaviest
+list. Each figure is printed beside its floor from the same run:
+
+- a list page beside a plain Django view returning the same 50 rows (one
+  query, values(), JsonResponse) on the same web server;
+- delivery under load beside the same delivery idle, and beside the old
+  setup (one daphne serving pages and websockets) under the same load.
+
+Targets on 2 cores: >= 400 requests/s with p99 < 100 ms for a 50-row page;
+websocket p99 under load < 2x idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import percentile  # noqa: E402
+
+BUILDS, EVENTS = 10_000, 100_000
+
+
+def _setup(database_url: str) -> None:
+    import psycopg
+
+    name = database_url.rsplit("/", 1)[1]
+    with psycopg.connect(database_url.rsplit("/", 1)[0] + "/postgres", autocommit=True) as admin:
+        if not admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
+            admin.execute(f'CREATE DATABASE "{name}"')
+    os.environ.update(
+        DJANGO_SETTINGS_MODULE="bench.floor.settings",
+        DATABASE_URL=database_url,
+        SECRET_KEY=os.environ.get("SECRET_KEY", "gantry-bench-key"),
+        GANTRY_PLAIN_HTTP="1",
+        GANTRY_API_THROTTLE="off",
+        GANTRY_MODEL_ROOTS="/",
+    )
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+
+
+def _seed() -> tuple[str, int]:
+    """The rows (made once per database) and a token of an operator; the busiest deployment's id."""
+    from django.contrib.auth.models import User
+    from django.db import connection, transaction
+
+    from access.services import token_create
+    from deployments.models import Deployment, EngineBuild, Event, RegisteredModel
+    from deployments.services import hosts
+
+    host = hosts.host_heartbeat(name="bench-host", address="127.0.0.1", gpus=[])
+    model, _ = RegisteredModel.objects.get_or_create(
+        name="bench-llm", defaults={"kind": "llm", "path": "/bench", "host": host, "inspection": "ready"}
+    )
+    deployment, _ = Deployment.objects.get_or_create(
+        name="bench", defaults={"host": host, "http_port": 18000, "grpc_port": 18001, "metrics_port": 18002}
+    )
+    with transaction.atomic():
+        have = EngineBuild.objects.count()
+        EngineBuild.objects.bulk_create(
+            EngineBuild(
+                model=model, host=host, status="succeeded", spec={"max_batch_size": 8, "dtype": "float16"},
+                cache_key=f"{i:064x}", builder_image="bench:1", trtllm_version="0.16.0",
+                artifacts=[{"path": "rank0.engine", "size": 1 << 30, "sha256": "ab" * 32}],
+            )
+            for i in range(have, BUILDS)
+        )  # fmt: skip
+        have = Event.objects.count()
+        Event.objects.bulk_create(
+            Event(
+                kind="deployment.status" if i % 2 else "build.phase", source="worker:bench-host",
+                message=f"event {i}: a line of the kind the timeline holds", host=host,
+                deployment=deployment if i % 5 == 0 else None, data={"i": i},
+            )
+            for i in range(have, EVENTS)
+        )  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE")  # fresh statistics, as autovacuum would give a real database
+    user = User.objects.filter(username="bench").first() or User.objects.create_superuser("bench", password="bench")
+    return token_create(user=user, name="bench").secret, deployment.pk
+
+
+@contextmanager
+def _server(argv: list[str], port: int) -> Iterator[None]:
+    process = subprocess.Popen(
+        argv, cwd=ROOT, env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    import socket
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    time.sleep(1)
+    try:
+        yield
+    finally:
+        os.killpg(process.pid, 15)
+        process.wait(timeout=30)
+
+
+def _wrk(url: str, token: str, seconds: int, connections: int) -> dict[str, float]:
+    run = subprocess.run(
+        ["wrk", "-t2", f"-c{connections}", f"-d{seconds}s", "--latency", "-H", f"Authorization: Bearer {token}", url],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    out = run.stdout
+
+    def ms(label: str) -> float:
+        value, unit = re.search(rf"^\s*{label}\s+([\d.]+)(us|ms|s)\s*$", out, re.M).groups()
+        return float(value) * {"us": 0.001, "ms": 1, "s": 1000}[unit]
+
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    return {
+        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),
+        "p50": ms("50%"),
+        "p99": ms("99%"),
+        "errors": float(errors.group(1)) if errors else 0.0,
+    }
+
+
+async def _deliveries(live: str, token: str, origin: str, clients: int, rate: float, seconds: float) -> list[float]:
+    """Milliseconds from publish (the worker's own path) to each client's receipt."""
+    from websockets.asyncio.client import connect
+
+    from deployments.events import DASHBOARD_GROUP, publish
+
+    headers = {"Authorization": f"Bearer {token}", "Origin": origin}
+    sockets = [await connect(f"{live}/ws/dashboard/", additional_headers=headers) for _ in range(clients)]
+    latencies: list[float] = []
+
+    async def read(socket) -> None:  # noqa: ANN001
+        async for raw in socket:
+            message = json.loads(raw)
+            if "sent" in message:
+                latencies.append((time.time() - message["sent"]) * 1000)
+
+    readers = [asyncio.create_task(read(s)) for s in sockets]
+
+    def publisher() -> None:
+        for _ in range(int(rate * seconds)):
+            publish(DASHBOARD_GROUP, {"type": "bench", "sent": time.time()})
+            time.sleep(1 / rate)
+
+    await asyncio.to_thread(publisher)
+    await asyncio.sleep(1)
+    for socket in sockets:
+        await socket.close()
+    for reader in readers:
+        reader.cancel()
+    return latencies
+
+
+@contextmanager
+def _heavy_reader(url: str, token: str) -> Iterator[None]:
+    """One client looping the heaviest list page (500 events) in its own process."""
+    code = (
+        "import requests, sys\n"
+        "s = requests.Session(); s.headers['Authorization'] = 'Bearer ' + sys.argv[2]\n"
+        "while True: s.get(sys.argv[1], timeout=60)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code, url, token], stdout=subprocess.DEVNULL)
+    time.sleep(1)
+    try:
+        yield
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _line(name: str, figures: list[float], floor: list[float] | None = None) -> str:
+    p50, p99 = percentile(figures, 0.5), percentile(figures, 0.99)
+    text = f"  {name:<46} p50 {p50:7.1f} ms   p99 {p99:7.1f} ms   ({len(figures)} deliveries)"
+    if floor:
+        text += f"   p99 {p99 / percentile(floor, 0.99):4.2f}x idle"
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--database-url",
+        default=os.environ.get("BENCH_DATABASE_URL", "postgres://postgres:postgres@127.0.0.1:5432/gantry_bench"),
+    )
+    parser.add_argument("--port", type=int, default=18700, help="web server port (live: +1, single daphne: +2)")
+    parser.add_argument("--seconds", type=int, default=10, help="per wrk run")
+    parser.add_argument("--connections", type=int, default=16)
+    parser.add_argument("--ws-clients", type=int, default=10)
+    parser.add_argument("--ws-rate", type=float, default=20.0, help="events per second")
+    args = parser.parse_args()
+
+    _setup(args.database_url)
+    token, deployment = _seed()
+    from controlplane.serving import live_argv, web_argv
+
+    web, live, single = args.port, args.port + 1, args.port + 2
+    base = f"http://127.0.0.1:{web}"
+    workers = int(os.environ.get("GANTRY_WEB_WORKERS") or min(8, 2 * (os.cpu_count() or 1)))
+    print(f"{BUILDS} builds, {EVENTS} events in PostgreSQL; wrk -c{args.connections} for {args.seconds}s each; "
+          f"web: gunicorn, {workers} uvicorn workers; {os.cpu_count()} cores")  # fmt: skip
+    pages = [
+        ("GET /api/builds/?limit=50", "/api/builds/?limit=50", "/floor/builds/"),
+        ("GET /api/builds/?limit=50&status=succeeded", "/api/builds/?limit=50&status=succeeded", "/floor/builds/"),
+        ("GET /api/events/?limit=50", "/api/events/?limit=50", "/floor/events/"),
+        ("GET /api/deployments/<id>/events/?limit=50", f"/api/deployments/{deployment}/events/?limit=50",
+         "/floor/events/"),
+        ("GET /api/events/?limit=50&kind=build.", "/api/events/?limit=50&kind=build.", "/floor/events/"),
+    ]  # fmt: skip
+    with _server(web_argv(sys.executable, bind="127.0.0.1", port=web), web):
+        for path in ("/floor/builds/", pages[0][1]):  # warm every worker's code paths and pool
+            _wrk(base + path, token, 3, args.connections)
+        floors: dict[str, dict[str, float]] = {}
+        print(
+            f"\n{'list page (16 clients)':<48}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}   floor req/s, p99   ratio req/s"
+        )
+        for name, path, floor_path in pages:
+            if floor_path not in floors:
+                floors[floor_path] = _wrk(base + floor_path, token, args.seconds, args.connections)
+            got, floor = _wrk(base + path, token, args.seconds, args.connections), floors[floor_path]
+            print(f"  {name:<46}{got['rps']:9.0f}{got['p50']:9.1f}{got['p99']:9.1f}   "
+                  f"{floor['rps']:7.0f}, {floor['p99']:5.1f} ms   {got['rps'] / floor['rps']:5.2f}x"
+                  + (f"   ({got['errors']:.0f} errors)" if got["errors"] else ""))  # fmt: skip
+        print("  targets: >= 400 req/s and p99 < 100 ms for a 50-row page")
+
+        origin = base
+        print(f"\nwebsocket delivery ({args.ws_clients} clients, {args.ws_rate:.0f} events/s, the worker's publish)")
+        with _server(live_argv(sys.executable, bind="127.0.0.1", port=live), live):
+            live_url = f"ws://127.0.0.1:{live}"
+            idle = asyncio.run(_deliveries(live_url, token, origin, args.ws_clients, args.ws_rate, args.seconds))
+            print(_line("live server, idle", idle))
+            with _heavy_reader(f"{base}/api/events/?limit=500", token):
+                loaded = asyncio.run(_deliveries(live_url, token, origin, args.ws_clients, args.ws_rate, args.seconds))
+            print(_line("live server, one client looping /api/events/?limit=500", loaded, idle))
+    # The old setup: one daphne process for pages and websockets.
+    single_argv = [
+        sys.executable,
+        "-m",
+        "daphne",
+        "-b",
+        "127.0.0.1",
+        "-p",
+        str(single),
+        "controlplane.asgi:application",
+    ]
+    with _server(single_argv, single):
+        url = f"ws://127.0.0.1:{single}"
+        with _heavy_reader(f"http://127.0.0.1:{single}/api/events/?limit=500", token):
+            before = asyncio.run(
+                _deliveries(url, token, f"http://127.0.0.1:{single}", args.ws_clients, args.ws_rate, args.seconds)
+            )
+    print(_line("one daphne for both (before), same load", before, idle))
+    print("  target: p99 under load < 2x idle")
+
+
+if __name__ == "__main__":
+    main()
