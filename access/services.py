@@ -14,6 +14,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from access.models import ApiToken
+from controlplane.ttl_cache import MISSING, TtlCache
 from deployments.errors import NotFound, PermissionDenied, ValidationFailed
 from deployments.events import record, source_of
 
@@ -68,6 +69,7 @@ def token_revoke(*, token_id: int, user: Any) -> ApiToken:
         if token.revoked_at is None:
             token.revoked_at = timezone.now()
             token.save(update_fields=["revoked_at"])
+            _recent.clear()  # at once in this process; within a second in the others
             record(
                 kind="token.revoked",
                 source=source_of(user),
@@ -78,12 +80,28 @@ def token_revoke(*, token_id: int, user: Any) -> ApiToken:
     return token
 
 
+# Who each recently seen secret belongs to (by digest), kept a second per process.
+_recent = TtlCache()
+
+
 def token_user(secret: str) -> Any:
     """The active user a token's secret belongs to, or None: unknown, revoked,
-    expired, or its user deactivated."""
+    expired, or its user deactivated. Read at most once a second per token and
+    process, so a revocation takes effect within a second everywhere."""
     if not secret or len(secret) > 200:
         return None
-    token = ApiToken.objects.select_related("user").filter(digest=token_digest(secret)).first()
+    digest = token_digest(secret)
+    found = _recent.get(digest, MISSING)
+    return _recent.put(digest, _read_token_user(digest)) if found is MISSING else found
+
+
+def token_user_if_known(secret: str) -> Any:
+    """What token_user would answer, if it is known without the database; else MISSING."""
+    return _recent.get(token_digest(secret), MISSING) if secret and len(secret) <= 200 else None
+
+
+def _read_token_user(digest: str) -> Any:
+    token = ApiToken.objects.select_related("user").filter(digest=digest).first()
     if token is None or token.state != "active" or not token.user.is_active:
         return None
     now = timezone.now()

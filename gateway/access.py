@@ -6,7 +6,6 @@ that second."""
 from __future__ import annotations
 
 import datetime as dt
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +13,7 @@ from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 from django.utils import timezone
 
+from controlplane.ttl_cache import TtlCache
 from deployments.models import DeploymentModel, DeploymentStatus, ModelKind
 from gateway.errors import GatewayError, model_not_found, not_ready
 from gateway.models import Alias, ApiKey
@@ -55,22 +55,7 @@ class Target:
             raise not_ready(self.alias, f"deployment {self.deployment} is {self.status}")
 
 
-class _Cache:
-    def __init__(self) -> None:
-        self._entries: dict[Any, tuple[float, Any]] = {}
-
-    def get(self, key: Any) -> Any:
-        entry = self._entries.get(key)
-        return entry[1] if entry is not None and entry[0] > time.monotonic() else None
-
-    def put(self, key: Any, value: Any) -> Any:
-        if len(self._entries) > 10_000:
-            self._entries.clear()
-        self._entries[key] = (time.monotonic() + CACHE_S, value)
-        return value
-
-
-_callers, _targets = _Cache(), _Cache()
+_callers, _targets = TtlCache(CACHE_S), TtlCache(CACHE_S)
 
 
 def db(fn: Any) -> Any:

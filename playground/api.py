@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -17,7 +16,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from access.services import bearer_secret
+from access.services import bearer_secret, token_user_if_known
+from controlplane.ttl_cache import MISSING
 from deployments import chat_template
 from deployments.api.base import StrictSerializer, error_body, gantry_error, json_type_errors, problem, validated
 from deployments.errors import GantryError
@@ -111,25 +111,14 @@ class GenerateIn(StrictSerializer):
         return value
 
 
-# Token checks of the lean path, kept a second per process: a revoked or
-# deactivated key stops working within a second.
-TOKEN_CACHE_S = 1.0
-_token_cache: dict[str, tuple[float, bool]] = {}
-
-
 def _token_may_view_cached(key: str) -> bool | None:
-    """Whether the key's user may view, if checked less than TOKEN_CACHE_S ago; None if not known."""
-    cached = _token_cache.get(key)
-    return cached[1] if cached is not None and cached[0] > time.monotonic() else None
+    """Whether the key's user may view, if known without the database; None if not known."""
+    user = token_user_if_known(key)
+    return None if user is MISSING else can_view(user)
 
 
 def _token_may_view(key: str) -> bool:
-    now = time.monotonic()
-    allowed = can_view(user_for_token(key))
-    if len(_token_cache) > 10_000:
-        _token_cache.clear()
-    _token_cache[key] = (now + TOKEN_CACHE_S, allowed)
-    return allowed
+    return can_view(user_for_token(key))
 
 
 _UNAUTHENTICATED = problem(401, "not_authenticated", "Authentication credentials were not provided.")

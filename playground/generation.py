@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from controlplane.ttl_cache import TtlCache
 from deployments import chat_template
 from deployments.errors import GantryError, InvalidTransition, NotFound, ValidationFailed
 from deployments.models import GENERATIVE_BACKENDS, Backend, Deployment, DeploymentModel, DeploymentStatus
@@ -107,14 +108,12 @@ class Outcome:
 # Routes of ready LLM placements, kept a second per process so a busy door does
 # not read the database per request: a deployment stopped meanwhile answers 503
 # (its server is gone) for at most that second.
-ROUTE_CACHE_S = 1.0
-_routes: dict[tuple[int, str], tuple[float, dict[str, Any]]] = {}
+_routes = TtlCache()
 
 
 def cached_route(deployment_id: int, model: str) -> dict[str, Any] | None:
-    """The route of a ready placement if it was read less than ROUTE_CACHE_S ago."""
-    cached = _routes.get((deployment_id, model))
-    return cached[1] if cached is not None and cached[0] > time.monotonic() else None
+    """The route of a ready placement if it was read less than a second ago."""
+    return _routes.get((deployment_id, model))
 
 
 def read_route(deployment_id: int, model: str) -> dict[str, Any]:
@@ -133,11 +132,7 @@ def read_route(deployment_id: int, model: str) -> dict[str, Any]:
     deployment = placement.deployment
     if deployment.status not in {DeploymentStatus.READY, DeploymentStatus.DEGRADED}:
         raise InvalidTransition(f"{deployment.name} is {deployment.status}; start it and wait until it is ready")
-    route = route_of(placement)
-    if len(_routes) > 10_000:
-        _routes.clear()
-    _routes[(deployment_id, model)] = (time.monotonic() + ROUTE_CACHE_S, route)
-    return route
+    return _routes.put((deployment_id, model), route_of(placement))
 
 
 def route_of(placement: DeploymentModel) -> dict[str, Any]:

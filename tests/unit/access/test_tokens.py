@@ -94,3 +94,12 @@ def test_the_tokens_page_shows_a_new_secret_once(client, viewer):  # noqa: ANN00
     assert secret not in client.get("/tokens/").content.decode()
     token = ApiToken.objects.get(name="laptop")
     assert dt.timedelta(days=29) < token.expires_at - timezone.now() <= dt.timedelta(days=30)
+
+
+def test_a_token_in_use_stops_working_when_revoked(viewer):  # noqa: ANN001
+    made = token_create(user=viewer, name="busy")
+    assert _bearer(made.secret).get("/api/hosts/").status_code == 200  # now remembered for a second
+    owner = APIClient()
+    owner.force_authenticate(viewer)
+    owner.post(f"/api/tokens/{made.token.pk}/revoke/")
+    assert _bearer(made.secret).get("/api/hosts/").status_code == 401
