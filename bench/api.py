@@ -51,6 +51,7 @@ def _setup(database_url: str) -> None:
         GANTRY_PLAIN_HTTP="1",
         GANTRY_API_THROTTLE="off",
         GANTRY_MODEL_ROOTS="/",
+        LOG_LEVEL="WARNING",  # the figures, not the servers' chatter
     )
     import django
 
