@@ -18,7 +18,7 @@ import requests
 from transformers import AutoTokenizer
 
 from tests import factories
-from tests.integration.conftest import ROOT, free_ports
+from tests.integration.conftest import ROOT, free_ports, wait_for
 from workers.runtimes.process import ProcessRuntime
 from workers.triton.client import TritonClient, generate_stream
 from workers.triton.config import Batching, TrtllmSpec, parse_text, to_text
@@ -92,6 +92,7 @@ def test_text_goes_through_the_generated_ensemble_with_generate_and_generate_str
     # generate_stream: one event per token, each with the tokens it adds.
     body = {"text_input": prompt, "max_tokens": 3, "stream": True, "temperature": 0.5, "random_seed": 9,
             "repetition_penalty": 1.1, "stop_words": ["models"]}  # fmt: skip
+    before = len(_records(record))
     with requests.post(f"http://{url}/v2/models/llm/generate_stream", json=body, stream=True, timeout=30) as streamed:
         events = [json.loads(line[5:]) for line in streamed.iter_lines(decode_unicode=True) if line.startswith("data:")]
     texts = [e["text_output"] for e in events if e.get("text_output")]
@@ -99,7 +100,10 @@ def test_text_goes_through_the_generated_ensemble_with_generate_and_generate_str
     assert sum(e.get("num_output_tokens", 0) for e in events) == 3
 
     # The sampling fields and stop words reached the engine through the ensemble.
-    streamed_request = _records(record)[-1]
+    # The stand-in writes its record after its final response: wait for this stream's.
+    streamed_request = wait_for(
+        lambda: next((r for r in _records(record)[before:] if r["streaming"]), None), 10, "the stream's record"
+    )
     assert streamed_request["streaming"] is True
     assert streamed_request["temperature"] == [0.5] and streamed_request["random_seed"] == [9]
     assert streamed_request["repetition_penalty"] == pytest.approx([1.1])
