@@ -100,7 +100,12 @@ def test_container_no_deployment_wants_is_removed(stack: Stack, image: str, engi
     )
     try:
         wait_for(lambda: not _containers(engine, stack), 45, "the agent to remove the stray container")
-        event = Event.objects.get(kind="host.container_removed", host__name=stack.host_name)
+        # The agent records the removal after it: wait for the event too.
+        event = wait_for(
+            lambda: Event.objects.filter(kind="host.container_removed", host__name=stack.host_name).first(),
+            15,
+            "the removal on the host's timeline",
+        )
         assert stray.id[:12] in event.message
     finally:
         try:
