@@ -7,12 +7,40 @@ authenticates. The prefix lets a person recognise a token in a list.
 
 from __future__ import annotations
 
+import hashlib
+
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
 
-class ApiToken(models.Model):
+def secret_digest(secret: str) -> str:
+    """What is stored of a secret Gantry issues (a personal token, a gateway key).
+    They are 256 random bits, so a fast hash is enough."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class IssuedSecret(models.Model):
+    """What a personal token and a gateway key share: a name, a prefix to
+    recognise it by, an optional expiry and a revocation (their fields stay on
+    each model, so neither table changes)."""
+
+    class Meta:
+        abstract = True
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}…)"
+
+    @property
+    def state(self) -> str:
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.expires_at is not None and self.expires_at <= timezone.now():
+            return "expired"
+        return "active"
+
+
+class ApiToken(IssuedSecret):
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
     name = models.CharField(max_length=100, help_text="What it is for, e.g. 'CI deploys'.")
     prefix = models.CharField(max_length=16, help_text="The token's first characters, to recognise it.")
@@ -25,17 +53,6 @@ class ApiToken(models.Model):
     class Meta:
         ordering = ["-created_at", "-id"]
         verbose_name = "personal API token"
-
-    def __str__(self) -> str:
-        return f"{self.name} ({self.prefix}…)"
-
-    @property
-    def state(self) -> str:
-        if self.revoked_at is not None:
-            return "revoked"
-        if self.expires_at is not None and self.expires_at <= timezone.now():
-            return "expired"
-        return "active"
 
 
 class IdempotentRequest(models.Model):

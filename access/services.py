@@ -5,7 +5,6 @@ generate path) authenticates with."""
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from access.models import ApiToken
+from access.models import ApiToken, secret_digest
 from controlplane.ttl_cache import MISSING, TtlCache
 from deployments.errors import NotFound, PermissionDenied, ValidationFailed
 from deployments.events import record, source_of
@@ -22,10 +21,6 @@ TOKEN_PREFIX = "gt-"
 # Last use is written at most this often per token: a busy client must not
 # turn every read into a write.
 LAST_USED_EVERY = dt.timedelta(seconds=60)
-
-
-def token_digest(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -46,7 +41,7 @@ def token_create(*, user: Any, name: str, expires_at: dt.datetime | None = None)
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     with transaction.atomic():
         token = ApiToken.objects.create(
-            user=user, name=name, prefix=secret[:10], digest=token_digest(secret), expires_at=expires_at
+            user=user, name=name, prefix=secret[:10], digest=secret_digest(secret), expires_at=expires_at
         )
         record(
             kind="token.created",
@@ -90,14 +85,14 @@ def token_user(secret: str) -> Any:
     process, so a revocation takes effect within a second everywhere."""
     if not secret or len(secret) > 200:
         return None
-    digest = token_digest(secret)
+    digest = secret_digest(secret)
     found = _recent.get(digest, MISSING)
     return _recent.put(digest, _read_token_user(digest)) if found is MISSING else found
 
 
 def token_user_if_known(secret: str) -> Any:
     """What token_user would answer, if it is known without the database; else MISSING."""
-    return _recent.get(token_digest(secret), MISSING) if secret and len(secret) <= 200 else None
+    return _recent.get(secret_digest(secret), MISSING) if secret and len(secret) <= 200 else None
 
 
 def _read_token_user(digest: str) -> Any:

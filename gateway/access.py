@@ -13,11 +13,11 @@ from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 from django.utils import timezone
 
+from access.models import secret_digest
 from controlplane.ttl_cache import TtlCache
 from deployments.models import DeploymentModel, DeploymentStatus, ModelKind
 from gateway.errors import GatewayError, model_not_found, not_ready
 from gateway.models import Alias, ApiKey
-from gateway.services import key_digest
 from playground.generation import route_of
 
 CACHE_S = 1.0
@@ -101,7 +101,7 @@ async def authenticate(headers: list[tuple[bytes, bytes]]) -> Caller:
     header = next((value for name, value in headers if name == b"authorization"), b"")
     if not header.startswith(b"Bearer ") or not header[7:].strip():
         raise _invalid_key("Send your API key as 'Authorization: Bearer <key>'.")
-    digest = key_digest(header[7:].strip().decode("latin-1"))
+    digest = secret_digest(header[7:].strip().decode("latin-1"))
     found = _callers.get(digest)
     if found is None:
         found = _callers.put(digest, await db(_read_caller)(digest))

@@ -6,8 +6,8 @@ from __future__ import annotations
 from django.conf import settings
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
-from django.utils import timezone
 
+from access.models import IssuedSecret
 from deployments.models import Deployment, slug_validator
 
 # What OpenAI-style clients send as "model": letters, digits and . _ - : / (e.g. "org/llama-3-8b:fp8").
@@ -38,7 +38,7 @@ class Alias(models.Model):
         return f"{self.name} -> {self.deployment_id}/{self.triton_name}"
 
 
-class ApiKey(models.Model):
+class ApiKey(IssuedSecret):
     """A gateway key. The secret is shown once at creation; only its SHA-256 is
     kept (keys are 256 random bits, so a fast hash is enough)."""
 
@@ -65,17 +65,6 @@ class ApiKey(models.Model):
     class Meta:
         ordering = ["-created_at", "-id"]
         verbose_name = "API key"
-
-    def __str__(self) -> str:
-        return f"{self.name} ({self.prefix}…)"
-
-    @property
-    def state(self) -> str:
-        if self.revoked_at is not None:
-            return "revoked"
-        if self.expires_at is not None and self.expires_at <= timezone.now():
-            return "expired"
-        return "active"
 
 
 class Usage(models.Model):

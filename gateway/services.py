@@ -4,7 +4,6 @@ the timeline of the deployments it touches."""
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +12,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from access.models import secret_digest
 from deployments.errors import NotFound, ValidationFailed
 from deployments.events import record, source_of
 from deployments.models import Deployment, DeploymentModel
@@ -20,10 +20,6 @@ from deployments.permissions import require_operator
 from gateway.models import Alias, ApiKey, Usage
 
 KEY_PREFIX = "gk-"
-
-
-def key_digest(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 def _placement(deployment_id: Any, triton_name: str) -> tuple[Deployment, DeploymentModel]:
@@ -145,7 +141,7 @@ def key_create(
         key = ApiKey.objects.create(
             name=name,
             prefix=secret[:10],
-            digest=key_digest(secret),
+            digest=secret_digest(secret),
             owner=user,
             all_aliases=all_aliases,
             expires_at=expires_at,

@@ -9,8 +9,8 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from access.models import ApiToken
-from access.services import token_create, token_digest
+from access.models import ApiToken, secret_digest
+from access.services import token_create
 from deployments.models import Event
 
 
@@ -28,7 +28,7 @@ def test_a_token_made_through_the_api_is_shown_once_and_stored_as_a_digest(viewe
     secret = created.json()["token"]
     assert secret.startswith("gt-") and created.json()["state"] == "active"
     stored = ApiToken.objects.get(pk=created.json()["id"])
-    assert stored.digest == token_digest(secret) and secret not in str(stored.__dict__)
+    assert stored.digest == secret_digest(secret) and secret not in str(stored.__dict__)
     assert "token" not in client.get(f"/api/tokens/{stored.pk}/").json()
     assert secret not in str(list(Event.objects.values_list("message", "data")))
     assert _bearer(secret).get("/api/deployments/").status_code == 200
