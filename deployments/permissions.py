@@ -52,14 +52,6 @@ def role_of(user: Any) -> str:
     return "viewer" if can_view(user) else "anonymous"
 
 
-def user_for_token(secret: str) -> Any:
-    """The active user a personal API token belongs to, or None (the REST API's,
-    websockets' and the generate action's ``Authorization: Bearer`` header)."""
-    from access.services import token_user
-
-    return token_user(secret)
-
-
 def require_operator(user: Any) -> None:
     """For services: refuse a signed-in user who may not act (None is the system itself)."""
     if user is not None and not can_operate(user):

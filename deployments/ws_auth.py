@@ -9,10 +9,9 @@ from channels.auth import AuthMiddlewareStack
 from channels.db import database_sync_to_async
 from channels.middleware import BaseMiddleware
 
-from access.services import bearer_secret
-from deployments.permissions import user_for_token
+from access.services import bearer_secret, token_user
 
-_user_for_token = database_sync_to_async(user_for_token)
+_token_user = database_sync_to_async(token_user)
 
 
 class TokenAuthMiddleware(BaseMiddleware):
@@ -20,7 +19,7 @@ class TokenAuthMiddleware(BaseMiddleware):
         headers = dict(scope.get("headers", []))
         secret = bearer_secret(headers.get(b"authorization", b"").decode("latin-1"))
         if secret is not None:
-            user = await _user_for_token(secret)
+            user = await _token_user(secret)
             if user is not None:
                 scope["user"] = user
         return await super().__call__(scope, receive, send)

@@ -16,12 +16,12 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from access.services import bearer_secret, token_user_if_known
+from access.services import bearer_secret, token_user, token_user_if_known
 from controlplane.ttl_cache import MISSING
 from deployments import chat_template
 from deployments.api.base import StrictSerializer, error_body, gantry_error, json_type_errors, problem, validated
 from deployments.errors import GantryError
-from deployments.permissions import CanView, can_view, user_for_token
+from deployments.permissions import CanView, can_view
 from playground.generation import MAX_PROMPT_CHARS, Outcome, Sampling, cached_route, generate, prepare_generation
 from playground.services import MAX_TEXT_CHARS, MAX_TEXTS, embed_texts, rerank_passages
 
@@ -118,7 +118,7 @@ def _token_may_view_cached(key: str) -> bool | None:
 
 
 def _token_may_view(key: str) -> bool:
-    return can_view(user_for_token(key))
+    return can_view(token_user(key))
 
 
 _UNAUTHENTICATED = problem(401, "not_authenticated", "Authentication credentials were not provided.")

@@ -228,19 +228,14 @@ def deployment_restart(*, deployment_id: int, user: Any = None) -> Deployment:
         return deployment_start(deployment_id=deployment_id, user=user)
     if deployment.status not in RESTARTABLE:
         raise InvalidTransition(f"{deployment.name} is {deployment.status}; only a running deployment restarts")
-    with transaction.atomic():
-        # Stopping with running desired: the stop task starts it again (lifecycle._stop).
-        deployment = states.deployment_transition(
-            deployment_id=deployment_id,
-            to=DeploymentStatus.STOPPING,
-            source=events.source_of(user),
-            actor=user,
-            only_from=RESTARTABLE,
-            message="restart requested: stopping, then starting again",
-            desired_state=DesiredState.RUNNING,
-        )
-        _enqueue(queues.STOP_DEPLOYMENT, deployment)
-    return deployment
+    # Stopping with running desired: the stop task starts it again (lifecycle._stop).
+    return _ask_stop(
+        deployment_id=deployment_id,
+        user=user,
+        message="restart requested: stopping, then starting again",
+        desired_state=DesiredState.RUNNING,
+        only_from=RESTARTABLE,
+    )
 
 
 RESTARTABLE = frozenset({DeploymentStatus.READY, DeploymentStatus.DEGRADED, DeploymentStatus.FAILED})
@@ -327,14 +322,24 @@ def deployment_stop(*, deployment_id: int, user: Any = None) -> Deployment:
     deployment = _get_deployment(deployment_id)
     if deployment.status not in states.sources_of(DeploymentStatus.STOPPING):
         raise InvalidTransition(f"{deployment.name} is {deployment.status}; there is nothing to stop")
+    return _ask_stop(
+        deployment_id=deployment_id, user=user, message="stop requested", desired_state=DesiredState.STOPPED
+    )
+
+
+def _ask_stop(
+    *, deployment_id: int, user: Any, message: str, desired_state: str, only_from: frozenset[str] | None = None
+) -> Deployment:
+    """Move to stopping and send the host its stop task, in one transaction."""
     with transaction.atomic():
         deployment = states.deployment_transition(
             deployment_id=deployment_id,
             to=DeploymentStatus.STOPPING,
             source=events.source_of(user),
             actor=user,
-            message="stop requested",
-            desired_state=DesiredState.STOPPED,
+            only_from=only_from,
+            message=message,
+            desired_state=desired_state,
         )
         _enqueue(queues.STOP_DEPLOYMENT, deployment)
     return deployment
