@@ -256,8 +256,7 @@ class UsageList(ListEndpoint):
 
     def get(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         response = super().get(request, *args, **kwargs)
-        rows = self.filter_rows(self.get_queryset(), self.query())
-        totals = rows.aggregate(
+        totals = self.matching.aggregate(
             requests=Sum("requests"), failed=Sum("failed"), prompt_tokens=Sum("prompt_tokens"),
             completion_tokens=Sum("completion_tokens"), rows=Count("id"),
         )  # fmt: skip

@@ -104,9 +104,9 @@ class ListEndpoint(ListModelMixin, GenericAPIView):
         return rows
 
     def get(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        query = self.query()
-        rows = self.filter_queryset(self.filter_rows(self.get_queryset(), query))
-        page = self.paginate_queryset(rows)
+        # Every row the filters match, for a subclass that sums them (usage totals).
+        self.matching = self.filter_rows(self.get_queryset(), self.query())
+        page = self.paginate_queryset(self.filter_queryset(self.matching))
         context = {**self.get_serializer_context(), **self.page_context(page)}
         return self.get_paginated_response(self.get_serializer(page, many=True, context=context).data)
 
