@@ -45,6 +45,9 @@ class GpuHost(models.Model):
     offline_since = models.DateTimeField(
         null=True, blank=True, help_text="Set by the control plane's sweep when the host missed its beats."
     )
+    broker_run_id = models.CharField(
+        max_length=64, blank=True, help_text="The broker run this host's agent last saw (a change means a restart)."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -494,3 +497,24 @@ class Event(models.Model):
         if self.pk is not None:
             raise TypeError("events are append-only")
         super().save(*args, **kwargs)
+
+
+class OutboxMessage(models.Model):
+    """A task for a host's worker, written in the same transaction as the change
+    that asks for it (deployments.outbox). It is deleted once the broker has
+    taken it; while the broker is unreachable it waits here, so an outage delays
+    work and never loses it."""
+
+    task = models.CharField(max_length=100)
+    queue = models.CharField(max_length=80)
+    args = models.JSONField(default=list)
+    created_at = models.DateTimeField(default=timezone.now)
+    attempts = models.PositiveIntegerField(default=0)
+    last_error = models.CharField(max_length=255, blank=True)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["queue", "id"])]
+
+    def __str__(self) -> str:
+        return f"{self.task}{tuple(self.args)} for {self.queue}"

@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from deployments import build_spec, events, queues, selectors, states
+from deployments import build_spec, events, outbox, queues, selectors, states
 from deployments.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments.models import BuildExecutor, BuildLogLine, EngineBuild, GpuHost, RegisteredModel
 from deployments.models import BuildStatus as B
@@ -97,7 +97,7 @@ def build_request(
                 f"(TensorRT-LLM {build.trtllm_version}, {build.gpu_name}, tp {build.tp_size} x pp {build.pp_size})",
                 data={"spec": normalized, "force": force},
             )
-            queues.enqueue_on_commit(queues.RUN_BUILD, host_name=target.name, args=[build.pk])
+            outbox.enqueue_on_commit(queues.RUN_BUILD, host_name=target.name, args=[build.pk])
     except IntegrityError:
         # The same build was requested at the same moment: one row won the unique index.
         running = EngineBuild.objects.filter(cache_key=key, status__in=states.BUILD_ACTIVE).first()
@@ -149,7 +149,7 @@ def build_delete(*, build_id: int, user: Any = None) -> None:
             f"{build.host.name}",
             data={"build": build_id, "model": build.model.name, "cache_key": build.cache_key},
         )
-        queues.enqueue_on_commit(queues.FORGET_BUILD, host_name=build.host.name, args=[build_id])
+        outbox.enqueue_on_commit(queues.FORGET_BUILD, host_name=build.host.name, args=[build_id])
         build.delete()
 
 
@@ -211,6 +211,19 @@ def build_finish(*, build_id: int, to: str, source: str, message: str, **fields:
         return states.build_transition(build_id=build_id, to=to, source=source, message=message, **fields)
     except InvalidTransition:
         return None
+
+
+def build_redrive(*, build_id: int, source: str, message: str) -> bool:
+    """Send a pending build's run task again (its first may have been lost inside
+    a broker that restarted); False when the build is no longer pending or a
+    task still waits in the outbox. A duplicate is harmless: only one claims it."""
+    with transaction.atomic():
+        build = EngineBuild.objects.select_related("host").select_for_update(of=("self",)).filter(pk=build_id).first()
+        if build is None or build.status != B.PENDING:
+            return False
+        return outbox.redrive(
+            queues.RUN_BUILD, host_name=build.host.name, args=[build.pk], source=source, message=message, build=build
+        )
 
 
 def builds_reap() -> list[int]:

@@ -14,7 +14,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 
-from deployments import events, queues, states
+from deployments import events, outbox, queues, states
 from deployments.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments.models import (
     Deployment,
@@ -148,6 +148,7 @@ def deployment_change(
             deployment=deployment,
             generation=generation,
             spec=after,
+            message=reason,
             created_by=events.signed_in(user),
         )
         events.record(
@@ -285,14 +286,14 @@ def deployment_delete(*, deployment_id: int, user: Any = None) -> None:
             f"{deployment.metrics_port} are free",
             data={"deployment": deployment.pk, "name": deployment.name, "generation": deployment.generation},
         )
-        queues.enqueue_on_commit(
+        outbox.enqueue_on_commit(
             queues.FORGET_DEPLOYMENT, host_name=deployment.host.name, args=[deployment.pk, deployment.name]
         )
         deployment.delete()
 
 
 def _enqueue(task_name: str, deployment: Deployment, *more_args: Any) -> None:
-    queues.enqueue_on_commit(task_name, host_name=deployment.host.name, args=[deployment.pk, *more_args])
+    outbox.enqueue_on_commit(task_name, host_name=deployment.host.name, args=[deployment.pk, *more_args])
 
 
 def deployment_start(*, deployment_id: int, user: Any = None) -> Deployment:
@@ -372,18 +373,37 @@ def deployment_relaunch(*, deployment_id: int, source: str, attempt: int) -> Dep
     return deployment
 
 
-def deployment_redrive(*, deployment_id: int, source: str, message: str) -> None:
-    """Send a launching deployment's launch task again (the first was lost with its worker).
+# What a deployment in a passing state waits for, sent again when it may be lost.
+REDRIVEN_TASKS = {
+    DeploymentStatus.LAUNCHING: queues.LAUNCH_DEPLOYMENT,
+    DeploymentStatus.STOPPING: queues.STOP_DEPLOYMENT,
+    DeploymentStatus.UPDATING: queues.APPLY_GENERATION,
+}
 
-    A duplicate is harmless: a launch task acts only on a launching row, and
-    only one of two racing launches can move it on.
+
+def deployment_redrive(*, deployment_id: int, source: str, message: str) -> bool:
+    """Send a launching, stopping or updating deployment's task again (the first
+    was lost with its worker or its broker); False when one still waits in the
+    outbox.
+
+    A duplicate is harmless: each of these tasks holds a lock per deployment on
+    its host, acts only on a row in the state (and generation) it expects, and
+    only one of two racing tasks can move it on.
     """
     with transaction.atomic():
         deployment = Deployment.objects.select_related("host").select_for_update().get(pk=deployment_id)
-        if deployment.status != DeploymentStatus.LAUNCHING:
-            raise InvalidTransition(f"{deployment.name} is {deployment.status}, not launching")
-        events.record(kind="deployment.redrive", source=source, deployment=deployment, message=message)
-        _enqueue(queues.LAUNCH_DEPLOYMENT, deployment)
+        task = REDRIVEN_TASKS.get(deployment.status)
+        if task is None:
+            raise InvalidTransition(f"{deployment.name} is {deployment.status}, not launching, stopping or updating")
+        updating = deployment.status == DeploymentStatus.UPDATING
+        return outbox.redrive(
+            task,
+            host_name=deployment.host.name,
+            args=[deployment.pk, deployment.generation] if updating else [deployment.pk],
+            source=source,
+            message=message,
+            deployment=deployment,
+        )
 
 
 def record_deployment_event(*, deployment_id: int, kind: str, source: str, message: str) -> None:
@@ -394,10 +414,18 @@ def record_deployment_event(*, deployment_id: int, kind: str, source: str, messa
 
 
 def deployment_fail(
-    *, deployment_id: int, reason: str, source: str, only_from: frozenset[str], log_tail: str = ""
+    *,
+    deployment_id: int,
+    reason: str,
+    source: str,
+    only_from: frozenset[str],
+    log_tail: str = "",
+    server_exit: dict[str, Any] | None = None,
 ) -> bool:
-    """Mark a deployment failed with ``reason`` (and the server's last log lines)
-    if it is still in one of ``only_from``; False when it had moved on."""
+    """Mark a deployment failed with ``reason`` (and the server's last log lines,
+    and how it exited) if it is still in one of ``only_from``; False when it had
+    moved on."""
+    data = {key: value for key, value in (("log_tail", log_tail), ("exit", server_exit)) if value}
     try:
         states.deployment_transition(
             deployment_id=deployment_id,
@@ -406,7 +434,7 @@ def deployment_fail(
             only_from=only_from,
             runtime_handle="",
             message=reason,
-            data={"log_tail": log_tail} if log_tail else None,
+            data=data or None,
         )
     except InvalidTransition:
         return False

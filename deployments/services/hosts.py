@@ -73,6 +73,8 @@ def host_heartbeat(
                 },
             )
         host.gpus.exclude(index__in=seen).delete()
+        if came_back:
+            _tell_deployments(host, online=True)
         if created or came_back:
             events.record(
                 kind="host.registered" if created else "host.online",
@@ -101,6 +103,7 @@ def hosts_sweep() -> list[str]:
             )
             if not changed:
                 continue
+            _tell_deployments(host, online=False)
             events.record(
                 kind="host.offline",
                 source="system",
@@ -110,6 +113,31 @@ def hosts_sweep() -> list[str]:
             )
             marked.append(host.name)
     return marked
+
+
+def _tell_deployments(host: GpuHost, *, online: bool) -> None:
+    """Once committed, tell the pages of the host's deployments that what they show
+    changed meaning (a deployment on an offline host shows "unknown")."""
+    ids = list(host.deployments.values_list("pk", flat=True))
+
+    def send() -> None:
+        for deployment_id in ids:
+            events.publish(
+                events.deployment_group(deployment_id),
+                {"type": "host", "deployment": deployment_id, "host": host.name, "online": online},
+            )
+
+    transaction.on_commit(send)
+
+
+def host_broker_seen(*, name: str, run_id: str) -> str:
+    """Remember the broker run ``name``'s agent sees now; returns the one it saw before."""
+    host = GpuHost.objects.filter(name=name).only("broker_run_id").first()
+    if host is None:
+        return ""
+    if host.broker_run_id != run_id:
+        GpuHost.objects.filter(pk=host.pk).update(broker_run_id=run_id)
+    return host.broker_run_id
 
 
 def record_host_event(*, host_name: str, kind: str, source: str, message: str) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
-from deployments import events, queues, states
+from deployments import events, outbox, queues, states
 from deployments.checkpoints import CheckpointInfo, inspect_checkpoint, under_roots
 from deployments.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments.models import GpuHost, Inspection, ModelKind, RegisteredModel
@@ -71,10 +71,28 @@ def model_register(
                 host=target,
                 message=f"registered {name} at {path} on {host}; the host is inspecting it",
             )
-            queues.enqueue_on_commit(queues.INSPECT_MODEL, host_name=target.name, args=[model.pk])
+            outbox.enqueue_on_commit(queues.INSPECT_MODEL, host_name=target.name, args=[model.pk])
     except IntegrityError as exc:
         raise ValidationFailed({"name": f"a model named {name!r} is already registered"}) from exc
     return model
+
+
+def model_inspection_redrive(*, model_id: int, source: str, message: str) -> bool:
+    """Send a pending inspection again (see build_redrive); False when there is
+    nothing to send."""
+    with transaction.atomic():
+        rows = RegisteredModel.objects.select_related("host").select_for_update(of=("self",))  # host may be null
+        model = rows.filter(pk=model_id).first()
+        if model is None or model.inspection != Inspection.PENDING:
+            return False
+        return outbox.redrive(
+            queues.INSPECT_MODEL,
+            host_name=model.host.name,
+            args=[model.pk],
+            source=source,
+            message=message,
+            model=model,
+        )
 
 
 def model_delete(*, model_id: int, user: Any = None) -> None:

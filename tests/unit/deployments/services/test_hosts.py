@@ -36,3 +36,21 @@ def test_silent_host_is_marked_offline_once_and_back_online_on_its_next_beat(hos
 
 def test_live_host_is_not_swept(host):
     assert hosts.hosts_sweep() == []
+
+
+def test_the_pages_of_a_host_s_deployments_are_told_when_it_goes_and_comes_back(
+    host, minilm, operator, monkeypatch, django_capture_on_commit_callbacks
+):
+    from deployments import events
+    from tests import factories
+
+    deployment = factories.deployment(host=host, user=operator)
+    told: list[tuple[str, dict]] = []
+    monkeypatch.setattr(events, "publish", lambda group, payload: told.append((group, payload)))
+    GpuHost.objects.filter(pk=host.pk).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+    with django_capture_on_commit_callbacks(execute=True):
+        hosts.hosts_sweep()
+    with django_capture_on_commit_callbacks(execute=True):
+        hosts.host_heartbeat(name=host.name, gpus=[])
+    to_page = [payload for group, payload in told if group == events.deployment_group(deployment.pk)]
+    assert [(p["type"], p["online"]) for p in to_page if p["type"] == "host"] == [("host", False), ("host", True)]

@@ -1,0 +1,133 @@
+"""The outbox: a task is committed with the change that asks for it, sent to
+its host's queue once committed, and waits (visibly) while the broker is down."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import transaction
+from django.utils import timezone
+
+from deployments import outbox, queues
+from deployments.models import Event, OutboxMessage
+from deployments.services import deployments
+from deployments.services.placements import PlacementSpec
+
+
+class Broker:
+    """Celery's send_task, at its seam: takes messages, or refuses them while down."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, list, str]] = []
+        self.down = False
+
+    def send_task(self, name: str, *, args: list, queue: str, retry: bool) -> None:
+        if self.down:
+            raise ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+        self.sent.append((name, args, queue))
+
+
+@pytest.fixture
+def broker(monkeypatch):  # noqa: ANN001, ANN201
+    fake = Broker()
+    monkeypatch.setattr(outbox, "current_app", fake)
+    return fake
+
+
+@pytest.fixture
+def handed(monkeypatch):  # noqa: ANN001, ANN201 - what reaches the sender thread
+    ids: list[int] = []
+    monkeypatch.setattr(outbox, "send_soon", ids.append)
+    return ids
+
+
+def test_a_task_is_written_with_the_change_and_handed_to_the_sender_on_commit(
+    db, broker, handed, django_capture_on_commit_callbacks
+):
+    with django_capture_on_commit_callbacks(execute=True):
+        with transaction.atomic():
+            message = outbox.enqueue_on_commit(queues.LAUNCH_DEPLOYMENT, host_name="gpu-2", args=[7])
+            assert handed == []
+    assert handed == [message.pk]
+    assert outbox.send(ids=handed) == 1
+    assert broker.sent == [("workers.tasks.launch_deployment", [7], "gpu.gpu-2")]
+    assert not OutboxMessage.objects.exists()
+
+
+def test_a_rolled_back_change_leaves_no_task(db, broker, handed, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True):
+        with pytest.raises(RuntimeError), transaction.atomic():
+            outbox.enqueue_on_commit(queues.STOP_DEPLOYMENT, host_name="gpu-2", args=[7])
+            raise RuntimeError("the service refused after all")
+    assert handed == []
+    assert not OutboxMessage.objects.exists()
+
+
+def _started(minilm, operator):  # noqa: ANN001, ANN202
+    OutboxMessage.objects.all().delete()  # the model's inspection: not what these tests are about
+    deployment = deployments.deployment_create(
+        name="web", host_name=minilm.host.name, placements=[PlacementSpec(model="minilm")], user=operator
+    )
+    return deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+
+
+def test_a_task_waits_while_the_broker_is_down_and_the_timeline_says_so(db, broker, handed, minilm, operator):
+    deployment = _started(minilm, operator)
+    broker.down = True
+    assert outbox.send() == 0
+    assert outbox.send() == 0
+    message = OutboxMessage.objects.get()
+    assert (message.attempts, message.task) == (2, queues.LAUNCH_DEPLOYMENT)
+    assert "Connection refused" in message.last_error
+    waiting = Event.objects.filter(deployment=deployment, kind="task.waiting")
+    assert waiting.count() == 1  # said once, not at every attempt
+    assert "launch deployment task waits in the outbox" in waiting.get().message
+
+    OutboxMessage.objects.update(created_at=timezone.now() - timedelta(seconds=42))
+    broker.down = False
+    assert outbox.relay(queue=queues.host_queue(minilm.host.name)) == 1
+    assert broker.sent == [(queues.LAUNCH_DEPLOYMENT, [deployment.pk], queues.host_queue(minilm.host.name))]
+    late = Event.objects.get(deployment=deployment, kind="task.redriven")
+    assert late.data["waited_s"] >= 42
+    assert "42s after it was asked for" in late.message
+
+
+def test_relay_sends_oldest_first_and_stops_at_the_first_refusal(db, broker, handed):
+    for deployment_id in (1, 2, 3):
+        outbox.enqueue_on_commit(queues.STOP_DEPLOYMENT, host_name="gpu-2", args=[deployment_id])
+    assert outbox.relay() == 3
+    assert [args for _, args, _ in broker.sent] == [[1], [2], [3]]
+
+
+def test_a_redrive_is_skipped_while_the_first_task_still_waits(db, broker, handed, minilm, operator):
+    deployment = _started(minilm, operator)
+    assert not deployments.deployment_redrive(deployment_id=deployment.pk, source="test", message="lost?")
+    outbox.send()
+    assert deployments.deployment_redrive(deployment_id=deployment.pk, source="test", message="lost!")
+    assert OutboxMessage.objects.get().args == [deployment.pk]
+    assert Event.objects.filter(deployment=deployment, kind="task.redriven").count() == 1
+
+
+def test_every_task_name_is_registered_by_the_worker():
+    from celery import current_app
+
+    import workers.tasks  # noqa: F401 - registers the tasks
+
+    names = [queues.LAUNCH_DEPLOYMENT, queues.STOP_DEPLOYMENT, queues.APPLY_GENERATION, queues.INSPECT_MODEL]
+    assert set(names + [queues.RUN_BUILD, queues.FORGET_BUILD, queues.FORGET_DEPLOYMENT]) <= set(current_app.tasks)
+
+
+def test_an_updating_deployment_is_redriven_with_its_generation(db, broker, handed, minilm, operator):
+    from deployments import states
+
+    deployment = _started(minilm, operator)
+    states.deployment_transition(deployment_id=deployment.pk, to="loading", source="test", runtime_handle="1")
+    states.deployment_transition(deployment_id=deployment.pk, to="ready", source="test")
+    deployments.deployment_change(
+        deployment_id=deployment.pk, placements=[PlacementSpec(model="minilm", max_batch_size=8)], user=operator
+    )
+    OutboxMessage.objects.all().delete()  # sent, then lost
+    assert deployments.deployment_redrive(deployment_id=deployment.pk, source="test", message="lost")
+    message = OutboxMessage.objects.get()
+    assert (message.task, message.args) == (queues.APPLY_GENERATION, [deployment.pk, 2])
