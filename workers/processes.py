@@ -44,12 +44,27 @@ def start_group(
         raise PermanentError(f"could not start {argv[0]}: {exc}") from exc
 
 
-def reap(pid: int) -> None:
-    """Collect ``pid``'s exit status if it is our child and has exited (no zombie left)."""
+def reap(pid: int) -> int | None:
+    """Collect ``pid``'s exit status if it is our child and has exited (no zombie
+    left); its Popen-style return code when this call collected it."""
     try:
-        os.waitpid(pid, os.WNOHANG)
+        waited, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
-        pass
+        return None
+    return os.waitstatus_to_exitcode(status) if waited else None
+
+
+def zombie_returncode(pid: int) -> int | None:
+    """The Popen-style return code of ``pid`` if it has exited and its parent
+    has not collected it yet (Linux keeps it in /proc/<pid>/stat, field 52)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] != "Z" or len(fields) < 50:
+        return None
+    return os.waitstatus_to_exitcode(int(fields[49]))
 
 
 def _proc_state(pid: int) -> tuple[str, int] | None:

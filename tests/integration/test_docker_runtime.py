@@ -1,6 +1,7 @@
 """The docker runtime with the real Docker engine and a locally built Triton
-image: a two-model deployment in one container, a killed container restarted,
-and a container no deployment wants removed."""
+image: a two-model deployment in one container, a killed and then an
+OOM-killed container each named and restarted, and a container no deployment
+wants removed."""
 
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ def engine():
 
 
 def _containers(engine, stack: Stack):
+    # docker-py lists, then inspects each container: one removed in between (by the
+    # agent, which is what some tests wait for) raises NotFound; list again.
+    for _ in range(5):
+        try:
+            return engine.containers.list(all=True, filters={"label": f"gantry.host={stack.host_name}"})
+        except docker.errors.NotFound:
+            continue
     return engine.containers.list(all=True, filters={"label": f"gantry.host={stack.host_name}"})
 
 
@@ -77,11 +85,26 @@ def test_two_models_in_one_container_restarted_after_a_kill(stack: Stack, minilm
 
             container.kill()  # the server dies under us
             seen = _wait_for_status(socket, "failed", timeout_s=30)
-            assert "exited unexpectedly" in seen[-1]["message"]
+            assert seen[-1]["message"].startswith("tritonserver exited unexpectedly: killed by SIGKILL")
             _wait_for_status(socket, "ready", timeout_s=300)
+
+            # Then the kernel's OOM killer, for real: the new container is held just above
+            # what it uses, its server made the OOM killer's first choice, and a process
+            # inside asks for a gigabyte.
+            [replacement] = _containers(engine, stack)
+            Path(f"/proc/{replacement.attrs['State']['Pid']}/oom_score_adj").write_text("1000")
+            limit = replacement.stats(stream=False)["memory_stats"]["usage"] + 64 * 2**20
+            replacement.update(mem_limit=limit, memswap_limit=limit)
+            replacement.exec_run(["python3", "-c", "bytearray(1 << 30)"], detach=True)
+            seen = _wait_for_status(socket, "failed", timeout_s=60)
+            assert seen[-1]["message"] == (
+                "tritonserver exited unexpectedly: killed by the kernel's OOM killer (out of memory)"
+            )
+            assert seen[-1]["data"]["exit"]["oom_killed"] is True
+            _wait_for_status(socket, "ready", timeout_s=300)  # restarted, in a container without that limit
         row = Deployment.objects.get(pk=deployment_id)
-        assert row.runtime_handle != container.id
-        assert Event.objects.filter(deployment=row, kind="deployment.crash_restart").count() == 1
+        assert row.runtime_handle not in (container.id, replacement.id)
+        assert Event.objects.filter(deployment=row, kind="deployment.crash_restart").count() == 2
         assert [c.id for c in _containers(engine, stack)] == [row.runtime_handle]
         _stop(stack, deployment_id)
         assert _containers(engine, stack) == []

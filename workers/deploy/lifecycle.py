@@ -9,9 +9,12 @@ one racing a stop, ends in the state the database asks for.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,7 @@ def failer(deployment_id: int, only_from: frozenset[str]):  # noqa: ANN201 - a w
             source=source(),
             only_from=only_from,
             log_tail=details.get("log_tail", ""),
+            server_exit=details.get("exit"),
         )
 
     return fail
@@ -74,17 +78,48 @@ def launch(deployment_id: int) -> None:
     run_job("launch", lambda: _launch(deployment_id), fail=failer(deployment_id, frozenset({S.LAUNCHING, S.LOADING})))
 
 
+@contextmanager
+def host_lock(deployment_id: int, what: str = "server") -> Iterator[None]:
+    """Held by whichever of this host's processes is starting or stopping the
+    deployment's server (``what``: "server"), or applying a generation to it
+    ("generation"): a task sent twice (a re-drive after a broker restart, a
+    redelivery) waits for the first, then finds the row moved on. Apart, so a
+    stop never waits for a long model load."""
+    locks = settings.GANTRY_DATA_DIR / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"deployment-{deployment_id}-{what}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _launch(deployment_id: int) -> None:
+    with host_lock(deployment_id):
+        started = _start_server(deployment_id)
+    if started is not None:
+        _await_ready(*started)
+
+
+def _start_server(deployment_id: int) -> tuple[Deployment, Runtime, str, LaunchSpec] | None:
+    """Start the server of a launching deployment and move it to loading."""
     deployment = load(deployment_id)
     if deployment is None or deployment.status != S.LAUNCHING:
         log.info("launch of %s skipped: status is %s", deployment_id, deployment and deployment.status)
-        return
+        return None
     runtime = runtime_for(deployment)
     specs = model_specs(deployment)
     spec = launch_spec(deployment)
     if deployment.runtime_handle and runtime.is_running(deployment.runtime_handle, spec):
         # A redelivered task: the server from the first delivery still runs.
         runtime.stop(deployment.runtime_handle, spec)
+    leftovers = runtime.stop_leftovers(spec)
+    if leftovers:
+        deployments.record_deployment_event(
+            deployment_id=deployment_id,
+            kind="deployment.leftover_stopped",
+            source=source(),
+            message=f"stopped tritonserver {', '.join(h[:12] for h in leftovers)}, which a worker that died "
+            "had started without recording it; starting a fresh one",
+        )
     busy = busy_ports(spec.bind_address, [spec.http_port, spec.grpc_port, spec.metrics_port])
     if busy:
         raise PermanentError(
@@ -105,8 +140,8 @@ def _launch(deployment_id: int) -> None:
     except InvalidTransition:
         # Stopped while we were starting: undo our own start.
         runtime.stop(handle, spec)
-        return
-    _await_ready(deployment, runtime, handle, spec)
+        return None
+    return deployment, runtime, handle, spec
 
 
 def _await_ready(
@@ -126,8 +161,11 @@ def _await_ready(
         if current_status(deployment.pk) != status:
             return  # stopped or failed elsewhere; the stop task owns the server now
         tail = runtime.log_tail(handle, spec)
+        ended = runtime.exit_of(handle, spec)
         runtime.stop(handle, spec)
-        raise JobFailed(f"{what}tritonserver exited while loading", log_tail=tail) from None
+        raise JobFailed(
+            f"{what}tritonserver exited while loading: {ended.describe()}", log_tail=tail, exit=ended.as_data()
+        ) from None
     except TransientError as exc:
         tail = runtime.log_tail(handle, spec)
         runtime.stop(handle, spec)
@@ -182,6 +220,11 @@ def apply_generation(deployment_id: int, generation: int) -> None:
 
 
 def _apply_generation(deployment_id: int, generation: int) -> None:
+    with host_lock(deployment_id, "generation"):
+        _apply_generation_once(deployment_id, generation)
+
+
+def _apply_generation_once(deployment_id: int, generation: int) -> None:
     deployment = load(deployment_id)
     if deployment is None or deployment.status != S.UPDATING or deployment.generation != generation:
         return
@@ -254,9 +297,18 @@ def stop(deployment_id: int) -> None:
 
 
 def _stop(deployment_id: int) -> None:
+    with host_lock(deployment_id):
+        stopped = _stop_server(deployment_id)
+    if stopped:
+        # A restart stops with "running" still desired: start it again.
+        deployments.deployment_start_after_stop(deployment_id=deployment_id, source=source())
+
+
+def _stop_server(deployment_id: int) -> bool:
+    """Stop a stopping deployment's server; whether this call moved it on."""
     deployment = load(deployment_id)
     if deployment is None or deployment.status != S.STOPPING:
-        return
+        return False
     message = "tritonserver stopped"
     to = S.STOPPED
     if deployment.runtime_handle:
@@ -283,9 +335,8 @@ def _stop(deployment_id: int) -> None:
         )
     except InvalidTransition:
         log.info("deployment %s left stopping before the stop finished", deployment_id)
-        return
-    # A restart stops with "running" still desired: start it again.
-    deployments.deployment_start_after_stop(deployment_id=deployment_id, source=source())
+        return False
+    return True
 
 
 def forget(deployment_id: int, name: str) -> None:

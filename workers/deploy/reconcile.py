@@ -2,7 +2,7 @@
 without waiting on the broker.
 
 Notices crashed servers (and restarts those that should run), models that are
-not ready, launches lost with a dead worker, updates that never finished,
+not ready, launches and stops lost with a dead worker, updates that never finished,
 servers that finished loading while no task was waiting for them, and
 containers no deployment wants.
 """
@@ -30,12 +30,21 @@ from workers.jobs import run_job, source
 from workers.runtimes.base import LaunchSpec, Runtime
 from workers.runtimes.docker import DockerRuntime
 from workers.triton.client import Readiness
+from workers.triton.server import STOP_GRACE_S
 
 log = logging.getLogger(__name__)
 
-# A launch task moves its deployment out of launching within seconds; one that
-# stays longer was lost with its worker (or its message), and is driven again.
+# A launch task moves its deployment out of launching within seconds, and a stop
+# task ends within the server's grace period plus the wait for its GPU memory;
+# a deployment that stays longer lost its task (with its worker, or inside a
+# broker that restarted), which is then sent again.
 LAUNCH_STALL_S = 60
+
+
+def stall_after_s(status: str) -> float:
+    if status == S.STOPPING:
+        return STOP_GRACE_S + settings.GANTRY_GPU_RELEASE_TIMEOUT + 15
+    return LAUNCH_STALL_S
 
 
 def _recent_crash_restarts(deployment: Deployment) -> int:
@@ -46,16 +55,16 @@ def _recent_crash_restarts(deployment: Deployment) -> int:
 def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
     """One pass over this host's deployments that are starting or serving (see the module's docstring)."""
     watched = Deployment.objects.select_related("host").filter(
-        host__name=settings.GANTRY_HOST_NAME, status__in=states.SERVING | {S.LAUNCHING}
+        host__name=settings.GANTRY_HOST_NAME, status__in=states.SERVING | {S.LAUNCHING, S.STOPPING}
     )
     now = timezone.now()
     for deployment in watched:
         runtime = runtime_for(deployment)
         spec = launch_spec(deployment)
         telemetry.ship_log(deployment, runtime, spec)
-        if deployment.status == S.LAUNCHING:
-            if (now - deployment.status_changed_at).total_seconds() > LAUNCH_STALL_S:
-                _redrive_launch(deployment)
+        if deployment.status in (S.LAUNCHING, S.STOPPING):
+            if (now - deployment.status_changed_at).total_seconds() > stall_after_s(deployment.status):
+                _redrive(deployment)
         elif not runtime.is_running(deployment.runtime_handle, spec):
             _handle_crash(deployment, runtime, spec)
         elif deployment.status == S.LOADING:
@@ -68,6 +77,27 @@ def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
             _check_models(deployment)
             telemetry.collect_metrics(deployment, inventory)
     _remove_unwanted_containers()
+
+
+def adopt_servers() -> None:
+    """When this worker starts: name on each timeline the servers that kept
+    running while no worker watched them (this worker's predecessor died or
+    was restarted). Reconcile watches them from now on."""
+    active = (
+        Deployment.objects.select_related("host")
+        .filter(host__name=settings.GANTRY_HOST_NAME, status__in=states.ACTIVE)
+        .exclude(runtime_handle="")
+    )
+    for deployment in active:
+        if not runtime_for(deployment).is_running(deployment.runtime_handle, launch_spec(deployment)):
+            continue  # gone meanwhile: reconcile reports the crash
+        deployments.record_deployment_event(
+            deployment_id=deployment.pk,
+            kind="deployment.adopted",
+            source=source(),
+            message=f"this host's worker started and adopted the running tritonserver "
+            f"({deployment.runtime} {deployment.runtime_handle[:12]}); it kept serving meanwhile",
+        )
 
 
 def _remove_unwanted_containers() -> None:
@@ -96,15 +126,19 @@ def _remove_unwanted_containers() -> None:
         )
 
 
-def _redrive_launch(deployment: Deployment) -> None:
-    since = timezone.now() - timedelta(seconds=LAUNCH_STALL_S)
-    if Event.objects.filter(deployment=deployment, kind="deployment.redrive", created_at__gte=since).exists():
+def _redrive(deployment: Deployment) -> None:
+    stall = stall_after_s(deployment.status)
+    since = timezone.now() - timedelta(seconds=stall)
+    if Event.objects.filter(deployment=deployment, kind="task.redriven", created_at__gte=since).exists():
         return
-    deployments.deployment_redrive(
-        deployment_id=deployment.pk,
-        source=source(),
-        message=f"still launching after {LAUNCH_STALL_S}s: its launch task was lost; launching again",
-    )
+    try:
+        deployments.deployment_redrive(
+            deployment_id=deployment.pk,
+            source=source(),
+            message=f"still {deployment.status} after {stall:.0f}s: its task was lost; sending it again",
+        )
+    except InvalidTransition:
+        pass  # it moved on meanwhile
 
 
 def _readiness(deployment: Deployment) -> Readiness:
@@ -137,14 +171,16 @@ def _check_loading(deployment: Deployment, runtime: Runtime, spec: LaunchSpec, n
 
 def _handle_crash(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) -> None:
     tail = runtime.log_tail(deployment.runtime_handle, spec)
-    # A crashed container is kept until now for its logs; remove it before any restart.
+    ended = runtime.exit_of(deployment.runtime_handle, spec)
+    # A crashed container is kept until now for its logs and exit state; remove it before any restart.
     runtime.stop(deployment.runtime_handle, spec)
     deployments.deployment_fail(
         deployment_id=deployment.pk,
-        reason="tritonserver exited unexpectedly",
+        reason=f"tritonserver exited unexpectedly: {ended.describe()}",
         source=source(),
         only_from=states.SERVING,
         log_tail=tail,
+        server_exit=ended.as_data(),
     )
     if deployment.desired_state != DesiredState.RUNNING:
         return

@@ -8,10 +8,13 @@ on the deployment.
 
 from __future__ import annotations
 
+import signal
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from workers import processes
 
 # The most server log lines the agent ships per deployment and heartbeat.
 MAX_LOG_LINES = 500
@@ -36,6 +39,33 @@ class LaunchSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
     world_size: int = 1  # > 1: one MPI rank per GPU of a multi-GPU engine
     engine_models: list[str] = field(default_factory=list)  # what ranks above 0 load
+
+
+@dataclass(frozen=True)
+class ServerExit:
+    """How a server ended, as far as its runtime can tell: a Popen-style return
+    code (negative: the signal that killed it; None: not known) and whether the
+    kernel's OOM killer ended it."""
+
+    returncode: int | None
+    oom_killed: bool = False
+    unknown_why: str = ""
+
+    def describe(self) -> str:
+        if self.oom_killed:
+            return "killed by the kernel's OOM killer (out of memory)"
+        if self.returncode is None:
+            return f"exit status unknown ({self.unknown_why or 'its runtime did not keep it'})"
+        described = processes.describe_exit(self.returncode)
+        if self.returncode == -signal.SIGKILL:
+            return f"{described} (by a person, or by the kernel's OOM killer when memory ran out)"
+        return described
+
+    def as_data(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"returncode": self.returncode, "oom_killed": self.oom_killed}
+        if self.returncode is not None and self.returncode < 0:
+            data["signal"] = -self.returncode
+        return data
 
 
 def busy_ports(address: str, ports: list[int]) -> list[int]:
@@ -72,4 +102,13 @@ class Runtime(Protocol):
 
     def pids(self, handle: str, spec: LaunchSpec) -> list[int]:
         """Host process ids of the server and its children (model stubs, MPI ranks)."""
+        ...
+
+    def exit_of(self, handle: str, spec: LaunchSpec) -> ServerExit:
+        """How the server behind ``handle``, no longer running, ended."""
+        ...
+
+    def stop_leftovers(self, spec: LaunchSpec) -> list[str]:
+        """Stop servers of ``spec``'s deployment that no row records (a worker died
+        between starting one and recording it); their handles."""
         ...

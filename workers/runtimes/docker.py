@@ -19,7 +19,7 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import DeviceRequest, Mount, Ulimit
 
 from deployments.errors import PermanentError, TransientError
-from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec
+from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec, ServerExit
 from workers.triton.server import STOP_GRACE_S, server_command
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,24 @@ class DockerRuntime:
         except APIError:
             return []
         return [int(row[0]) for row in top.get("Processes") or [] if row and str(row[0]).isdigit()]
+
+    def stop_leftovers(self, spec: LaunchSpec) -> list[str]:
+        container = self._get(container_name(spec))  # Docker finds a container by its name too
+        if container is None:
+            return []
+        self.stop(container.id, spec)
+        return [container.id]
+
+    def exit_of(self, handle: str, spec: LaunchSpec) -> ServerExit:
+        """From the stopped container's state (kept until reconcile removes it)."""
+        container = self._get(handle) if handle else None
+        if container is None:
+            return ServerExit(None, unknown_why="its container is gone")
+        state = container.attrs.get("State") or {}
+        code = state.get("ExitCode")
+        # Docker reports a signal death as 128 + the signal number.
+        returncode = -(code - 128) if isinstance(code, int) and 128 < code < 160 else code
+        return ServerExit(returncode, oom_killed=bool(state.get("OOMKilled")))
 
     def missing_mounts(self, handle: str, spec: LaunchSpec) -> list[str]:
         """Folders ``spec`` reads that the running container was not started with."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from deployments.errors import PermanentError
 from workers import processes
-from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec
+from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec, ServerExit
 from workers.triton.server import STOP_GRACE_S, tritonserver_args
 
 log = logging.getLogger(__name__)
@@ -121,12 +121,37 @@ def _repository_arg(repository: Path) -> bytes:
     return f"--model-repository={repository}".encode()
 
 
+def _exit_file(repository: Path) -> Path:
+    return repository.parent / "tritonserver.exit"
+
+
 def is_running(handle: str, repository: Path) -> bool:
     """True while ``handle`` is a live tritonserver serving ``repository``."""
     if not handle.isdigit():
         return False
-    processes.reap(int(handle))  # a server this worker started and that exited is not left a zombie
+    # A server this process started and that exited is not left a zombie; its
+    # status is kept beside the repository for whichever process asks (exit_of).
+    returncode = processes.reap(int(handle))
+    if returncode is not None and repository.parent.is_dir():
+        _exit_file(repository).write_text(f"{handle} {returncode}\n")
     return processes.is_ours(int(handle), argv_contains=_repository_arg(repository))
+
+
+def exit_of(handle: str, repository: Path) -> ServerExit:
+    """How the server ``handle`` ended: from its zombie (its parent, a worker
+    process, has not collected it yet) or from what ``is_running`` kept."""
+    if not handle.isdigit():
+        return ServerExit(None, unknown_why="it never started")
+    returncode = processes.zombie_returncode(int(handle))
+    if returncode is None:
+        try:
+            kept_handle, kept = _exit_file(repository).read_text().split()
+        except (OSError, ValueError):
+            kept_handle, kept = "", ""
+        returncode = int(kept) if kept_handle == handle else None
+    if returncode is None:
+        return ServerExit(None, unknown_why="the worker that started it was gone when it ended")
+    return ServerExit(returncode)
 
 
 def servers_under(root: Path) -> list[tuple[str, Path]]:
@@ -196,6 +221,15 @@ class ProcessRuntime:
 
     def pids(self, handle: str, spec: LaunchSpec) -> list[int]:
         return processes.group_members(int(handle)) if handle.isdigit() else []
+
+    def exit_of(self, handle: str, spec: LaunchSpec) -> ServerExit:
+        return exit_of(handle, spec.repository)
+
+    def stop_leftovers(self, spec: LaunchSpec) -> list[str]:
+        found = [handle for handle, served in servers_under(spec.repository.parent) if served == spec.repository]
+        for handle in found:
+            stop(handle, spec.repository)
+        return found
 
     def read_log(self, handle: str, spec: LaunchSpec, cursor: float | None) -> tuple[list[str], float]:
         try:

@@ -62,3 +62,17 @@ def test_exits_are_described_by_code_or_signal():
     assert processes.describe_exit(3) == "exit code 3"
     assert processes.describe_exit(-9) == "killed by SIGKILL"
     assert processes.describe_exit(None) == "still running"
+
+
+def test_how_a_process_ended_is_read_from_its_zombie_or_from_whoever_collected_it():
+    killed = processes.start_group([sys.executable, "-c", "import time; time.sleep(60)"])
+    processes.terminate_group(killed.pid, grace_s=0)  # nobody has waited for it yet: a zombie
+    assert processes.zombie_returncode(killed.pid) in (-15, -9)
+    exited = processes.start_group([sys.executable, "-c", "raise SystemExit(3)"])
+    deadline = time.monotonic() + 10
+    while processes.zombie_returncode(exited.pid) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes.zombie_returncode(exited.pid) == 3
+    assert processes.reap(exited.pid) == 3  # its parent (this process) collects it
+    assert processes.zombie_returncode(exited.pid) is None
+    assert processes.reap(exited.pid) is None
