@@ -13,7 +13,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv demo test gpu-test lint clean bench bench-gateway bench-api
+.PHONY: venv demo test gpu-test lint clean bench bench-gateway bench-api bench-live
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,16 +42,23 @@ gpu-test:
 BENCH_ARGS ?=
 BENCH_GATEWAY_ARGS ?=
 BENCH_API_ARGS ?=
+BENCH_LIVE_ARGS ?=
 bench: venv
 	$(PY) bench/generate.py $(BENCH_ARGS)
 	$(PY) bench/gateway.py $(BENCH_GATEWAY_ARGS)
 	$(MAKE) bench-api
+	$(MAKE) bench-live
 
 # The REST API at fleet scale: PostgreSQL (BENCH_DATABASE_URL), Redis and wrk.
 bench-api: venv
 	scripts/ensure-services.sh
 	scripts/ensure-packages.sh wrk
 	$(PY) bench/api.py $(BENCH_API_ARGS)
+
+# The live path: delivery to websocket clients, loss, reconnects (PostgreSQL; a Redis of its own).
+bench-live: venv
+	scripts/ensure-services.sh
+	$(PY) bench/live.py $(BENCH_LIVE_ARGS)
 
 bench-gateway: venv
 	$(PY) bench/gateway.py $(BENCH_GATEWAY_ARGS)

@@ -254,7 +254,9 @@ SPECTACULAR_SETTINGS = {
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "prefix": "gantry:channels"},
+        # capacity: messages a socket may fall behind by before the layer drops
+        # them (silently; the browser sees the gap in the numbers and re-reads).
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": "gantry:channels", "capacity": 1000},
     }
 }
 

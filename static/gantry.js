@@ -33,8 +33,45 @@ const Gantry = (() => {
     return page.results.map((row) => row.line).reverse();
   }
 
-  function live(path, { onMessage, onOpen, indicator }) {
+  // A live socket. Each message carries its group's sequence number: a number
+  // that stays missing (the channel layer drops messages for a socket that falls
+  // behind) or a reconnect makes the page re-read current state over REST
+  // (``resync``). While the socket is down, what the page shows is marked stale.
+  const GAP_WAIT_MS = 800;  // messages of one group from two processes may arrive out of order
+  const RECONNECT_MAX_MS = 750;
+  const RECONNECT_JITTER_MS = 250;
+  function live(path, { onMessage, resync, indicator }) {
     let delay = 500;
+    let last = null;
+    let missing = new Set();
+    let gapTimer = null;
+    function setLive(state, words) {
+      document.body.dataset.live = state;
+      if (indicator) indicator.textContent = words;
+    }
+    function checkGap() {
+      gapTimer = null;
+      if (missing.size) {
+        missing = new Set();
+        resync && resync("gap");
+      }
+    }
+    function track(seq) {
+      if (typeof seq !== "number") return;
+      if (last === null || (seq === 1 && last > 1)) {
+        if (last !== null) { missing = new Set(); resync && resync("gap"); }  // Redis restarted: numbering anew
+        last = seq;
+        return;
+      }
+      if (seq > last) {
+        if (seq - last > 100) { last = seq; missing = new Set(); resync && resync("gap"); return; }
+        for (let n = last + 1; n < seq; n++) missing.add(n);
+        last = seq;
+      } else {
+        missing.delete(seq);
+      }
+      if (missing.size && !gapTimer) gapTimer = setTimeout(checkGap, GAP_WAIT_MS);
+    }
     function connect() {
       const scheme = location.protocol === "https:" ? "wss" : "ws";
       // The live server is the pages' own address (behind a proxy) or a port of the same host.
@@ -43,14 +80,26 @@ const Gantry = (() => {
       const socket = new WebSocket(`${scheme}://${where}${path}`);
       socket.onopen = () => {
         delay = 500;
-        if (indicator) indicator.textContent = "live";
-        onOpen && onOpen();
+        last = null;
+        missing = new Set();
+        setLive("up", "live");
+        resync && resync("connect");
       };
-      socket.onmessage = (event) => onMessage(JSON.parse(event.data));
+      socket.onmessage = (event) => {
+        const message = JSON.parse(event.data);
+        if (message.type === "hello") {  // where the group's numbering stands as we join
+          last = message.seq;
+          return;
+        }
+        track(message.seq);
+        onMessage(message);
+      };
       socket.onclose = () => {
-        if (indicator) indicator.textContent = "reconnecting…";
-        setTimeout(connect, delay);
-        delay = Math.min(delay * 2, 10000);
+        setLive("down", "not live: reconnecting (what this page shows may be out of date)");
+        // Capped low, with jitter: back within 2 s of the live server (or Redis)
+        // returning, without every page of a fleet knocking at the same moment.
+        setTimeout(connect, delay + Math.random() * RECONNECT_JITTER_MS);
+        delay = Math.min(delay * 2, RECONNECT_MAX_MS);
       };
     }
     connect();
@@ -89,6 +138,51 @@ const Gantry = (() => {
     return row;
   }
 
+  // What changed from one generation's models to the next: added, removed, and each changed setting.
+  function differences(before, after) {
+    const byName = (models) => Object.fromEntries(models.map((m) => [m.triton_name, m]));
+    const old = byName(before || []);
+    const now = byName(after);
+    const lines = [];
+    for (const name of Object.keys(now)) {
+      if (!(name in old)) { lines.push(`+ ${name}`); continue; }
+      for (const key of Object.keys(now[name])) {
+        const a = JSON.stringify(old[name][key]);
+        const b = JSON.stringify(now[name][key]);
+        if (a !== b) lines.push(`${name}.${key}: ${a} → ${b}`);
+      }
+    }
+    for (const name of Object.keys(old)) if (!(name in now)) lines.push(`− ${name}`);
+    return lines;
+  }
+
+  function renderRevisions(body, revisions, current, canOperate, rollBack) {
+    body.replaceChildren(...revisions.slice().reverse().map((revision, i, newestFirst) => {
+      const previous = newestFirst[i + 1];
+      const row = document.createElement("tr");
+      const changed = previous ? differences(previous.models, revision.models) : ["first generation"];
+      const state = revision.generation === current ? `${revision.status} (serving)` : revision.status;
+      row.append(text("td", String(revision.generation)), text("td", state),
+                 text("td", new Date(revision.created_at).toLocaleString()),
+                 text("td", revision.models.map((m) => m.triton_name).join(", ")));
+      const what = document.createElement("td");
+      what.append(...changed.map((line) => text("div", line)));
+      if (revision.message) what.append(text("div", revision.message, "muted"));
+      row.append(what);
+      const cell = document.createElement("td");
+      if (canOperate) {
+        const button = text("button", "Roll back to this", "secondary");
+        button.type = "button";
+        button.dataset.generation = revision.generation;
+        button.dataset.current = revision.generation === current ? "1" : "";
+        button.addEventListener("click", () => rollBack(revision.generation));
+        cell.append(button);
+      }
+      row.append(cell);
+      return row;
+    }));
+  }
+
   function deploymentPage(id) {
     const badge = document.querySelector("#deployment [data-status]");
     const message = document.getElementById("status-message");
@@ -101,17 +195,44 @@ const Gantry = (() => {
     const appendLog = (lines) => appendLines(serverLog, lines, 500);
 
     // The server says which actions the deployment allows now; the page keeps no state table.
+    let allowed = {};
     function enableActions(actions) {
-      for (const action of ["start", "stop"]) {
+      allowed = actions;
+      for (const action of ["start", "stop", "restart", "delete"]) {
         const button = document.getElementById(action);
         if (button) button.disabled = !actions[action];
       }
+      for (const button of document.querySelectorAll("#revisions button[data-generation]")) {
+        button.disabled = !actions.rollback || button.dataset.current === "1";
+      }
     }
+    function showError(error) {
+      actionError.textContent = error.message;
+      actionError.hidden = false;
+    }
+    async function loadRevisions(current) {
+      const page = await api("GET", `/api/deployments/${id}/revisions/?limit=500`);
+      renderRevisions(document.getElementById("revisions"), page.results, current, canOperate, async (generation) => {
+        actionError.hidden = true;
+        try {
+          render(await api("POST", `/api/deployments/${id}/rollback/`, { generation }));
+        } catch (error) {
+          showError(error);
+        }
+      });
+      enableActions(allowed);
+    }
+    const canOperate = Boolean(document.getElementById("start"));
+    let shownGeneration = null;
     function render(deployment) {
       enableActions(deployment.actions);
       setStatus(badge, deployment.shown_status);
       message.textContent = deployment.status_message;
       desired.textContent = deployment.desired_state;
+      if (deployment.generation !== shownGeneration) {
+        shownGeneration = deployment.generation;
+        loadRevisions(deployment.generation);
+      }
     }
     function addEvent(event) {
       if (!events.querySelector(`[data-event-id="${event.id}"]`)) events.prepend(eventRow(event));
@@ -130,20 +251,23 @@ const Gantry = (() => {
     }
     live(`/ws/deployments/${id}/`, {
       indicator,
-      onOpen: refresh,
+      resync: refresh,
       onMessage: async (event) => {
         if (event.type === "metrics") renderMetrics(event.at, event.models);
         if (event.type === "log") appendLog(event.lines);
+        if (event.type === "host") render(await api("GET", `/api/deployments/${id}/`));  // its host went or came back
         if (event.type !== "event") return;
         addEvent(event);
         if (event.to_status) {
           setStatus(badge, event.to_status);
           message.textContent = event.message;
           render(await api("GET", `/api/deployments/${id}/`));
+        } else if (event.kind === "deployment.changed" || event.kind === "deployment.rollback") {
+          render(await api("GET", `/api/deployments/${id}/`));  // a new generation: its revisions
         }
       },
     });
-    for (const action of ["start", "stop"]) {
+    for (const action of ["start", "stop", "restart"]) {
       const button = document.getElementById(action);
       if (!button) continue;
       button.addEventListener("click", async () => {
@@ -151,8 +275,20 @@ const Gantry = (() => {
         try {
           render(await api("POST", `/api/deployments/${id}/${action}/`));
         } catch (error) {
-          actionError.textContent = error.message;
-          actionError.hidden = false;
+          showError(error);
+        }
+      });
+    }
+    const deleteButton = document.getElementById("delete");
+    if (deleteButton) {
+      deleteButton.addEventListener("click", async () => {
+        if (!confirm(`Delete ${deleteButton.dataset.name}? Its timeline stays; its ports and name are freed.`)) return;
+        actionError.hidden = true;
+        try {
+          await api("DELETE", `/api/deployments/${id}/`);
+          location.assign("/");
+        } catch (error) {
+          showError(error);
         }
       });
     }
@@ -323,7 +459,7 @@ const Gantry = (() => {
     }
     live(`/ws/builds/${id}/`, {
       indicator: document.getElementById("live-indicator"),
-      onOpen: refresh,
+      resync: refresh,
       onMessage: async (event) => {
         if (event.type === "log") appendLog(event.lines);
         if (event.type === "build" && event.phase) phase.textContent = event.phase;
@@ -409,11 +545,28 @@ const Gantry = (() => {
   }
 
   function dashboard() {
+    function setBadge(id, status) {
+      const badge = document.querySelector(`[data-deployment="${id}"] [data-status]`);
+      if (badge) setStatus(badge, status);
+    }
+    async function refresh() {
+      const page = await api("GET", "/api/deployments/?limit=500");
+      for (const deployment of page.results) setBadge(deployment.id, deployment.shown_status);
+    }
     live("/ws/dashboard/", {
+      indicator: document.getElementById("live-indicator"),
+      resync: refresh,
       onMessage: (event) => {
-        if (event.type !== "event" || !event.deployment || !event.to_status) return;
-        const badge = document.querySelector(`[data-deployment="${event.deployment}"] [data-status]`);
-        if (badge) setStatus(badge, event.to_status);
+        if (event.type === "event" && event.deployment && event.to_status) setBadge(event.deployment, event.to_status);
+        // A host that went offline (or came back) changes what its deployments show: re-read them.
+        if (event.type === "event" && (event.kind === "host.offline" || event.kind === "host.online")) {
+          const badge = document.querySelector(`[data-host="${event.host}"] [data-status]`);
+          if (badge) {
+            badge.textContent = event.kind === "host.offline" ? "offline" : "online";
+            badge.className = `status ${event.kind === "host.offline" ? "status-failed" : "status-ready"}`;
+          }
+          refresh();
+        }
       },
     });
   }

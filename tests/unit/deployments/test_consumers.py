@@ -50,6 +50,8 @@ def test_joined_socket_receives_what_is_published_to_its_deployment_only(operato
     async def run() -> tuple:
         communicator = _connect(f"/ws/deployments/{deployment.pk}/", operator)
         connected, _ = await communicator.connect()
+        hello = await communicator.receive_json_from(timeout=5)
+        assert hello["type"] == "hello" and hello["group"] == events.deployment_group(deployment.pk)
         await communicator.send_json_to({"type": "start"})
         refusal = await communicator.receive_json_from(timeout=5)
         # Published from a worker's thread, as services do: to another deployment, then to this one.
@@ -63,11 +65,38 @@ def test_joined_socket_receives_what_is_published_to_its_deployment_only(operato
     connected, refusal, forwarded, nothing_more = async_to_sync(run)()
     assert connected
     assert refusal == {"type": "error", "detail": "this socket is read-only; use the REST API"}
-    assert forwarded == {"type": "log", "lines": ["for us"]}
+    group = events.deployment_group(deployment.pk)
+    assert forwarded == {"type": "log", "lines": ["for us"], "group": group, "seq": forwarded["seq"]}
     assert nothing_more
 
 
-async def _publish(group: str, payload: dict) -> None:
+def test_each_group_numbers_its_messages_so_a_lost_one_shows_as_a_gap(operator, minilm):
+    deployment = factories.deployment(host=minilm.host, user=operator)
+    group = events.deployment_group(deployment.pk)
+
+    async def run() -> list[dict]:
+        from channels.layers import get_channel_layer
+
+        communicator = _connect(f"/ws/deployments/{deployment.pk}/", operator)
+        await communicator.connect()
+        hello = await communicator.receive_json_from(timeout=5)
+        await _publish(group, {"type": "log", "lines": ["one"]})
+        first = await communicator.receive_json_from(timeout=5)
+        assert first["seq"] == hello["seq"] + 1  # the hello says where numbering stood as it joined
+        # A message numbered but never delivered (the channel layer drops those silently).
+        redis = get_channel_layer().connection(0)
+        await redis.incr(events.seq_key(group))
+        await _publish([group, events.DASHBOARD_GROUP], {"type": "log", "lines": ["three"]})
+        third = await communicator.receive_json_from(timeout=5)
+        await communicator.disconnect()
+        return [first, third]
+
+    first, third = async_to_sync(run)()
+    assert third["seq"] == first["seq"] + 2
+    assert third["group"] == group
+
+
+async def _publish(group: str | list[str], payload: dict) -> None:
     from channels.db import database_sync_to_async
 
     await database_sync_to_async(events.publish)(group, payload)
