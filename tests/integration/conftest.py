@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import dj_database_url
 import pytest
+import redis
 import requests
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -114,6 +117,145 @@ def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.P
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+@dataclass
+class RedisServer:
+    """A Redis of a test's own, to stop and start again under a running stack.
+    It keeps nothing on disk: a restart loses what its queues held, as a Redis
+    without persistence (or one that crashed) does."""
+
+    port: int
+    data_dir: Path
+    process: subprocess.Popen | None = None
+    bind: tuple[str, ...] = ("127.0.0.1",)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        argv = ["redis-server", "--port", str(self.port), "--bind", *self.bind, "--save", "", "--appendonly", "no"]
+        argv += ["--protected-mode", "no"]  # reached from the test's own network namespaces too
+        self.process = _spawn([*argv, "--dir", str(self.data_dir)], dict(os.environ), self.data_dir / "redis.log")
+        wait_for(self._answers, 10, f"redis-server on port {self.port}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_process(self.process)
+            self.process = None
+
+    def _answers(self) -> bool:
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5, retry=None)
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    data_dir = tmp_path / "redis"
+    data_dir.mkdir()
+    server = RedisServer(port=free_port(), data_dir=data_dir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def stack_on_own_redis(transactional_db, tmp_path: Path, operator: User, own_redis: RedisServer) -> Iterator[Stack]:  # noqa: ANN001
+    """A stack whose Redis (broker and channel layer) the test may stop and start."""
+    yield from make_stack(tmp_path, operator, extra_env={"REDIS_URL": own_redis.url})
+
+
+@dataclass
+class PostgresServer:
+    """A PostgreSQL of a test's own (initdb in a temporary folder), to stop and
+    start again under a running stack. As root, it runs as the postgres user."""
+
+    port: int
+    root: Path
+    listen: tuple[str, ...] = ("127.0.0.1",)
+
+    @property
+    def url(self) -> str:
+        return f"postgres://postgres@127.0.0.1:{self.port}/gantry"
+
+    def _run(self, *argv: str) -> None:
+        binary = next(Path("/usr/lib/postgresql").glob(f"*/bin/{argv[0]}"))
+        as_owner = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        subprocess.run([*as_owner, str(binary), *argv[1:]], check=True, capture_output=True, timeout=60)
+
+    def init(self) -> None:
+        self.root.mkdir()
+        if os.geteuid() == 0:
+            shutil.chown(self.root, "postgres")
+        self._run("initdb", "-D", str(self.root / "data"), "-U", "postgres", "--auth=trust", "--no-sync")
+        with open(self.root / "data" / "pg_hba.conf", "a") as hba:
+            hba.write("host all all 10.77.0.0/16 trust\n")  # the test's own network namespaces
+        self.start()
+        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "gantry")
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.root} -c listen_addresses={','.join(self.listen)} -c fsync=off"
+        self._run("pg_ctl", "-D", str(self.root / "data"), "-o", options, "-l", str(self.root / "log"), "-w", "start")
+
+    def stop(self) -> None:
+        self._run("pg_ctl", "-D", str(self.root / "data"), "-m", "fast", "-w", "stop")
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    yield from run_postgres()
+
+
+def run_postgres(listen: tuple[str, ...] = ("127.0.0.1",)) -> Iterator[PostgresServer]:
+    # Not under tmp_path: pytest's folder is private to this user, and the server runs as postgres.
+    parent = Path(tempfile.mkdtemp(prefix="gantry-test-pg-"))
+    parent.chmod(0o755)
+    server = PostgresServer(port=free_port(), root=parent / "cluster", listen=listen)
+    server.init()
+    try:
+        yield server
+    finally:
+        try:
+            server.stop()
+        except subprocess.CalledProcessError:
+            pass  # already stopped
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture
+def page():  # noqa: ANN201 - Playwright's Page
+    # Playwright's sync API runs an event loop in this thread: tests make their
+    # database calls in fixtures set up before this one, never while it runs.
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail("chromium is not installed (make test installs it)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield browser.new_page()
+        finally:
+            browser.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An untrained Llama with a real tokenizer, made once per run (workers/untrained_llm.py)."""
@@ -177,7 +319,7 @@ def make_stack(
     )
     result.start_worker()
     try:
-        wait_for(lambda: _web_answers(result.web_url), 30, "the web server")
+        wait_for(lambda: healthz_answers(result.web_url), 30, "the web server")
         wait_for(lambda: _live_answers(live_port), 30, "the live server")
         wait_for(lambda: GpuHost.objects.filter(name=host_name).exists(), 60, "the worker's first heartbeat")
         yield result
@@ -208,8 +350,32 @@ def _live_answers(port: int) -> bool:
     return bool(busy_ports("127.0.0.1", [port]))
 
 
-def _web_answers(url: str) -> bool:
+def healthz_answers(base: str) -> bool:
     try:
-        return requests.get(f"{url}/login/", timeout=1).status_code == 200
+        return requests.get(f"{base}/healthz", timeout=2).status_code == 200
     except requests.RequestException:
         return False
+
+
+def manage(env: dict[str, str], *argv: str) -> str:
+    """Run ``manage.py argv`` as a separate process with ``env``; its output."""
+    return subprocess.run(
+        [sys.executable, "manage.py", *argv], cwd=ROOT, env=env, check=True, capture_output=True, text=True
+    ).stdout
+
+
+def bootstrap(env: dict[str, str], username: str = "ops") -> str:
+    """Migrate the database ``env`` names and make an admin there; their API token."""
+    manage(env, "migrate", "--noinput")
+    manage({**env, "DJANGO_SUPERUSER_PASSWORD": f"{username}-pass"}, "createsuperuser", "--noinput",
+           "--username", username, "--email", f"{username}@localhost")  # fmt: skip
+    return manage(env, "gantry_token", username).strip()
+
+
+def clean_up(data_dirs: list[Path], logs: Path) -> None:
+    """Stop what a test left serving under ``data_dirs`` (by process id), and show its processes' last lines."""
+    for data_dir in data_dirs:
+        for handle, repository in process.servers_under(data_dir):
+            process.stop(handle, repository)
+    for log in sorted(logs.iterdir()):
+        sys.stderr.write(f"--- {log.name} (last lines) ---\n" + log.read_text(errors="replace")[-3000:] + "\n")

@@ -16,7 +16,7 @@ import pytest
 from access.services import token_create
 from controlplane.serving import web_argv
 from tests import factories
-from tests.integration.conftest import ROOT, _spawn, _web_answers, free_port, stop_process, wait_for
+from tests.integration.conftest import ROOT, _spawn, free_port, healthz_answers, stop_process, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def test_the_api_keeps_its_openapi_contract_under_fuzzing(transactional_db, tmp_
     port = free_port()
     web = _spawn(web_argv(sys.executable, bind="127.0.0.1", port=port, workers=2), env, tmp_path / "web.log")
     try:
-        wait_for(lambda: _web_answers(f"http://127.0.0.1:{port}"), 30, "the ASGI server")
+        wait_for(lambda: healthz_answers(f"http://127.0.0.1:{port}"), 30, "the ASGI server")
         run = subprocess.run(
             [
                 sys.executable,
@@ -65,8 +65,11 @@ def test_the_api_keeps_its_openapi_contract_under_fuzzing(transactional_db, tmp_
                 os.environ.get("GANTRY_FUZZ_EXAMPLES", "10"),
                 "--seed",
                 os.environ.get("GANTRY_FUZZ_SEED", "1"),
+                # One worker: with two, hypothesis's strategy descriptions (ast.parse in
+                # threads) sporadically hit CPython 3.11's "AST constructor recursion depth
+                # mismatch" SystemError, a crash of the tool rather than a finding.
                 "--workers",
-                "2",
+                "1",
                 "--no-color",
             ],  # fmt: skip
             cwd=ROOT,

@@ -22,7 +22,7 @@ from deployments.models import BuildLogLine, BuildStatus, EngineBuild
 from deployments.queues import host_queue
 from tests.factories import LLAMA, write_checkpoint
 from tests.fixtures.trtllm_tree import lay_out
-from tests.integration.conftest import ROOT, Stack, make_stack, wait_for
+from tests.integration.conftest import ROOT, RedisServer, Stack, make_stack, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -46,6 +46,21 @@ def builder_image() -> str:
 def build_stack(transactional_db, tmp_path: Path, operator: User, builder_image: str) -> Iterator[Stack]:  # noqa: ANN001
     """A GPU host with two stand-in H100s, the builder image allow-listed, and the
     stand-in toolchain installed natively as well."""
+    yield from _build_stack(tmp_path, operator, builder_image)
+
+
+@pytest.fixture
+def build_stack_on_own_redis(
+    transactional_db,
+    tmp_path: Path,
+    operator: User,
+    builder_image: str,
+    own_redis: RedisServer,  # noqa: ANN001
+) -> Iterator[Stack]:
+    yield from _build_stack(tmp_path, operator, builder_image, REDIS_URL=own_redis.url)
+
+
+def _build_stack(tmp_path: Path, operator: User, builder_image: str, **more_env: str) -> Iterator[Stack]:
     tree = lay_out(tmp_path / "native-trtllm", VERSION)
     env = {
         "GANTRY_BUILDER_IMAGES": f"{builder_image}={VERSION}",
@@ -55,6 +70,7 @@ def build_stack(transactional_db, tmp_path: Path, operator: User, builder_image:
         "GANTRY_BUILD_LOG_LINES": "1000",
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(tree / "site")]),
         "TRTLLM_STANDIN_VERSION": VERSION,
+        **more_env,
     }
     worker = [sys.executable, str(ROOT / "tests/fixtures/standin_gpu_worker.py"), "-A", "controlplane", "worker",
               "-Q", host_queue("{host}"), "-n", "gantry@{host}", "-c", "2", "-l", "INFO"]  # fmt: skip
@@ -195,4 +211,25 @@ def test_worker_killed_during_a_build_never_leaves_it_running(build_stack: Stack
     celery_app.send_task("workers.tasks.run_build", args=[build["id"]], queue=host_queue(stack.host_name))
     time.sleep(3)
     assert EngineBuild.objects.get(pk=build["id"]).status == BuildStatus.FAILED
+    assert _build_containers(engine, build["id"]) == []
+
+
+def test_redis_restarted_during_a_build_loses_nothing(
+    build_stack_on_own_redis: Stack, own_redis: RedisServer, builder_image: str, tmp_path, engine
+):
+    """Redis stops and comes back, empty, while a build runs: the build goes on
+    (its worker keeps its state in the database), ends succeeded with its whole
+    log stored, and compiles once."""
+    stack = build_stack_on_own_redis
+    _register(stack, tmp_path, "steady", {"rank_sleep_s": 4, "lines": 200})
+    build = _request(stack, "steady", builder_image, spec={"max_batch_size": 8})
+    _wait_status(stack, build["id"], "running", 60)  # then it sleeps 4 s before its engine
+    own_redis.stop()
+    time.sleep(2)
+    own_redis.start()
+    done = _wait_status(stack, build["id"], "succeeded", 120)
+    assert sorted(a["name"] for a in done["artifacts"]) == ["config.json", "rank0.engine"]
+    stored = BuildLogLine.objects.filter(build_id=build["id"]).values_list("line", flat=True)
+    assert sum("optimization pass" in line for line in stored) == 200
+    assert EngineBuild.objects.filter(model__name="steady").count() == 1
     assert _build_containers(engine, build["id"]) == []

@@ -230,7 +230,8 @@ def test_crashed_tritonserver_is_noticed_and_restarted(stack: Stack, minilm_path
         first_pid = int(Deployment.objects.get(pk=deployment["id"]).runtime_handle)
         os.killpg(first_pid, signal.SIGKILL)  # the server dies under us
         seen = _wait_for_status(socket, "failed", timeout_s=30)
-        assert "exited unexpectedly" in seen[-1]["message"]
+        assert seen[-1]["message"].startswith("tritonserver exited unexpectedly: killed by SIGKILL")
+        assert seen[-1]["data"]["exit"] == {"returncode": -9, "oom_killed": False, "signal": 9}
         _wait_for_status(socket, "ready", timeout_s=240)
     row = Deployment.objects.get(pk=deployment["id"])
     assert int(row.runtime_handle) != first_pid
