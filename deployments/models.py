@@ -431,7 +431,11 @@ class MetricSample(models.Model):
 
     class Meta:
         ordering = ["at", "id"]
-        indexes = [models.Index(fields=["deployment", "at"])]
+        indexes = [
+            models.Index(fields=["deployment", "at"]),
+            # The dashboard's sparklines: every deployment's model samples of the last minutes.
+            models.Index(fields=["kind", "at"], name="metric_kind_at"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.deployment_id} {self.kind}:{self.subject} @ {self.at:%H:%M:%S}"

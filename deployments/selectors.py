@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -13,6 +14,7 @@ from deployments.models import (
     Backend,
     Deployment,
     DeploymentModel,
+    DesiredState,
     EngineBuild,
     Event,
     GpuHost,
@@ -124,13 +126,18 @@ def deployment_list() -> QuerySet[Deployment]:
 def deployment_plan(deployment: Deployment) -> list[dict]:
     """Per GPU of the host: the models placed on it, their memory fractions and
     bytes, and whether together they stay within the headroom limit."""
-    gpus = {gpu.index: gpu for gpu in deployment.host.gpus.all()}
+    return gpu_plan(deployment.host, deployment.placements.all())
+
+
+def gpu_plan(host: GpuHost, placements: Iterable[DeploymentModel]) -> list[dict]:
+    """deployment_plan for placement rows, stored or not (a form's preflight)."""
+    gpus = {gpu.index: gpu for gpu in host.gpus.all()}
     plan = {
         index: {"gpu": index, "name": gpu.name, "uuid": gpu.uuid, "memory_total_bytes": gpu.memory_total_bytes,
                 "models": [], "fraction": 0.0}
         for index, gpu in gpus.items()
     }  # fmt: skip
-    for placement in deployment.placements.all():
+    for placement in placements:
         for index in placement_gpus(placement, gpus):
             if index in plan:
                 entry = plan[index]
@@ -154,3 +161,24 @@ def deployment_plan(deployment: Deployment) -> list[dict]:
         for entry in plan.values()
         if entry["models"]
     ]
+
+
+def gpu_shares(hosts: Iterable[GpuHost], deployments: Iterable[Deployment]) -> dict[tuple[int, int], list[dict]]:
+    """Per (host id, GPU index): the memory each model of a deployment meant to
+    run there is given (its fraction), for the dashboard's memory bars."""
+    indexes = {host.pk: [gpu.index for gpu in host.gpus.all()] for host in hosts}
+    shares: dict[tuple[int, int], list[dict]] = {}
+    for deployment in deployments:
+        if deployment.desired_state != DesiredState.RUNNING:
+            continue
+        for placement in deployment.placements.all():
+            for index in placement_gpus(placement, indexes.get(deployment.host_id, [])):
+                shares.setdefault((deployment.host_id, index), []).append(
+                    {
+                        "deployment": deployment.name,
+                        "deployment_id": deployment.pk,
+                        "model": placement.triton_name,
+                        "fraction": placement.gpu_memory_fraction,
+                    }
+                )
+    return shares

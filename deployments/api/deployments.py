@@ -33,7 +33,7 @@ from deployments.models import (
     slug_validator,
 )
 from deployments.permissions import ReadOrOperate
-from deployments.services import deployments
+from deployments.services import deployments, telemetry
 from deployments.services.placements import MAX_BATCH_SIZE, PLACEMENT_FIELDS, PlacementSpec
 
 
@@ -150,6 +150,19 @@ class DeploymentQuery(StrictSerializer):
     name = serializers.CharField(max_length=63, required=False, help_text="names containing this")
 
 
+def _creation(data: dict[str, Any]) -> dict[str, Any]:
+    """deployment_create's (and deployment_preflight's) arguments from a checked DeploymentIn body."""
+    ports = data.get("ports")
+    return {
+        "name": data["name"],
+        "host_name": data["host"],
+        "runtime": data["runtime"],
+        "image": data["image"],
+        "ports": (ports["http"], ports["grpc"], ports["metrics"]) if ports else None,
+        "placements": placement_specs(data["models"]),
+    }
+
+
 class DeploymentList(ListEndpoint):
     """GET /api/deployments/ (by name); POST a new deployment (stopped until started)."""
 
@@ -170,17 +183,7 @@ class DeploymentList(ListEndpoint):
     @idempotent()
     @extend_schema(request=DeploymentIn, responses={201: DeploymentOut})
     def post(self, request: Request) -> Response:
-        data = validated(DeploymentIn, request)
-        ports = data.get("ports")
-        deployment = deployments.deployment_create(
-            name=data["name"],
-            host_name=data["host"],
-            runtime=data["runtime"],
-            image=data["image"],
-            ports=(ports["http"], ports["grpc"], ports["metrics"]) if ports else None,
-            placements=placement_specs(data["models"]),
-            user=request.user,
-        )
+        deployment = deployments.deployment_create(**_creation(validated(DeploymentIn, request)), user=request.user)
         deployment = selectors.deployment_list().get(pk=deployment.pk)
         return Response(DeploymentOut(deployment).data, status=status.HTTP_201_CREATED)
 
@@ -330,6 +333,69 @@ class DeploymentPlan(APIView):
     @extend_schema(responses=GpuPlanOut(many=True))
     def get(self, request: Request, pk: int) -> Response:
         return Response(selectors.deployment_plan(get_object_or_404(selectors.deployment_list(), pk=pk)))
+
+
+class DeploymentPreflightIn(DeploymentIn):
+    name = serializers.CharField(
+        max_length=63, validators=[slug_validator], required=False, default="", allow_blank=True,
+        help_text="checked against existing deployments when given",
+    )  # fmt: skip
+
+
+class DeploymentPreflightOut(serializers.Serializer):
+    valid = serializers.BooleanField(help_text="true when POST /api/deployments/ with this body would create it")
+    errors = serializers.DictField(
+        child=serializers.ListField(child=serializers.CharField()),
+        help_text="each broken rule by field, as a 400 of the create would name it (models[i].field)",
+    )
+    plan = GpuPlanOut(many=True, help_text="the GPU plan of the placements that passed")
+
+
+class DeploymentPreflight(APIView):
+    """POST /api/deployments/preflight/: what creating this deployment would say,
+    with nothing written: every broken rule by field, and the GPU plan (each
+    model's share of each GPU against the headroom, an engine's KV-cache
+    tokens). The deploy form asks it as it is filled in."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(request=DeploymentPreflightIn, responses={200: DeploymentPreflightOut})
+    def post(self, request: Request) -> Response:
+        data = validated(DeploymentPreflightIn, request)
+        return Response(deployments.deployment_preflight(**_creation(data), user=request.user))
+
+
+class RatesQuery(StrictSerializer):
+    minutes = serializers.IntegerField(min_value=1, max_value=60, default=10, help_text="how far back (default 10)")
+
+
+class RatePointOut(serializers.Serializer):
+    at = serializers.DateTimeField()
+    request_rate = serializers.FloatField(help_text="requests per second, all the deployment's models together")
+
+
+class DeploymentRatesOut(serializers.Serializer):
+    deployment = serializers.IntegerField()
+    points = RatePointOut(many=True)
+
+
+class DeploymentRates(APIView):
+    """GET /api/deployments/rates/?minutes=10: each deployment's requests per second
+    over the last minutes, oldest first (the dashboard's sparklines)."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(parameters=[RatesQuery], responses=DeploymentRatesOut(many=True))
+    def get(self, request: Request) -> Response:
+        query = RatesQuery(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        rates = telemetry.request_rates(minutes=query.validated_data["minutes"])
+        return Response(
+            [
+                {"deployment": deployment_id, "points": [{"at": at, "request_rate": rate} for at, rate in points]}
+                for deployment_id, points in sorted(rates.items())
+            ]
+        )
 
 
 class DeploymentLog(LogLines):

@@ -14,7 +14,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 
-from deployments import events, outbox, queues, states
+from deployments import events, outbox, queues, selectors, states
 from deployments.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments.models import (
     Deployment,
@@ -28,7 +28,10 @@ from deployments.models import (
 from deployments.permissions import require_operator
 from deployments.services.placements import (
     PlacementSpec,
+    Resolved,
     placement_from_snapshot,
+    placement_rows,
+    placements_check,
     placements_snapshot,
     placements_validate,
     placements_write,
@@ -48,6 +51,62 @@ def _allocate_ports(host: GpuHost) -> tuple[int, int, int]:
     raise ValidationFailed({"host": f"no free ports left in GANTRY_TRITON_PORT_RANGE on {host.name}"})
 
 
+def _create_checks(
+    *,
+    name: str,
+    host_name: str,
+    placements: list[PlacementSpec],
+    runtime: str,
+    image: str,
+    ports: tuple[int, int, int] | None,
+) -> tuple[GpuHost | None, list[Resolved], dict[str, list[str]]]:
+    """Every rule a new deployment must pass, each broken one by field; and the
+    placements that resolved (on a known host)."""
+    errors: dict[str, list[str]] = {}
+    if Deployment.objects.filter(name=name).exists():
+        errors["name"] = [f"a deployment named {name!r} already exists"]
+    if runtime == Runtime.DOCKER and image not in settings.GANTRY_ALLOWED_IMAGES:
+        allowed = ", ".join(settings.GANTRY_ALLOWED_IMAGES) or "none are configured (GANTRY_ALLOWED_IMAGES)"
+        errors["image"] = [f"{image or 'an empty image'} is not allow-listed; allowed: {allowed}"]
+    if runtime == Runtime.PROCESS and image:
+        errors["image"] = ["the process runtime runs the host's own tritonserver; leave image empty"]
+    host = GpuHost.objects.filter(name=host_name).first()
+    if host is None:
+        errors["host"] = [f"no GPU host named {host_name!r} has announced itself"]
+        return None, [], errors
+    if ports is not None:
+        taken = Deployment.objects.filter(host=host).filter(
+            Q(http_port__in=ports) | Q(grpc_port__in=ports) | Q(metrics_port__in=ports)
+        )
+        if len(set(ports)) != 3:
+            errors["ports"] = ["http, grpc and metrics ports must differ"]
+        elif taken.exists():
+            errors["ports"] = [f"one of {list(ports)} is already used by {taken.first().name} on {host.name}"]
+    resolved, placement_errors = placements_check(host=host, specs=placements, runtime=runtime, image=image)
+    return host, resolved, {**errors, **placement_errors}
+
+
+def deployment_preflight(
+    *,
+    name: str,
+    host_name: str,
+    placements: list[PlacementSpec],
+    runtime: str = Runtime.PROCESS,
+    image: str = "",
+    ports: tuple[int, int, int] | None = None,
+    user: Any = None,
+) -> dict[str, Any]:
+    """What deployment_create would say, without writing anything: every broken
+    rule by field, and the GPU plan of the placements that resolved (each
+    model's share of each GPU, the headroom, an engine's KV-cache tokens)."""
+    require_operator(user)
+    host, resolved, errors = _create_checks(
+        name=name, host_name=host_name, placements=placements, runtime=runtime, image=image, ports=ports
+    )
+    plan = selectors.gpu_plan(host, placement_rows(resolved)) if host is not None else []
+    return {"valid": not errors, "errors": errors, "plan": plan}
+
+
 def deployment_create(
     *,
     name: str,
@@ -60,27 +119,11 @@ def deployment_create(
 ) -> Deployment:
     """Create a stopped deployment of one or more models on a host (nothing starts yet)."""
     require_operator(user)
-    if Deployment.objects.filter(name=name).exists():
-        raise ValidationFailed({"name": f"a deployment named {name!r} already exists"})
-    host = GpuHost.objects.filter(name=host_name).first()
-    if host is None:
-        raise ValidationFailed({"host": f"no GPU host named {host_name!r} has announced itself"})
-    if runtime == Runtime.DOCKER and image not in settings.GANTRY_ALLOWED_IMAGES:
-        allowed = ", ".join(settings.GANTRY_ALLOWED_IMAGES) or "none are configured (GANTRY_ALLOWED_IMAGES)"
-        raise ValidationFailed({"image": f"{image or 'an empty image'} is not allow-listed; allowed: {allowed}"})
-    if runtime == Runtime.PROCESS and image:
-        raise ValidationFailed({"image": "the process runtime runs the host's own tritonserver; leave image empty"})
-    if ports is not None:
-        if len(set(ports)) != 3:
-            raise ValidationFailed({"ports": "http, grpc and metrics ports must differ"})
-        taken = Deployment.objects.filter(host=host).filter(
-            Q(http_port__in=ports) | Q(grpc_port__in=ports) | Q(metrics_port__in=ports)
-        )
-        if taken.exists():
-            raise ValidationFailed(
-                {"ports": f"one of {list(ports)} is already used by {taken.first().name} on {host.name}"}
-            )
-    resolved = placements_validate(host=host, specs=placements, runtime=runtime, image=image)
+    host, resolved, errors = _create_checks(
+        name=name, host_name=host_name, placements=placements, runtime=runtime, image=image, ports=ports
+    )
+    if errors:
+        raise ValidationFailed(errors)
     try:
         with transaction.atomic():
             http_port, grpc_port, metrics_port = ports or _allocate_ports(host)

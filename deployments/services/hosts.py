@@ -73,6 +73,17 @@ def host_heartbeat(
                 },
             )
         host.gpus.exclude(index__in=seen).delete()
+        beat = {
+            "type": "gpus",
+            "host": host.name,
+            "at": host.last_heartbeat.isoformat(),
+            "gpus": [
+                {"index": g.index, "memory_used_bytes": g.memory_used_bytes, "memory_total_bytes": g.memory_total_bytes,
+                 "utilization_percent": g.utilization_percent}
+                for g in gpus
+            ],
+        }  # fmt: skip
+        transaction.on_commit(lambda: events.publish(events.DASHBOARD_GROUP, beat))
         if came_back:
             _tell_deployments(host, online=True)
         if created or came_back:

@@ -260,8 +260,19 @@ def placements_validate(*, host: GpuHost, specs: list[PlacementSpec], runtime: s
     inspected, servable models; unique names; batching and priority rules;
     GPUs the host has; the engine gates; per-GPU fractions within the headroom.
     ValidationFailed names every broken rule by field (``models[i].field``)."""
+    resolved, errors = placements_check(host=host, specs=specs, runtime=runtime, image=image)
+    if errors:
+        raise ValidationFailed(errors)
+    return resolved
+
+
+def placements_check(
+    *, host: GpuHost, specs: list[PlacementSpec], runtime: str, image: str
+) -> tuple[list[Resolved], dict[str, list[str]]]:
+    """placements_validate's rules without raising: the placements that resolved
+    (a plan can be drawn from them) and every broken rule by field."""
     if not specs:
-        raise ValidationFailed({"models": "a deployment needs at least one model"})
+        return [], {"models": ["a deployment needs at least one model"]}
     errors: dict[str, list[str]] = {}
     resolved = []
     names: set[str] = set()
@@ -323,9 +334,7 @@ def placements_validate(*, host: GpuHost, specs: list[PlacementSpec], runtime: s
             errors.setdefault("models", []).append(
                 f"GPU {gpu}: memory fractions add up to {total:.2f}, above the headroom limit {headroom:.2f}"
             )
-    if errors:
-        raise ValidationFailed(errors)
-    return resolved
+    return resolved, errors
 
 
 def _instance_gpus(spec: PlacementSpec, host_gpus: set[int]) -> tuple[int, ...]:
@@ -336,31 +345,42 @@ def _instance_gpus(spec: PlacementSpec, host_gpus: set[int]) -> tuple[int, ...]:
 def placements_write(*, deployment: Deployment, resolved: list[Resolved]) -> None:
     """Replace the deployment's placement rows with ``resolved``."""
     deployment.placements.all().delete()
+    for row in placement_rows(resolved, deployment=deployment):
+        row.save()
+
+
+def placement_rows(resolved: list[Resolved], *, deployment: Deployment | None = None) -> list[DeploymentModel]:
+    """The (unsaved) placement rows ``resolved`` becomes: what placements_write
+    stores, and what a plan is drawn from before anything is stored."""
+    rows = []
     for item in resolved:
         spec, model = item.spec, item.model
         engine = item.build is not None or spec.llm_api
-        DeploymentModel.objects.create(
-            deployment=deployment,
-            triton_name=spec.triton_name or model.name,
-            registered_model=model,
-            engine_build=item.build,
-            backend=_backend(item),
-            max_batch_size=spec.max_batch_size,
-            preferred_batch_sizes=list(spec.preferred_batch_sizes),
-            max_queue_delay_us=spec.max_queue_delay_us,
-            priority_levels=spec.priority_levels,
-            default_priority_level=spec.default_priority_level,
-            queue_timeout_us=spec.queue_timeout_us,
-            max_queue_size=spec.max_queue_size,
-            instance_count=spec.instance_count,
-            # An engine's GPUs are its own (gpu_device_ids); for the plan they count as a GPU placement.
-            instance_kind=InstanceKind.GPU if engine else spec.instance_kind,
-            gpu_ids=list(item.gpus) if engine else list(spec.gpu_ids),
-            gpu_memory_fraction=spec.gpu_memory_fraction,
-            batch_scheduler_policy=spec.batch_scheduler_policy,
-            decoupled=spec.decoupled,
-            kv_cache_tokens=item.kv_cache_tokens,
+        rows.append(
+            DeploymentModel(
+                **({"deployment": deployment} if deployment is not None else {}),
+                triton_name=spec.triton_name or model.name,
+                registered_model=model,
+                engine_build=item.build,
+                backend=_backend(item),
+                max_batch_size=spec.max_batch_size,
+                preferred_batch_sizes=list(spec.preferred_batch_sizes),
+                max_queue_delay_us=spec.max_queue_delay_us,
+                priority_levels=spec.priority_levels,
+                default_priority_level=spec.default_priority_level,
+                queue_timeout_us=spec.queue_timeout_us,
+                max_queue_size=spec.max_queue_size,
+                instance_count=spec.instance_count,
+                # An engine's GPUs are its own (gpu_device_ids); for the plan they count as a GPU placement.
+                instance_kind=InstanceKind.GPU if engine else spec.instance_kind,
+                gpu_ids=list(item.gpus) if engine else list(spec.gpu_ids),
+                gpu_memory_fraction=spec.gpu_memory_fraction,
+                batch_scheduler_policy=spec.batch_scheduler_policy,
+                decoupled=spec.decoupled,
+                kv_cache_tokens=item.kv_cache_tokens,
+            )
         )
+    return rows
 
 
 def _backend(item: Resolved) -> str:

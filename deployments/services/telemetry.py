@@ -40,6 +40,32 @@ def metrics_record(
         events.deployment_group(deployment_id),
         {"type": "metrics", "deployment": deployment_id, "at": now.isoformat(), "models": models, "gpus": gpus},
     )
+    # The dashboard's sparkline: the deployment's requests per second, all models together.
+    events.publish(
+        events.DASHBOARD_GROUP,
+        {"type": "rate", "deployment": deployment_id, "at": now.isoformat(), "request_rate": request_rate(models)},
+    )
+
+
+def request_rate(models: dict[str, dict[str, float]]) -> float:
+    """A deployment's requests per second: its models' rates summed (a first scrape has none)."""
+    return round(sum(values.get("request_rate", 0.0) for values in models.values()), 4)
+
+
+def request_rates(*, minutes: int) -> dict[int, list[tuple[str, float]]]:
+    """Per deployment, its requests per second over the last ``minutes`` (oldest first)."""
+    since = timezone.now() - timedelta(minutes=minutes)
+    rows = (
+        MetricSample.objects.filter(kind="model", at__gte=since)
+        .order_by("deployment_id", "at")
+        .values_list("deployment_id", "at", "values")
+    )
+    rates: dict[int, dict[str, float]] = {}
+    for deployment_id, at, values in rows:
+        series = rates.setdefault(deployment_id, {})
+        key = at.isoformat()
+        series[key] = round(series.get(key, 0.0) + values.get("request_rate", 0.0), 4)
+    return {deployment_id: list(series.items()) for deployment_id, series in rates.items()}
 
 
 # How many log lines a deployment keeps; older ones are deleted as new ones arrive.

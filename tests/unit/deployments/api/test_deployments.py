@@ -7,7 +7,7 @@ from datetime import timedelta
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from deployments.models import Deployment, DeploymentStatus, Event, GpuHost
+from deployments.models import Deployment, DeploymentModel, DeploymentStatus, Event, GpuHost
 
 
 def test_deployments_of_an_offline_host_show_unknown_and_keep_their_status(api, host, minilm):
@@ -179,3 +179,69 @@ def test_an_action_with_a_body_is_refused_by_name(api, host, minilm):
     created = _create(api)
     response = api.post(f"/api/deployments/{created.data['id']}/start/", {"force": True}, format="json")
     assert response.status_code == 400 and response.data["errors"] == {"body": ["must be empty"]}
+
+
+def test_preflight_draws_the_plan_of_an_unsaved_deployment_and_writes_nothing(api, gpu_host, minilm):
+    body = {
+        "name": "stack",
+        "host": "gpu-host",
+        "models": [
+            {"model": "minilm", "triton_name": "a", "gpu_memory_fraction": 0.5},
+            {"model": "minilm", "triton_name": "b", "gpu_memory_fraction": 0.25, "gpu_ids": [0]},
+        ],
+    }
+    answer = api.post("/api/deployments/preflight/", body, format="json")
+    assert answer.status_code == 200, answer.data
+    assert (answer.data["valid"], answer.data["errors"]) == (True, {})
+    [gpu] = answer.data["plan"]
+    assert (gpu["gpu"], gpu["fraction"], gpu["headroom"], gpu["within_headroom"]) == (0, 0.75, 0.95, True)
+    assert [(m["triton_name"], m["bytes"]) for m in gpu["models"]] == [
+        ("a", 85_520_809_984 // 2),
+        ("b", 85_520_809_984 // 4),
+    ]
+    assert not Deployment.objects.exists() and not DeploymentModel.objects.exists()
+    # The same body creates it, and the stored plan is the one the preflight drew.
+    created = _create(api, **body)
+    assert created.status_code == 201, created.data
+    assert api.get(f"/api/deployments/{created.data['id']}/plan/").data == answer.data["plan"]
+
+
+def test_preflight_names_every_broken_rule_and_still_draws_what_passed(api, gpu_host, minilm, operator):
+    _create(api, name="taken", host="gpu-host")
+    body = {
+        "name": "taken",
+        "host": "gpu-host",
+        "models": [
+            {"model": "minilm", "triton_name": "a", "gpu_memory_fraction": 0.7, "gpu_ids": [0]},
+            {"model": "minilm", "triton_name": "b", "gpu_memory_fraction": 0.4, "gpu_ids": [0]},
+            {"model": "nope"},
+        ],
+    }
+    answer = api.post("/api/deployments/preflight/", body, format="json")
+    assert answer.status_code == 200
+    assert answer.data["valid"] is False
+    assert answer.data["errors"]["name"] == ["a deployment named 'taken' already exists"]
+    assert answer.data["errors"]["models[2].model"] == ["no registered model named 'nope'"]
+    assert "above the headroom limit 0.95" in answer.data["errors"]["models"][0]
+    [gpu] = answer.data["plan"]
+    assert (gpu["fraction"], gpu["within_headroom"]) == (1.1, False)
+    assert Deployment.objects.count() == 1
+
+
+def test_preflight_takes_a_blank_name_and_refuses_a_bad_body_by_field(api, gpu_host, minilm):
+    answer = api.post(
+        "/api/deployments/preflight/", {"host": "gpu-host", "models": [{"model": "minilm"}]}, format="json"
+    )
+    assert answer.status_code == 200 and answer.data["valid"] is True
+    bad = api.post(
+        "/api/deployments/preflight/",
+        {"host": "gpu-host", "models": [{"model": "minilm", "gpu_memory_fraction": "lots"}]},
+        format="json",
+    )
+    assert bad.status_code == 400
+    assert "models[0].gpu_memory_fraction" in bad.data["errors"]
+    unknown = api.post(
+        "/api/deployments/preflight/", {"host": "nowhere", "models": [{"model": "minilm"}]}, format="json"
+    )
+    assert unknown.data["errors"] == {"host": ["no GPU host named 'nowhere' has announced itself"]}
+    assert unknown.data["plan"] == []
