@@ -1,6 +1,12 @@
 # One image for the control plane (web, beat) and the GPU-host worker.
 # The worker also needs the host's GPUs (see docker-compose.yml) and runs
 # tritonserver from the nvidia-pytriton wheel as a local process.
+# The pages' chart library, from package-lock.json.
+FROM node:20-bookworm-slim AS frontend
+WORKDIR /src
+COPY package.json package-lock.json ./
+RUN npm ci --no-audit --no-fund
+
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 GANTRY_DATA_DIR=/var/lib/gantry
@@ -16,6 +22,7 @@ RUN pip install --no-cache-dir -c requirements.lock ".[worker]"
 COPY manage.py ./
 COPY templates templates
 COPY static static
+COPY --from=frontend /src/node_modules/uplot/dist/uPlot.iife.min.js /src/node_modules/uplot/dist/uPlot.min.css static/vendor/
 RUN SECRET_KEY=collectstatic-only python manage.py collectstatic --noinput
 EXPOSE 8000
 CMD ["python", "manage.py", "gantry_serve", "web", "--bind", "0.0.0.0", "--port", "8000"]

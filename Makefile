@@ -13,7 +13,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv demo test gpu-test lint clean bench bench-gateway bench-api bench-live
+.PHONY: venv frontend demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,11 @@ $(STAMP): pyproject.toml requirements.lock
 
 venv: $(STAMP)
 
-demo: venv
+# The pages' chart library (npm, pinned by package-lock.json) in static/vendor/.
+frontend:
+	scripts/ensure-frontend.sh
+
+demo: venv frontend
 	scripts/ensure-packages.sh redis-server
 	mkdir -p var/models
 	test -s var/secret_key || (umask 077; $(PY) -c "import secrets; print(secrets.token_urlsafe(48))" > var/secret_key)
@@ -43,11 +47,13 @@ BENCH_ARGS ?=
 BENCH_GATEWAY_ARGS ?=
 BENCH_API_ARGS ?=
 BENCH_LIVE_ARGS ?=
+BENCH_PAGES_ARGS ?=
 bench: venv
 	$(PY) bench/generate.py $(BENCH_ARGS)
 	$(PY) bench/gateway.py $(BENCH_GATEWAY_ARGS)
 	$(MAKE) bench-api
 	$(MAKE) bench-live
+	$(MAKE) bench-pages
 
 # The REST API at fleet scale: PostgreSQL (BENCH_DATABASE_URL), Redis and wrk.
 bench-api: venv
@@ -60,6 +66,12 @@ bench-live: venv
 	scripts/ensure-services.sh
 	$(PY) bench/live.py $(BENCH_LIVE_ARGS)
 
+# The pages with 100 deployments and 100 000 events, in headless Chromium (PostgreSQL, Redis).
+bench-pages: venv frontend
+	scripts/ensure-services.sh
+	scripts/ensure-packages.sh chromium
+	$(PY) bench/pages.py $(BENCH_PAGES_ARGS)
+
 bench-gateway: venv
 	$(PY) bench/gateway.py $(BENCH_GATEWAY_ARGS)
 
@@ -67,7 +79,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: venv lint
+test: venv lint frontend
 	scripts/ensure-services.sh
 	scripts/ensure-packages.sh chromium
 	scripts/ensure-docker.sh
