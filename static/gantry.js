@@ -23,6 +23,7 @@ const Gantry = (() => {
     if (!response.ok) {
       const error = new Error(data.detail || `${response.status} ${response.statusText}`);
       error.status = response.status;
+      error.errors = data.errors;  // each broken rule by field, as the API names it
       throw error;
     }
     return data;
@@ -117,11 +118,49 @@ const Gantry = (() => {
     return element;
   }
 
-  // New log lines at the bottom of a <pre>, keeping the newest ``keep`` and the view scrolled down.
-  function appendLines(pre, lines, keep) {
-    const kept = (pre.textContent + lines.map((l) => l + "\n").join("")).split("\n").slice(-keep);
-    pre.textContent = kept.join("\n");
-    pre.scrollTop = pre.scrollHeight;
+  // A log in a <pre>: new lines at the bottom, the newest ``keep`` kept, the view
+  // scrolled down; with a search box, only the lines holding its text are shown.
+  function logView(pre, keep, search) {
+    let lines = [];
+    let pending = false;
+    function draw() {
+      pending = false;
+      const needle = search ? search.value.trim().toLowerCase() : "";
+      const shown = needle ? lines.filter((line) => line.toLowerCase().includes(needle)) : lines;
+      pre.textContent = shown.join("\n");
+      pre.dataset.lines = lines.length;
+      pre.dataset.shown = shown.length;
+      if (search) search.setAttribute("aria-description", `${shown.length} of ${lines.length} lines`);
+      pre.scrollTop = pre.scrollHeight;
+    }
+    // Batches arriving faster than the screen repaints are drawn once per frame.
+    const schedule = () => { if (!pending) { pending = true; requestAnimationFrame(draw); } };
+    if (search) search.addEventListener("input", schedule);
+    return {
+      append(batch) { lines = lines.concat(batch).slice(-keep); schedule(); },
+      clear() { lines = []; schedule(); },
+    };
+  }
+
+  // Replace the element ``id`` with its fresh copy from the server's rendering of this page (no reload).
+  async function swapFromServer(id) {
+    const response = await fetch(location.href, { credentials: "same-origin" });
+    const fresh = new DOMParser().parseFromString(await response.text(), "text/html").getElementById(id);
+    const here = document.getElementById(id);
+    if (fresh && here) here.replaceWith(fresh);
+  }
+
+  // The model page: while its host inspects the checkpoint, follow the inspection and show what it found.
+  function modelPage() {
+    const card = document.getElementById("model");
+    const badge = document.querySelector("#inspection [data-status]");
+    if (badge.textContent !== "pending") return;
+    const timer = setInterval(async () => {
+      const model = await api("GET", `/api/models/${card.dataset.id}/`).catch(() => null);
+      if (!model || model.inspection === "pending") return;
+      clearInterval(timer);
+      swapFromServer("model");
+    }, 1000);
   }
 
   function eventRow(event) {
@@ -192,7 +231,8 @@ const Gantry = (() => {
     const actionError = document.getElementById("action-error");
     const serverLog = document.getElementById("server-log");
 
-    const appendLog = (lines) => appendLines(serverLog, lines, 500);
+    const serverLines = logView(serverLog, 500);
+    const appendLog = (lines) => serverLines.append(lines);
 
     // The server says which actions the deployment allows now; the page keeps no state table.
     let allowed = {};
@@ -224,8 +264,20 @@ const Gantry = (() => {
     }
     const canOperate = Boolean(document.getElementById("start"));
     let shownGeneration = null;
+    // The playgrounds answer only from a ready server: say so instead of failing on a press.
+    function enablePlaygrounds(status) {
+      const ready = status === "ready";
+      for (const button of document.querySelectorAll("#chat-send, #embed, #rerank")) {
+        if (!button.dataset.busy) button.disabled = !ready;
+      }
+      for (const note of document.querySelectorAll("[data-playground-note]")) {
+        note.hidden = ready;
+        note.textContent = `The deployment is ${status}: this playground answers once it is ready.`;
+      }
+    }
     function render(deployment) {
       enableActions(deployment.actions);
+      enablePlaygrounds(deployment.shown_status);
       setStatus(badge, deployment.shown_status);
       message.textContent = deployment.status_message;
       desired.textContent = deployment.desired_state;
@@ -244,22 +296,29 @@ const Gantry = (() => {
       const latest = {};
       const samples = await api("GET", `/api/deployments/${id}/metrics/?minutes=5&kind=model&ordering=-id&limit=100`);
       for (const sample of samples.results) latest[sample.subject] ??= sample;
-      serverLog.textContent = "";
+      serverLines.clear();
       appendLog(newestLast(await api("GET", `/api/deployments/${id}/log/?limit=200`)));
       const at = Object.values(latest).map((s) => s.at).sort().pop();
       if (at) renderMetrics(at, Object.fromEntries(Object.entries(latest).map(([k, s]) => [k, s.values])));
+      if (charts) await charts.load();
     }
+    const chartBox = document.getElementById("charts");
+    const charts = chartBox && window.uPlot ? Gantry.metricCharts(chartBox, id) : null;
     live(`/ws/deployments/${id}/`, {
       indicator,
       resync: refresh,
       onMessage: async (event) => {
-        if (event.type === "metrics") renderMetrics(event.at, event.models);
+        if (event.type === "metrics") {
+          renderMetrics(event.at, event.models);
+          if (charts) charts.push(event);
+        }
         if (event.type === "log") appendLog(event.lines);
         if (event.type === "host") render(await api("GET", `/api/deployments/${id}/`));  // its host went or came back
         if (event.type !== "event") return;
         addEvent(event);
         if (event.to_status) {
           setStatus(badge, event.to_status);
+          enablePlaygrounds(event.to_status);
           message.textContent = event.message;
           render(await api("GET", `/api/deployments/${id}/`));
         } else if (event.kind === "deployment.changed" || event.kind === "deployment.rollback") {
@@ -362,6 +421,7 @@ const Gantry = (() => {
       else body.prompt = content;
       controller = new AbortController();
       send.disabled = true;
+      send.dataset.busy = "1";
       stop.disabled = false;
       const started = performance.now();
       let firstAt = null;
@@ -408,7 +468,8 @@ const Gantry = (() => {
         }
       } finally {
         controller = null;
-        send.disabled = false;
+        delete send.dataset.busy;
+        send.disabled = document.querySelector("#deployment [data-status]").textContent !== "ready";
         stop.disabled = true;
       }
     }
@@ -434,7 +495,8 @@ const Gantry = (() => {
     const cancel = document.getElementById("cancel");
     const actionError = document.getElementById("action-error");
 
-    const appendLog = (lines) => appendLines(log, lines, 2000);
+    const buildLines = logView(log, 5000, document.getElementById("log-search"));
+    const appendLog = (lines) => buildLines.append(lines);
     function render(build) {
       setStatus(badge, build.status);
       phase.textContent = build.phase || "waiting for the host";
@@ -444,7 +506,7 @@ const Gantry = (() => {
       exitCode.textContent = build.exit_code === null ? "–" : build.exit_code;
       if (cancel) cancel.disabled = !build.actions.cancel;
       if (build.finished_at && build.artifacts.length && !document.getElementById("artifacts")) {
-        location.reload();  // the artifacts table is rendered by the server
+        swapFromServer("artifacts-section");  // the artifacts table is rendered by the server
       }
     }
     function addEvent(event) {
@@ -454,7 +516,7 @@ const Gantry = (() => {
       render(await api("GET", `/api/builds/${id}/`));
       events.replaceChildren();
       (await api("GET", `/api/builds/${id}/events/`)).results.reverse().forEach(addEvent);
-      log.textContent = "";
+      buildLines.clear();
       appendLog(newestLast(await api("GET", `/api/builds/${id}/log/?limit=500`)));
     }
     live(`/ws/builds/${id}/`, {
@@ -549,14 +611,32 @@ const Gantry = (() => {
       const badge = document.querySelector(`[data-deployment="${id}"] [data-status]`);
       if (badge) setStatus(badge, status);
     }
+    const sparklines = window.uPlot && Gantry.sparklines ? Gantry.sparklines() : null;
     async function refresh() {
       const page = await api("GET", "/api/deployments/?limit=500");
       for (const deployment of page.results) setBadge(deployment.id, deployment.shown_status);
+      if (sparklines) await sparklines.load();
+    }
+    // A host's beat: what each of its GPUs uses and how busy it is.
+    function showGpus(beat) {
+      const row = document.querySelector(`[data-host="${beat.host}"]`);
+      const time = row && row.querySelector("[data-beat]");
+      if (time) time.textContent = new Date(beat.at).toLocaleTimeString();
+      for (const gpu of beat.gpus) {
+        const figure = document.querySelector(`[data-gpu="${beat.host}:${gpu.index}"]`);
+        if (!figure) continue;
+        const used = gpu.memory_total_bytes ? (100 * gpu.memory_used_bytes) / gpu.memory_total_bytes : 0;
+        figure.querySelector("[data-used-bar]").style.width = `${used.toFixed(1)}%`;
+        figure.querySelector("[data-used]").textContent = `${used.toFixed(1)}% in use (${(gpu.memory_used_bytes / 1e9).toFixed(1)} GB)`;
+        figure.querySelector("[data-util]").textContent = `${gpu.utilization_percent}% busy`;
+      }
     }
     live("/ws/dashboard/", {
       indicator: document.getElementById("live-indicator"),
       resync: refresh,
       onMessage: (event) => {
+        if (event.type === "gpus") showGpus(event);
+        if (event.type === "rate" && sparklines) sparklines.add(event.deployment, event.at, event.request_rate);
         if (event.type === "event" && event.deployment && event.to_status) setBadge(event.deployment, event.to_status);
         // A host that went offline (or came back) changes what its deployments show: re-read them.
         if (event.type === "event" && (event.kind === "host.offline" || event.kind === "host.online")) {
@@ -571,5 +651,5 @@ const Gantry = (() => {
     });
   }
 
-  return { api, deploymentPage, buildPage, dashboard };
+  return { api, text, live, swapFromServer, deploymentPage, buildPage, modelPage, dashboard };
 })();

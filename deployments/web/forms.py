@@ -1,59 +1,58 @@
-"""The browser's forms. Placement fields are derived from DeploymentModel and
-build settings from the build spec's defaults, so the form, the API and the
-model agree on every bound."""
+"""The browser's server-side forms. Build settings come from the build spec's
+defaults, so the form, the API and the model agree on every bound; the deploy
+form is drawn by static/deploy-form.js from DeploymentModel's bounds
+(views.deploy_form_options)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from django import forms
-from django.conf import settings
 
 from deployments import build_spec, selectors, trtllm
 from deployments.errors import GantryError, ValidationFailed
-from deployments.models import BuildStatus, DeploymentModel, ModelKind, RegisteredModel, Runtime, slug_validator
-from deployments.services.placements import SERVABLE_KINDS
+from deployments.models import BuildStatus, ModelKind, slug_validator
 
 
-def placement_field(name: str, **overrides: Any) -> forms.Field:
-    """A form field for DeploymentModel.<name>: its validators, choices and default."""
-    model_field = DeploymentModel._meta.get_field(name)
-    field = model_field.formfield(**overrides)
-    field.initial = model_field.get_default()
-    return field
+class RegisterForm(forms.Form):
+    """Register a checkpoint folder on a host; the rules are model_register's."""
 
-
-class DeployForm(forms.Form):
     name = forms.CharField(max_length=63, validators=[slug_validator], help_text=slug_validator.message)
-    host = forms.ChoiceField()
-    runtime = forms.ChoiceField(choices=Runtime.choices, initial=Runtime.PROCESS)
-    image = forms.ChoiceField(required=False, help_text="Triton image for the docker runtime (allow-listed)")
-    # Settings each placed model gets, with DeploymentModel's bounds and defaults.
-    max_batch_size = placement_field("max_batch_size")
-    max_queue_delay_us = placement_field("max_queue_delay_us", label="Max queue delay (µs)")
-    instance_count = placement_field("instance_count")
-    instance_kind = placement_field("instance_kind")
-    also = forms.MultipleChoiceField(
+    kind = forms.ChoiceField(choices=ModelKind.choices)
+    host = forms.ChoiceField(help_text="the GPU host whose disk holds the checkpoint")
+    path = forms.CharField(
+        max_length=1024, help_text="a HuggingFace-format folder on that host, under GANTRY_MODEL_ROOTS"
+    )
+    hub_id = forms.CharField(max_length=255, required=False, label="Hub id", help_text="where it came from (optional)")
+    revision = forms.CharField(max_length=64, required=False, help_text="the hub revision (optional)")
+    trust_remote_code = forms.BooleanField(
         required=False,
-        label="Also serve in the same Triton server",
-        widget=forms.CheckboxSelectMultiple,
+        label="Allow its remote code",
+        help_text="let the checkpoint's own Python code (auto_map) run on the host during inspection and serving",
     )
 
-    def __init__(self, *args, model: RegisteredModel, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
         self.fields["host"].choices = [(h.name, h.name) for h in selectors.host_list()]
-        self.fields["image"].choices = [("", "—")] + [(i, i) for i in settings.GANTRY_ALLOWED_IMAGES]
-        others = selectors.model_list().filter(kind__in=SERVABLE_KINDS).exclude(pk=model.pk)
-        self.fields["also"].choices = [(m.name, f"{m.name} ({m.kind})") for m in others]
-        if model.kind == ModelKind.LLM:
-            built = model.builds.filter(status=BuildStatus.SUCCEEDED).order_by("-finished_at")
-            self.fields["engine_build"] = forms.ChoiceField(
-                label="Engine build",
-                choices=[
-                    (b.pk, f"build {b.pk}: {b.builder_image}, SM {b.compute_capability}, tp {b.tp_size}") for b in built
-                ],
-                help_text="served in the image it was built in (runtime docker)",
-            )
+
+
+class BuildFilterForm(forms.Form):
+    """The builds page's filters (the API's /api/builds/ takes the same)."""
+
+    model = forms.CharField(max_length=63, required=False)
+    status = forms.ChoiceField(choices=[("", "any"), *BuildStatus.choices], required=False)
+    host = forms.CharField(max_length=63, required=False)
+    before = forms.IntegerField(min_value=1, required=False, widget=forms.HiddenInput)
+
+
+class EventFilterForm(forms.Form):
+    """The events page's filters (the API's /api/events/ takes the same)."""
+
+    kind = forms.CharField(max_length=64, required=False, help_text="exact, or a prefix ending in '.'")
+    actor = forms.CharField(max_length=150, required=False, label="User")
+    host = forms.CharField(max_length=63, required=False)
+    deployment = forms.IntegerField(min_value=1, required=False, label="Deployment id")
+    build = forms.IntegerField(min_value=1, required=False, label="Build id")
+    model = forms.IntegerField(min_value=1, required=False, label="Model id")
+    before = forms.IntegerField(min_value=1, required=False, widget=forms.HiddenInput)
 
 
 class BuildForm(forms.Form):

@@ -3,29 +3,67 @@ static/gantry.js over the REST API and the websocket."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 
 from deployments import selectors
 from deployments.errors import GantryError
-from deployments.models import GENERATIVE_BACKENDS, ModelKind, RegisteredModel
-from deployments.permissions import can_operate
-from deployments.services import builds, deployments
-from deployments.services.placements import SERVABLE_KINDS, PlacementSpec
-from deployments.web.forms import BuildForm, DeployForm, show_refusal
+from deployments.models import (
+    GENERATIVE_BACKENDS,
+    BuildStatus,
+    DeploymentModel,
+    Inspection,
+    InstanceKind,
+    ModelKind,
+    RegisteredModel,
+    SchedulerPolicy,
+)
+from deployments.permissions import OPERATOR_REQUIRED, can_operate
+from deployments.services import builds, registered_models
+from deployments.services.placements import SERVABLE_KINDS, placements_snapshot
+from deployments.web.forms import BuildFilterForm, BuildForm, EventFilterForm, RegisterForm, show_refusal
+
+# The colors of the dashboard's memory bars, one per deployment (static/gantry.css has none to spare).
+_SHARE_COLORS = ("#2457c5", "#c4320a", "#087443", "#6938ef", "#b54708", "#0e7090", "#c11574")
 
 
 @login_required
 def dashboard(request: HttpRequest) -> HttpResponse:
+    """Each host with each GPU as a memory bar split by the models placed on it
+    (and what it really uses, live); each deployment with its status and a
+    request-rate sparkline."""
+    hosts = list(selectors.host_list())
+    deployments = list(selectors.deployment_list())
+    shares = selectors.gpu_shares(hosts, deployments)
+    colors = {d.pk: _SHARE_COLORS[i % len(_SHARE_COLORS)] for i, d in enumerate(deployments)}
+    for host in hosts:
+        host.gpu_bars = []
+        for gpu in host.gpus.all():
+            placed = [{**share, "color": colors[share["deployment_id"]], "percent": round(share["fraction"] * 100, 1)}
+                      for share in shares.get((host.pk, gpu.index), [])]  # fmt: skip
+            planned = sum(share["fraction"] for share in placed)
+            used = gpu.memory_used_bytes / gpu.memory_total_bytes if gpu.memory_total_bytes else 0.0
+            host.gpu_bars.append(
+                {"gpu": gpu, "shares": placed, "planned_percent": round(planned * 100, 1),
+                 "used_percent": round(used * 100, 1)}
+            )  # fmt: skip
     return render(
         request,
         "deployments/dashboard.html",
         {
-            "hosts": selectors.host_list(),
+            "hosts": hosts,
             "models": selectors.model_list(),
-            "deployments": selectors.deployment_list(),
+            "deployments": deployments,
+            "colors": colors,
+            "can_operate": can_operate(request.user),
         },
     )
 
@@ -54,52 +92,37 @@ def _build_from_form(request: HttpRequest, model: RegisteredModel, form: BuildFo
 
 
 @login_required
-def model_detail(request: HttpRequest, pk: int) -> HttpResponse:
-    model = get_object_or_404(selectors.model_list(), pk=pk)
-    build_form = BuildForm(request.POST if "build" in request.POST else None)
-    if request.method == "POST" and "build" in request.POST and build_form.is_valid():
-        done = _build_from_form(request, model, build_form)
-        if done is not None:
-            return done
-    form = DeployForm(
-        request.POST if "deploy" in request.POST else None,
-        model=model,
-        initial={"name": model.name.replace(".", "-")[:50]},
-    )
-    if request.method == "POST" and "deploy" in request.POST and form.is_valid():
-        data = form.cleaned_data
+def model_list(request: HttpRequest) -> HttpResponse:
+    """Registered models, and the form that registers a checkpoint folder on a host."""
+    form = RegisterForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
         try:
-            deployment = deployments.deployment_create(
-                name=data["name"],
-                host_name=data["host"],
-                runtime=data["runtime"],
-                image=data["image"],
-                placements=[
-                    PlacementSpec(
-                        model=name,
-                        max_batch_size=data["max_batch_size"],
-                        max_queue_delay_us=data["max_queue_delay_us"],
-                        instance_count=data["instance_count"],
-                        instance_kind=data["instance_kind"],
-                        engine_build=int(data["engine_build"])
-                        if name == model.name and data.get("engine_build")
-                        else None,
-                    )
-                    for name in [model.name, *data["also"]]
-                ],
-                user=request.user,
-            )
+            model = registered_models.model_register(**form.cleaned_data, user=request.user)
         except GantryError as exc:
             show_refusal(form, exc)
         else:
-            messages.success(request, f"Deployment {deployment.name} created; press Start to launch it.")
-            return redirect("deployment", pk=deployment.pk)
+            messages.success(request, f"{model.name} registered: its host is inspecting it.")
+            return redirect("model", pk=model.pk)
+    return render(
+        request,
+        "deployments/models.html",
+        {"models": selectors.model_list(), "form": form, "can_operate": can_operate(request.user)},
+    )
+
+
+@login_required
+def model_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    model = get_object_or_404(selectors.model_list(), pk=pk)
+    build_form = BuildForm(request.POST or None)
+    if request.method == "POST" and build_form.is_valid():
+        done = _build_from_form(request, model, build_form)
+        if done is not None:
+            return done
     return render(
         request,
         "deployments/model_detail.html",
         {
             "model": model,
-            "form": form,
             "build_form": build_form,
             "servable": model.kind in SERVABLE_KINDS,
             "buildable": model.kind == ModelKind.LLM,
@@ -108,6 +131,54 @@ def model_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "placements": model.placements.select_related("deployment"),
         },
     )
+
+
+ROWS_PER_PAGE = 100
+
+
+def _cursor_page(request: HttpRequest, rows: QuerySet, before: int | None) -> tuple[list, str | None]:
+    """A page of ``rows`` (newest first) below the id ``before``, and the query string of the next older page."""
+    if before:
+        rows = rows.filter(id__lt=before)
+    page = list(rows[: ROWS_PER_PAGE + 1])
+    if len(page) <= ROWS_PER_PAGE:
+        return page, None
+    page = page[:ROWS_PER_PAGE]
+    query = request.GET.copy()
+    query["before"] = page[-1].pk
+    return page, query.urlencode()
+
+
+@login_required
+def build_list(request: HttpRequest) -> HttpResponse:
+    """Engine builds, newest first, by model, status and host."""
+    form = BuildFilterForm(request.GET or None)
+    rows = selectors.build_list().order_by("-id")
+    before = None
+    if form.is_valid():
+        given = {k: v for k, v in form.cleaned_data.items() if v not in (None, "")}
+        before = given.pop("before", None)
+        rows = selectors.build_filter(rows, **given)
+    elif form.is_bound:
+        rows = rows.none()
+    builds, older = _cursor_page(request, rows, before)
+    return render(request, "deployments/builds.html", {"form": form, "builds": builds, "older": older})
+
+
+@login_required
+def event_list(request: HttpRequest) -> HttpResponse:
+    """The audit timeline, newest first, filtered by object, user and kind; older pages by cursor."""
+    form = EventFilterForm(request.GET or None)
+    rows = selectors.event_list().select_related("actor", "deployment", "build", "model").order_by("-id")
+    before = None
+    if form.is_valid():
+        given = {k: v for k, v in form.cleaned_data.items() if v not in (None, "")}
+        before = given.pop("before", None)
+        rows = selectors.event_filter(rows, **given)
+    elif form.is_bound:
+        rows = rows.none()
+    events, older = _cursor_page(request, rows, before)
+    return render(request, "deployments/events.html", {"form": form, "events": events, "older": older})
 
 
 @login_required
@@ -137,5 +208,73 @@ def deployment_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "embedders": [p for p in deployment.placements.all() if p.registered_model.kind == ModelKind.EMBEDDING],
             "rerankers": [p for p in deployment.placements.all() if p.registered_model.kind == ModelKind.RERANKER],
             "plan": selectors.deployment_plan(deployment),
+            "change_options": deploy_form_options(
+                mode="change",
+                initial=placements_snapshot(deployment),
+                deploymentId=deployment.pk,
+                deployment={"host": deployment.host.name, "runtime": deployment.runtime, "image": deployment.image},
+            ),
+        },
+    )
+
+
+# The numeric settings of a placement the deploy form offers, with DeploymentModel's bounds.
+_FORM_NUMBERS = (
+    "gpu_memory_fraction", "instance_count", "max_batch_size", "max_queue_delay_us", "priority_levels",
+    "default_priority_level", "queue_timeout_us", "max_queue_size",
+)  # fmt: skip
+
+
+def _bounds(name: str) -> dict[str, Any]:
+    field = DeploymentModel._meta.get_field(name)
+    bound = {"default": field.get_default(), "min": 0}
+    for validator in field.validators:
+        if isinstance(validator, MinValueValidator):
+            bound["min"] = validator.limit_value
+        if isinstance(validator, MaxValueValidator):
+            bound["max"] = validator.limit_value
+    return bound
+
+
+def deploy_form_options(*, mode: str, initial: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """What static/deploy-form.js draws its form from: hosts and their GPUs, the
+    models it can place (inspected, of a servable kind, with an llm's succeeded
+    builds), allow-listed images, and each setting's bounds and default."""
+    models = selectors.model_list().filter(kind__in=SERVABLE_KINDS, inspection=Inspection.READY)
+    builds_by_model: dict[int, list[dict[str, Any]]] = {}
+    for build in selectors.build_list().filter(status=BuildStatus.SUCCEEDED, model__kind=ModelKind.LLM):
+        builds_by_model.setdefault(build.model_id, []).append(
+            {"id": build.pk, "label": f"{build.builder_image}, SM {build.compute_capability}, tp {build.tp_size}"}
+        )
+    fields = {name: _bounds(name) for name in _FORM_NUMBERS}
+    for name in ("instance_kind", "batch_scheduler_policy", "decoupled"):
+        fields[name] = {"default": DeploymentModel._meta.get_field(name).get_default()}
+    return {
+        "mode": mode,
+        "initial": initial,
+        "fields": fields,
+        "instance_kinds": InstanceKind.choices,
+        "scheduler_policies": SchedulerPolicy.choices,
+        "models": [
+            {"name": m.name, "kind": m.kind, "notice": m.notice, "builds": builds_by_model.get(m.pk, [])}
+            for m in models
+        ],
+        **extra,
+    }
+
+
+@login_required
+def deployment_new(request: HttpRequest) -> HttpResponse:
+    """The deploy form: several models on one host, planned live by the server (static/deploy-form.js)."""
+    if not can_operate(request.user):
+        raise PermissionDenied(OPERATOR_REQUIRED)
+    wanted = request.GET.get("model", "")
+    return render(
+        request,
+        "deployments/deployment_new.html",
+        {
+            "hosts": selectors.host_list(),
+            "images": settings.GANTRY_ALLOWED_IMAGES,
+            "options": deploy_form_options(mode="create", initial=[{"model": wanted}] if wanted else []),
         },
     )

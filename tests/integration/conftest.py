@@ -251,9 +251,27 @@ def page():  # noqa: ANN201 - Playwright's Page
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
-            yield browser.new_page()
+            # The size the pages are made for (issue: usable at 1280x800).
+            yield browser.new_page(viewport={"width": 1280, "height": 800})
         finally:
             browser.close()
+
+
+SCREENSHOTS = ROOT / "var" / "screenshots"
+
+
+@pytest.fixture
+def screenshot(page):  # noqa: ANN001, ANN201
+    """``screenshot(name)``: the whole page as the user sees it now, kept under
+    var/screenshots/ (git-ignored) to look at after the run."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+
+    def take(name: str) -> Path:
+        path = SCREENSHOTS / f"{name}.png"
+        page.screenshot(path=str(path), full_page=True)
+        return path
+
+    return take
 
 
 @pytest.fixture(scope="session")

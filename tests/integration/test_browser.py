@@ -1,7 +1,6 @@
-"""The user's path in a real headless Chromium: log in, open the model, create
-a deployment, start it, watch it become ready without reloading, embed
-sentences in the playground, restart it, roll a generation back, stop and
-delete it."""
+"""The user's paths in a real headless Chromium against a real server, worker
+and tritonserver. Each saves screenshots of what the user saw under
+var/screenshots/ (git-ignored): look at them."""
 
 from __future__ import annotations
 
@@ -14,21 +13,67 @@ from tests.integration.conftest import Stack
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 
-def test_user_deploys_queries_and_stops_from_the_browser(stack: Stack, minilm, page, tmp_path: Path):
-    from playwright.sync_api import expect
-
-    model = minilm
-    page.goto(f"{stack.web_url}/")
+def _sign_in(page, stack: Stack, path: str = "/") -> None:  # noqa: ANN001
+    page.goto(f"{stack.web_url}{path}")
     page.fill("input[name=username]", stack.user.username)
     page.fill("input[name=password]", "operator-pass")
     page.click("button[type=submit]")
+
+
+def test_user_registers_plans_deploys_queries_changes_and_deletes_from_the_browser(
+    stack: Stack, minilm_path: Path, tiny_llm: Path, page, screenshot
+):
+    """The main path, all in the browser: register a checkpoint, plan the
+    three-model stack (an llm, an embedder, a reranker) with the server's
+    checks shown by field, deploy, watch it become ready without a reload, chat,
+    embed, rerank, watch the charts get points, change the generation, roll it
+    back, restart, stop and delete."""
+    from playwright.sync_api import expect
+
+    _sign_in(page, stack)
     expect(page.get_by_text(stack.host_name).first).to_be_visible()
 
-    page.click(f"a[href='/models/{model.pk}/']")
-    page.fill("input[name=name]", "browser-demo")
+    # Register: a bad name is refused beside its field, then the checkpoint registers and its inspection finishes live.
+    page.click("nav >> text=Models")
+    form = page.locator("#register-form")
+    form.locator("input[name=name]").fill("Mini LM")
+    form.locator("select[name=kind]").select_option("embedding")
+    form.locator("select[name=host]").select_option(stack.host_name)
+    form.locator("input[name=path]").fill(str(minilm_path))
+    form.locator("button[type=submit]").click()
+    expect(page.locator("#register-form .field-error")).to_contain_text("lowercase")
+    screenshot("models-refused")
+    page.locator("#register-form input[name=name]").fill("minilm")
+    page.locator("#register-form button[type=submit]").click()
+    expect(page.locator("#inspection [data-status]")).to_have_text("ready", timeout=60_000)
+    expect(page.locator("#model")).to_contain_text("BertModel")
+    screenshot("model")
+    stack.register_models(minilm_path, ranker="reranker")
+    stack.register_models(tiny_llm, tiny="llm")
+
+    # Plan: three models; a GPU this host lacks is named beside its field before anything is saved.
+    page.click("#deploy-link")
+    page.fill("input[name=name]", "browser-stack")
     page.select_option("select[name=host]", stack.host_name)
+    page.select_option("[name='models[0].model']", "tiny")
+    page.click("[data-add-model]")
+    page.select_option("[name='models[1].model']", "minilm")
+    page.fill("[name='models[1].max_batch_size']", "16")
+    page.fill("[name='models[1].preferred_batch_sizes']", "4,8")
+    page.click("[data-add-model]")
+    page.select_option("[name='models[2].model']", "ranker")
+    page.fill("[name='models[2].gpu_ids']", "3")
+    expect(page.locator("[data-error-for='models[2].gpu_ids']")).to_contain_text("has no GPU with index [3]")
+    expect(page.locator("[data-summary]")).to_contain_text("problem")
+    page.fill("[name='models[2].preferred_batch_sizes']", "64")
+    expect(page.locator("[data-error-for='models[2].preferred_batch_sizes']")).to_contain_text("max_batch_size")
+    screenshot("deploy-refused")
+    page.fill("[name='models[2].gpu_ids']", "")
+    page.fill("[name='models[2].preferred_batch_sizes']", "")
+    expect(page.locator("[data-summary]")).to_contain_text("checks pass")
+    screenshot("deploy")
     page.click("#deploy-form button[type=submit]")
-    expect(page.locator("h1")).to_contain_text("browser-demo")
+    expect(page.locator("h1")).to_contain_text("browser-stack")
     badge = page.locator("#deployment [data-status]")
     expect(badge).to_have_text("pending")
     expect(page.locator("#live-indicator")).to_have_text("live")
@@ -40,45 +85,73 @@ def test_user_deploys_queries_and_stops_from_the_browser(stack: Stack, minilm, p
     for status in ("launching", "loading", "ready"):
         assert status in timeline
 
+    # The three playgrounds.
+    page.fill("#chat-max-tokens", "8")
+    page.fill("#chat-input", "Hello")
+    page.click("#chat-send")
+    expect(page.locator("#chat-figures")).to_contain_text("time to first token", timeout=60_000)
     page.click("#embed")
-    result = page.locator("#embed-result")
-    expect(result).to_contain_text("384 dimensions", timeout=60_000)
-    expect(result).to_contain_text("(384 numbers)")
-    # The agent's metrics scrape reaches the page over the websocket.
+    expect(page.locator("#embed-result")).to_contain_text("384 dimensions", timeout=60_000)
+    page.click("#rerank")
+    expect(page.locator("#rerank-result")).to_contain_text("Triton loads models", timeout=60_000)
+    # The agent's scrapes reach the charts over the websocket: points, and a request rate above zero.
     expect(page.locator("#metrics")).to_contain_text("minilm", timeout=30_000)
+    requests_chart = page.locator("figure[data-chart=request_rate]")
+    page.wait_for_function(
+        "() => Number(document.querySelector('figure[data-chart=request_rate]').dataset.points) >= 3", timeout=30_000
+    )
+    expect(requests_chart.locator(".u-legend")).to_contain_text("minilm")
     expect(page.locator("#server-log")).to_contain_text("successfully loaded 'minilm'", timeout=30_000)
-    page.screenshot(path=str(tmp_path / "deployment-ready.png"), full_page=True)
+    screenshot("deployment-ready")
+
+    # A new generation from the page's change form, applied in place; then rolled back from the generations.
+    page.click("#change summary")
+    change = page.locator("#change-form")
+    # The form holds the generation's placements, by name: minilm, ranker, tiny.
+    expect(change.locator("[name='models[0].model']")).to_have_value("minilm")
+    change.locator("[name='models[0].max_batch_size']").fill("8")
+    change.locator("[name='models[0].preferred_batch_sizes']").fill("")
+    expect(change.locator("[data-summary]")).to_contain_text("checks pass")
+    change.locator("button[type=submit]").click()
+    expect(change.locator("[data-summary]")).to_contain_text("Generation 2 asked for")
+    revisions = page.locator("#revisions")
+    expect(revisions).to_contain_text("minilm.max_batch_size: 16 → 8", timeout=30_000)
+    expect(badge).to_have_text("ready", timeout=120_000)
+    screenshot("deployment-generations")
+    page.locator("#revisions button[data-generation='1']").click()
+    expect(revisions).to_contain_text("minilm.max_batch_size: 8 → 16", timeout=30_000)
+    expect(revisions).to_contain_text("rolled back to generation 1")
+    expect(badge).to_have_text("ready", timeout=120_000)
 
     # Restart: stopping, then launching again, to ready, all without a reload.
     page.click("#restart")
     expect(page.locator("#events")).to_contain_text("restart requested", timeout=10_000)
     expect(badge).to_have_text("ready", timeout=240_000)
-    assert "stopping" in page.locator("#events").inner_text()
 
-    # A new generation (made here through the API), then rolled back from the page.
-    deployment_id = page.locator("#deployment").get_attribute("data-id")
-    changed = stack.session().put(
-        f"{stack.web_url}/api/deployments/{deployment_id}/models/",
-        json={"models": [{"model": "minilm", "max_batch_size": 8}]},
-        timeout=30,
+    # The dashboard: the deployment's sparkline has points; the events page tells the story.
+    page.click("nav >> text=Dashboard")
+    row = page.locator("#deployments tr", has_text="browser-stack")
+    expect(row.locator("[data-status]")).to_have_text("ready")
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('[data-sparkline]')].some((e) => Number(e.dataset.points) >= 1)",
+        timeout=30_000,
     )
-    assert changed.status_code == 202, changed.text
-    revisions = page.locator("#revisions")
-    expect(revisions).to_contain_text("minilm.max_batch_size: 32 → 8", timeout=30_000)
-    expect(badge).to_have_text("ready", timeout=60_000)
-    page.locator("#revisions button[data-generation='1']").click()
-    expect(revisions).to_contain_text("minilm.max_batch_size: 8 → 32", timeout=30_000)
-    expect(revisions).to_contain_text("rolled back to generation 1")
-    expect(badge).to_have_text("ready", timeout=60_000)
-    expect(page.locator("#revisions button[data-generation='3']")).to_be_disabled()  # the one serving
-    page.screenshot(path=str(tmp_path / "deployment-generations.png"), full_page=True)
+    screenshot("dashboard")
+    page.click("nav >> text=Events")
+    page.fill("#id_kind", "deployment.")
+    page.click("#event-filter button[type=submit]")
+    expect(page.locator("#event-list")).to_contain_text("rolled back to generation 1")
+    screenshot("events")
 
+    page.go_back()
+    page.go_back()
+    page.click("#deployments >> text=browser-stack")
     page.click("#stop")
-    expect(badge).to_have_text("stopped", timeout=60_000)
+    expect(page.locator("#deployment [data-status]")).to_have_text("stopped", timeout=60_000)
     page.once("dialog", lambda dialog: dialog.accept())
     page.click("#delete")
     page.wait_for_url(f"{stack.web_url}/")
-    expect(page.locator("#deployments")).not_to_contain_text("browser-demo")
+    expect(page.locator("#deployments")).not_to_contain_text("browser-stack")
 
 
 @pytest.fixture
@@ -96,7 +169,7 @@ def chat_deployment(stack: Stack, tiny_llm: Path) -> int:
     return created["id"]
 
 
-def test_chat_streams_tokens_and_stop_cancels_inside_triton(stack: Stack, chat_deployment: int, page, tmp_path: Path):
+def test_chat_streams_tokens_and_stop_cancels_inside_triton(stack: Stack, chat_deployment: int, page, screenshot):
     from playwright.sync_api import expect
 
     from tests.integration.conftest import wait_for
@@ -125,7 +198,7 @@ def test_chat_streams_tokens_and_stop_cancels_inside_triton(stack: Stack, chat_d
     page.click("#chat-stop")
     expect(page.locator("#chat-figures")).to_contain_text("stopped after", timeout=10_000)
     expect(page.locator("#chat-send")).to_be_enabled()
-    page.screenshot(path=str(tmp_path / "chat-stopped.png"), full_page=True)
+    screenshot("chat-stopped")
 
     http = stack.session()
 
@@ -145,7 +218,7 @@ def stopped_deployment(stack: Stack, minilm) -> int:  # noqa: ANN001
 
 
 def test_operator_makes_an_alias_and_a_key_in_the_browser_and_the_key_works_until_revoked(
-    stack: Stack, stopped_deployment: int, page, tmp_path: Path
+    stack: Stack, stopped_deployment: int, page, screenshot
 ):
     import openai
     from playwright.sync_api import expect
@@ -175,7 +248,7 @@ def test_operator_makes_an_alias_and_a_key_in_the_browser_and_the_key_works_unti
     secret = page.locator("#new-secret").inner_text().strip()
     assert secret.startswith("gk-")
     expect(page.locator("#keys")).to_contain_text(secret[:10])
-    page.screenshot(path=str(tmp_path / "gateway.png"), full_page=True)
+    screenshot("gateway")
 
     client = openai.OpenAI(base_url=f"{stack.web_url}/v1", api_key=secret, max_retries=0)
     assert [m.id for m in client.models.list()] == ["team/embedder"]
@@ -206,7 +279,7 @@ def quiet_deployment(stack_on_own_redis: Stack, minilm) -> int:  # noqa: ANN001
 
 
 def test_a_page_repairs_a_lost_message_and_marks_itself_stale_while_redis_is_down(
-    stack_on_own_redis: Stack, own_redis, quiet_deployment: int, page, tmp_path: Path
+    stack_on_own_redis: Stack, own_redis, quiet_deployment: int, page, screenshot
 ):
     import threading
 
@@ -243,7 +316,7 @@ def test_a_page_repairs_a_lost_message_and_marks_itself_stale_while_redis_is_dow
     expect(indicator).to_contain_text("not live", timeout=15_000)
     assert page.evaluate("document.body.dataset.live") == "down"
     expect(page.locator("#deployment [data-status]")).to_have_css("opacity", "0.6")
-    page.screenshot(path=str(tmp_path / "deployment-stale.png"), full_page=True)
+    screenshot("deployment-stale")
     own_redis.start()
     expect(indicator).to_have_text("live", timeout=30_000)
     assert page.evaluate("document.body.dataset.live") == "up"

@@ -233,3 +233,33 @@ def test_redis_restarted_during_a_build_loses_nothing(
     assert sum("optimization pass" in line for line in stored) == 200
     assert EngineBuild.objects.filter(model__name="steady").count() == 1
     assert _build_containers(engine, build["id"]) == []
+
+
+def test_the_build_page_follows_a_build_live_without_a_reload(
+    build_stack: Stack, builder_image: str, tmp_path, page, screenshot
+):
+    """In the browser: the log keeps up with thousands of lines and can be searched,
+    the phase moves, and the artifacts appear when it ends, all on one page load."""
+    from playwright.sync_api import expect
+
+    stack = build_stack
+    _register(stack, tmp_path, "llama", {"rank_sleep_s": 2, "lines": 3000})
+    page.goto(f"{stack.web_url}/builds/")
+    page.fill("input[name=username]", stack.user.username)
+    page.fill("input[name=password]", "operator-pass")
+    page.click("button[type=submit]")
+    build = _request(stack, "llama", builder_image, spec={"tp_size": 2, "workers": 2, "max_batch_size": 16})
+    page.goto(f"{stack.web_url}/builds/{build['id']}/")
+    page.evaluate("window.loadedOnce = true")  # gone if the page reloads
+    expect(page.locator("#build [data-status]")).to_have_text("succeeded", timeout=120_000)
+    expect(page.locator("#artifacts")).to_contain_text("rank1.engine", timeout=10_000)
+    assert page.evaluate("window.loadedOnce") is True
+    log = page.locator("#build-log")
+    page.wait_for_function("() => Number(document.getElementById('build-log').dataset.lines) >= 3000")
+    page.fill("#log-search", "Engine generated for rank")
+    page.wait_for_function("() => Number(document.getElementById('build-log').dataset.shown) === 2")
+    expect(log).to_contain_text("Engine generated for rank 1")
+    screenshot("build")
+    page.goto(f"{stack.web_url}/builds/?status=succeeded")
+    expect(page.locator("#build-list")).to_contain_text("llama")
+    screenshot("builds")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import json
 
-from deployments.models import EngineBuild
-from deployments.services import deployments
+import pytest
+from django.contrib.auth.models import User
+
+from deployments.models import Deployment, EngineBuild, Event, RegisteredModel
+from deployments.services import builds, deployments, telemetry
 from deployments.services.placements import PlacementSpec
 from tests import factories
 
@@ -13,11 +16,70 @@ from tests import factories
 def test_model_pages_offer_the_build_form_for_llms_and_the_deploy_form_otherwise(client, operator, llama, minilm):
     client.force_login(operator)
     llm_page = client.get(f"/models/{llama.pk}/").content.decode()
-    assert llm_page.count('id="build-form"') == 1 and llm_page.count('id="deploy-form"') == 1
-    assert f'<option value="{factories.IMAGE}">' in llm_page
-    assert 'name="engine_build"' in llm_page  # an llm is deployed from one of its builds
+    assert llm_page.count('id="build-form"') == 1 and "/deployments/new/?model=llama" in llm_page
     embedder_page = client.get(f"/models/{minilm.pk}/").content.decode()
-    assert embedder_page.count('id="deploy-form"') == 1 and 'id="build-form"' not in embedder_page
+    assert "/deployments/new/?model=minilm" in embedder_page and 'id="build-form"' not in embedder_page
+
+
+def _options(page: str) -> dict:
+    start = page.index('<script id="deploy-options" type="application/json">') + len(
+        '<script id="deploy-options" type="application/json">'
+    )
+    return json.loads(page[start : page.index("</script>", start)])
+
+
+def test_the_deploy_page_offers_inspected_models_with_each_settings_bounds(client, operator, gpu_host, llama, minilm):
+    build, _ = builds.build_request(model="llama", host="h100-host", image=factories.IMAGE, spec={}, user=operator)
+    EngineBuild.objects.filter(pk=build.pk).update(status="succeeded")
+    client.force_login(operator)
+    page = client.get("/deployments/new/?model=minilm").content.decode()
+    options = _options(page)
+    assert options["mode"] == "create" and options["initial"] == [{"model": "minilm"}]
+    assert {m["name"]: m["kind"] for m in options["models"]} == {"llama": "llm", "minilm": "embedding"}
+    [llm] = [m for m in options["models"] if m["name"] == "llama"]
+    assert [b["id"] for b in llm["builds"]] == [build.pk]
+    assert options["fields"]["gpu_memory_fraction"] == {"default": 0.1, "min": 0.01, "max": 1.0}
+    assert options["fields"]["max_batch_size"] == {"default": 32, "min": 1, "max": 4096}
+    assert '<option value="gpu-host">' in page
+
+
+def test_the_deploy_page_is_for_operators(client, db):
+    viewer = User.objects.create_user("just-looking")
+    client.force_login(viewer)
+    response = client.get("/deployments/new/")
+    assert response.status_code == 403 and b"operator" in response.content
+
+
+def test_registering_a_checkpoint_from_the_models_page(client, operator, host, minilm_path):
+    client.force_login(operator)
+    form = {"name": "mini", "kind": "embedding", "host": "cpu-host", "path": str(minilm_path)}
+    response = client.post("/models/", form)
+    model = RegisteredModel.objects.get(name="mini")
+    assert response.status_code == 302 and response["Location"] == f"/models/{model.pk}/"
+    assert model.inspection == "pending"
+    page = client.get(response["Location"]).content.decode()
+    assert "Gantry.modelPage" in page and "data-status>pending<" in page
+    # Each refusal is shown beside its field, and nothing is written.
+    refused = client.post("/models/", {**form, "name": "Bad Name", "path": "/nowhere/at/all"}).content.decode()
+    assert refused.count('class="error field-error"') >= 1 and "lowercase" in refused
+    taken = client.post("/models/", form).content.decode()
+    assert "already" in taken
+    assert RegisteredModel.objects.filter(name="mini").count() == 1
+
+
+def test_the_events_page_filters_by_kind_prefix_and_pages_by_cursor(client, operator, host, minilm):
+    deployment = factories.deployment(host=host, user=operator)
+    for n in range(105):
+        Event.objects.create(kind="test.tick", source="test", message=f"tick {n}", deployment=deployment)
+    client.force_login(operator)
+    first = client.get("/events/?kind=test.").content.decode()
+    assert first.count("<code>test.tick</code>") == 100 and "tick 104" in first and "tick 4<" not in first
+    assert "deployment.created" not in first
+    older = first[first.index('href="?') + 7 : first.index('" rel="next"')].replace("&amp;", "&")
+    second = client.get(f"/events/?{older}").content.decode()
+    assert second.count("<code>test.tick</code>") == 5 and "tick 0<" in second and 'rel="next"' not in second
+    bad = client.get("/events/?deployment=nope")
+    assert bad.status_code == 200 and b"Enter a whole number" in bad.content
 
 
 def test_build_form_queues_a_build_and_shows_its_page(client, operator, llama):
@@ -56,3 +118,47 @@ def test_deployment_page_shows_the_gpu_plan(client, operator, gpu_host, minilm):
     client.force_login(operator)
     page = client.get(f"/deployments/{deployment.pk}/").content.decode()
     assert "GPU plan" in page and "NVIDIA H100 80GB HBM3" in page and "within headroom" in page
+    # The change form starts from the deployment's placements; the charts load the last hour.
+    assert 'id="change-form"' in page and 'id="charts"' in page and "vendor/uPlot.iife.min.js" in page
+    start = page.index('<script id="change-options" type="application/json">')
+    options = json.loads(page[page.index(">", start) + 1 : page.index("</script>", start)])
+    assert options["mode"] == "change" and options["deploymentId"] == deployment.pk
+    assert [m["model"] for m in options["initial"]] == ["minilm"]
+
+
+def test_the_dashboard_splits_each_gpu_by_the_models_meant_to_run_there(client, operator, gpu_host, minilm):
+    running = factories.deployment(host=gpu_host, name="on", models=["minilm"], gpu_memory_fraction=0.25, user=operator)
+    Deployment.objects.filter(pk=running.pk).update(desired_state="running")
+    factories.deployment(host=gpu_host, name="off", models=["minilm"], gpu_memory_fraction=0.5, user=operator)
+    client.force_login(operator)
+    page = client.get("/").content.decode()
+    assert 'data-gpu="gpu-host:0"' in page
+    assert "25.0% placed" in page and 'title="on / minilm: 25.0%"' in page
+    assert "off / minilm" not in page  # a stopped deployment holds no memory
+    assert f'data-sparkline="{running.pk}"' in page
+
+
+def test_rates_sum_each_deployments_models_per_scrape(api, operator, host, minilm):
+    deployment = factories.deployment(host=host, user=operator)
+    telemetry.metrics_record(deployment_id=deployment.pk, models={"a": {"request_rate": 1.5}, "b": {}}, gpus={})
+    telemetry.metrics_record(
+        deployment_id=deployment.pk, models={"a": {"request_rate": 2.0}, "b": {"request_rate": 0.5}}, gpus={}
+    )
+    [row] = api.get("/api/deployments/rates/?minutes=5").data
+    assert row["deployment"] == deployment.pk
+    assert [p["request_rate"] for p in row["points"]] == [1.5, 2.5]
+    assert api.get("/api/deployments/rates/?minutes=61").status_code == 400
+
+
+def test_the_builds_page_filters_by_status_and_pages_by_cursor(client, operator, llama, builder_images):
+    for n in range(3):
+        builds.build_request(
+            model="llama", host="h100-host", image=factories.IMAGE, spec={"max_batch_size": n + 1}, user=operator
+        )
+    EngineBuild.objects.filter(spec__max_batch_size=2).update(status="failed")
+    client.force_login(operator)
+    page = client.get("/builds/?status=failed").content.decode()
+    assert page.count("data-status>failed<") == 1 and "data-status>pending<" not in page
+    every = client.get("/builds/").content.decode()
+    assert every.count("<code>" + factories.IMAGE + "</code>") == 3 and 'rel="next"' not in every
+    assert b"Select a valid choice" in client.get("/builds/?status=sleeping").content
