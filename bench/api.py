@@ -32,33 +32,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import percentile  # noqa: E402
+from bench.common import percentile, server, setup_postgres  # noqa: E402
 
 BUILDS, EVENTS = 10_000, 100_000
-
-
-def _setup(database_url: str) -> None:
-    import psycopg
-
-    name = database_url.rsplit("/", 1)[1]
-    with psycopg.connect(database_url.rsplit("/", 1)[0] + "/postgres", autocommit=True) as admin:
-        if not admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
-            admin.execute(f'CREATE DATABASE "{name}"')
-    os.environ.update(
-        DJANGO_SETTINGS_MODULE="bench.floor.settings",
-        DATABASE_URL=database_url,
-        SECRET_KEY=os.environ.get("SECRET_KEY", "gantry-bench-key"),
-        GANTRY_PLAIN_HTTP="1",
-        GANTRY_API_THROTTLE="off",
-        GANTRY_MODEL_ROOTS="/",
-        LOG_LEVEL="WARNING",  # the figures, not the servers' chatter
-    )
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
 
 
 def _seed() -> tuple[str, int]:
@@ -100,28 +76,6 @@ def _seed() -> tuple[str, int]:
         cursor.execute("ANALYZE")  # fresh statistics, as autovacuum would give a real database
     user = User.objects.filter(username="bench").first() or User.objects.create_superuser("bench", password="bench")
     return token_create(user=user, name="bench").secret, deployment.pk
-
-
-@contextmanager
-def _server(argv: list[str], port: int) -> Iterator[None]:
-    process = subprocess.Popen(
-        argv, cwd=ROOT, env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-    import socket
-
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.2)
-    time.sleep(1)
-    try:
-        yield
-    finally:
-        os.killpg(process.pid, 15)
-        process.wait(timeout=30)
 
 
 def _wrk(url: str, token: str, seconds: int, connections: int) -> dict[str, float]:
@@ -214,7 +168,7 @@ def main() -> None:
     parser.add_argument("--ws-rate", type=float, default=20.0, help="events per second")
     args = parser.parse_args()
 
-    _setup(args.database_url)
+    setup_postgres(args.database_url)
     token, deployment = _seed()
     from controlplane.serving import live_argv, web_argv
 
@@ -231,7 +185,7 @@ def main() -> None:
          "/floor/events/"),
         ("GET /api/events/?limit=50&kind=build.", "/api/events/?limit=50&kind=build.", "/floor/events/"),
     ]  # fmt: skip
-    with _server(web_argv(sys.executable, bind="127.0.0.1", port=web), web):
+    with server(web_argv(sys.executable, bind="127.0.0.1", port=web), web):
         for path in ("/floor/builds/", pages[0][1]):  # warm every worker's code paths and pool
             _wrk(base + path, token, 3, args.connections)
         floors: dict[str, dict[str, float]] = {}
@@ -249,7 +203,7 @@ def main() -> None:
 
         origin = base
         print(f"\nwebsocket delivery ({args.ws_clients} clients, {args.ws_rate:.0f} events/s, the worker's publish)")
-        with _server(live_argv(sys.executable, bind="127.0.0.1", port=live), live):
+        with server(live_argv(sys.executable, bind="127.0.0.1", port=live), live):
             live_url = f"ws://127.0.0.1:{live}"
             idle = asyncio.run(_deliveries(live_url, token, origin, args.ws_clients, args.ws_rate, args.seconds))
             print(_line("live server, idle", idle))
@@ -267,7 +221,7 @@ def main() -> None:
         str(single),
         "controlplane.asgi:application",
     ]
-    with _server(single_argv, single):
+    with server(single_argv, single):
         url = f"ws://127.0.0.1:{single}"
         with _heavy_reader(f"http://127.0.0.1:{single}/api/events/?limit=500", token):
             before = asyncio.run(

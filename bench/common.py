@@ -23,6 +23,55 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def setup_postgres(database_url: str) -> None:
+    """Django on the PostgreSQL database at ``database_url`` (made if missing, migrated), with
+    the benchmark floors' views beside Gantry's (bench.floor.settings)."""
+    import psycopg
+
+    name = database_url.rsplit("/", 1)[1]
+    with psycopg.connect(database_url.rsplit("/", 1)[0] + "/postgres", autocommit=True) as admin:
+        if not admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
+            admin.execute(f'CREATE DATABASE "{name}"')
+    os.environ.update(
+        DJANGO_SETTINGS_MODULE="bench.floor.settings",
+        DATABASE_URL=database_url,
+        SECRET_KEY=os.environ.get("SECRET_KEY", "gantry-bench-key"),
+        GANTRY_PLAIN_HTTP="1",
+        GANTRY_API_THROTTLE="off",
+        GANTRY_MODEL_ROOTS="/",
+        LOG_LEVEL="WARNING",  # the figures, not the servers' chatter
+    )
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+
+
+@contextmanager
+def server(argv: list[str], port: int) -> Iterator[None]:
+    """Run ``argv`` (a server) until the block ends, once ``port`` answers."""
+    process = subprocess.Popen(
+        argv, cwd=ROOT, env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    import socket
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    time.sleep(1)
+    try:
+        yield
+    finally:
+        os.killpg(process.pid, 15)
+        process.wait(timeout=30)
+
+
 def setup_django(port: int) -> Path:
     """Settings for a throw-away SQLite Gantry whose Triton ports follow ``port``; its folder."""
     work = Path(tempfile.mkdtemp(prefix="gantry-bench-"))

@@ -101,13 +101,16 @@ Gantry.metricCharts = (container, deploymentId) => {
   async function load() {
     for (const kind of ["model", "gpu"]) points[kind].clear();
     let url = `/api/deployments/${deploymentId}/metrics/?minutes=60&limit=500`;
+    const samples = [];
     for (let pages = 0; url && pages < 40; pages++) {
       const page = await Gantry.api("GET", url);
-      for (const sample of page.results) add(sample.kind, sample.subject, Date.parse(sample.at) / 1000, sample.values);
+      samples.push(...page.results);
       url = page.next ? new URL(page.next).pathname + new URL(page.next).search : null;
     }
-    // Pages come newest first: put each series in time order.
-    for (const kind of ["model", "gpu"]) for (const series of points[kind].values()) series.sort((a, b) => a[0] - b[0]);
+    // Rows come in id order, which is not always time order: add them oldest first.
+    const at = (sample) => Date.parse(sample.at) / 1000;
+    samples.sort((a, b) => at(a) - at(b));
+    for (const sample of samples) add(sample.kind, sample.subject, at(sample), sample.values);
     draw();
   }
 
