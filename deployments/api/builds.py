@@ -140,6 +140,45 @@ class BuildIn(StrictSerializer):
     force = serializers.BooleanField(required=False, default=False)
 
 
+class BuildReuseOut(serializers.Serializer):
+    how = serializers.ChoiceField(choices=["cached", "joined"])
+    build = serializers.IntegerField()
+
+
+class BuildPreflightOut(serializers.Serializer):
+    valid = serializers.BooleanField(help_text="true when POST /api/builds/ with this body would be accepted")
+    errors = serializers.DictField(child=serializers.ListField(child=serializers.CharField()))
+    spec = serializers.DictField(allow_null=True, help_text="the spec as it would be built (defaults filled in)")
+    cache_key = serializers.CharField(allow_null=True)
+    reuse = BuildReuseOut(allow_null=True, help_text="the build an identical request would be answered with")
+
+
+class BuildPreflight(APIView):
+    """POST /api/builds/preflight/: what requesting this build would say, with
+    nothing written: every broken rule by field, or the spec as it would be
+    built, its cache key, and whether an identical build would be reused
+    (cached, or joined while it runs). The build form asks it as it is filled in."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(request=BuildIn, responses={200: BuildPreflightOut})
+    def post(self, request: Request) -> Response:
+        data = validated(BuildIn, request)
+        return Response(builds.build_preflight(**_request_arguments(data), user=request.user))
+
+
+def _request_arguments(data: dict[str, Any]) -> dict[str, Any]:
+    """build_request's (and build_preflight's) arguments from a checked BuildIn body."""
+    return {
+        "model": data["model"],
+        "host": data["host"],
+        "image": data["image"],
+        "spec": dict(data["spec"]),
+        "time_limit_s": data["time_limit_s"],
+        "force": data["force"],
+    }
+
+
 class BuildQuery(StrictSerializer):
     model = serializers.CharField(max_length=63, required=False, help_text="a registered model's name")
     status = serializers.ChoiceField(choices=BuildStatus.choices, required=False)
@@ -172,12 +211,7 @@ class BuildList(ListEndpoint):
     def post(self, request: Request) -> Response:
         data = validated(BuildIn, request)
         build, how = builds.build_request(
-            model=data["model"],
-            host=data["host"],
-            image=data["image"],
-            spec=dict(data["spec"]),
-            time_limit_s=data["time_limit_s"],
-            force=data["force"],
+            **_request_arguments(data),
             user=request.user,
         )
         code = status.HTTP_201_CREATED if how == "queued" else status.HTTP_200_OK

@@ -8,6 +8,7 @@ urlpatterns = [
     path("models/", models.ModelList.as_view(), name="api-models"),
     path("models/<int:pk>/", models.ModelDetail.as_view(), name="api-model"),
     path("builds/", builds.BuildList.as_view(), name="api-builds"),
+    path("builds/preflight/", builds.BuildPreflight.as_view(), name="api-build-preflight"),
     path("builds/<int:pk>/", builds.BuildDetail.as_view(), name="api-build"),
     path("builds/<int:pk>/cancel/", builds.BuildCancel.as_view(), name="api-build-cancel"),
     path("builds/<int:pk>/log/", builds.BuildLog.as_view(), name="api-build-log"),

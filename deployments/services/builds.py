@@ -25,6 +25,61 @@ from deployments.permissions import require_operator
 from deployments.services.telemetry import append_newest_lines
 
 
+def _resolve(
+    *, model: str, host: str, image: str, spec: dict[str, Any], time_limit_s: int | None
+) -> tuple[RegisteredModel, GpuHost, int, dict[str, Any], str, str]:
+    """A build request checked: the model, the host, the time limit, the normalized
+    spec, the image digest and the cache key; ValidationFailed names what is wrong."""
+    registered = RegisteredModel.objects.select_related("host").filter(name=model).first()
+    if registered is None:
+        raise ValidationFailed({"model": f"no registered model named {model!r}"})
+    target = GpuHost.objects.prefetch_related("gpus").filter(name=host).first()
+    if target is None:
+        raise ValidationFailed({"host": f"no GPU host named {host!r}"})
+    limit = time_limit_s or settings.GANTRY_BUILD_TIME_LIMIT
+    low, high = build_spec.MIN_TIME_LIMIT_S, settings.GANTRY_BUILD_TIME_LIMIT_MAX
+    if not low <= limit <= high:
+        raise ValidationFailed({"time_limit_s": f"must be between {low} and {high}"})
+    normalized = build_spec.normalize_spec(spec, model=registered, host=target, image=image)
+    digest = build_spec.image_digest(target, image)
+    key = build_spec.cache_key(fingerprint=registered.fingerprint, spec=normalized, image_digest=digest)
+    return registered, target, limit, normalized, digest, key
+
+
+def _succeeded(key: str) -> EngineBuild | None:
+    return EngineBuild.objects.filter(cache_key=key, status=B.SUCCEEDED).order_by("-finished_at").first()
+
+
+def build_preflight(
+    *,
+    model: str,
+    host: str,
+    image: str,
+    spec: dict[str, Any],
+    time_limit_s: int | None = None,
+    force: bool = False,
+    user: Any = None,
+) -> dict[str, Any]:
+    """What build_request would say, with nothing written: every broken rule by
+    field, or the normalized spec, its cache key, and the build an identical
+    request would be answered with (``reuse``: "cached" or "joined"; none when
+    it would compile)."""
+    require_operator(user)
+    try:
+        resolved = _resolve(model=model, host=host, image=image, spec=spec, time_limit_s=time_limit_s)
+    except ValidationFailed as exc:
+        return {"valid": False, "errors": exc.errors, "spec": None, "cache_key": None, "reuse": None}
+    normalized, key = resolved[3], resolved[5]
+    done = None if force else _succeeded(key)
+    running = EngineBuild.objects.filter(cache_key=key, status__in=states.BUILD_ACTIVE).first()
+    reuse = None
+    if done is not None:
+        reuse = {"how": "cached", "build": done.pk}
+    elif running is not None:
+        reuse = {"how": "joined", "build": running.pk}
+    return {"valid": True, "errors": {}, "spec": normalized, "cache_key": key, "reuse": reuse}
+
+
 def build_request(
     *,
     model: str,
@@ -39,22 +94,11 @@ def build_request(
     "cached" (an identical succeeded build, unless ``force``), or "joined" (an
     identical build already under way)."""
     require_operator(user)
-    registered = RegisteredModel.objects.select_related("host").filter(name=model).first()
-    if registered is None:
-        raise ValidationFailed({"model": f"no registered model named {model!r}"})
-    target = GpuHost.objects.prefetch_related("gpus").filter(name=host).first()
-    if target is None:
-        raise ValidationFailed({"host": f"no GPU host named {host!r}"})
-    limit = time_limit_s or settings.GANTRY_BUILD_TIME_LIMIT
-    low, high = build_spec.MIN_TIME_LIMIT_S, settings.GANTRY_BUILD_TIME_LIMIT_MAX
-    if not low <= limit <= high:
-        raise ValidationFailed({"time_limit_s": f"must be between {low} and {high}"})
-    normalized = build_spec.normalize_spec(spec, model=registered, host=target, image=image)
-    digest = build_spec.image_digest(target, image)
-    key = build_spec.cache_key(fingerprint=registered.fingerprint, spec=normalized, image_digest=digest)
-
+    registered, target, limit, normalized, digest, key = _resolve(
+        model=model, host=host, image=image, spec=spec, time_limit_s=time_limit_s
+    )
     if not force:
-        done = EngineBuild.objects.filter(cache_key=key, status=B.SUCCEEDED).order_by("-finished_at").first()
+        done = _succeeded(key)
         if done is not None:
             events.record(
                 kind="build.reused",

@@ -3,6 +3,7 @@ static/gantry.js over the REST API and the websocket."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from django.conf import settings
@@ -129,6 +130,7 @@ def model_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "builds": selectors.build_list(model=model.name)[:20],
             "can_operate": can_operate(request.user),
             "placements": model.placements.select_related("deployment"),
+            "spec_fields": json.dumps(BuildForm.SPEC_FIELDS),
         },
     )
 

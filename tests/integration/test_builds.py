@@ -99,6 +99,11 @@ def _request(stack: Stack, model: str, image: str, **extra) -> dict:  # noqa: AN
     return response.json()
 
 
+def _model_id(stack: Stack, name: str) -> int:
+    models = stack.session().get(f"{stack.web_url}/api/models/?limit=500", timeout=10).json()["results"]
+    return next(m["id"] for m in models if m["name"] == name)
+
+
 def _build(stack: Stack, build_id: int) -> dict:
     return stack.session().get(f"{stack.web_url}/api/builds/{build_id}/", timeout=10).json()
 
@@ -244,12 +249,24 @@ def test_the_build_page_follows_a_build_live_without_a_reload(
 
     stack = build_stack
     _register(stack, tmp_path, "llama", {"rank_sleep_s": 2, "lines": 3000})
-    page.goto(f"{stack.web_url}/builds/")
+    model_url = f"{stack.web_url}/models/{_model_id(stack, 'llama')}/"
+    page.goto(model_url)
     page.fill("input[name=username]", stack.user.username)
     page.fill("input[name=password]", "operator-pass")
     page.click("button[type=submit]")
-    build = _request(stack, "llama", builder_image, spec={"tp_size": 2, "workers": 2, "max_batch_size": 16})
-    page.goto(f"{stack.web_url}/builds/{build['id']}/")
+    # The build form asks the server as it changes: a broken rule beside its field, then what would happen.
+    form = page.locator("#build-form")
+    form.locator("select[name=host]").select_option(stack.host_name)
+    form.locator("select[name=image]").select_option(builder_image)
+    form.locator("input[name=max_seq_len]").fill("100000")
+    expect(form.locator("[data-error-for=max_seq_len]")).to_contain_text("max_position_embeddings")
+    form.locator("input[name=max_seq_len]").fill("2048")
+    for name, value in (("tp_size", "2"), ("workers", "2"), ("max_batch_size", "16")):
+        form.locator(f"input[name={name}]").fill(value)
+    expect(page.locator("#build-verdict")).to_contain_text("A new engine will be compiled")
+    screenshot("model-build-form")
+    form.locator("button[type=submit]").click()
+    page.wait_for_url(f"{stack.web_url}/builds/*/")
     page.evaluate("window.loadedOnce = true")  # gone if the page reloads
     expect(page.locator("#build [data-status]")).to_have_text("succeeded", timeout=120_000)
     expect(page.locator("#artifacts")).to_contain_text("rank1.engine", timeout=10_000)
@@ -260,6 +277,13 @@ def test_the_build_page_follows_a_build_live_without_a_reload(
     page.wait_for_function("() => Number(document.getElementById('build-log').dataset.shown) === 2")
     expect(log).to_contain_text("Engine generated for rank 1")
     screenshot("build")
+    # The same settings again: the form says the engine would be reused before anything is sent.
+    page.goto(model_url)
+    form.locator("select[name=host]").select_option(stack.host_name)
+    form.locator("select[name=image]").select_option(builder_image)
+    for name, value in (("tp_size", "2"), ("workers", "2"), ("max_batch_size", "16")):
+        form.locator(f"input[name={name}]").fill(value)
+    expect(page.locator("#build-verdict")).to_contain_text("will be reused")
     page.goto(f"{stack.web_url}/builds/?status=succeeded")
     expect(page.locator("#build-list")).to_contain_text("llama")
     screenshot("builds")

@@ -59,3 +59,30 @@ def test_the_fast_build_rows_equal_drfs_own(api, llama, host, operator):  # noqa
         fast = BuildOut(loaded).data
         generic = serializers.ModelSerializer.to_representation(BuildOut(loaded), loaded)
         assert dict(fast) == dict(generic) and list(fast) == list(generic)
+
+
+def test_preflight_says_which_build_an_identical_request_would_reuse_and_writes_nothing(api, llama):
+    body = {"model": "llama", "host": "h100-host", "image": factories.IMAGE, "spec": {"max_batch_size": 16}}
+    fresh = api.post("/api/builds/preflight/", body, format="json")
+    assert fresh.status_code == 200 and fresh.data["valid"] is True and fresh.data["reuse"] is None
+    assert fresh.data["spec"]["max_batch_size"] == 16 and fresh.data["spec"]["dtype"]  # defaults filled in
+    assert not EngineBuild.objects.exists()
+    first = api.post("/api/builds/", body, format="json")
+    assert first.data["cache_key"] == fresh.data["cache_key"]
+    running = api.post("/api/builds/preflight/", body, format="json").data
+    assert running["reuse"] == {"how": "joined", "build": first.data["id"]}
+    factories.succeeded_build(EngineBuild.objects.get(pk=first.data["id"]))
+    done = api.post("/api/builds/preflight/", body, format="json").data
+    assert done["reuse"] == {"how": "cached", "build": first.data["id"]}
+    forced = api.post("/api/builds/preflight/", {**body, "force": True}, format="json").data
+    assert forced["reuse"] is None
+    assert EngineBuild.objects.count() == 1 and not Event.objects.filter(kind="build.reused").exists()
+
+
+def test_preflight_names_each_broken_rule(api, llama):
+    body = {"model": "llama", "host": "h100-host", "image": factories.IMAGE, "spec": {"max_seq_len": 100_000}}
+    answer = api.post("/api/builds/preflight/", body, format="json").data
+    assert answer["valid"] is False and answer["reuse"] is None
+    assert "max_position_embeddings" in " ".join(answer["errors"]["max_seq_len"])
+    nowhere = api.post("/api/builds/preflight/", {**body, "host": "nowhere"}, format="json").data
+    assert nowhere["errors"] == {"host": ["no GPU host named 'nowhere'"]}
