@@ -91,10 +91,7 @@ class DockerRuntime:
         try:
             for attempt in range(5):
                 # A container of this name left by an earlier attempt is ours: replace it.
-                try:
-                    client.containers.get(container_name(spec)).remove(force=True)
-                except NotFound:
-                    pass
+                _remove_and_wait(client, container_name(spec))
                 try:
                     container = client.containers.run(**run_options(spec, self.host_name))
                     break
@@ -136,13 +133,18 @@ class DockerRuntime:
         container = self._get(handle) if handle else None
         if container is None:
             return
+        client = _client()
         try:
             container.stop(timeout=grace_s)
-            container.remove(force=True)
         except NotFound:
-            pass
+            return
         except APIError as exc:
-            raise TransientError(f"Docker could not remove {container.short_id}: {exc.explanation}") from exc
+            if exc.status_code != 409:  # 409: it is being removed already
+                raise TransientError(f"Docker could not stop {container.short_id}: {exc.explanation}") from exc
+        try:
+            _remove_and_wait(client, container.id)
+        finally:
+            client.close()
 
     def log_tail(self, handle: str, spec: LaunchSpec, lines: int = 20) -> str:
         container = self._get(handle) if handle else None
@@ -278,10 +280,7 @@ class BuildContainer:
     def __init__(self, spec: BuildContainerSpec, host_name: str) -> None:
         client = _client()
         try:
-            try:
-                client.containers.get(build_run_options(spec, host_name)["name"]).remove(force=True)
-            except NotFound:
-                pass
+            _remove_and_wait(client, build_run_options(spec, host_name)["name"])
             self._container = client.containers.run(**build_run_options(spec, host_name))
         except ImageNotFound as exc:
             raise PermanentError(f"builder image {spec.image} is not on this host") from exc
@@ -328,13 +327,31 @@ class BuildContainer:
 def remove_container(handle: str) -> None:
     client = _client()
     try:
-        client.containers.get(handle).remove(force=True)
-    except NotFound:
-        pass
-    except APIError as exc:
-        raise TransientError(f"Docker could not remove {handle[:12]}: {exc.explanation}") from exc
+        _remove_and_wait(client, handle)
     finally:
         client.close()
+
+
+def _remove_and_wait(client: docker.DockerClient, handle: str, timeout_s: float = 30) -> None:
+    """Remove the container ``handle`` (an id or a name) and return once it is gone.
+    Docker answers 409 while another removal of it is under way (a reconcile pass,
+    a duplicate task): that removal is waited for rather than reported as a failure."""
+    try:
+        client.containers.get(handle).remove(force=True)
+        return
+    except NotFound:
+        return
+    except APIError as exc:
+        if exc.status_code != 409:
+            raise TransientError(f"Docker could not remove {handle[:12]}: {exc.explanation}") from exc
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            client.containers.get(handle)
+        except NotFound:
+            return
+        time.sleep(0.2)
+    raise TransientError(f"Docker was still removing {handle[:12]} after {timeout_s:.0f}s")
 
 
 def build_containers(host_name: str) -> dict[str, int]:
