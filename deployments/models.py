@@ -378,6 +378,11 @@ class DeploymentModel(models.Model):
     kv_cache_tokens = models.PositiveIntegerField(
         null=True, blank=True, help_text="max_tokens_in_paged_kv_cache, planned from the fraction and the checkpoint."
     )
+    ready = models.BooleanField(
+        null=True,
+        blank=True,
+        help_text="Triton's readiness of this model at the host agent's last check (null: never).",
+    )
 
     class Meta:
         ordering = ["triton_name"]

@@ -63,6 +63,7 @@ class PlacementOut(serializers.ModelSerializer):
             "batch_scheduler_policy",
             "decoupled",
             "kv_cache_tokens",
+            "ready",
         ]
 
 

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from deployments import events
-from deployments.models import BuildLogLine, LogLine, MetricSample
+from deployments.models import BuildLogLine, DeploymentModel, LogLine, MetricSample
 
 
 def metrics_record(
@@ -66,6 +66,26 @@ def request_rates(*, minutes: int) -> dict[int, list[tuple[str, float]]]:
         key = at.isoformat()
         series[key] = round(series.get(key, 0.0) + values.get("request_rate", 0.0), 4)
     return {deployment_id: list(series.items()) for deployment_id, series in rates.items()}
+
+
+def placements_readiness(*, deployment_id: int, models: dict[str, bool]) -> dict[str, bool]:
+    """Record what Triton says of each placed model (by Triton name; an engine's
+    helper models are not placements and are left out), writing only what
+    changed, and push every placement's readiness to the deployment's page (each
+    beat: a page that re-read a moment too early is right again within one).
+    Returns the changes."""
+    placed = dict(DeploymentModel.objects.filter(deployment_id=deployment_id).values_list("triton_name", "ready"))
+    now = {name: models[name] for name in placed if name in models}
+    changed = {name: ready for name, ready in now.items() if placed[name] != ready}
+    for value in (True, False):
+        names = [name for name, ready in changed.items() if ready is value]
+        if names:
+            DeploymentModel.objects.filter(deployment_id=deployment_id, triton_name__in=names).update(ready=value)
+    if now:
+        events.publish(
+            events.deployment_group(deployment_id), {"type": "models", "deployment": deployment_id, "ready": now}
+        )
+    return changed
 
 
 # How many log lines a deployment keeps; older ones are deleted as new ones arrive.

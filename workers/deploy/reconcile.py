@@ -154,6 +154,7 @@ def _check_loading(deployment: Deployment, runtime: Runtime, spec: LaunchSpec, n
     state = _readiness(deployment)
     try:
         if state.ready and state.all_models_ready:
+            telemetry.report_readiness(deployment, state.models)
             mark_ready(deployment, list(state.models))
         elif (now - deployment.status_changed_at).total_seconds() > settings.GANTRY_TRITON_READY_TIMEOUT:
             tail = runtime.log_tail(deployment.runtime_handle, spec)
@@ -201,6 +202,7 @@ def _handle_crash(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) ->
 
 def _check_models(deployment: Deployment) -> None:
     state = _readiness(deployment)
+    telemetry.report_readiness(deployment, state.models)
     not_ready = [name for name, ok in state.models.items() if not ok]
     try:
         if not_ready and deployment.status == S.READY:

@@ -72,3 +72,8 @@ def collect_metrics(deployment: Deployment, inventory: nvml.Inventory | None = N
         models=metrics.derive(previous, current),
         gpus=_gpu_figures(current.gpus, inventory),
     )
+
+
+def report_readiness(deployment: Deployment, models: dict[str, bool]) -> None:
+    """What Triton said of each model at this check, for the deployment's page."""
+    telemetry.placements_readiness(deployment_id=deployment.pk, models=models)

@@ -17,3 +17,21 @@ def test_log_lines_keep_the_newest_and_the_api_serves_them(api, host, minilm, se
     assert [row["line"] for row in oldest_kept] == ["line 3"]
     refused = api.get(f"/api/deployments/{created.data['id']}/log/?limit=0")
     assert refused.status_code == 400 and "limit" in refused.data["errors"]
+
+
+def test_each_models_readiness_is_kept_and_pushed_each_check(api, host, minilm, operator, monkeypatch):
+    from deployments import events
+    from tests import factories
+
+    deployment = factories.deployment(host=host, name="r", models=["minilm"], user=operator)
+    pushed = []
+    monkeypatch.setattr(events, "publish", lambda group, message: pushed.append((group, message)))
+    # An engine's helper models are not placements: left out.
+    assert telemetry.placements_readiness(deployment_id=deployment.pk, models={"minilm": True, "x-engine": True}) == {
+        "minilm": True
+    }
+    assert telemetry.placements_readiness(deployment_id=deployment.pk, models={"minilm": True}) == {}
+    assert telemetry.placements_readiness(deployment_id=deployment.pk, models={"minilm": False}) == {"minilm": False}
+    assert [message["ready"] for _, message in pushed] == [{"minilm": True}, {"minilm": True}, {"minilm": False}]
+    [model] = api.get(f"/api/deployments/{deployment.pk}/").data["models"]
+    assert model["ready"] is False
