@@ -5,7 +5,7 @@
 FROM node:20-bookworm-slim AS frontend
 WORKDIR /src
 COPY package.json package-lock.json ./
-RUN npm ci --no-audit --no-fund
+RUN npm ci --omit=dev --no-audit --no-fund
 
 FROM python:3.11-slim-bookworm
 

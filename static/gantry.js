@@ -332,7 +332,21 @@ const Gantry = (() => {
         note.textContent = `The deployment is ${status}: this playground answers once it is ready.`;
       }
     }
+    // Each model's readiness as Triton last said it, while the server runs.
+    const readiness = {};
+    function showReadiness(status) {
+      const running = ["ready", "degraded", "updating"].includes(status);
+      for (const badge of document.querySelectorAll("[data-model-ready]")) {
+        const ready = readiness[badge.dataset.modelReady];
+        badge.hidden = !running;
+        const words = ready === true ? "ready" : ready === false ? "not ready" : "checking";
+        badge.textContent = words;
+        badge.className = `status model-ready status-${ready === true ? "ready" : ready === false ? "failed" : "pending"}`;
+      }
+    }
     function render(deployment) {
+      for (const model of deployment.models) readiness[model.triton_name] = model.ready;
+      showReadiness(deployment.shown_status);
       enableActions(deployment.actions);
       enablePlaygrounds(deployment.shown_status);
       setStatus(badge, deployment.shown_status);
@@ -370,12 +384,17 @@ const Gantry = (() => {
           if (charts) charts.push(event);
         }
         if (event.type === "log") appendLog(event.lines);
+        if (event.type === "models") {
+          Object.assign(readiness, event.ready);
+          showReadiness(badge.textContent);
+        }
         if (event.type === "host") render(await api("GET", `/api/deployments/${id}/`));  // its host went or came back
         if (event.type !== "event") return;
         addEvent(event);
         if (event.to_status) {
           setStatus(badge, event.to_status);
           enablePlaygrounds(event.to_status);
+          showReadiness(event.to_status);
           message.textContent = event.message;
           render(await api("GET", `/api/deployments/${id}/`));
         } else if (event.kind === "deployment.changed" || event.kind === "deployment.rollback") {
@@ -561,6 +580,7 @@ const Gantry = (() => {
       hint.textContent = build.hint;
       hint.hidden = !build.hint;
       exitCode.textContent = build.exit_code === null ? "–" : build.exit_code;
+      document.getElementById("engine-dir").textContent = build.output_dir || "–";
       if (cancel) cancel.disabled = !build.actions.cancel;
       if (build.finished_at && build.artifacts.length && !document.getElementById("artifacts")) {
         swapFromServer("artifacts-section");  // the artifacts table is rendered by the server

@@ -258,17 +258,31 @@ def page():  # noqa: ANN201 - Playwright's Page
 
 
 SCREENSHOTS = ROOT / "var" / "screenshots"
+AXE = ROOT / "node_modules" / "axe-core" / "axe.min.js"  # make frontend installs it (package.json)
+_AUDIT = """async () => (await axe.run(document, {runOnly: {type: "tag", values: ["wcag2a", "wcag2aa"]}}))
+  .violations.filter((v) => v.impact === "serious" || v.impact === "critical")
+  .map((v) => ({rule: v.id, help: v.help, where: v.nodes.slice(0, 3).map((n) => n.target.join(" "))}))"""
+
+
+def audit(page) -> list[dict]:  # noqa: ANN001 - Playwright's Page
+    """axe-core's WCAG 2 A and AA rules on the page as it stands: the serious and critical violations."""
+    if not page.evaluate("typeof axe !== 'undefined'"):
+        page.add_script_tag(path=str(AXE))
+    return page.evaluate(_AUDIT)
 
 
 @pytest.fixture
 def screenshot(page):  # noqa: ANN001, ANN201
     """``screenshot(name)``: the whole page as the user sees it now, kept under
-    var/screenshots/ (git-ignored) to look at after the run."""
+    var/screenshots/ (git-ignored) to look at after the run; and audited for
+    accessibility (axe-core), which must find nothing serious."""
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
 
     def take(name: str) -> Path:
         path = SCREENSHOTS / f"{name}.png"
         page.screenshot(path=str(path), full_page=True)
+        found = audit(page)
+        assert not found, f"{name}: {found}"
         return path
 
     return take

@@ -84,6 +84,9 @@ def test_user_registers_plans_deploys_queries_changes_and_deletes_from_the_brows
     timeline = page.locator("#events").inner_text()
     for status in ("launching", "loading", "ready"):
         assert status in timeline
+    # Each model's readiness, as the host agent last asked Triton.
+    for name in ("minilm", "ranker", "tiny"):
+        expect(page.locator(f"[data-model-ready={name}]")).to_have_text("ready", timeout=30_000)
 
     # The three playgrounds.
     page.fill("#chat-max-tokens", "8")
@@ -315,7 +318,7 @@ def test_a_page_repairs_a_lost_message_and_marks_itself_stale_while_redis_is_dow
     own_redis.stop()
     expect(indicator).to_contain_text("not live", timeout=15_000)
     assert page.evaluate("document.body.dataset.live") == "down"
-    expect(page.locator("#deployment [data-status]")).to_have_css("opacity", "0.6")
+    expect(page.locator("#deployment [data-status]")).to_have_css("outline-style", "dashed")
     screenshot("deployment-stale")
     own_redis.start()
     expect(indicator).to_have_text("live", timeout=30_000)
