@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import requests
 
 from tests.integration.conftest import Stack
 
@@ -18,6 +19,19 @@ def _sign_in(page, stack: Stack, path: str = "/") -> None:  # noqa: ANN001
     page.fill("input[name=username]", stack.user.username)
     page.fill("input[name=password]", "operator-pass")
     page.click("button[type=submit]")
+
+
+def _tab_to(page, text: str, *, tag: str = "A", name: str = "", presses: int = 40) -> None:  # noqa: ANN001
+    """Press Tab until the focus is on a ``tag`` element with this text (or this name): it is reachable by keyboard."""
+    for _ in range(presses):
+        page.keyboard.press("Tab")
+        focused = page.evaluate(
+            "(() => { const e = document.activeElement;"
+            " return [e.tagName, (e.textContent || '').trim(), e.getAttribute('name') || '']; })()"
+        )
+        if focused[0] == tag and (focused[1] == text if text else focused[2] == name):
+            return
+    raise AssertionError(f"no {tag} {text or name!r} within {presses} presses of Tab")
 
 
 def test_user_registers_plans_deploys_queries_changes_and_deletes_from_the_browser(
@@ -33,10 +47,16 @@ def test_user_registers_plans_deploys_queries_changes_and_deletes_from_the_brows
     _sign_in(page, stack)
     expect(page.get_by_text(stack.host_name).first).to_be_visible()
 
+    # By keyboard alone: the skip link comes first; the menu leads to the models page and its form.
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.textContent") == "Skip to content"
+    _tab_to(page, "Models")
+    page.keyboard.press("Enter")
+    page.wait_for_url("**/models/")
+    _tab_to(page, "", tag="INPUT", name="name")
+    page.keyboard.type("Mini LM")
     # Register: a bad name is refused beside its field, then the checkpoint registers and its inspection finishes live.
-    page.click("nav >> text=Models")
     form = page.locator("#register-form")
-    form.locator("input[name=name]").fill("Mini LM")
     form.locator("select[name=kind]").select_option("embedding")
     form.locator("select[name=host]").select_option(stack.host_name)
     form.locator("input[name=path]").fill(str(minilm_path))
@@ -272,6 +292,23 @@ def test_operator_makes_an_alias_and_a_key_in_the_browser_and_the_key_works_unti
         return False
 
     wait_for(refused, 5, "the revoked key to be refused")
+
+    # A personal API token: made on the tokens page, shown once, works on the API until revoked.
+    page.click("nav >> text=API tokens")
+    page.fill("#token-form input[name=name]", "notebook")
+    page.click("#token-form button[type=submit]")
+    token = page.locator("#new-secret").inner_text().strip()
+    assert token.startswith("gt-")
+    headers = {"Authorization": f"Bearer {token}"}
+    assert requests.get(f"{stack.web_url}/api/hosts/", headers=headers, timeout=10).status_code == 200
+    screenshot("tokens")
+    page.click("#tokens button[aria-label='Revoke notebook']")
+    expect(page.locator("#tokens tr", has_text="notebook")).to_contain_text("revoked")
+    wait_for(
+        lambda: requests.get(f"{stack.web_url}/api/hosts/", headers=headers, timeout=10).status_code == 401,
+        5,
+        "the revoked token to be refused",
+    )
 
 
 @pytest.fixture
