@@ -164,21 +164,11 @@ Gantry.deployForm = (root, options) => {
 
   // The server's field paths say models[i] for the i-th model sent; the page's rows keep their own numbers.
   function showErrors(errors, fieldsets) {
-    for (const slot of root.querySelectorAll("[data-error-for]")) slot.textContent = "";
-    for (const element of root.querySelectorAll("[aria-invalid]")) element.removeAttribute("aria-invalid");
-    const general = [];
-    for (const [path, messages] of Object.entries(errors || {})) {
+    Gantry.showFieldErrors(root, errors, (path) => {
       const match = path.match(/^models\[(\d+)\](.*)$/);
-      let where = path;
-      if (match && fieldsets[Number(match[1])]) where = `models[${fieldsets[Number(match[1])].dataset.row}]${match[2]}`;
-      const slot = root.querySelector(`[data-error-for="${CSS.escape(where)}"]`);
-      const element = root.querySelector(`[name="${CSS.escape(where)}"]`);
-      if (element) element.setAttribute("aria-invalid", "true");
-      if (slot) slot.textContent = messages.join(" ");
-      else general.push(`${path}: ${messages.join(" ")}`);
-    }
-    const box = root.querySelector("[data-error-for=form]");
-    box.textContent = general.join("\n");
+      const row = match && fieldsets[Number(match[1])];
+      return row ? `models[${row.dataset.row}]${match[2]}` : path;
+    });
   }
 
   function bytes(n) {

@@ -165,6 +165,24 @@ const Gantry = (() => {
     }, 1000);
   }
 
+  // A form's errors as the API names them, each beside its field (``[data-error-for=<name>]``,
+  // the field marked aria-invalid) and the rest in ``[data-error-for=form]``. ``where``
+  // turns an API path into the form's field name.
+  function showFieldErrors(root, errors, where = (path) => path) {
+    for (const slot of root.querySelectorAll("[data-error-for]")) slot.textContent = "";
+    for (const element of root.querySelectorAll("[aria-invalid]")) element.removeAttribute("aria-invalid");
+    const general = [];
+    for (const [path, messages] of Object.entries(errors || {})) {
+      const name = where(path);
+      const slot = root.querySelector(`[data-error-for="${CSS.escape(name)}"]`);
+      const element = root.querySelector(`[name="${CSS.escape(name)}"]`);
+      if (element) element.setAttribute("aria-invalid", "true");
+      if (slot) slot.textContent = messages.join(" ");
+      else general.push(`${path}: ${messages.join(" ")}`);
+    }
+    root.querySelector("[data-error-for=form]").textContent = general.join("\n");
+  }
+
   // The build form: the server's preflight checks it as it changes, names each broken
   // rule beside its field, and says whether an identical engine would be reused.
   function checkBuild(form, specFields) {
@@ -181,16 +199,7 @@ const Gantry = (() => {
       const spec = Object.fromEntries(specFields.map((name) => [name, value(name)]));
       return { model: form.dataset.model, host: value("host"), image: value("image"), force: value("force"), spec };
     }
-    function show(errors) {
-      for (const slot of form.querySelectorAll("[data-error-for]")) slot.textContent = "";
-      const general = [];
-      for (const [path, messages] of Object.entries(errors || {})) {
-        const slot = form.querySelector(`[data-error-for="${CSS.escape(path.replace(/^spec\./, ""))}"]`);
-        if (slot) slot.textContent = messages.join(" ");
-        else general.push(`${path}: ${messages.join(" ")}`);
-      }
-      form.querySelector("[data-error-for=form]").textContent = general.join("\n");
-    }
+    const show = (errors) => showFieldErrors(form, errors, (path) => path.replace(/^spec\./, ""));
     async function preflight() {
       const mine = ++asked;
       try {
@@ -728,5 +737,5 @@ const Gantry = (() => {
     });
   }
 
-  return { api, text, live, swapFromServer, deploymentPage, buildPage, modelPage, dashboard };
+  return { api, text, live, swapFromServer, showFieldErrors, deploymentPage, buildPage, modelPage, dashboard };
 })();

@@ -11,7 +11,7 @@ compiles twice.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -25,9 +25,16 @@ from deployments.permissions import require_operator
 from deployments.services.telemetry import append_newest_lines
 
 
-def _resolve(
-    *, model: str, host: str, image: str, spec: dict[str, Any], time_limit_s: int | None
-) -> tuple[RegisteredModel, GpuHost, int, dict[str, Any], str, str]:
+class _Checked(NamedTuple):
+    model: RegisteredModel
+    host: GpuHost
+    time_limit_s: int
+    spec: dict[str, Any]
+    image_digest: str
+    cache_key: str
+
+
+def _resolve(*, model: str, host: str, image: str, spec: dict[str, Any], time_limit_s: int | None) -> _Checked:
     """A build request checked: the model, the host, the time limit, the normalized
     spec, the image digest and the cache key; ValidationFailed names what is wrong."""
     registered = RegisteredModel.objects.select_related("host").filter(name=model).first()
@@ -43,11 +50,15 @@ def _resolve(
     normalized = build_spec.normalize_spec(spec, model=registered, host=target, image=image)
     digest = build_spec.image_digest(target, image)
     key = build_spec.cache_key(fingerprint=registered.fingerprint, spec=normalized, image_digest=digest)
-    return registered, target, limit, normalized, digest, key
+    return _Checked(registered, target, limit, normalized, digest, key)
 
 
 def _succeeded(key: str) -> EngineBuild | None:
     return EngineBuild.objects.filter(cache_key=key, status=B.SUCCEEDED).order_by("-finished_at").first()
+
+
+def _running(key: str) -> EngineBuild | None:
+    return EngineBuild.objects.filter(cache_key=key, status__in=states.BUILD_ACTIVE).first()
 
 
 def build_preflight(
@@ -66,18 +77,15 @@ def build_preflight(
     it would compile)."""
     require_operator(user)
     try:
-        resolved = _resolve(model=model, host=host, image=image, spec=spec, time_limit_s=time_limit_s)
+        checked = _resolve(model=model, host=host, image=image, spec=spec, time_limit_s=time_limit_s)
     except ValidationFailed as exc:
         return {"valid": False, "errors": exc.errors, "spec": None, "cache_key": None, "reuse": None}
-    normalized, key = resolved[3], resolved[5]
-    done = None if force else _succeeded(key)
-    running = EngineBuild.objects.filter(cache_key=key, status__in=states.BUILD_ACTIVE).first()
     reuse = None
-    if done is not None:
+    if (done := None if force else _succeeded(checked.cache_key)) is not None:
         reuse = {"how": "cached", "build": done.pk}
-    elif running is not None:
+    elif (running := _running(checked.cache_key)) is not None:
         reuse = {"how": "joined", "build": running.pk}
-    return {"valid": True, "errors": {}, "spec": normalized, "cache_key": key, "reuse": reuse}
+    return {"valid": True, "errors": {}, "spec": checked.spec, "cache_key": checked.cache_key, "reuse": reuse}
 
 
 def build_request(
@@ -144,7 +152,7 @@ def build_request(
             outbox.enqueue_on_commit(queues.RUN_BUILD, host_name=target.name, args=[build.pk])
     except IntegrityError:
         # The same build was requested at the same moment: one row won the unique index.
-        running = EngineBuild.objects.filter(cache_key=key, status__in=states.BUILD_ACTIVE).first()
+        running = _running(key)
         if running is None:  # it finished in between; ask again
             raise ValidationFailed({"model": "an identical build just finished; request it again"}) from None
         return running, "joined"

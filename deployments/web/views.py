@@ -4,6 +4,7 @@ static/gantry.js over the REST API and the websocket."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -12,6 +13,7 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db.models import QuerySet
+from django.forms import Form
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 
@@ -63,7 +65,6 @@ def dashboard(request: HttpRequest) -> HttpResponse:
             "hosts": hosts,
             "models": selectors.model_list(),
             "deployments": deployments,
-            "colors": colors,
             "can_operate": can_operate(request.user),
         },
     )
@@ -138,8 +139,17 @@ def model_detail(request: HttpRequest, pk: int) -> HttpResponse:
 ROWS_PER_PAGE = 100
 
 
-def _cursor_page(request: HttpRequest, rows: QuerySet, before: int | None) -> tuple[list, str | None]:
-    """A page of ``rows`` (newest first) below the id ``before``, and the query string of the next older page."""
+def _filtered_page(request: HttpRequest, form: Form, rows: QuerySet, filter_rows: Callable) -> tuple[list, str | None]:
+    """A page of ``rows`` (newest first) filtered by ``form`` through ``filter_rows``
+    (none when the filters are invalid: the form says why), below the id ``before``,
+    and the query string of the next older page."""
+    before = None
+    if form.is_valid():
+        given = {k: v for k, v in form.cleaned_data.items() if v not in (None, "")}
+        before = given.pop("before", None)
+        rows = filter_rows(rows, **given)
+    elif form.is_bound:
+        rows = rows.none()
     if before:
         rows = rows.filter(id__lt=before)
     page = list(rows[: ROWS_PER_PAGE + 1])
@@ -155,15 +165,7 @@ def _cursor_page(request: HttpRequest, rows: QuerySet, before: int | None) -> tu
 def build_list(request: HttpRequest) -> HttpResponse:
     """Engine builds, newest first, by model, status and host."""
     form = BuildFilterForm(request.GET or None)
-    rows = selectors.build_list().order_by("-id")
-    before = None
-    if form.is_valid():
-        given = {k: v for k, v in form.cleaned_data.items() if v not in (None, "")}
-        before = given.pop("before", None)
-        rows = selectors.build_filter(rows, **given)
-    elif form.is_bound:
-        rows = rows.none()
-    builds, older = _cursor_page(request, rows, before)
+    builds, older = _filtered_page(request, form, selectors.build_list().order_by("-id"), selectors.build_filter)
     return render(request, "deployments/builds.html", {"form": form, "builds": builds, "older": older})
 
 
@@ -172,14 +174,7 @@ def event_list(request: HttpRequest) -> HttpResponse:
     """The audit timeline, newest first, filtered by object, user and kind; older pages by cursor."""
     form = EventFilterForm(request.GET or None)
     rows = selectors.event_list().select_related("actor", "deployment", "build", "model").order_by("-id")
-    before = None
-    if form.is_valid():
-        given = {k: v for k, v in form.cleaned_data.items() if v not in (None, "")}
-        before = given.pop("before", None)
-        rows = selectors.event_filter(rows, **given)
-    elif form.is_bound:
-        rows = rows.none()
-    events, older = _cursor_page(request, rows, before)
+    events, older = _filtered_page(request, form, rows, selectors.event_filter)
     return render(request, "deployments/events.html", {"form": form, "events": events, "older": older})
 
 
