@@ -77,6 +77,10 @@ DATABASES = {
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # The demo's worker and web server write concurrently: wait for the lock.
     DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+    # Take the write lock when a transaction begins: a deferred one that tries to
+    # write after another process wrote fails at once with "database is locked",
+    # whatever the timeout (seen from the demo's outbox sender).
+    DATABASES["default"]["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
 elif DATABASE_POOL_SIZE:
     if DATABASES["default"]["CONN_MAX_AGE"]:
         raise ImproperlyConfigured("DATABASE_CONN_MAX_AGE: must be 0 with a pool (DATABASE_POOL_SIZE=0 turns it off)")
