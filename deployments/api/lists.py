@@ -118,19 +118,35 @@ class ListEndpoint(ListModelMixin, GenericAPIView):
     def query(self) -> dict[str, Any]:
         """The query parameters, checked: names, page size, ordering and filters."""
         params = self.request.query_params
-        filters = self.query_class()
         paging = {"cursor"} if issubclass(self.pagination_class, CursorPagination) else {"offset"}
-        known = set(filters.fields) | paging | {"limit", "ordering"}
-        errors: dict[str, list[str]] = {
-            name: ["is not a known query parameter"] for name in sorted(set(params) - known)
-        }
-        errors.update(_paging_errors(params, self.ordering_fields))
-        checked = self.query_class(data={k: v for k, v in params.items() if k in filters.fields})
-        if not checked.is_valid():
-            errors.update(checked.errors)
-        if errors:
-            raise ValidationError(errors)
-        return dict(checked.validated_data)
+        return checked_query(
+            self.query_class,
+            params,
+            also=paging | {"limit", "ordering"},
+            errors=_paging_errors(params, self.ordering_fields),
+        )
+
+
+def checked_query(
+    query_class: type[serializers.Serializer],
+    params: Any,
+    *,
+    also: set[str] | frozenset[str] = frozenset(),
+    errors: dict[str, list[str]] | None = None,
+) -> dict[str, Any]:
+    """Query parameters checked by ``query_class`` (``also`` names others the
+    caller checks itself): an unknown name or a bad value is a 400 that names it."""
+    fields = set(query_class().fields)
+    found: dict[str, list[str]] = {
+        name: ["is not a known query parameter"] for name in sorted(set(params) - fields - set(also))
+    }
+    found.update(errors or {})
+    checked = query_class(data={k: v for k, v in params.items() if k in fields})
+    if not checked.is_valid():
+        found.update(checked.errors)
+    if found:
+        raise ValidationError(found)
+    return dict(checked.validated_data)
 
 
 def _paging_errors(params: Any, ordering_fields: tuple[str, ...]) -> dict[str, list[str]]:
