@@ -13,7 +13,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv frontend demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages
+.PHONY: venv frontend aiperf demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,11 @@ venv: $(STAMP)
 frontend:
 	scripts/ensure-frontend.sh
 
-demo: venv frontend
+# The load generator (AIPerf, pinned by aiperf.lock) in its own environment, .aiperf/.
+aiperf:
+	scripts/ensure-aiperf.sh
+
+demo: venv frontend aiperf
 	scripts/ensure-packages.sh redis-server
 	mkdir -p var/models
 	test -s var/secret_key || (umask 077; $(PY) -c "import secrets; print(secrets.token_urlsafe(48))" > var/secret_key)
@@ -79,7 +83,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: venv lint frontend
+test: venv lint frontend aiperf
 	scripts/ensure-services.sh
 	scripts/ensure-packages.sh chromium
 	scripts/ensure-docker.sh
