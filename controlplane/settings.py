@@ -129,6 +129,10 @@ GANTRY_BUILD_LOG_LINES = env_int("GANTRY_BUILD_LOG_LINES", 5000, minimum=100)
 GANTRY_BUILD_STALE_AFTER = env_int("GANTRY_BUILD_STALE_AFTER", 120, minimum=30)
 # Native builds: the python that has tensorrt_llm installed, and its examples folder.
 GANTRY_TRTLLM_PYTHON = env_str("GANTRY_TRTLLM_PYTHON", "")
+# Load tests: AIPerf in its own environment on each GPU host (scripts/ensure-aiperf.sh),
+# and the address that host's worker reaches the gateway at.
+GANTRY_AIPERF = env_str("GANTRY_AIPERF", str(BASE_DIR / ".aiperf" / "bin" / "aiperf"))
+GANTRY_GATEWAY_URL = env_str("GANTRY_GATEWAY_URL", "http://127.0.0.1:8000").rstrip("/")
 GANTRY_TRTLLM_EXAMPLES_DIR = env_str("GANTRY_TRTLLM_EXAMPLES_DIR", "")
 
 INSTALLED_APPS = [
@@ -148,6 +152,7 @@ INSTALLED_APPS = [
     "deployments",
     "playground",
     "gateway",
+    "loadtests",
 ]
 
 MIDDLEWARE = [
@@ -284,7 +289,12 @@ CELERY_BEAT_SCHEDULE = {
         "task": "deployments.tasks.sweep_hosts",
         "schedule": float(GANTRY_HEARTBEAT_INTERVAL),
         "options": {"queue": "control", "expires": float(GANTRY_HEARTBEAT_INTERVAL)},
-    }
+    },
+    "reap-load-tests": {
+        "task": "loadtests.tasks.reap_runs",
+        "schedule": 30.0,
+        "options": {"queue": "control", "expires": 30.0},
+    },
 }
 
 LOGGING = {

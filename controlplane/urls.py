@@ -21,8 +21,10 @@ urlpatterns = [
     path("api/", include("playground.urls")),
     path("api/", include("gateway.urls")),
     path("api/", include("access.urls")),
+    path("api/", include("loadtests.urls")),
     path("gateway/", gateway_page, name="gateway"),
     path("tokens/", tokens_page, name="tokens"),
+    path("", include("loadtests.web_urls")),
     path("", include("deployments.web.urls")),
 ]
 

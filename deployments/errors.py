@@ -35,3 +35,8 @@ class TransientError(GantryError):
 
 class PermanentError(GantryError):
     """An outside system refused in a way that retrying will not fix."""
+
+
+class ConfirmationRequired(InvalidTransition):
+    """The action would disturb others (a load test on a deployment real clients
+    use): ask again, confirmed."""

@@ -14,6 +14,8 @@ RUN_BUILD = "workers.tasks.run_build"
 # Remove what a deleted deployment or build left on its host's disk.
 FORGET_DEPLOYMENT = "workers.tasks.forget_deployment"
 FORGET_BUILD = "workers.tasks.forget_build"
+# Run a load test of a deployed model from its host (loadtests).
+RUN_LOADTEST = "workers.tasks.run_loadtest"
 # The control plane's periodic work (its beat runs it on queue "control", see settings).
 SWEEP_HOSTS = "deployments.tasks.sweep_hosts"
 

@@ -23,6 +23,7 @@ const Gantry = (() => {
     if (!response.ok) {
       const error = new Error(data.detail || `${response.status} ${response.statusText}`);
       error.status = response.status;
+      error.code = data.code;  // machine-readable: confirmation_required, conflict, invalid, ...
       error.errors = data.errors;  // each broken rule by field, as the API names it
       throw error;
     }
@@ -386,7 +387,10 @@ const Gantry = (() => {
     const charts = chartBox && window.uPlot ? Gantry.metricCharts(chartBox, id) : null;
     live(`/ws/deployments/${id}/`, {
       indicator,
-      resync: refresh,
+      resync: async (why) => {
+        await refresh(why);
+        document.dispatchEvent(new CustomEvent("gantry:resync"));
+      },
       onMessage: async (event) => {
         if (event.type === "metrics") {
           renderMetrics(event.at, event.models);
@@ -398,6 +402,8 @@ const Gantry = (() => {
           showReadiness(badge.textContent);
         }
         if (event.type === "host") render(await api("GET", `/api/deployments/${id}/`));  // its host went or came back
+        // Load tests of this deployment follow its group; their section listens (static/loadtests.js).
+        if (event.type === "loadtest") document.dispatchEvent(new CustomEvent("gantry:loadtest", { detail: event }));
         if (event.type !== "event") return;
         addEvent(event);
         if (event.to_status) {
@@ -737,5 +743,5 @@ const Gantry = (() => {
     });
   }
 
-  return { api, text, live, swapFromServer, showFieldErrors, deploymentPage, buildPage, modelPage, dashboard };
+  return { api, text, live, setStatus, swapFromServer, showFieldErrors, deploymentPage, buildPage, modelPage, dashboard };
 })();

@@ -128,8 +128,15 @@ def _wait(condition: Callable[[], bool], timeout_s: float) -> bool:
         time.sleep(0.1)
 
 
-def terminate_group(pgid: int, *, grace_s: float = 10.0, leader_running: Callable[[], bool] | None = None) -> None:
-    """SIGTERM the group led by ``pgid``; SIGKILL whatever is left after ``grace_s``.
+def terminate_group(
+    pgid: int,
+    *,
+    grace_s: float = 10.0,
+    leader_running: Callable[[], bool] | None = None,
+    first_signal: signal.Signals = signal.SIGTERM,
+) -> None:
+    """Signal the group led by ``pgid`` (SIGTERM, or ``first_signal``: SIGINT
+    asks a program to stop as Ctrl-C would); SIGKILL whatever is left after ``grace_s``.
 
     ``leader_running`` says whether the leader is still the process we mean
     (default: any member of the group lives); the group is signalled only then,
@@ -139,7 +146,7 @@ def terminate_group(pgid: int, *, grace_s: float = 10.0, leader_running: Callabl
     """
     running = leader_running or (lambda: bool(group_members(pgid)))
     if running():
-        _signal_group(pgid, signal.SIGTERM)
+        _signal_group(pgid, first_signal)
         _wait(lambda: not running(), grace_s)
     # Children (stubs, ranks) normally exit with their leader; make sure none is left.
     if running() or group_members(pgid):

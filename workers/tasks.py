@@ -8,7 +8,10 @@ from celery import shared_task
 
 from deployments import queues
 from deployments.services import registered_models
-from workers import agent  # noqa: F401 - importing agent connects it to worker start
+from workers import (
+    agent,  # noqa: F401 - importing agent connects it to worker start
+    loadtest,
+)
 from workers.build import run
 from workers.deploy import lifecycle
 from workers.jobs import run_job, source
@@ -60,3 +63,9 @@ def inspect(model_id: int) -> None:
 @shared_task(name=queues.RUN_BUILD, soft_time_limit=None, time_limit=None)
 def run_build(build_id: int) -> None:
     run.run_build(build_id)
+
+
+# A load test bounds each of its steps itself (loadtests.workload): no Celery limit.
+@shared_task(name=queues.RUN_LOADTEST, soft_time_limit=None, time_limit=None)
+def run_loadtest(run_id: int) -> None:
+    loadtest.run(run_id)

@@ -12,6 +12,7 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from deployments.errors import (
+    ConfirmationRequired,
     GantryError,
     InvalidTransition,
     NotFound,
@@ -26,6 +27,7 @@ _STATUS_FOR: dict[type[GantryError], tuple[int, str]] = {
     ValidationFailed: (status.HTTP_400_BAD_REQUEST, "invalid"),
     NotFound: (status.HTTP_404_NOT_FOUND, "not_found"),
     PermissionDenied: (status.HTTP_403_FORBIDDEN, "permission_denied"),
+    ConfirmationRequired: (status.HTTP_409_CONFLICT, "confirmation_required"),
     InvalidTransition: (status.HTTP_409_CONFLICT, "conflict"),
     # A model server that cannot be reached may be back soon; one that refused the request will refuse it again.
     TransientError: (status.HTTP_503_SERVICE_UNAVAILABLE, "unavailable"),

@@ -331,6 +331,8 @@ def make_stack(
     settings.GANTRY_TRITON_PORT_RANGE = (triton_base, triton_base + 29)
     web_port, live_port = free_port(), free_port()
     env["GANTRY_LIVE_PORT"] = str(live_port)
+    # The worker's load tests go through this stack's gateway, with the AIPerf make test installs.
+    env["GANTRY_GATEWAY_URL"] = f"http://127.0.0.1:{web_port}"
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
     # As the product runs: the web server (gunicorn, two processes) and the live server.

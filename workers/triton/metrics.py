@@ -22,6 +22,7 @@ _MODEL_COUNTERS = {
     "nv_inference_queue_duration_us": "queue_us",
     "nv_inference_compute_infer_duration_us": "compute_us",
 }
+_KV_CACHE_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"
 _GPU_GAUGES = {
     "nv_gpu_utilization": "utilization",
     "nv_gpu_memory_used_bytes": "memory_used_bytes",
@@ -43,6 +44,8 @@ class Scrape:
     at: float
     models: dict[str, ModelCounters] = field(default_factory=dict)
     gpus: dict[str, dict[str, float]] = field(default_factory=dict)  # by GPU uuid
+    # TensorRT-LLM's paged KV cache, summed over its models: max, free, used blocks (where present).
+    kv_cache_blocks: dict[str, float] = field(default_factory=dict)
 
 
 def parse(text: str, *, at: float | None = None) -> Scrape:
@@ -58,6 +61,9 @@ def parse(text: str, *, at: float | None = None) -> Scrape:
                 setattr(counters, attribute, getattr(counters, attribute) + sample.value)
             elif name in _GPU_GAUGES and "gpu_uuid" in sample.labels:
                 result.gpus.setdefault(sample.labels["gpu_uuid"], {})[_GPU_GAUGES[name]] = sample.value
+            elif name == _KV_CACHE_BLOCKS and sample.labels.get("kv_cache_block_type") in ("max", "free", "used"):
+                kind = sample.labels["kv_cache_block_type"]
+                result.kv_cache_blocks[kind] = result.kv_cache_blocks.get(kind, 0.0) + sample.value
     return result
 
 

@@ -89,6 +89,8 @@ class Command(BaseCommand):
             call_command("migrate", interactive=False, verbosity=0)
             call_command("collectstatic", interactive=False, verbosity=0)
             admin_line = self._ensure_admin()
+            # The worker's load tests reach the gateway on the demo's own web server.
+            os.environ.setdefault("GANTRY_GATEWAY_URL", f"http://127.0.0.1:{options['port']}")
             self._spawn("worker", host_worker_argv(sys.executable, settings.GANTRY_HOST_NAME))
             # Pages and API on the multi-process web server, websockets on their own
             # live server one port up (controlplane.serving); the pages know it.

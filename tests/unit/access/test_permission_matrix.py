@@ -23,6 +23,7 @@ from deployments.services import builds
 from deployments.ws_auth import TokenOrSessionAuthMiddlewareStack
 from gateway import services as gateway
 from gateway.models import Alias
+from loadtests.models import LoadTest
 from tests import factories
 
 ROLES = ("anonymous", "viewer", "operator", "admin")
@@ -62,9 +63,11 @@ def world(llama, minilm, host, operator) -> dict[str, Any]:  # noqa: ANN001
     }
     users["admin"].groups.add(Group.objects.get_or_create(name=ADMIN_GROUP)[0])
     token = token_create(user=users["viewer"], name="t").token
+    run = LoadTest.objects.create(deployment=deployment, deployment_name=deployment.name, alias="chat",
+                                  triton_name="minilm", kind="embedding", workload={}, status="succeeded")  # fmt: skip
     ids = {
         "deployments": deployment.pk, "builds": build.pk, "models": minilm.pk, "aliases": alias.pk,
-        "keys": key.pk, "tokens": token.pk, "hosts": host.name,
+        "keys": key.pk, "tokens": token.pk, "hosts": host.name, "loadtests": run.pk,
     }  # fmt: skip
     return {"users": users, "ids": ids}
 
@@ -106,7 +109,7 @@ def test_every_api_operation_answers_each_role_by_the_same_rule(role, world):  #
 
 
 PAGES = ["/", "/models/{models}/", "/builds/{builds}/", "/deployments/{deployments}/", "/gateway/", "/tokens/",
-         "/api/docs/", "/api/redoc/"]  # fmt: skip
+         "/api/docs/", "/api/redoc/", "/loadtests/", "/loadtests/{loadtests}/"]  # fmt: skip
 
 
 @pytest.mark.parametrize("role", ROLES)

@@ -1,0 +1,124 @@
+"""Starting, cancelling and finishing load tests: one at a time per deployment,
+confirmed while real gateway keys use the model, and a context that keeps what
+was under test."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.utils import timezone
+
+from deployments import queues
+from deployments.errors import ConfirmationRequired, InvalidTransition, ValidationFailed
+from deployments.models import OutboxMessage
+from gateway import services as gateway
+from gateway.models import Alias
+from loadtests import services
+from loadtests.models import LoadTest, RunStatus
+from tests import factories
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def ready(minilm, host, operator):  # noqa: ANN001, ANN201
+    deployment = factories.deployment(host=host, user=operator)
+    deployment = factories.deployment_in(deployment, "launching", "loading", "ready")
+    Alias.objects.create(name="embed", deployment=deployment, triton_name="minilm")
+    return deployment
+
+
+def _start(ready, operator, **kwargs):  # noqa: ANN001, ANN003, ANN202
+    spec = kwargs.pop("spec", {"request_count": 5})
+    return services.run_create(deployment_id=ready.pk, alias="embed", spec=spec, user=operator, **kwargs)
+
+
+def test_a_run_is_queued_on_its_hosts_worker_with_what_was_under_test(ready, operator):  # noqa: ANN001
+    run = _start(ready, operator)
+    assert run.status == RunStatus.QUEUED and run.kind == "embedding" and run.triton_name == "minilm"
+    assert run.context["deployment"]["generation"] == ready.generation
+    assert [p["triton_name"] for p in run.context["placements"]] == ["minilm"]
+    assert run.context["placements"][0]["under_test"] and run.context["gantry_version"]
+    message = OutboxMessage.objects.get(task=queues.RUN_LOADTEST)
+    assert message.queue == queues.host_queue(ready.host.name) and message.args == [run.pk]
+    assert ready.events.filter(kind="loadtest.queued").exists()
+
+
+def test_a_second_run_on_the_same_deployment_is_refused_while_one_is_active(ready, operator):  # noqa: ANN001
+    first = _start(ready, operator)
+    with pytest.raises(InvalidTransition, match=f"load test {first.pk} is still queued"):
+        _start(ready, operator)
+    services.run_cancel(run_id=first.pk, user=operator)
+    assert _start(ready, operator).status == RunStatus.QUEUED
+
+
+def test_live_gateway_keys_on_the_model_need_a_confirmation(ready, operator):  # noqa: ANN001
+    gateway.key_create(name="production app", user=operator, alias_names=["embed"])
+    with pytest.raises(ConfirmationRequired, match="production app"):
+        _start(ready, operator)
+    assert not LoadTest.objects.exists()
+    assert _start(ready, operator, confirm=True).status == RunStatus.QUEUED
+
+
+def test_revoked_expired_and_load_test_keys_need_no_confirmation(ready, operator):  # noqa: ANN001
+    revoked = gateway.key_create(name="old", user=operator, all_aliases=True).key
+    gateway.key_revoke(key_id=revoked.pk, user=operator)
+    expired = gateway.key_create(name="expired", user=operator, all_aliases=True).key
+    type(expired).objects.filter(pk=expired.pk).update(expires_at=timezone.now() - dt.timedelta(minutes=1))
+    gateway.key_create(name=f"{services.KEY_NAME_PREFIX}9", user=operator, alias_names=["embed"])
+    assert _start(ready, operator).status == RunStatus.QUEUED
+
+
+def test_a_deployment_that_is_not_ready_is_not_load_tested(minilm, host, operator):  # noqa: ANN001
+    stopped = factories.deployment(host=host, user=operator)
+    Alias.objects.create(name="embed", deployment=stopped, triton_name="minilm")
+    with pytest.raises(InvalidTransition, match="needs it ready"):
+        _start(stopped, operator)
+
+
+def test_an_alias_of_another_deployment_is_refused_by_field(ready, operator):  # noqa: ANN001
+    with pytest.raises(ValidationFailed) as refused:
+        services.run_create(deployment_id=ready.pk, alias="nope", spec={"request_count": 5}, user=operator)
+    assert "embed" in refused.value.errors["model"][0]
+
+
+def test_a_viewer_cannot_start_a_run(ready, viewer):  # noqa: ANN001
+    from deployments.errors import PermissionDenied
+
+    with pytest.raises(PermissionDenied):
+        _start(ready, viewer)
+
+
+def test_a_running_run_is_asked_to_stop_and_ends_cancelled_keeping_its_steps(ready, operator):  # noqa: ANN001
+    run = _start(ready, operator)
+    assert services.run_claim(run_id=run.pk, source="worker:h") is not None
+    assert services.run_claim(run_id=run.pk, source="worker:h") is None  # a second delivery does nothing
+    now = timezone.now()
+    services.point_save(run_id=run.pk, target="gateway", level=1, complete=True, summary={"request_throughput": 3},
+                        records=[], server={}, started_at=now, finished_at=now)  # fmt: skip
+    assert services.run_cancel(run_id=run.pk, user=operator).status == RunStatus.CANCELLING
+    assert services.run_report(run_id=run.pk, progress={"step": 2}) == RunStatus.CANCELLING
+    ended = services.run_finish(run_id=run.pk, status=RunStatus.CANCELLED, message="cancelled", source="worker:h")
+    assert ended.status == RunStatus.CANCELLED and ended.finished_at is not None
+    assert run.points.count() == 1
+    with pytest.raises(InvalidTransition):
+        services.run_cancel(run_id=run.pk, user=operator)
+
+
+def test_a_run_whose_worker_went_quiet_is_failed_by_the_reaper(ready, operator):  # noqa: ANN001
+    run = _start(ready, operator)
+    services.run_claim(run_id=run.pk, source="worker:h")
+    LoadTest.objects.filter(pk=run.pk).update(heartbeat_at=timezone.now() - dt.timedelta(minutes=5))
+    assert services.runs_reap() == 1
+    failed = LoadTest.objects.get(pk=run.pk)
+    assert failed.status == RunStatus.FAILED and "stopped reporting" in failed.status_message
+
+
+def test_an_active_run_is_not_deleted(ready, operator):  # noqa: ANN001
+    run = _start(ready, operator)
+    with pytest.raises(InvalidTransition):
+        services.run_delete(run_id=run.pk, user=operator)
+    services.run_cancel(run_id=run.pk, user=operator)
+    services.run_delete(run_id=run.pk, user=operator)
+    assert not LoadTest.objects.exists()
