@@ -66,7 +66,8 @@
     for (const run of runs) {
       for (const target of ["gateway", "triton"]) {
         const points = run.points.filter((p) => p.target === target && p.figures.request_throughput != null);
-        if (points.length) lines.push({ label: `#${run.id} ${target}`, points });
+        // A curve needs two steps; a single step's figures are in the table.
+        if (points.length > 1) lines.push({ label: `#${run.id} ${target}`, points });
       }
     }
     if (!lines.length) return;
@@ -276,6 +277,8 @@
       message.textContent = run.status_message;
       progress.textContent = ACTIVE.includes(run.status) ? progressWords(run.progress) : "";
       document.getElementById("log-tail").textContent = run.log_tail;
+      const generator = run.context.load_generator;
+      if (generator) document.getElementById("load-generator").textContent = `${generator.name} ${generator.version}`;
       const shaped = [{ id: run.id, points: run.points.map((p) => ({
         target: p.target, level: p.level, complete: p.complete,
         figures: Object.fromEntries(columns.map((c) => [c.key, figureOf(p.summary, c.key)])),
