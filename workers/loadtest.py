@@ -43,6 +43,7 @@ from workers.triton import metrics
 log = logging.getLogger(__name__)
 
 KEY_ENV = "GANTRY_LOADTEST_KEY"
+_NOT_FOR_AIPERF = ("DJANGO", "DATABASE", "SECRET", "GANTRY", "REDIS", "CELERY", "POSTGRES")
 # AIPerf starts a dozen processes and loads the tokenizer before the first request.
 STARTUP_ALLOWANCE_S = 120
 # Requests still open when a timed step ends get this long to finish.
@@ -398,7 +399,8 @@ def _step(
     config_path = workdir / "aiperf.json"
     config_path.write_text(json.dumps(config, indent=1))
     env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("DJANGO", "DATABASE", "SECRET", "GANTRY"))},
+        # Gantry's own settings (database and broker addresses with their passwords) stay here.
+        **{k: v for k, v in os.environ.items() if not k.startswith(_NOT_FOR_AIPERF)},
         KEY_ENV: key,
         "HF_HUB_DISABLE_TELEMETRY": "1",
     }
