@@ -7,6 +7,7 @@ exported; cancelled midway; and a deployment stopped under a run."""
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import io
 import time
 from pathlib import Path
@@ -37,13 +38,22 @@ def _ended(stack: Stack, run_id: int, timeout_s: float = 300) -> dict:
     return wait_for(lambda: (r := _run(stack, run_id))["status"] in ENDED and r, timeout_s, f"load test {run_id}")
 
 
-def _running_a_while(stack: Stack, run_id: int) -> dict:
-    """The run once its first step has sent load for a few seconds."""
-    return wait_for(
-        lambda: (r := _run(stack, run_id))["status"] == "running" and r["progress"].get("elapsed_s", 0) >= 6 and r,
-        180,
-        f"load test {run_id} under way",
-    )
+def _under_load(stack: Stack, run_id: int, deployment: dict, model: str) -> dict:
+    """The run once Triton has served its load for a while (AIPerf takes seconds to
+    start, longer on a busy machine): a few metric samples since it began with
+    requests of ``model``."""
+    run = wait_for(lambda: (r := _run(stack, run_id))["status"] == "running" and r, 180, f"load test {run_id} running")
+    metrics = f"{stack.web_url}/api/deployments/{deployment['id']}/metrics/?kind=model&ordering=-id&limit=50"
+
+    def loaded() -> bool:
+        samples = stack.session().get(metrics, timeout=10).json()["results"]
+        began = dt.datetime.fromisoformat(run["started_at"])
+        busy = [s for s in samples if s["subject"] == model and dt.datetime.fromisoformat(s["at"]) > began
+                and (s["values"].get("request_rate") or 0) > 0]  # fmt: skip
+        return len(busy) >= 3
+
+    wait_for(loaded, 180, f"Triton serving load test {run_id}", interval_s=1)
+    return _run(stack, run_id)
 
 
 def test_load_tests_measure_through_the_gateway_and_triton_and_compare(
@@ -151,7 +161,7 @@ def test_load_tests_measure_through_the_gateway_and_triton_and_compare(
 
     # Cancelled midway: the run ends cancelled, keeping what the cut step measured.
     long = _start(stack, deployment, "chat", {"levels": [1, 2], "duration_s": 60, "output_tokens": 8})
-    _running_a_while(stack, long["id"])
+    _under_load(stack, long["id"], deployment, "tiny")
     cancelled = http.post(f"{url}{long['id']}/cancel/", timeout=10)
     assert cancelled.status_code == 202 and cancelled.json()["status"] == "cancelling"
     began = time.monotonic()
@@ -162,7 +172,7 @@ def test_load_tests_measure_through_the_gateway_and_triton_and_compare(
 
     # The deployment stopped under a run: the run fails with the reason and keeps what it measured.
     doomed = _start(stack, deployment, "embedder", {"levels": [1], "duration_s": 60})
-    _running_a_while(stack, doomed["id"])
+    _under_load(stack, doomed["id"], deployment, "minilm")
     assert http.post(f"{stack.web_url}/api/deployments/{deployment['id']}/stop/", timeout=30).status_code == 202
     doomed = _ended(stack, doomed["id"], 120)
     assert doomed["status"] == "failed" and "left ready" in doomed["status_message"], doomed["status_message"]
