@@ -42,8 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.api import _seed, _server, _setup  # noqa: E402
-from bench.common import percentile  # noqa: E402
+from bench.api import _seed  # noqa: E402
+from bench.common import percentile, server, setup_postgres  # noqa: E402
 
 # As static/gantry.js reconnects.
 RECONNECT_FIRST_S, RECONNECT_MAX_S, RECONNECT_JITTER_S = 0.5, 0.75, 0.25
@@ -299,7 +299,7 @@ def main() -> None:
 
 
 def _run(args: argparse.Namespace, redis: Redis) -> None:
-    _setup(args.database_url)
+    setup_postgres(args.database_url)
     token, deployment_id = _seed()
     from controlplane.serving import web_argv
     from deployments import events
@@ -312,7 +312,7 @@ def _run(args: argparse.Namespace, redis: Redis) -> None:
     floor = FloorPublisher()
     live_argv = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(live), "bench.floor.asgi:application"]
     print(f"live server: daphne + channels_redis on Redis {redis.port}; {os.cpu_count()} cores")
-    with _server(web_argv(sys.executable, bind="127.0.0.1", port=web), web), _server(live_argv, live):
+    with server(web_argv(sys.executable, bind="127.0.0.1", port=web), web), server(live_argv, live):
         print("\nevent latency, publish to receipt (floor: a minimal consumer fed by a bare group_send)")
         for clients, rate in ((10, 20.0), (100, 20.0), (1000, 1.0)):
             count = max(5, int(rate * args.seconds))
