@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import percentile, server, setup_postgres  # noqa: E402
+from bench.common import add_database_argument, percentile, server, setup_postgres  # noqa: E402
 
 BUILDS, EVENTS = 10_000, 100_000
 
@@ -157,10 +157,7 @@ def _line(name: str, figures: list[float], floor: list[float] | None = None) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get("BENCH_DATABASE_URL", "postgres://postgres:postgres@127.0.0.1:5432/gantry_bench"),
-    )
+    add_database_argument(parser)
     parser.add_argument("--port", type=int, default=18700, help="web server port (live: +1, single daphne: +2)")
     parser.add_argument("--seconds", type=int, default=10, help="per wrk run")
     parser.add_argument("--connections", type=int, default=16)

@@ -23,6 +23,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def add_database_argument(parser: Any) -> None:
+    """``--database-url``: the PostgreSQL database a fleet-scale benchmark creates and seeds."""
+    parser.add_argument(
+        "--database-url",
+        default=os.environ.get("BENCH_DATABASE_URL", "postgres://postgres:postgres@127.0.0.1:5432/gantry_bench"),
+    )
+
+
 def setup_postgres(database_url: str) -> None:
     """Django on the PostgreSQL database at ``database_url`` (made if missing, migrated), with
     the benchmark floors' views beside Gantry's (bench.floor.settings)."""

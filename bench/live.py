@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.api import _seed  # noqa: E402
-from bench.common import percentile, server, setup_postgres  # noqa: E402
+from bench.common import add_database_argument, percentile, server, setup_postgres  # noqa: E402
 
 # As static/gantry.js reconnects.
 RECONNECT_FIRST_S, RECONNECT_MAX_S, RECONNECT_JITTER_S = 0.5, 0.75, 0.25
@@ -279,10 +279,7 @@ async def _resync_after_restart(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get("BENCH_DATABASE_URL", "postgres://postgres:postgres@127.0.0.1:5432/gantry_bench"),
-    )
+    add_database_argument(parser)
     parser.add_argument("--port", type=int, default=18800, help="web server port (live: +1, Redis: +2)")
     parser.add_argument("--seconds", type=float, default=10, help="per latency run")
     args = parser.parse_args()

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import percentile, server, setup_postgres  # noqa: E402
+from bench.common import add_database_argument, percentile, server, setup_postgres  # noqa: E402
 
 DEPLOYMENTS, EVENTS, HOSTS = 100, 100_000, 10
 
@@ -127,10 +127,7 @@ def _line(name: str, figures: list[float], floor: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get("BENCH_DATABASE_URL", "postgres://postgres:postgres@127.0.0.1:5432/gantry_bench"),
-    )
+    add_database_argument(parser)
     parser.add_argument("--port", type=int, default=18750, help="web server port (live: +1)")
     parser.add_argument("--runs", type=int, default=15)
     args = parser.parse_args()
