@@ -132,20 +132,11 @@ class LoadTestList(ListEndpoint):
         run = services.run_create(
             deployment_id=data["deployment"],
             alias=data["model"],
-            spec=_spec(request.data.get("workload") or {}, data["workload"]),
+            spec=dict(data["workload"]),  # only the fields sent: the rest take the defaults of the model's kind
             confirm=data["confirm"],
             user=request.user,
         )
         return Response(LoadTestOut(run).data, status=status.HTTP_201_CREATED)
-
-
-def _spec(sent: dict[str, Any], checked: dict[str, Any]) -> dict[str, Any]:
-    """The checked workload with only the fields the client sent (the rest take
-    the defaults of the model's kind); thresholds likewise."""
-    spec = {key: value for key, value in checked.items() if key in sent}
-    if "thresholds" in spec:
-        spec["thresholds"] = dict(spec["thresholds"])
-    return spec
 
 
 class LoadTestDetail(APIView):
@@ -204,13 +195,6 @@ class ExportQuery(StrictSerializer):
     file = serializers.ChoiceField(choices=["csv", "json"], default="csv")
 
 
-def _ids(text: str) -> list[int]:
-    parts = [part.strip() for part in text.split(",") if part.strip()]
-    if not parts or not all(part.isdigit() for part in parts) or len(parts) > selectors.MAX_COMPARED:
-        raise ValidationError({"ids": [f"1 to {selectors.MAX_COMPARED} load test ids, comma-separated"]})
-    return [int(part) for part in parts]
-
-
 class LoadTestCompare(APIView):
     """GET /api/loadtests/compare/?ids=3,5: the runs side by side (each step's
     throughput and latency percentiles) and every setting that differs."""
@@ -219,7 +203,9 @@ class LoadTestCompare(APIView):
 
     @extend_schema(parameters=[CompareQuery], responses={200: OpenApiTypes.OBJECT})
     def get(self, request: Request) -> Response:
-        return Response(selectors.comparison(_ids(checked_query(CompareQuery, request.query_params)["ids"])))
+        return Response(
+            selectors.comparison(selectors.ids_in(checked_query(CompareQuery, request.query_params)["ids"]))
+        )
 
 
 class LoadTestExport(APIView):
@@ -234,7 +220,7 @@ class LoadTestExport(APIView):
     )
     def get(self, request: Request) -> HttpResponse:
         query = checked_query(ExportQuery, request.query_params)
-        ids = _ids(query["ids"])
+        ids = selectors.ids_in(query["ids"])
         rows = selectors.export_rows(ids)
         name = "loadtests-" + "-".join(str(i) for i in ids)
         if query["file"] == "json":

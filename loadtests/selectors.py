@@ -32,6 +32,14 @@ COLUMNS = (
 )
 
 
+def ids_in(text: str) -> list[int]:
+    """The run ids of a comma-separated ``ids`` parameter (the API's and the comparison page's)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or not all(part.isdigit() for part in parts) or len(parts) > MAX_COMPARED:
+        raise ValidationFailed({"ids": f"1 to {MAX_COMPARED} load test ids, comma-separated"})
+    return [int(part) for part in parts]
+
+
 def run_list() -> QuerySet[LoadTest]:
     return LoadTest.objects.select_related("created_by").order_by("-id")
 
@@ -110,21 +118,23 @@ def comparison(run_ids: list[int]) -> dict[str, Any]:
         if any(v != values[0] for v in values[1:]):
             differences.append({"field": key, "values": values})
     return {
-        "runs": [
-            {
-                "id": run.pk,
-                "label": label(run),
-                "alias": run.alias,
-                "deployment": run.deployment_name,
-                "generation": figure(run.context, "deployment.generation"),
-                "status": run.status,
-                "workload": run.workload,
-                "points": [point_row(p) for p in points[run.pk]],
-            }
-            for run in ordered
-        ],
+        "runs": [_shown(run, points[run.pk]) for run in ordered],
         "columns": [{"key": key, "label": text} for key, text in COLUMNS],
         "differences": differences,
+    }
+
+
+def _shown(run: LoadTest, points: list[LoadPoint]) -> dict[str, Any]:
+    """A run as comparisons and exports show it: who, what, and each step's figures."""
+    return {
+        "id": run.pk,
+        "label": label(run),
+        "alias": run.alias,
+        "deployment": run.deployment_name,
+        "generation": figure(run.context, "deployment.generation"),
+        "status": run.status,
+        "workload": run.workload,
+        "points": [point_row(p) for p in points],
     }
 
 
@@ -143,9 +153,13 @@ def point_row(point: LoadPoint) -> dict[str, Any]:
 
 def export_rows(run_ids: list[int]) -> list[dict[str, Any]]:
     """One flat row per step of each run, for CSV and JSON export."""
-    compared = comparison(run_ids) if len(run_ids) > 1 else _single(run_ids[0])
+    if len(run_ids) > 1:
+        runs = comparison(run_ids)["runs"]
+    else:
+        run = run_get(run_ids[0])
+        runs = [_shown(run, points_of([run.pk])[run.pk])]
     rows = []
-    for run in compared["runs"]:
+    for run in runs:
         for point in run["points"]:
             row = {"run": run["id"], "alias": run["alias"], "deployment": run["deployment"],
                    "generation": run["generation"], "mode": run["workload"]["mode"], "target": point["target"],
@@ -153,14 +167,3 @@ def export_rows(run_ids: list[int]) -> list[dict[str, Any]]:
             row.update(point["figures"])
             rows.append(row)
     return rows
-
-
-def _single(run_id: int) -> dict[str, Any]:
-    run = run_get(run_id)
-    return {
-        "runs": [
-            {"id": run.pk, "alias": run.alias, "deployment": run.deployment_name, "workload": run.workload,
-             "generation": figure(run.context, "deployment.generation"),
-             "points": [point_row(p) for p in points_of([run.pk])[run.pk]]}
-        ]
-    }  # fmt: skip

@@ -321,8 +321,6 @@ def run_finish(*, run_id: int, status: str, message: str, source: str) -> LoadTe
     run = LoadTest.objects.filter(pk=run_id).first()
     if run is None or run.status not in ACTIVE:
         return None
-    if status == RunStatus.CANCELLED and run.status == RunStatus.RUNNING:
-        run_transition(run_id=run_id, to=RunStatus.CANCELLING, source=source, message="cancelled")
     if status == RunStatus.SUCCEEDED and run.status == RunStatus.CANCELLING:
         status = RunStatus.CANCELLED  # it finished as the cancel arrived
     try:

@@ -24,14 +24,17 @@ def loadtest_detail(request: HttpRequest, pk: int) -> HttpResponse:
         run = selectors.run_get(pk)
     except NotFound as exc:
         raise Http404(str(exc)) from exc
-    return render(request, "loadtests/detail.html", {"run": run, "can_operate": can_operate(request.user)})
+    columns = [{"key": key, "label": text} for key, text in selectors.COLUMNS]
+    return render(
+        request, "loadtests/detail.html", {"run": run, "columns": columns, "can_operate": can_operate(request.user)}
+    )
 
 
 @login_required
 def loadtest_compare(request: HttpRequest) -> HttpResponse:
-    text = request.GET.get("ids", "")
-    ids = [int(part) for part in text.split(",") if part.strip().isdigit()]
+    ids: list[int] = []
     try:
+        ids = selectors.ids_in(request.GET.get("ids", ""))
         compared = selectors.comparison(ids)
         error = ""
     except ValidationFailed as exc:

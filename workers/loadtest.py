@@ -357,7 +357,7 @@ def _run(run: LoadTest) -> None:
     if owner is None:
         raise JobFailed("the user who asked for this load test no longer exists")
     plan = workloads.steps(run.workload)
-    bound_s = sum(_step_limit_s(run.workload) for _ in plan)
+    bound_s = len(plan) * _step_limit_s(run.workload)
     key = gateway.key_create(
         name=f"{services.KEY_NAME_PREFIX}{run.pk}",
         user=owner,
