@@ -255,19 +255,12 @@
   };
 
   // --- one run's page ----------------------------------------------------------------
-  Gantry.loadTestPage = (id) => {
+  // ``columns``: the figures a step shows, as the server names them (loadtests.selectors.COLUMNS).
+  Gantry.loadTestPage = (id, columns) => {
     const root = document.getElementById("loadtest");
     const badge = root.querySelector("[data-status]");
     const progress = document.getElementById("progress");
     const message = document.getElementById("status-message");
-    const columns = [
-      { key: "request_throughput", label: "requests/s" }, { key: "output_token_throughput", label: "output tokens/s" },
-      { key: "goodput", label: "goodput" }, { key: "request_latency.p50", label: "latency p50" },
-      { key: "request_latency.p90", label: "p90" }, { key: "request_latency.p99", label: "p99" },
-      { key: "time_to_first_token.p50", label: "TTFT p50" }, { key: "time_to_first_token.p99", label: "TTFT p99" },
-      { key: "inter_token_latency.p50", label: "ITL p50" }, { key: "inter_token_latency.p99", label: "ITL p99" },
-      { key: "counted.requests", label: "requests" }, { key: "counted.errors", label: "errors" },
-    ];
     function figureOf(summary, path) {
       return path.split(".").reduce((value, part) => (value && typeof value === "object" ? value[part] : undefined), summary);
     }
