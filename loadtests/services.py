@@ -21,6 +21,7 @@ from deployments import events, outbox, queues
 from deployments.errors import ConfirmationRequired, InvalidTransition, NotFound, ValidationFailed
 from deployments.models import Deployment, DeploymentStatus
 from deployments.permissions import require_operator
+from gateway import services as gateway
 from gateway.models import Alias, ApiKey
 from loadtests import workload as workloads
 from loadtests.models import ACTIVE, ALLOWED, LoadPoint, LoadTest, RunStatus
@@ -277,6 +278,14 @@ def run_report(*, run_id: int, progress: dict[str, Any], log_tail: str | None = 
     run = LoadTest.objects.get(pk=run_id)
     _publish(run)
     return run.status
+
+
+def run_keys_revoke(*, run_id: int) -> None:
+    """Revoke the gateway key a run made for itself (when it ends, or its worker died)."""
+    for key_id in ApiKey.objects.filter(name=f"{KEY_NAME_PREFIX}{run_id}", revoked_at__isnull=True).values_list(
+        "pk", flat=True
+    ):
+        gateway.key_revoke(key_id=key_id)
 
 
 def run_note_load_generator(*, run_id: int, name: str, version: str) -> None:

@@ -21,7 +21,7 @@ from django.db import close_old_connections
 
 from deployments.queues import host_queue
 from deployments.services import hosts
-from workers import broker, nvml
+from workers import broker, loadtest, nvml
 from workers.build import executors
 from workers.build import reconcile as build_reconcile
 from workers.deploy import reconcile as deploy_reconcile
@@ -70,6 +70,7 @@ def beat_once() -> None:
     _broker.beat()
     deploy_reconcile.reconcile_host(inventory)
     build_reconcile.reconcile_builds()
+    loadtest.reconcile_runs()
 
 
 def run_forever() -> None:

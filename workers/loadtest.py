@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 KEY_ENV = "GANTRY_LOADTEST_KEY"
 _NOT_FOR_AIPERF = ("DJANGO", "DATABASE", "SECRET", "GANTRY", "REDIS", "CELERY", "POSTGRES")
+# A running load test on this host not heartbeated for this long belongs to a worker
+# that died (a live one reports every second): the agent stops what it left.
+ORPHAN_AFTER_S = 20
 # AIPerf starts a dozen processes and loads the tokenizer before the first request.
 STARTUP_ALLOWANCE_S = 120
 # Requests still open when a timed step ends get this long to finish.
@@ -320,6 +323,41 @@ class ServerSampler:
         return found
 
 
+# --- after a worker died ----------------------------------------------------------
+
+
+def run_folder(run_id: int) -> Path:
+    """Where a run's steps keep AIPerf's configuration, output and log on this host."""
+    return Path(settings.GANTRY_DATA_DIR) / "loadtests" / str(run_id)
+
+
+def reconcile_runs() -> None:
+    """Stop what a dead worker left on this host: for each load test still marked
+    running here whose heartbeat stopped, its AIPerf (if it still runs: it has a
+    process group of its own, so it outlives a SIGKILLed worker) and the run's
+    gateway key; the run fails, keeping the steps it finished."""
+    cutoff = timezone.now() - dt.timedelta(seconds=ORPHAN_AFTER_S)
+    orphans = LoadTest.objects.filter(
+        deployment__host__name=settings.GANTRY_HOST_NAME,
+        status__in=[RunStatus.RUNNING, RunStatus.CANCELLING],
+        heartbeat_at__lt=cutoff,
+    )
+    for run in orphans:
+        pid = run.progress.get("pid")
+        # AIPerf sets its process title, which hides its command line and environment:
+        # it is this run's by its working directory (a reused pid is never signalled).
+        if isinstance(pid, int) and processes.is_ours(pid, cwd_under=run_folder(run.pk)):
+            processes.terminate_group(pid, grace_s=10.0)
+        services.run_keys_revoke(run_id=run.pk)
+        services.run_finish(
+            run_id=run.pk,
+            status=RunStatus.FAILED,
+            message=f"the worker running this load test on {settings.GANTRY_HOST_NAME} stopped (killed or "
+            "restarted); its load generator was stopped; the steps it finished are kept",
+            source=source(),
+        )
+
+
 # --- one run ---------------------------------------------------------------------
 
 
@@ -364,7 +402,7 @@ def _run(run: LoadTest) -> None:
         alias_names=[run.alias],
         expires_at=timezone.now() + dt.timedelta(seconds=bound_s + 300),
     )
-    workdir = Path(settings.GANTRY_DATA_DIR) / "loadtests" / str(run.pk)
+    workdir = run_folder(run.pk)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     triton = f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.http_port}"
@@ -378,7 +416,7 @@ def _run(run: LoadTest) -> None:
                 services.run_finish(run_id=run.pk, status=stop.status, message=stop.reason, source=source())
                 return
     finally:
-        gateway.key_revoke(key_id=key.key.pk)
+        services.run_keys_revoke(run_id=run.pk)
     done = len(plan)
     services.run_finish(run_id=run.pk, status=RunStatus.SUCCEEDED,
                         message=f"{done} step(s) measured", source=source())  # fmt: skip
@@ -425,7 +463,7 @@ def _step(
                 time.sleep(1.0)
                 sampler.sample()
                 elapsed = time.monotonic() - began
-                progress = {"step": step.index + 1, "steps": step.total, "target": step.target,
+                progress = {"step": step.index + 1, "steps": step.total, "target": step.target, "pid": process.pid,
                             "level": step.level, "elapsed_s": round(elapsed), "limit_s": limit_s}  # fmt: skip
                 status = services.run_report(run_id=run.pk, progress=progress, log_tail=_tail(log_path, tail))
                 current = Deployment.objects.filter(pk=deployment.pk).values_list("status", flat=True).first()

@@ -83,16 +83,27 @@ def is_alive(pid: int) -> bool:
     return state is not None and state[0] not in {"Z", "X"}
 
 
-def is_ours(pid: int, *, argv_contains: bytes | None = None, env_contains: bytes | None = None) -> bool:
+def is_ours(
+    pid: int,
+    *,
+    argv_contains: bytes | None = None,
+    env_contains: bytes | None = None,
+    cwd_under: Path | None = None,
+) -> bool:
     """True while ``pid`` is alive and still the process we started: its command
     line has the argument ``argv_contains`` / its environment the entry
-    ``env_contains`` (a pid reused by another program has neither)."""
+    ``env_contains`` / its working directory is in ``cwd_under`` (a pid reused
+    by another program has none of them). A program that sets its process title
+    (setproctitle) overwrites its command line and environment as /proc shows
+    them; its working directory stays."""
     if not is_alive(pid):
         return False
     try:
         if argv_contains is not None and argv_contains not in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
             return False
         if env_contains is not None and env_contains not in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            return False
+        if cwd_under is not None and not Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(cwd_under):
             return False
     except OSError:
         return False

@@ -2,13 +2,16 @@
 it) on a real worker, through the real gateway and straight to a real
 tritonserver serving an untrained checkpoint of a real architecture and the
 packaged MiniLM. Started from the API and from the browser, compared and
-exported; cancelled midway; and a deployment stopped under a run."""
+exported; cancelled midway; the worker SIGKILLed under a run; and a deployment
+stopped under a run."""
 
 from __future__ import annotations
 
 import csv
 import datetime as dt
 import io
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import pytest
 from tests.integration.conftest import Stack, wait_for
 from tests.integration.test_browser import _sign_in
 from tests.integration.test_gateway import _alias, _deploy, _key
+from workers import processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -169,6 +173,20 @@ def test_load_tests_measure_through_the_gateway_and_triton_and_compare(
     assert long["status"] == "cancelled" and time.monotonic() - began < 60, long["status_message"]
     assert [(p["target"], p["level"], p["complete"]) for p in long["points"]] == [("gateway", 1, False)]
     assert long["points"][0]["summary"]["counted"]["requests"] > 0
+
+    # The host's worker SIGKILLed under a run: AIPerf has a process group of its own and outlives it;
+    # the next worker stops it, revokes the run's key and fails the run.
+    orphan = _start(stack, deployment, "chat", {"levels": [1], "duration_s": 60, "output_tokens": 8})
+    aiperf = _under_load(stack, orphan["id"], deployment, "tiny")["progress"]["pid"]
+    os.killpg(stack.worker.pid, signal.SIGKILL)
+    stack.worker.wait()
+    assert processes.is_alive(aiperf)
+    stack.start_worker()
+    orphan = _ended(stack, orphan["id"], 120)
+    assert orphan["status"] == "failed" and "stopped (killed or restarted)" in orphan["status_message"], orphan
+    wait_for(lambda: not processes.is_alive(aiperf), 30, "the orphaned AIPerf to stop")
+    listed = http.get(f"{stack.web_url}/api/gateway/keys/?limit=500", timeout=10).json()["results"]
+    assert {k["name"]: k for k in listed}[f"load test {orphan['id']}"]["revoked_at"] is not None
 
     # The deployment stopped under a run: the run fails with the reason and keeps what it measured.
     doomed = _start(stack, deployment, "embedder", {"levels": [1], "duration_s": 60})

@@ -76,3 +76,17 @@ def test_how_a_process_ended_is_read_from_its_zombie_or_from_whoever_collected_i
     assert processes.reap(exited.pid) == 3  # its parent (this process) collects it
     assert processes.zombie_returncode(exited.pid) is None
     assert processes.reap(exited.pid) is None
+
+
+def test_a_process_that_hides_its_command_line_is_ours_by_its_working_directory(tmp_path):  # noqa: ANN001
+    ours, elsewhere = tmp_path / "run" / "0-gateway", tmp_path / "other"
+    ours.mkdir(parents=True)
+    elsewhere.mkdir()
+    process = processes.start_group([sys.executable, "-c", "import time; time.sleep(60)"], cwd=ours)
+    try:
+        assert processes.is_ours(process.pid, cwd_under=tmp_path / "run")
+        assert not processes.is_ours(process.pid, cwd_under=elsewhere)
+    finally:
+        processes.terminate_group(process.pid)
+        process.wait()
+    assert not processes.is_ours(process.pid, cwd_under=tmp_path / "run")
