@@ -8,12 +8,14 @@ the table, so a build never fails on an unknown argument an hour in.
 
 Sources: ``tensorrt_llm/commands/build.py`` (argument parser and
 ``add_plugin_argument``), ``examples/*/convert_checkpoint.py`` and
-``examples/quantization/quantize.py`` of each release tag.
+``examples/quantization/quantize.py`` of each release tag; for trtllm-bench,
+``tensorrt_llm/bench/benchmark/throughput.py`` (``bench/run/run.py`` before it
+moved) and ``bench/dataclasses/reporting.py``, the report it writes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,22 @@ _CONVERT_COMMON = frozenset(
         "--weight_only_precision",
     }
 )
+# trtllm-bench's own options (before the subcommand) and its throughput subcommand's.
+_BENCH_GLOBAL = frozenset({"--model", "--workspace", "--log_level"})
+_BENCH_EARLY = frozenset(
+    {
+        "--engine_dir",
+        "--max_batch_size",
+        "--max_num_tokens",
+        "--beam_width",
+        "--kv_cache_free_gpu_mem_fraction",
+        "--dataset",
+        "--num_requests",
+    }
+)
+# What the throughput subcommand needs for Gantry to read a native ceiling from it:
+# a concurrency to match the served step, and the JSON report the figures come from.
+BENCH_NEEDS = ("--concurrency", "--report_json")
 _QUANTIZE_COMMON = frozenset(
     {"--model_dir", "--output_dir", "--dtype", "--qformat", "--kv_cache_dtype", "--tp_size", "--pp_size"}
 )
@@ -93,6 +111,8 @@ class Release:
     convert_flags: frozenset[str]
     quantize_flags: frozenset[str]
     paged_kv_cache: tuple[str, str]  # the flag and value that select the paged KV cache
+    bench_global_flags: frozenset[str]  # trtllm-bench's own options
+    bench_flags: frozenset[str]  # its throughput subcommand's
     # tensorrtllm_backend's LLM-API model folder inside the image, where the
     # release serves a HuggingFace checkpoint with no engine build; "" if it cannot.
     llmapi_model_dir: str = ""
@@ -114,6 +134,9 @@ RELEASES: dict[str, Release] = {
             convert_flags=_CONVERT_COMMON,
             quantize_flags=_QUANTIZE_COMMON,
             paged_kv_cache=("--paged_kv_cache", "enable"),
+            # trtllm-bench's first release: no concurrency, no report file (it logs a table).
+            bench_global_flags=_BENCH_GLOBAL,
+            bench_flags=_BENCH_EARLY,
         ),
         # Triton 24.12 (the seeds' image): --kv_cache_type, --paged_kv_cache deprecated.
         Release(
@@ -124,6 +147,9 @@ RELEASES: dict[str, Release] = {
             convert_flags=_CONVERT_COMMON,
             quantize_flags=_QUANTIZE_COMMON,
             paged_kv_cache=("--kv_cache_type", "paged"),
+            # Streaming and a concurrency limit, still no report file.
+            bench_global_flags=_BENCH_GLOBAL,
+            bench_flags=_BENCH_EARLY | {"--streaming", "--iteration_log", "--concurrency"},
         ),
         # Triton 25.06: examples under models/core|contrib; the LLM-API backend serves checkpoints directly.
         Release(
@@ -134,6 +160,11 @@ RELEASES: dict[str, Release] = {
             convert_flags=_CONVERT_COMMON,
             quantize_flags=_QUANTIZE_COMMON,
             paged_kv_cache=("--kv_cache_type", "paged"),
+            # The LLM-API benchmark: a checkpoint folder beside the model name, warm-up,
+            # and a JSON report; an engine folder still selects the engine (C++) path.
+            bench_global_flags=_BENCH_GLOBAL | {"--model_path"},
+            bench_flags=_BENCH_EARLY
+            | {"--streaming", "--iteration_log", "--concurrency", "--warmup", "--report_json", "--tp", "--pp"},
             llmapi_model_dir="/app/all_models/llmapi/tensorrt_llm",
         ),
     )
@@ -173,6 +204,7 @@ class Toolchain:
     python: list[str]
     trtllm_build: list[str]
     examples_dir: str
+    trtllm_bench: list[str] = field(default_factory=lambda: ["trtllm-bench"])
 
 
 def _flags(allowed: frozenset[str], pairs: list[tuple[str, Any]], tool: str, version: str) -> list[str]:
@@ -263,3 +295,71 @@ def compose(
         Step("building", [*tools.trtllm_build, *_flags(release.build_flags, pairs, "trtllm-build", release.version)])
     )
     return steps
+
+
+# --- trtllm-bench: the native ceiling of a load test ------------------------------
+
+
+def bench_refusal(release: Release) -> str:
+    """Why this release's trtllm-bench cannot give a native ceiling ('' if it can)."""
+    missing = [flag for flag in BENCH_NEEDS if flag not in release.bench_flags]
+    if not missing:
+        return ""
+    return (
+        f"trtllm-bench of TensorRT-LLM {release.version} has no {' or '.join(missing)}, which a native ceiling "
+        f"needs (a concurrency matching the served step, and the JSON report its figures are read from)"
+    )
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """One trtllm-bench throughput run of an engine: what it reads and writes."""
+
+    model_name: str  # trtllm-bench's --model: a name for its report
+    checkpoint: Path  # the HuggingFace checkpoint the engine was built from (its tokenizer)
+    engine: Path
+    dataset: Path  # JSON lines: task_id, input_ids or prompt, output_tokens
+    report: Path
+    workspace: Path
+    requests: int
+    concurrency: int
+    streaming: bool
+    warmup: int
+    kv_cache_fraction: float
+    tp_size: int = 1
+    pp_size: int = 1
+
+
+def compose_bench(run: BenchRun, release: Release, tools: Toolchain) -> list[str]:
+    """trtllm-bench's command line for ``run``: the engine (C++) path at one
+    concurrency, with the JSON report. Raises ValueError where the release's
+    trtllm-bench cannot (bench_refusal) or lacks a flag the run needs."""
+    refusal = bench_refusal(release)
+    if refusal:
+        raise ValueError(refusal)
+    version = release.version
+    if "--model_path" in release.bench_global_flags:
+        model = [("--model", run.model_name), ("--model_path", run.checkpoint)]
+    else:
+        # Before --model_path, --model itself was where the tokenizer came from.
+        model = [("--model", run.checkpoint)]
+    own = [*model, ("--workspace", run.workspace), ("--log_level", "info")]
+    pairs: list[tuple[str, Any]] = [
+        ("--engine_dir", run.engine),
+        ("--dataset", run.dataset),
+        ("--num_requests", run.requests),
+        ("--concurrency", run.concurrency),
+        ("--kv_cache_free_gpu_mem_fraction", run.kv_cache_fraction),
+        ("--report_json", run.report),
+        ("--warmup", run.warmup),
+    ]
+    if run.streaming:
+        pairs.append(("--streaming", None))
+    if run.tp_size > 1 or run.pp_size > 1:
+        pairs += [("--tp", run.tp_size), ("--pp", run.pp_size)]
+    return [
+        *tools.trtllm_bench,
+        *_flags(release.bench_global_flags, own, "trtllm-bench", version),
+        "throughput",
+        *_flags(release.bench_flags, pairs, "trtllm-bench throughput", version),
+    ]

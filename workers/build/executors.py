@@ -9,6 +9,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from django.conf import settings
@@ -102,6 +103,8 @@ class NativeExecutor:
             python=[python],
             trtllm_build=[python, "-m", "tensorrt_llm.commands.build"],
             examples_dir=settings.GANTRY_TRTLLM_EXAMPLES_DIR or release.examples_dir,
+            # The console script pip installed beside that python.
+            trtllm_bench=[str(Path(python).parent / "trtllm-bench")],
         )
 
     def start(self, argv: list[str], ctx: StepContext) -> RunningStep:

@@ -95,3 +95,51 @@ def test_flag_missing_from_a_release_is_refused_at_composition():
     stripped = trtllm.Release(**{**release.__dict__, "build_flags": release.build_flags - {"--max_num_tokens"}})
     with pytest.raises(ValueError, match="has no --max_num_tokens"):
         trtllm.compose(normalized(), stripped, paths(), DOCKER_TOOLS, "LlamaForCausalLM")
+
+
+# --- trtllm-bench, the native ceiling of a load test --------------------------------
+
+TOOLS = trtllm.Toolchain(python=["python3"], trtllm_build=["trtllm-build"], examples_dir="/x")
+
+
+def _bench(**overrides) -> trtllm.BenchRun:  # noqa: ANN003
+    values = {
+        "model_name": "llama",
+        "checkpoint": Path("/models/llama"),
+        "engine": Path("/data/builds/3/engine"),
+        "dataset": Path("/w/dataset.jsonl"),
+        "report": Path("/w/report.json"),
+        "workspace": Path("/w"),
+        "requests": 200,
+        "concurrency": 8,
+        "streaming": True,
+        "warmup": 2,
+        "kv_cache_fraction": 0.5,
+    }
+    return trtllm.BenchRun(**{**values, **overrides})
+
+
+def test_the_native_ceiling_command_line_is_pinned():
+    argv = trtllm.compose_bench(_bench(), trtllm.RELEASES["0.20.0"], TOOLS)
+    assert argv == [
+        "trtllm-bench", "--model", "llama", "--model_path", "/models/llama", "--workspace", "/w",
+        "--log_level", "info", "throughput", "--engine_dir", "/data/builds/3/engine",
+        "--dataset", "/w/dataset.jsonl", "--num_requests", "200", "--concurrency", "8",
+        "--kv_cache_free_gpu_mem_fraction", "0.5", "--report_json", "/w/report.json", "--warmup", "2", "--streaming",
+    ]  # fmt: skip
+
+
+def test_a_multi_gpu_engine_is_benchmarked_with_its_parallelism_and_no_streaming_when_off():
+    argv = trtllm.compose_bench(_bench(tp_size=2, streaming=False), trtllm.RELEASES["0.20.0"], TOOLS)
+    assert argv[-4:] == ["--tp", "2", "--pp", "1"] and "--streaming" not in argv
+
+
+@pytest.mark.parametrize(("version", "missing"), [("0.12.0", "--concurrency or --report_json"),
+                                                  ("0.16.0", "--report_json")])  # fmt: skip
+def test_releases_whose_trtllm_bench_writes_no_report_give_no_native_ceiling(version, missing):
+    release = trtllm.RELEASES[version]
+    refusal = trtllm.bench_refusal(release)
+    assert f"trtllm-bench of TensorRT-LLM {version} has no {missing}" in refusal
+    with pytest.raises(ValueError, match=f"has no {missing}"):
+        trtllm.compose_bench(_bench(), release, TOOLS)
+    assert trtllm.bench_refusal(trtllm.RELEASES["0.20.0"]) == ""
