@@ -56,6 +56,11 @@ class WorkloadIn(StrictSerializer):
     passages = serializers.IntegerField(min_value=1, max_value=100, required=False)
     thresholds = ThresholdsIn(required=False)
     direct = serializers.BooleanField(required=False, help_text="also run each level directly against Triton (LLMs)")
+    native = serializers.BooleanField(
+        required=False,
+        help_text="also measure the engine's native ceiling with trtllm-bench at each level (a TensorRT-LLM "
+        "engine on a host with TensorRT-LLM installed; needs mode concurrency and request_count)",
+    )
     seed = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
     dataset = serializers.ListField(
         child=serializers.CharField(max_length=w.MAX_DATASET_ENTRY_CHARS, trim_whitespace=False),
@@ -84,19 +89,30 @@ class PointOut(serializers.ModelSerializer):
 class LoadTestOut(serializers.ModelSerializer):
     created_by = serializers.CharField(source="created_by.username", default=None)
     points = serializers.SerializerMethodField()
+    ceiling = serializers.SerializerMethodField(
+        help_text="served/native at each level with a native (trtllm-bench) step: output-token and request "
+        "throughput, served, native and their ratio"
+    )
 
     class Meta:
         model = LoadTest
         fields = [
             "id", "deployment", "deployment_name", "alias", "triton_name", "kind", "workload", "context", "status",
             "status_message", "progress", "log_tail", "created_by", "created_at", "started_at", "finished_at",
-            "points",
+            "points", "ceiling",
         ]  # fmt: skip
 
+    def _points(self, run: LoadTest) -> list[LoadPoint]:
+        known = self.context.setdefault("points", {})
+        if run.pk not in known:
+            known.update(selectors.points_of([run.pk]))
+        return known[run.pk]
+
     def get_points(self, run: LoadTest) -> list[dict[str, Any]]:
-        known = self.context.get("points")
-        points = known[run.pk] if known is not None else selectors.points_of([run.pk])[run.pk]
-        return PointOut(points, many=True).data
+        return PointOut(self._points(run), many=True).data
+
+    def get_ceiling(self, run: LoadTest) -> list[dict[str, Any]]:
+        return selectors.ceiling(self._points(run))
 
 
 class LoadTestQuery(StrictSerializer):

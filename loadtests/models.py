@@ -71,13 +71,15 @@ class LoadTest(models.Model):
 
 
 class LoadPoint(models.Model):
-    """One step of a run: one load level against one target (the gateway, or
-    Triton directly), with the generator's figures, its per-request records and
-    the server's own metrics over the same minutes."""
+    """One step of a run: one load level against one target (the gateway,
+    Triton directly, or the engine under trtllm-bench with no server), with
+    the generator's figures, its per-request records and the server's own
+    metrics over the same minutes."""
 
     class Target(models.TextChoices):
         GATEWAY = "gateway"
         TRITON = "triton"
+        NATIVE = "native", "native (trtllm-bench)"
 
     run = models.ForeignKey(LoadTest, on_delete=models.CASCADE, related_name="points")
     target = models.CharField(max_length=8, choices=Target.choices)

@@ -135,7 +135,30 @@ def _shown(run: LoadTest, points: list[LoadPoint]) -> dict[str, Any]:
         "status": run.status,
         "workload": run.workload,
         "points": [point_row(p) for p in points],
+        "ceiling": ceiling(points),
     }
+
+
+def ceiling(points: list[LoadPoint]) -> list[dict[str, Any]]:
+    """Served against native at each level both ran: each served step's output
+    token and request throughput over trtllm-bench's on the same engine and
+    workload (1.0 means serving costs nothing; the rest is Triton, the
+    tokenizer models, the gateway and HTTP)."""
+    native = {p.level: p.summary for p in points if p.target == LoadPoint.Target.NATIVE}
+    rows = []
+    for point in points:
+        if point.target == LoadPoint.Target.NATIVE or point.level not in native:
+            continue
+        row: dict[str, Any] = {"target": point.target, "level": point.level}
+        for name in ("output_token_throughput", "request_throughput"):
+            served, best = point.summary.get(name), native[point.level].get(name)
+            row[name] = {
+                "served": served,
+                "native": best,
+                "ratio": round(served / best, 3) if served and best else None,
+            }
+        rows.append(row)
+    return rows
 
 
 def label(run: LoadTest) -> str:
@@ -160,10 +183,12 @@ def export_rows(run_ids: list[int]) -> list[dict[str, Any]]:
         runs = [_shown(run, points_of([run.pk])[run.pk])]
     rows = []
     for run in runs:
+        ratios = {(row["target"], row["level"]): row["output_token_throughput"]["ratio"] for row in run["ceiling"]}
         for point in run["points"]:
             row = {"run": run["id"], "alias": run["alias"], "deployment": run["deployment"],
                    "generation": run["generation"], "mode": run["workload"]["mode"], "target": point["target"],
                    "level": point["level"], "complete": point["complete"]}  # fmt: skip
             row.update(point["figures"])
+            row["served_over_native"] = ratios.get((point["target"], point["level"]))
             rows.append(row)
     return rows

@@ -17,7 +17,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from deployments import events, outbox, queues
+from deployments import events, outbox, queues, trtllm
 from deployments.errors import ConfirmationRequired, InvalidTransition, NotFound, ValidationFailed
 from deployments.models import Deployment, DeploymentStatus
 from deployments.permissions import require_operator
@@ -115,11 +115,16 @@ def run_create(
             names = sorted(deployment.aliases.values_list("name", flat=True))
             hint = f"its aliases: {', '.join(names)}" if names else "it has none: add one on the gateway page"
             raise ValidationFailed({"model": f"no gateway alias {alias!r} points at {deployment.name} ({hint})"})
-        placement = deployment.placements.select_related("registered_model").filter(triton_name=target.triton_name)
+        placement = deployment.placements.select_related("registered_model", "engine_build")
+        placement = placement.filter(triton_name=target.triton_name)
         placement = placement.first()
         if placement is None:
             raise ValidationFailed({"model": f"{deployment.name} no longer serves {target.triton_name}"})
         checked = workloads.check(placement.registered_model.kind, spec)
+        if checked["native"]:
+            refusal = native_refusal(deployment, placement)
+            if refusal:
+                raise ValidationFailed({"native": refusal})
         if deployment.status != DeploymentStatus.READY:
             raise InvalidTransition(f"{deployment.name} is {deployment.status}; a load test needs it ready")
         keys = production_keys(target)
@@ -158,6 +163,36 @@ def run_create(
         )
         outbox.enqueue_on_commit(queues.RUN_LOADTEST, host_name=deployment.host.name, args=[run.pk])
     return run
+
+
+def native_refusal(deployment: Deployment, placement: Any) -> str:
+    """Why trtllm-bench cannot measure ``placement``'s engine on the deployment's
+    host ('' if it can): it measures TensorRT-LLM engines, with the host's own
+    TensorRT-LLM (GANTRY_TRTLLM_PYTHON), at the version that built the engine
+    (an engine runs only there), and only releases whose trtllm-bench reports JSON."""
+    build = placement.engine_build
+    if build is None:
+        return (
+            f"{placement.triton_name} is served by {placement.backend}, not from a TensorRT-LLM engine build: "
+            "trtllm-bench measures engines"
+        )
+    host = deployment.host
+    if build.host_id != host.pk:
+        return f"engine build {build.pk} is on another host than {host.name}"
+    release = trtllm.release_for(build.trtllm_version)
+    if release is None:
+        return f"TensorRT-LLM {build.trtllm_version or '(unknown)'} of engine build {build.pk} is not in Gantry's table"
+    refusal = trtllm.bench_refusal(release)
+    if refusal:
+        return refusal
+    installed = (host.builders or {}).get("native", "")
+    if installed != build.trtllm_version:
+        has = f"TensorRT-LLM {installed}" if installed else "no TensorRT-LLM (set GANTRY_TRTLLM_PYTHON there)"
+        return (
+            f"trtllm-bench runs with the host's own TensorRT-LLM: {host.name} has {has}, and engine build "
+            f"{build.pk} was built with {build.trtllm_version} (an engine runs only with its own version)"
+        )
+    return ""
 
 
 def _describe(workload: dict[str, Any]) -> str:

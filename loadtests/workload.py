@@ -53,7 +53,14 @@ def check(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     direct = bool(spec.get("direct", False))
     if direct and not llm:
         errors["direct"] = "a direct run against Triton is for LLMs (the gateway's chat and completions)"
-    steps = len(levels) * (2 if direct else 1)
+    native = bool(spec.get("native", False))
+    if native and not llm:
+        errors["native"] = "a native ceiling (trtllm-bench) is for TensorRT-LLM engines"
+    elif native and mode != "concurrency":
+        errors["native"] = "trtllm-bench holds a concurrency, not a request rate: use mode concurrency"
+    elif native and request_count is None:
+        errors["native"] = "trtllm-bench runs a request count, not a duration: give request_count"
+    steps = len(levels) * (1 + direct + native)
     if duration_s is not None and duration_s * steps > MAX_RUN_S:
         errors["duration_s"] = f"{duration_s} s x {steps} steps is over the {MAX_RUN_S} s a run may load a deployment"
     streaming = spec.get("streaming", llm)
@@ -88,6 +95,7 @@ def check(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
         "input_tokens": spec.get("input_tokens") or _DEFAULT_INPUT_TOKENS[kind],
         "thresholds": thresholds,
         "direct": direct,
+        "native": native,
         "seed": spec.get("seed", 0),
         "dataset": dataset,
     }
@@ -101,6 +109,9 @@ def check(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def steps(workload: dict[str, Any]) -> list[tuple[str, float]]:
-    """The (target, level) steps of a run, in the order they run."""
+    """The (target, level) steps of a run, in the order they run: the served
+    ones level by level, then the native ceiling's (trtllm-bench loads the
+    engine again for each, so they run together after the served load)."""
     targets = ["gateway", "triton"] if workload["direct"] else ["gateway"]
-    return [(target, level) for level in workload["levels"] for target in targets]
+    served = [(target, level) for level in workload["levels"] for target in targets]
+    return served + [("native", level) for level in workload["levels"] if workload.get("native")]

@@ -18,7 +18,7 @@
   function workloadWords(w) {
     const bound = w.duration_s ? `${w.duration_s} s` : `${w.request_count} requests`;
     const unit = w.mode === "rate" ? " req/s" : "";
-    return `${w.mode} ${w.levels.join(", ")}${unit} · ${bound} each${w.streaming ? " · streaming" : ""}${w.direct ? " · also direct" : ""}`;
+    return `${w.mode} ${w.levels.join(", ")}${unit} · ${bound} each${w.streaming ? " · streaming" : ""}${w.direct ? " · also direct" : ""}${w.native ? " · native ceiling" : ""}`;
   }
 
   const ACTIVE = ["queued", "running", "cancelling"];
@@ -64,7 +64,7 @@
     if (!window.uPlot) return;
     const lines = [];
     for (const run of runs) {
-      for (const target of ["gateway", "triton"]) {
+      for (const target of ["gateway", "triton", "native"]) {
         const points = run.points.filter((p) => p.target === target && p.figures.request_throughput != null);
         // A curve needs two steps; a single step's figures are in the table.
         if (points.length > 1) lines.push({ label: `#${run.id} ${target}`, points });
@@ -211,6 +211,7 @@
         workload.endpoint = form.elements["workload.endpoint"].value;
         workload.streaming = form.elements["workload.streaming"].checked;
         workload.direct = form.elements["workload.direct"].checked;
+        workload.native = form.elements["workload.native"].checked;
       }
       const thresholds = {};
       for (const name of ["time_to_first_token_ms", "inter_token_latency_ms", "request_latency_ms"]) {
@@ -254,6 +255,30 @@
     loadAliases();
   };
 
+  // Served against native (trtllm-bench on the same engine) at each level both ran.
+  function ceilingTable(table, rows) {
+    table.closest("section").hidden = !rows.length;
+    table.replaceChildren();
+    if (!rows.length) return;
+    const head = table.createTHead().insertRow();
+    for (const name of ["Target", "Level", "output tokens/s served", "native", "served/native",
+                        "requests/s served", "native", "served/native"]) {
+      const th = text("th", name);
+      th.scope = "col";
+      head.append(th);
+    }
+    const body = table.createTBody();
+    for (const row of rows) {
+      const tr = body.insertRow();
+      tr.append(text("td", row.target), text("td", number(row.level, 0), "number"));
+      for (const name of ["output_token_throughput", "request_throughput"]) {
+        const figures = row[name];
+        tr.append(text("td", number(figures.served, 1), "number"), text("td", number(figures.native, 1), "number"),
+                  text("td", figures.ratio == null ? "–" : `${figures.ratio.toFixed(2)}×`, "number"));
+      }
+    }
+  }
+
   // --- one run's page ----------------------------------------------------------------
   // ``columns``: the figures a step shows, as the server names them (loadtests.selectors.COLUMNS).
   Gantry.loadTestPage = (id, columns) => {
@@ -279,6 +304,7 @@
       figuresTable(document.getElementById("figures"), shaped, columns);
       curves(document.getElementById("curves"), shaped);
       serverTable(document.getElementById("server"), run);
+      ceilingTable(document.getElementById("ceiling"), run.ceiling);
       const cancel = document.getElementById("cancel");
       if (cancel) cancel.disabled = !["queued", "running"].includes(run.status);
     }

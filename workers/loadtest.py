@@ -30,13 +30,15 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
+from deployments import trtllm
 from deployments.errors import TransientError
 from deployments.models import Deployment, DeploymentStatus, ModelKind
 from gateway import services as gateway
 from loadtests import services
 from loadtests import workload as workloads
 from loadtests.models import LoadTest, RunStatus
-from workers import processes
+from workers import native_bench, nvml, processes
+from workers.build.executors import NativeExecutor
 from workers.jobs import JobFailed, run_job, source
 from workers.triton import metrics
 
@@ -390,7 +392,9 @@ def _run(run: LoadTest) -> None:
     version = aiperf_version()
     services.run_note_load_generator(run_id=run.pk, name="aiperf", version=version)
     deployment = Deployment.objects.select_related("host").get(pk=run.deployment_id)
-    placement = deployment.placements.select_related("registered_model").get(triton_name=run.triton_name)
+    placement = deployment.placements.select_related("registered_model", "engine_build").get(
+        triton_name=run.triton_name
+    )
     owner = run.created_by
     if owner is None:
         raise JobFailed("the user who asked for this load test no longer exists")
@@ -410,8 +414,12 @@ def _run(run: LoadTest) -> None:
         for index, (target, level) in enumerate(plan):
             step = Step(target=target, level=level, index=index, total=len(plan))
             try:
-                _step(run, step, key=key.secret, deployment=deployment, triton_url=triton,
-                      tokenizer=placement.registered_model.path, workdir=workdir / f"{index}-{target}")  # fmt: skip
+                if target == "native":
+                    _native_step(run, step, deployment=deployment, placement=placement,
+                                 workdir=workdir / f"{index}-{target}")  # fmt: skip
+                else:
+                    _step(run, step, key=key.secret, deployment=deployment, triton_url=triton,
+                          tokenizer=placement.registered_model.path, workdir=workdir / f"{index}-{target}")  # fmt: skip
             except _Stop as stop:
                 services.run_finish(run_id=run.pk, status=stop.status, message=stop.reason, source=source())
                 return
@@ -436,12 +444,7 @@ def _step(
                         tokenizer=tokenizer, artifacts=artifacts)  # fmt: skip
     config_path = workdir / "aiperf.json"
     config_path.write_text(json.dumps(config, indent=1))
-    env = {
-        # Gantry's own settings (database and broker addresses with their passwords) stay here.
-        **{k: v for k, v in os.environ.items() if not k.startswith(_NOT_FOR_AIPERF)},
-        KEY_ENV: key,
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-    }
+    env = {**_generator_env(), KEY_ENV: key, "HF_HUB_DISABLE_TELEMETRY": "1"}
     # The tokenizer is a checkpoint folder on this host. AIPerf's offline mode
     # looks only in the hub cache and refuses a folder, so it must stay off.
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -451,40 +454,12 @@ def _step(
     sampler = ServerSampler(url=f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.metrics_port}/metrics")
     sampler.sample(force=True)
     started_at = timezone.now()
-    began = time.monotonic()
-    limit_s = _step_limit_s(run.workload)
     tail: deque[str] = deque(maxlen=40)
     log_path = workdir / "aiperf.log"
-    stop: _Stop | None = None
     with log_path.open("wb") as out:
         process = processes.start_group(argv, env=env, cwd=workdir, stdout=out)
-        try:
-            while process.poll() is None:
-                time.sleep(1.0)
-                sampler.sample()
-                elapsed = time.monotonic() - began
-                progress = {"step": step.index + 1, "steps": step.total, "target": step.target, "pid": process.pid,
-                            "level": step.level, "elapsed_s": round(elapsed), "limit_s": limit_s}  # fmt: skip
-                status = services.run_report(run_id=run.pk, progress=progress, log_tail=_tail(log_path, tail))
-                current = Deployment.objects.filter(pk=deployment.pk).values_list("status", flat=True).first()
-                if status == RunStatus.CANCELLING:
-                    stop = _Stop(RunStatus.CANCELLED, "cancelled; the steps finished before are kept")
-                elif current != DeploymentStatus.READY:
-                    stop = _Stop(
-                        RunStatus.FAILED,
-                        f"{deployment.name} left ready ({current or 'deleted'}) during step {step.index + 1} of "
-                        f"{step.total}; what was measured is kept",
-                    )
-                elif elapsed > limit_s:
-                    stop = _Stop(RunStatus.FAILED, f"step {step.index + 1} ran past its {limit_s} s bound")
-                if stop is not None:
-                    # SIGINT first: AIPerf then writes what it measured so far.
-                    processes.terminate_group(process.pid, grace_s=20.0, first_signal=signal.SIGINT)
-                    break
-        finally:
-            if process.poll() is None:
-                processes.terminate_group(process.pid, grace_s=5.0)
-            process.wait()
+        stop = _watch(run, step, process, deployment=deployment, sampler=sampler, log_path=log_path, tail=tail,
+                      limit_s=_step_limit_s(run.workload), first_signal=signal.SIGINT)  # fmt: skip
     sampler.sample(force=True)
     services.run_report(run_id=run.pk, progress={"step": step.index + 1, "steps": step.total, "target": step.target,
                                                  "level": step.level, "state": "reading results"},
@@ -517,6 +492,114 @@ def _step(
         raise stop
     if counted["requests"] and counted["errors"] == counted["requests"]:
         raise JobFailed(f"every request of step {step.index + 1} failed: " + _codes(counted))
+
+
+def _generator_env() -> dict[str, str]:
+    """The worker's environment less Gantry's own settings (database and broker
+    addresses with their passwords), for the load generators it starts."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(_NOT_FOR_AIPERF)}
+
+
+def _native_step(run: LoadTest, step: Step, *, deployment: Deployment, placement: Any, workdir: Path) -> None:
+    """One level of the native ceiling: trtllm-bench on the deployment's own
+    engine with the run's workload, no server in between. It runs with the
+    host's TensorRT-LLM (the version that built the engine) on the placement's
+    GPUs, beside the running deployment, so the GPUs must have room for it."""
+    refusal = services.native_refusal(deployment, placement)
+    if refusal:
+        raise JobFailed(f"native ceiling: {refusal}")
+    build = placement.engine_build
+    release = trtllm.release_for(build.trtllm_version)
+    short = native_bench.memory_refusal(nvml.read_inventory(), placement.gpu_ids, build.engine_size_bytes,
+                                        build.world_size)  # fmt: skip
+    if short:
+        raise JobFailed(f"native ceiling at concurrency {step.level:g}: {short}")
+    workdir.mkdir(parents=True)
+    w = run.workload
+    checkpoint = Path(placement.registered_model.path)
+    dataset = workdir / "dataset.jsonl"
+    native_bench.write_dataset(dataset, w, vocab_size=native_bench.vocab_size(checkpoint),
+                               entries=w["request_count"] + w["warmup_requests"])  # fmt: skip
+    report = workdir / "report.json"
+    bench = trtllm.BenchRun(
+        model_name=placement.registered_model.name, checkpoint=checkpoint, engine=Path(build.output_dir),
+        dataset=dataset, report=report, workspace=workdir, requests=w["request_count"],
+        concurrency=int(step.level), streaming=w["streaming"], warmup=w["warmup_requests"],
+        kv_cache_fraction=native_bench.KV_CACHE_FRACTION, tp_size=build.tp_size, pp_size=build.pp_size,
+    )  # fmt: skip
+    argv = trtllm.compose_bench(bench, release, NativeExecutor().toolchain(release))
+    env = {**_generator_env(), "CUDA_VISIBLE_DEVICES": ",".join(map(str, placement.gpu_ids)),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    sampler = ServerSampler(url=f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.metrics_port}/metrics")
+    sampler.sample(force=True)
+    started_at = timezone.now()
+    tail: deque[str] = deque(maxlen=40)
+    log_path = workdir / "trtllm-bench.log"
+    with log_path.open("wb") as out:
+        process = processes.start_group(argv, env=env, cwd=workdir, stdout=out)
+        # trtllm-bench writes no report when interrupted: nothing of a stopped step is kept.
+        stop = _watch(run, step, process, deployment=deployment, sampler=sampler, log_path=log_path, tail=tail,
+                      limit_s=_step_limit_s(w), first_signal=signal.SIGINT)  # fmt: skip
+    sampler.sample(force=True)
+    if stop is not None:
+        raise stop
+    if not report.exists():
+        raise JobFailed(
+            f"trtllm-bench ended with exit code {process.returncode} before writing its report (step "
+            f"{step.index + 1}): " + (tail[-1] if tail else "see the run's log"),
+            log_tail="\n".join(tail),
+        )
+    summary = native_bench.summary_of(json.loads(report.read_text()))
+    summary["counted"] = {"requests": summary.get("request_count", 0), "errors": 0, "by_code": {}}
+    services.point_save(run_id=run.pk, target=step.target, level=step.level, complete=True, summary=summary,
+                        records=[], server=sampler.summary(), started_at=started_at,
+                        finished_at=timezone.now())  # fmt: skip
+
+
+def _watch(
+    run: LoadTest,
+    step: Step,
+    process: subprocess.Popen,
+    *,
+    deployment: Deployment,
+    sampler: ServerSampler,
+    log_path: Path,
+    tail: deque[str],
+    limit_s: int,
+    first_signal: int,
+) -> _Stop | None:
+    """Watch a step's process to its end, each second: report progress, sample
+    Triton, and stop it (``first_signal`` first, so it writes what it measured)
+    on a cancel, the deployment leaving ready, or the step's time bound."""
+    began = time.monotonic()
+    stop: _Stop | None = None
+    try:
+        while process.poll() is None:
+            time.sleep(1.0)
+            sampler.sample()
+            elapsed = time.monotonic() - began
+            progress = {"step": step.index + 1, "steps": step.total, "target": step.target, "pid": process.pid,
+                        "level": step.level, "elapsed_s": round(elapsed), "limit_s": limit_s}  # fmt: skip
+            status = services.run_report(run_id=run.pk, progress=progress, log_tail=_tail(log_path, tail))
+            current = Deployment.objects.filter(pk=deployment.pk).values_list("status", flat=True).first()
+            if status == RunStatus.CANCELLING:
+                stop = _Stop(RunStatus.CANCELLED, "cancelled; the steps finished before are kept")
+            elif current != DeploymentStatus.READY:
+                stop = _Stop(
+                    RunStatus.FAILED,
+                    f"{deployment.name} left ready ({current or 'deleted'}) during step {step.index + 1} of "
+                    f"{step.total}; what was measured is kept",
+                )
+            elif elapsed > limit_s:
+                stop = _Stop(RunStatus.FAILED, f"step {step.index + 1} ran past its {limit_s} s bound")
+            if stop is not None:
+                processes.terminate_group(process.pid, grace_s=20.0, first_signal=first_signal)
+                break
+    finally:
+        if process.poll() is None:
+            processes.terminate_group(process.pid, grace_s=5.0)
+        process.wait()
+    return stop
 
 
 def _codes(counted: dict[str, Any]) -> str:

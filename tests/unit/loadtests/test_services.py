@@ -5,6 +5,7 @@ was under test."""
 from __future__ import annotations
 
 import datetime as dt
+from types import SimpleNamespace
 
 import pytest
 from django.utils import timezone
@@ -149,3 +150,35 @@ def test_a_run_left_by_a_dead_worker_has_its_load_generator_stopped_and_fails(re
     failed = LoadTest.objects.get(pk=run.pk)
     assert failed.status == RunStatus.FAILED and "stopped (killed or restarted)" in failed.status_message
     assert ApiKey.objects.get(name=f"{services.KEY_NAME_PREFIX}{run.pk}").revoked_at is not None
+
+
+# --- the native ceiling: where trtllm-bench can run ---------------------------------
+
+
+def _engine_placement(*, installed: str, built_with: str = "0.20.0", build: bool = True):  # noqa: ANN202
+    host = SimpleNamespace(pk=1, name="h100-host", builders={"images": {}, "native": installed})
+    engine = SimpleNamespace(pk=3, host_id=1, trtllm_version=built_with) if build else None
+    placement = SimpleNamespace(triton_name="llama", backend="python", engine_build=engine)
+    return SimpleNamespace(host=host), placement
+
+
+def test_the_native_ceiling_needs_the_hosts_own_tensorrt_llm_at_the_engines_version():
+    assert services.native_refusal(*_engine_placement(installed="0.20.0")) == ""
+    none = services.native_refusal(*_engine_placement(installed=""))
+    assert "h100-host has no TensorRT-LLM (set GANTRY_TRTLLM_PYTHON there)" in none
+    other = services.native_refusal(*_engine_placement(installed="0.16.0"))
+    assert "h100-host has TensorRT-LLM 0.16.0, and engine build 3 was built with 0.20.0" in other
+
+
+def test_the_native_ceiling_needs_an_engine_and_a_trtllm_bench_that_reports():
+    served = services.native_refusal(*_engine_placement(installed="0.20.0", build=False))
+    assert served.startswith("llama is served by python, not from a TensorRT-LLM engine build")
+    old = services.native_refusal(*_engine_placement(installed="0.16.0", built_with="0.16.0"))
+    assert "trtllm-bench of TensorRT-LLM 0.16.0 has no --report_json" in old
+
+
+def test_an_embedder_asked_for_a_native_ceiling_is_refused_by_field(ready, operator):  # noqa: ANN001
+    with pytest.raises(ValidationFailed) as refused:
+        _start(ready, operator, spec={"request_count": 5, "native": True})
+    assert "TensorRT-LLM engines" in refused.value.errors["native"][0]
+    assert not LoadTest.objects.exists()

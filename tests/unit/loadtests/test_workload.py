@@ -26,6 +26,13 @@ def test_a_direct_run_measures_each_level_through_the_gateway_and_straight_to_tr
     assert workload.steps(checked) == [("gateway", 1), ("triton", 1), ("gateway", 4), ("triton", 4)]
 
 
+def test_a_native_ceiling_runs_after_the_served_steps_at_the_same_levels():
+    checked = workload.check("llm", {"levels": [4, 1], "request_count": 50, "direct": True, "native": True})
+    assert checked["native"] is True
+    assert workload.steps(checked) == [("gateway", 1), ("triton", 1), ("gateway", 4), ("triton", 4),
+                                       ("native", 1), ("native", 4)]  # fmt: skip
+
+
 def test_an_embedder_workload_does_not_stream_and_batches_sentences():
     checked = workload.check("embedding", {"request_count": 5, "batch_size": 16})
     assert checked["streaming"] is False and checked["batch_size"] == 16 and checked["endpoint"] == "embedding"
@@ -51,6 +58,9 @@ def test_an_embedder_workload_does_not_stream_and_batches_sentences():
         ("reranker", {"request_count": 5, "dataset": ["a"]}, "dataset"),
         ("reranker", {"request_count": 5, "batch_size": 2}, "batch_size"),
         ("llm", {"mode": "rate", "levels": [2000], "request_count": 5}, "levels"),
+        ("embedding", {"request_count": 5, "native": True}, "native"),
+        ("llm", {"mode": "rate", "levels": [2], "request_count": 5, "native": True}, "native"),
+        ("llm", {"levels": [2], "duration_s": 10, "native": True}, "native"),
     ],
 )  # fmt: skip
 def test_a_workload_that_does_not_fit_the_model_is_refused_by_field(kind, spec, field):  # noqa: ANN001
