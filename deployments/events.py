@@ -164,21 +164,33 @@ def publish(groups: str | list[str], payload: dict[str, Any]) -> None:
     publisher().submit([groups] if isinstance(groups, str) else list(groups), payload)
 
 
-def event_payload(event: Event) -> EventPayload:
+# The columns an event's payload is written from: a list reads just these with
+# values() (no model instances, no host row), as payload_of_row takes them.
+EVENT_COLUMNS = ("id", "created_at", "kind", "source", "message", "deployment_id", "build_id", "host__name",
+                 "from_status", "to_status", "data")  # fmt: skip
+
+
+def payload_of_row(row: dict[str, Any]) -> EventPayload:
+    """An event's payload from its EVENT_COLUMNS."""
     return {
         "type": "event",
-        "id": event.pk,
-        "at": event.created_at.isoformat(),
-        "kind": event.kind,
-        "source": event.source,
-        "message": event.message,
-        "deployment": event.deployment_id,
-        "build": event.build_id,
-        "host": event.host.name if event.host_id else None,
-        "from_status": event.from_status,
-        "to_status": event.to_status,
-        "data": event.data,
+        "id": row["id"],
+        "at": row["created_at"].isoformat(),
+        "kind": row["kind"],
+        "source": row["source"],
+        "message": row["message"],
+        "deployment": row["deployment_id"],
+        "build": row["build_id"],
+        "host": row["host__name"],
+        "from_status": row["from_status"],
+        "to_status": row["to_status"],
+        "data": row["data"],
     }
+
+
+def event_payload(event: Event) -> EventPayload:
+    row = {name: getattr(event, name) for name in EVENT_COLUMNS if name != "host__name"}
+    return payload_of_row({**row, "host__name": event.host.name if event.host_id else None})
 
 
 def record(

@@ -9,6 +9,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import Prefetch, QuerySet
 
+from deployments import events
 from deployments.errors import NotFound
 from deployments.models import (
     Backend,
@@ -85,6 +86,12 @@ def build_get(build_id: int) -> EngineBuild:
 
 def event_list() -> QuerySet[Event]:
     return Event.objects.select_related("host")
+
+
+def event_rows() -> QuerySet[Event]:
+    """Events as the API lists them: the payload's columns as values (events.EVENT_COLUMNS);
+    a host row is wide, and model instances cost more than the query."""
+    return Event.objects.values(*events.EVENT_COLUMNS)
 
 
 def event_filter(

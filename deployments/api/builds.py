@@ -258,4 +258,5 @@ class BuildEvents(Events):
     """GET /api/builds/<id>/events/: the build's timeline, newest first."""
 
     def get_queryset(self) -> QuerySet[Event]:
-        return selectors.event_list().filter(build=get_object_or_404(EngineBuild, pk=self.kwargs["pk"]))
+        build = get_object_or_404(EngineBuild.objects.only("pk"), pk=self.kwargs["pk"])
+        return selectors.event_rows().filter(build=build)

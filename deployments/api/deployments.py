@@ -303,7 +303,8 @@ class DeploymentEvents(Events):
     """GET /api/deployments/<id>/events/: the deployment's timeline, newest first."""
 
     def get_queryset(self) -> QuerySet[Event]:
-        return selectors.event_list().filter(deployment=get_object_or_404(Deployment, pk=self.kwargs["pk"]))
+        deployment = get_object_or_404(Deployment.objects.only("pk"), pk=self.kwargs["pk"])
+        return selectors.event_rows().filter(deployment=deployment)
 
 
 class PlannedModelOut(serializers.Serializer):

@@ -13,7 +13,7 @@ from rest_framework import serializers
 from deployments import selectors
 from deployments.api.base import StrictSerializer
 from deployments.api.lists import CursorPage, ListEndpoint
-from deployments.events import EventPayload, event_payload
+from deployments.events import EventPayload, payload_of_row
 from deployments.models import Event
 from deployments.permissions import ReadOrOperate
 
@@ -34,8 +34,9 @@ class EventOut(serializers.Serializer):
     to_status = serializers.CharField()
     data = serializers.DictField()
 
-    def to_representation(self, instance: Event) -> EventPayload:
-        return event_payload(instance)
+    def to_representation(self, instance: dict[str, Any]) -> EventPayload:
+        # A list reads its events as values (selectors.event_rows).
+        return payload_of_row(instance)
 
 
 class AfterQuery(StrictSerializer):
@@ -75,7 +76,7 @@ class EventList(Events):
     query_class = EventsQuery
 
     def get_queryset(self) -> QuerySet[Event]:
-        return selectors.event_list()
+        return selectors.event_rows()
 
 
 class LogLineOut(serializers.Serializer):
