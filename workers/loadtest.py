@@ -8,7 +8,9 @@ configuration (its v2 YAML schema; JSON is YAML). The run's gateway key
 reaches AIPerf through the environment, referenced from the configuration as
 ``${GANTRY_LOADTEST_KEY}``, never on a command line. While a step runs the
 worker watches, each second: a cancel, the deployment leaving ready, the
-step's time bound. Triton's own metrics are sampled beside it.
+step's time bound. Triton's own metrics are sampled beside it. A run's native
+ceiling steps run trtllm-bench the same way (workers.native_bench reads and
+writes its files).
 """
 
 from __future__ import annotations
@@ -451,19 +453,11 @@ def _step(
         env.pop(name, None)
     argv = [str(aiperf_executable()), "profile", "--config", str(config_path), "--ui", "none",
             "--no-gpu-telemetry", "--no-server-metrics"]  # fmt: skip
-    sampler = ServerSampler(url=f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.metrics_port}/metrics")
-    sampler.sample(force=True)
-    started_at = timezone.now()
-    tail: deque[str] = deque(maxlen=40)
-    log_path = workdir / "aiperf.log"
-    with log_path.open("wb") as out:
-        process = processes.start_group(argv, env=env, cwd=workdir, stdout=out)
-        stop = _watch(run, step, process, deployment=deployment, sampler=sampler, log_path=log_path, tail=tail,
-                      limit_s=_step_limit_s(run.workload), first_signal=signal.SIGINT)  # fmt: skip
-    sampler.sample(force=True)
+    ran = _generate(run, step, argv, env=env, log_path=workdir / "aiperf.log", deployment=deployment)
+    stop, tail = ran.stop, ran.tail
     services.run_report(run_id=run.pk, progress={"step": step.index + 1, "steps": step.total, "target": step.target,
                                                  "level": step.level, "state": "reading results"},
-                        log_tail=_tail(log_path, tail))  # fmt: skip
+                        log_tail=_tail(ran.log_path, tail))  # fmt: skip
     export_path = artifacts / "profile_export_aiperf.json"
     export = json.loads(export_path.read_text()) if export_path.exists() else None
     records, counted = records_of(artifacts / "profile_export.jsonl")
@@ -471,7 +465,7 @@ def _step(
         if stop is not None:
             raise stop
         raise JobFailed(
-            f"AIPerf ended with exit code {process.returncode} before measuring step {step.index + 1}: "
+            f"AIPerf ended with exit code {ran.returncode} before measuring step {step.index + 1}: "
             + (_last_error(tail) or "see the run's log"),
             log_tail="\n".join(tail),
         )
@@ -484,8 +478,8 @@ def _step(
         complete=stop is None and export is not None and not summary.get("was_cancelled"),
         summary=summary,
         records=records,
-        server=sampler.summary(),
-        started_at=started_at,
+        server=ran.sampler.summary(),
+        started_at=ran.started_at,
         finished_at=timezone.now(),
     )
     if stop is not None:
@@ -530,30 +524,50 @@ def _native_step(run: LoadTest, step: Step, *, deployment: Deployment, placement
     argv = trtllm.compose_bench(bench, release, NativeExecutor().toolchain(release))
     env = {**_generator_env(), "CUDA_VISIBLE_DEVICES": ",".join(map(str, placement.gpu_ids)),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
-    sampler = ServerSampler(url=f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.metrics_port}/metrics")
-    sampler.sample(force=True)
-    started_at = timezone.now()
-    tail: deque[str] = deque(maxlen=40)
-    log_path = workdir / "trtllm-bench.log"
-    with log_path.open("wb") as out:
-        process = processes.start_group(argv, env=env, cwd=workdir, stdout=out)
-        # trtllm-bench writes no report when interrupted: nothing of a stopped step is kept.
-        stop = _watch(run, step, process, deployment=deployment, sampler=sampler, log_path=log_path, tail=tail,
-                      limit_s=_step_limit_s(w), first_signal=signal.SIGINT)  # fmt: skip
-    sampler.sample(force=True)
-    if stop is not None:
-        raise stop
+    ran = _generate(run, step, argv, env=env, log_path=workdir / "trtllm-bench.log", deployment=deployment)
+    # trtllm-bench writes no report when interrupted: nothing of a stopped step is kept.
+    if ran.stop is not None:
+        raise ran.stop
     if not report.exists():
         raise JobFailed(
-            f"trtllm-bench ended with exit code {process.returncode} before writing its report (step "
-            f"{step.index + 1}): " + (tail[-1] if tail else "see the run's log"),
-            log_tail="\n".join(tail),
+            f"trtllm-bench ended with exit code {ran.returncode} before writing its report (step "
+            f"{step.index + 1}): " + (ran.tail[-1] if ran.tail else "see the run's log"),
+            log_tail="\n".join(ran.tail),
         )
     summary = native_bench.summary_of(json.loads(report.read_text()))
     summary["counted"] = {"requests": summary.get("request_count", 0), "errors": 0, "by_code": {}}
     services.point_save(run_id=run.pk, target=step.target, level=step.level, complete=True, summary=summary,
-                        records=[], server=sampler.summary(), started_at=started_at,
+                        records=[], server=ran.sampler.summary(), started_at=ran.started_at,
                         finished_at=timezone.now())  # fmt: skip
+
+
+@dataclass
+class _Ran:
+    """A step's load generator, run to its end: how it ended and what was seen."""
+
+    returncode: int | None
+    stop: _Stop | None
+    sampler: ServerSampler
+    tail: deque[str]
+    log_path: Path
+    started_at: dt.datetime
+
+
+def _generate(
+    run: LoadTest, step: Step, argv: list[str], *, env: dict[str, str], log_path: Path, deployment: Deployment
+) -> _Ran:
+    """Run one step's load generator (in the folder of ``log_path``, its output
+    there) to its end under _watch, with Triton sampled before, during and after."""
+    sampler = ServerSampler(url=f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.metrics_port}/metrics")
+    sampler.sample(force=True)
+    started_at = timezone.now()
+    tail: deque[str] = deque(maxlen=40)
+    with log_path.open("wb") as out:
+        process = processes.start_group(argv, env=env, cwd=log_path.parent, stdout=out)
+        stop = _watch(run, step, process, deployment=deployment, sampler=sampler, log_path=log_path, tail=tail,
+                      limit_s=_step_limit_s(run.workload), first_signal=signal.SIGINT)  # fmt: skip
+    sampler.sample(force=True)
+    return _Ran(process.returncode, stop, sampler, tail, log_path, started_at)
 
 
 def _watch(
