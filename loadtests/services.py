@@ -120,11 +120,11 @@ def run_create(
         placement = placement.first()
         if placement is None:
             raise ValidationFailed({"model": f"{deployment.name} no longer serves {target.triton_name}"})
-        checked = workloads.check(placement.registered_model.kind, spec)
+        checked = _checked(placement.registered_model.kind, spec)
         if checked["native"]:
             refusal = native_refusal(deployment, placement)
             if refusal:
-                raise ValidationFailed({"native": refusal})
+                raise ValidationFailed({"workload.native": refusal})
         if deployment.status != DeploymentStatus.READY:
             raise InvalidTransition(f"{deployment.name} is {deployment.status}; a load test needs it ready")
         keys = production_keys(target)
@@ -163,6 +163,16 @@ def run_create(
         )
         outbox.enqueue_on_commit(queues.RUN_LOADTEST, host_name=deployment.host.name, args=[run.pk])
     return run
+
+
+def _checked(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The workload checked for the model's kind, its refusals named as the API's
+    own are (``workload.levels``), so a form shows each beside its field."""
+    try:
+        return workloads.check(kind, spec)
+    except ValidationFailed as failed:
+        named = {name if name == "model" else f"workload.{name}": rules for name, rules in failed.errors.items()}
+        raise ValidationFailed(named) from None
 
 
 def native_refusal(deployment: Deployment, placement: Any) -> str:

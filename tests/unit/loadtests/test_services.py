@@ -177,8 +177,14 @@ def test_the_native_ceiling_needs_an_engine_and_a_trtllm_bench_that_reports():
     assert "trtllm-bench of TensorRT-LLM 0.16.0 has no --report_json" in old
 
 
+def test_a_workload_rule_is_named_as_the_apis_own_fields_are(ready, operator):  # noqa: ANN001
+    with pytest.raises(ValidationFailed) as refused:
+        _start(ready, operator, spec={"levels": [1.5], "request_count": 5, "thresholds": {"time_to_first_token_ms": 9}})
+    assert set(refused.value.errors) == {"workload.levels", "workload.thresholds.time_to_first_token_ms"}
+
+
 def test_an_embedder_asked_for_a_native_ceiling_is_refused_by_field(ready, operator):  # noqa: ANN001
     with pytest.raises(ValidationFailed) as refused:
         _start(ready, operator, spec={"request_count": 5, "native": True})
-    assert "TensorRT-LLM engines" in refused.value.errors["native"][0]
+    assert "TensorRT-LLM engines" in refused.value.errors["workload.native"][0]
     assert not LoadTest.objects.exists()
