@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from deployments import events, outbox, queues, trtllm
 from deployments.errors import ConfirmationRequired, InvalidTransition, NotFound, ValidationFailed
-from deployments.models import Deployment, DeploymentStatus
+from deployments.models import Deployment, DeploymentModel, DeploymentStatus
 from deployments.permissions import require_operator
 from gateway import services as gateway
 from gateway.models import Alias, ApiKey
@@ -175,7 +175,7 @@ def _checked(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
         raise ValidationFailed(named) from None
 
 
-def native_refusal(deployment: Deployment, placement: Any) -> str:
+def native_refusal(deployment: Deployment, placement: DeploymentModel) -> str:
     """Why trtllm-bench cannot measure ``placement``'s engine on the deployment's
     host ('' if it can): it measures TensorRT-LLM engines, with the host's own
     TensorRT-LLM (GANTRY_TRTLLM_PYTHON), at the version that built the engine

@@ -34,7 +34,7 @@ from django.utils import timezone
 
 from deployments import trtllm
 from deployments.errors import TransientError
-from deployments.models import Deployment, DeploymentStatus, ModelKind
+from deployments.models import Deployment, DeploymentModel, DeploymentStatus, ModelKind
 from gateway import services as gateway
 from loadtests import services
 from loadtests import workload as workloads
@@ -494,7 +494,9 @@ def _generator_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(_NOT_FOR_AIPERF)}
 
 
-def _native_step(run: LoadTest, step: Step, *, deployment: Deployment, placement: Any, workdir: Path) -> None:
+def _native_step(
+    run: LoadTest, step: Step, *, deployment: Deployment, placement: DeploymentModel, workdir: Path
+) -> None:
     """One level of the native ceiling: trtllm-bench on the deployment's own
     engine with the run's workload, no server in between. It runs with the
     host's TensorRT-LLM (the version that built the engine) on the placement's
@@ -565,7 +567,7 @@ def _generate(
     with log_path.open("wb") as out:
         process = processes.start_group(argv, env=env, cwd=log_path.parent, stdout=out)
         stop = _watch(run, step, process, deployment=deployment, sampler=sampler, log_path=log_path, tail=tail,
-                      limit_s=_step_limit_s(run.workload), first_signal=signal.SIGINT)  # fmt: skip
+                      limit_s=_step_limit_s(run.workload))  # fmt: skip
     sampler.sample(force=True)
     return _Ran(process.returncode, stop, sampler, tail, log_path, started_at)
 
@@ -580,11 +582,10 @@ def _watch(
     log_path: Path,
     tail: deque[str],
     limit_s: int,
-    first_signal: int,
 ) -> _Stop | None:
     """Watch a step's process to its end, each second: report progress, sample
-    Triton, and stop it (``first_signal`` first, so it writes what it measured)
-    on a cancel, the deployment leaving ready, or the step's time bound."""
+    Triton, and stop it on a cancel, the deployment leaving ready, or the
+    step's time bound."""
     began = time.monotonic()
     stop: _Stop | None = None
     try:
@@ -607,7 +608,8 @@ def _watch(
             elif elapsed > limit_s:
                 stop = _Stop(RunStatus.FAILED, f"step {step.index + 1} ran past its {limit_s} s bound")
             if stop is not None:
-                processes.terminate_group(process.pid, grace_s=20.0, first_signal=first_signal)
+                # SIGINT first: AIPerf then writes what it measured so far (trtllm-bench stops cleanly).
+                processes.terminate_group(process.pid, grace_s=20.0, first_signal=signal.SIGINT)
                 break
     finally:
         if process.poll() is None:
