@@ -160,9 +160,10 @@ def checked_query(
 @functools.cache
 def _query_fields(query_class: type[serializers.Serializer]) -> tuple[frozenset[str], bool]:
     """A query serializer's parameter names, and whether it must run even with none
-    given (a parameter is required or has a default)."""
+    given (a parameter is required or has a default, or it has rules of its own)."""
     declared = query_class._declared_fields  # noqa: SLF001 - the class's fields, not an instance's copies
-    return frozenset(declared), any(f.required or f.default is not empty for f in declared.values())
+    own_rules = query_class.validate is not serializers.Serializer.validate
+    return frozenset(declared), own_rules or any(f.required or f.default is not empty for f in declared.values())
 
 
 def _paging_errors(params: Any, ordering_fields: tuple[str, ...]) -> dict[str, list[str]]:
