@@ -157,3 +157,30 @@ def test_a_filter_with_a_bad_value_is_refused_by_name(api, world):  # noqa: ANN0
     response = api.get("/api/builds/", {"status": "exploded"})
     assert response.status_code == 400 and "status" in response.data["errors"]
     assert api.get("/api/builds/", {"status": "pending"}).data["results"][0]["id"] == world["build"].pk
+
+
+def test_the_query_check_skips_the_serializer_only_where_it_could_not_refuse_anything():
+    from django.http import QueryDict
+    from rest_framework import serializers
+    from rest_framework.exceptions import ValidationError
+
+    from deployments.api.lists import checked_query
+
+    class Filters(serializers.Serializer):
+        kind = serializers.CharField(required=False)
+
+    class Needs(serializers.Serializer):
+        ids = serializers.CharField()
+
+    class Defaulted(serializers.Serializer):
+        target = serializers.CharField(default="gateway")
+
+    assert checked_query(Filters, QueryDict("")) == {}
+    assert checked_query(Filters, QueryDict("kind=x")) == {"kind": "x"}
+    with pytest.raises(ValidationError) as unknown:
+        checked_query(Filters, QueryDict("knd=x"))
+    assert unknown.value.detail == {"knd": ["is not a known query parameter"]}
+    with pytest.raises(ValidationError) as missing:
+        checked_query(Needs, QueryDict(""))
+    assert "ids" in missing.value.detail
+    assert checked_query(Defaulted, QueryDict("")) == {"target": "gateway"}
