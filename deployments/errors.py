@@ -16,6 +16,13 @@ class ValidationFailed(GantryError):
         self.errors = {field: [msg] if isinstance(msg, str) else list(msg) for field, msg in errors.items()}
         super().__init__("; ".join(f"{field}: {' '.join(msgs)}" for field, msgs in self.errors.items()))
 
+    def under(self, prefix: str, *, keep: tuple[str, ...] = ()) -> ValidationFailed:
+        """The same refusals named as fields of ``prefix`` (``spec.max_seq_len``), as
+        the API names a nested input's type errors; the names in ``keep`` stay as they are."""
+        return ValidationFailed(
+            {name if name in keep else f"{prefix}.{name}": rules for name, rules in self.errors.items()}
+        )
+
 
 class NotFound(GantryError):
     pass

@@ -171,8 +171,7 @@ def _checked(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     try:
         return workloads.check(kind, spec)
     except ValidationFailed as failed:
-        named = {name if name == "model" else f"workload.{name}": rules for name, rules in failed.errors.items()}
-        raise ValidationFailed(named) from None
+        raise failed.under("workload", keep=("model",)) from None
 
 
 def native_refusal(deployment: Deployment, placement: DeploymentModel) -> str:

@@ -47,7 +47,11 @@ def _resolve(*, model: str, host: str, image: str, spec: dict[str, Any], time_li
     low, high = build_spec.MIN_TIME_LIMIT_S, settings.GANTRY_BUILD_TIME_LIMIT_MAX
     if not low <= limit <= high:
         raise ValidationFailed({"time_limit_s": f"must be between {low} and {high}"})
-    normalized = build_spec.normalize_spec(spec, model=registered, host=target, image=image)
+    try:
+        normalized = build_spec.normalize_spec(spec, model=registered, host=target, image=image)
+    except ValidationFailed as failed:
+        # The spec's own rules under spec., as the API names its type errors.
+        raise failed.under("spec", keep=("model", "image")) from None
     digest = build_spec.image_digest(target, image)
     key = build_spec.cache_key(fingerprint=registered.fingerprint, spec=normalized, image_digest=digest)
     return _Checked(registered, target, limit, normalized, digest, key)

@@ -89,10 +89,13 @@ class BuildForm(forms.Form):
         self.fields["image"].choices = [(i, i) for i in images]
 
 
-def show_refusal(form: forms.Form, exc: GantryError) -> None:
-    """A service's refusal, shown on the form: each rule beside its field where the form has it."""
+def show_refusal(form: forms.Form, exc: GantryError, *, within: str = "") -> None:
+    """A service's refusal, shown on the form: each rule beside its field where the
+    form has it (a form whose fields are those of the API's ``within`` object, e.g.
+    a build's ``spec``, finds ``spec.max_seq_len`` at ``max_seq_len``)."""
     if isinstance(exc, ValidationFailed):
-        for field, errors in exc.errors.items():
+        for path, errors in exc.errors.items():
+            field = path.removeprefix(f"{within}.") if within else path
             form.add_error(field if field in form.fields else None, " ".join(errors))
     else:
         form.add_error(None, str(exc))

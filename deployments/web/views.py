@@ -82,7 +82,7 @@ def _build_from_form(request: HttpRequest, model: RegisteredModel, form: BuildFo
             user=request.user,
         )
     except GantryError as exc:
-        show_refusal(form, exc)
+        show_refusal(form, exc, within="spec")
         return None
     notes = {
         "queued": "Build queued.",

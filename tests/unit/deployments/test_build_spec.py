@@ -1,4 +1,5 @@
-"""The build spec rules that need the checkpoint, the host and the release; each names its field."""
+"""The build spec rules that need the checkpoint, the host and the release; each names
+its field (spec.<name>, as the API names a spec's type errors)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ def test_fp8_needs_compute_capability_8_9(db, operator, builder_images, tmp_path
             model="llama", host="a100-host", image=factories.IMAGE, spec={"quantization": "fp8"}, user=operator
         )
     )
-    assert errors == {"quantization": ["fp8 needs compute capability 8.9 or higher; NVIDIA A100-SXM4-80GB has 8.0"]}
+    assert errors == {
+        "spec.quantization": ["fp8 needs compute capability 8.9 or higher; NVIDIA A100-SXM4-80GB has 8.0"]
+    }
     assert EngineBuild.objects.count() == 0
 
 
@@ -44,24 +47,24 @@ def test_bfloat16_needs_ampere(db, operator, builder_images, tmp_path):
             model="llama", host="t4-host", image=factories.IMAGE, spec={"dtype": "bfloat16"}, user=operator
         )
     )
-    assert "bfloat16 needs compute capability 8.0" in errors["dtype"][0]
+    assert "bfloat16 needs compute capability 8.0" in errors["spec.dtype"][0]
 
 
 def test_length_rules_name_their_fields(llama, operator):
     errors = errors_of(lambda: request(operator, max_input_len=4096, max_seq_len=2048))
-    assert errors["max_seq_len"] == ["must be at least max_input_len (4096)"]
+    assert errors["spec.max_seq_len"] == ["must be at least max_input_len (4096)"]
     errors = errors_of(lambda: request(operator, max_seq_len=8192))
-    assert "exceeds the checkpoint's max_position_embeddings (4096)" in errors["max_seq_len"][0]
+    assert "exceeds the checkpoint's max_position_embeddings (4096)" in errors["spec.max_seq_len"][0]
     build, how = request(operator, max_seq_len=8192, allow_seq_len_over_max_positions=True)
     assert how == "queued" and build.spec["max_seq_len"] == 8192
 
 
 def test_parallelism_must_fit_the_host_and_the_model(llama, operator):
-    assert errors_of(lambda: request(operator, tp_size=4))["tp_size"] == [
+    assert errors_of(lambda: request(operator, tp_size=4))["spec.tp_size"] == [
         "tp_size * pp_size = 4 GPUs, but h100-host has 2"
     ]
-    assert errors_of(lambda: request(operator, tp_size=2, gpu_ids=[0, 5]))["gpu_ids"] == ["h100-host has no GPU 5"]
-    assert errors_of(lambda: request(operator, workers=2))["workers"] == ["must be at most tp_size * pp_size (1)"]
+    assert errors_of(lambda: request(operator, tp_size=2, gpu_ids=[0, 5]))["spec.gpu_ids"] == ["h100-host has no GPU 5"]
+    assert errors_of(lambda: request(operator, workers=2))["spec.workers"] == ["must be at most tp_size * pp_size (1)"]
     build, _ = request(operator, tp_size=2, workers=2)
     assert build.gpu_ids == [0, 1] and build.world_size == 2
 
@@ -93,4 +96,4 @@ def test_builder_image_must_be_allow_listed_and_on_the_host(llama, operator, set
 
 
 def test_unknown_build_setting_is_named(llama, operator):
-    assert errors_of(lambda: request(operator, max_batch=4)) == {"max_batch": ["is not a build setting"]}
+    assert errors_of(lambda: request(operator, max_batch=4)) == {"spec.max_batch": ["is not a build setting"]}

@@ -86,6 +86,6 @@ def test_preflight_names_each_broken_rule(api, llama):
     body = {"model": "llama", "host": "h100-host", "image": factories.IMAGE, "spec": {"max_seq_len": 100_000}}
     answer = api.post("/api/builds/preflight/", body, format="json").data
     assert answer["valid"] is False and answer["reuse"] is None
-    assert "max_position_embeddings" in " ".join(answer["errors"]["max_seq_len"])
+    assert "max_position_embeddings" in " ".join(answer["errors"]["spec.max_seq_len"])
     nowhere = api.post("/api/builds/preflight/", {**body, "host": "nowhere"}, format="json").data
     assert nowhere["errors"] == {"host": ["no GPU host named 'nowhere'"]}

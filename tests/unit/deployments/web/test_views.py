@@ -95,6 +95,8 @@ def test_build_form_queues_a_build_and_shows_its_page(client, operator, llama):
     assert "Gantry.buildPage" in page and "TensorRT-LLM 0.16.0" in page
     refused = client.post(f"/models/{llama.pk}/", {**form, "max_seq_len": 100000})
     assert "exceeds the checkpoint&#x27;s max_position_embeddings" in refused.content.decode()
+    # Beside its field (the service names it spec.max_seq_len, as the API does).
+    assert "max_position_embeddings" in refused.context["build_form"].errors["max_seq_len"][0]
 
 
 @pytest.mark.parametrize("path", ["/", "/deployments/1/", "/models/1/"])
