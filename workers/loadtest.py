@@ -510,15 +510,17 @@ def _native_step(
                                         build.world_size)  # fmt: skip
     if short:
         raise JobFailed(f"native ceiling at concurrency {step.level:g}: {short}")
-    workdir.mkdir(parents=True)
     w = run.workload
-    checkpoint = Path(placement.registered_model.path)
+    model = placement.registered_model
+    if not w.get("dataset") and not model.vocab_size:
+        raise JobFailed(f"native ceiling: {model.name}'s inspection found no vocab_size for synthetic token ids")
+    workdir.mkdir(parents=True)
     dataset = workdir / "dataset.jsonl"
-    native_bench.write_dataset(dataset, w, vocab_size=native_bench.vocab_size(checkpoint),
+    native_bench.write_dataset(dataset, w, vocab_size=model.vocab_size or 0,
                                entries=w["request_count"] + w["warmup_requests"])  # fmt: skip
     report = workdir / "report.json"
     bench = trtllm.BenchRun(
-        model_name=placement.registered_model.name, checkpoint=checkpoint, engine=Path(build.output_dir),
+        model_name=model.name, checkpoint=Path(model.path), engine=Path(build.output_dir),
         dataset=dataset, report=report, workspace=workdir, requests=w["request_count"],
         concurrency=int(step.level), streaming=w["streaming"], warmup=w["warmup_requests"],
         kv_cache_fraction=native_bench.KV_CACHE_FRACTION, tp_size=build.tp_size, pp_size=build.pp_size,

@@ -43,15 +43,6 @@ def write_dataset(path: Path, workload: dict[str, Any], *, vocab_size: int, entr
             out.write(json.dumps(row) + "\n")
 
 
-def vocab_size(checkpoint: Path) -> int:
-    """The checkpoint's vocabulary size (config.json), for synthetic token ids."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    if not isinstance(size, int) or size < 2:
-        raise ValueError(f"{checkpoint}/config.json has no vocab_size")
-    return size
-
-
 def memory_refusal(inventory: Inventory, gpu_ids: list[int], engine_bytes: int, world_size: int) -> str:
     """Why the GPUs cannot hold trtllm-bench's copy of the engine now ('' if they can)."""
     need = engine_bytes / max(world_size, 1) * MEMORY_HEADROOM

@@ -37,11 +37,6 @@ def test_a_runs_own_prompts_are_used_in_turn(tmp_path: Path):
     assert "input_ids" not in _rows(path)[0]
 
 
-def test_the_vocabulary_size_comes_from_the_checkpoint(tmp_path: Path):
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 128256}))
-    assert native_bench.vocab_size(tmp_path) == 128256
-
-
 def _gpu(index: int, used_gib: float) -> GpuReport:
     return GpuReport(index=index, uuid=f"GPU-{index}", name="H100", compute_capability="9.0",
                      memory_total_bytes=80 << 30, memory_used_bytes=int(used_gib * 2**30))  # fmt: skip

@@ -132,3 +132,12 @@ def test_a_failing_trtllm_bench_fails_the_step_with_its_last_line(stack, tmp_pat
     config.write_text(json.dumps({**json.loads(config.read_text()), "gantry_standin": {"bench_fail": True}}))
     with pytest.raises(JobFailed, match="exit code 1 before writing its report.*Engine supports a max sequence"):
         _native(run, deployment, placement, tmp_path)
+
+
+def test_synthetic_token_ids_need_the_vocabulary_the_inspection_recorded(stack, tmp_path, monkeypatch):  # noqa: ANN001
+    run, deployment, placement = stack
+    monkeypatch.setattr(nvml, "read_inventory", lambda: _gpus(free_gib=40))
+    placement.registered_model.vocab_size = None
+    with pytest.raises(JobFailed, match="llama's inspection found no vocab_size"):
+        _native(run, deployment, placement, tmp_path)
+    assert not (tmp_path / "native").exists()
