@@ -324,26 +324,38 @@ def test_a_page_repairs_a_lost_message_and_marks_itself_stale_while_redis_is_dow
     import threading
 
     import redis
+    from django.db import connection
     from playwright.sync_api import expect
 
     from deployments import events
     from deployments.models import Event
 
     stack = stack_on_own_redis
+    # The page re-reads the timeline each time its socket opens; counting those
+    # re-reads lets the test wait for the first to finish, so that it cannot pick
+    # up the lost event below by itself.
+    page.add_init_script(
+        'document.addEventListener("gantry:resync", () => { window.resyncs = (window.resyncs || 0) + 1; });'
+    )
     page.goto(f"{stack.web_url}/deployments/{quiet_deployment}/")
     page.fill("input[name=username]", stack.user.username)
     page.fill("input[name=password]", "operator-pass")
     page.click("button[type=submit]")
     indicator = page.locator("#live-indicator")
     expect(indicator).to_have_text("live")
+    page.wait_for_function("window.resyncs >= 1")
 
     # A message lost on its way: its event is in the database and its number was
     # taken, but no socket got it (the ORM runs outside Playwright's event loop).
-    lost = threading.Thread(
-        target=lambda: Event.objects.create(
-            deployment_id=quiet_deployment, kind="test.lost", source="system", message="never delivered live"
-        )
-    )
+    def lose() -> None:
+        try:
+            Event.objects.create(
+                deployment_id=quiet_deployment, kind="test.lost", source="system", message="never delivered live"
+            )
+        finally:
+            connection.close()  # this thread's own session, or the stack's teardown waits on it
+
+    lost = threading.Thread(target=lose)
     lost.start()
     lost.join()
     redis.Redis(port=own_redis.port).incr(events.seq_key(events.deployment_group(quiet_deployment)))
