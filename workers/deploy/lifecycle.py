@@ -85,11 +85,27 @@ def host_lock(deployment_id: int, what: str = "server") -> Iterator[None]:
     ("generation"): a task sent twice (a re-drive after a broker restart, a
     redelivery) waits for the first, then finds the row moved on. Apart, so a
     stop never waits for a long model load."""
-    locks = settings.GANTRY_DATA_DIR / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"deployment-{deployment_id}-{what}.lock", "w") as lock:
+    with open(_lock_path(deployment_id, what), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def host_lock_held(deployment_id: int, what: str = "server") -> bool:
+    """Whether a process of this host holds ``host_lock(deployment_id, what)`` now
+    (a lock dies with its process, so a task killed mid-way holds none)."""
+    with open(_lock_path(deployment_id, what), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        return False
+
+
+def _lock_path(deployment_id: int, what: str) -> Path:
+    locks = settings.GANTRY_DATA_DIR / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return locks / f"deployment-{deployment_id}-{what}.lock"
 
 
 def _launch(deployment_id: int) -> None:

@@ -24,7 +24,7 @@ from deployments.placement import triton_model_names
 from deployments.services import deployments, hosts
 from workers import nvml
 from workers.deploy import telemetry
-from workers.deploy.lifecycle import failer, mark_ready, roll_back
+from workers.deploy.lifecycle import failer, host_lock_held, mark_ready, roll_back
 from workers.deploy.plan import launch_spec, load, runtime_for, triton_client
 from workers.jobs import run_job, source
 from workers.runtimes.base import LaunchSpec, Runtime
@@ -66,7 +66,10 @@ def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
             if (now - deployment.status_changed_at).total_seconds() > stall_after_s(deployment.status):
                 _redrive(deployment)
         elif not runtime.is_running(deployment.runtime_handle, spec):
-            _handle_crash(deployment, runtime, spec)
+            # A generation that needs new folders replaces the server while the
+            # deployment stays updating: the old one, stopped on purpose, is no crash.
+            if not (deployment.status == S.UPDATING and host_lock_held(deployment.pk, "generation")):
+                _handle_crash(deployment, runtime, spec)
         elif deployment.status == S.LOADING:
             _check_loading(deployment, runtime, spec, now)
         elif deployment.status == S.UPDATING:

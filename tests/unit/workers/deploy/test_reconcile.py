@@ -11,7 +11,7 @@ from deployments.models import Deployment, DeploymentStatus, Event, OutboxMessag
 from deployments.services import deployments, hosts
 from deployments.services.placements import PlacementSpec
 from workers import processes
-from workers.deploy import reconcile
+from workers.deploy import lifecycle, reconcile
 from workers.triton.client import TritonClient
 
 
@@ -77,3 +77,27 @@ def test_an_update_lost_with_its_worker_is_rolled_back(settings, minilm, operato
     assert (deployment.status, deployment.generation) == (DeploymentStatus.READY, 1)
     assert deployment.placements.get().max_batch_size == 32
     assert Event.objects.filter(deployment=deployment, kind="deployment.rollback").exists()
+
+
+def test_a_server_replaced_for_a_generation_is_no_crash_while_its_task_holds_the_lock(settings, minilm, operator):
+    """A generation that needs new folders stops the old server and starts another
+    while the deployment stays updating; reconcile must not call that a crash
+    (it did, between the stop and the new handle). Once no task holds the
+    generation lock (it died with its worker), a gone server is a crash again."""
+    deployment = _launching_deployment(settings, minilm, operator, age_s=1)
+    states.deployment_transition(deployment_id=deployment.pk, to="loading", source="t", runtime_handle="999999")
+    states.deployment_transition(deployment_id=deployment.pk, to="ready", source="t")
+    deployments.deployment_change(
+        deployment_id=deployment.pk, placements=[PlacementSpec(model="minilm", max_batch_size=8)], user=operator
+    )
+    settings.GANTRY_CRASH_RESTART_LIMIT = 0
+    with lifecycle.host_lock(deployment.pk, "generation"):
+        assert lifecycle.host_lock_held(deployment.pk, "generation")
+        reconcile.reconcile_host()
+        deployment.refresh_from_db()
+        assert deployment.status == DeploymentStatus.UPDATING
+    assert not lifecycle.host_lock_held(deployment.pk, "generation")
+    reconcile.reconcile_host()
+    deployment.refresh_from_db()
+    assert deployment.status == DeploymentStatus.FAILED
+    assert deployment.status_message.startswith("tritonserver exited unexpectedly")
