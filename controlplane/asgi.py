@@ -46,8 +46,7 @@ class DjangoDoors:
     holding a thread."""
 
     def __init__(self) -> None:
-        self.threads = settings.DATABASE_POOL_SIZE or 8
-        self.sync = WSGIMiddleware(get_wsgi_application(), workers=self.threads)
+        self.sync = WSGIMiddleware(get_wsgi_application(), workers=settings.DATABASE_POOL_SIZE or 8)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         door = django_asgi_app if _async_view(scope) else self.sync
