@@ -28,7 +28,7 @@ from workers.deploy.lifecycle import failer, host_lock_held, mark_ready, roll_ba
 from workers.deploy.plan import launch_spec, load, runtime_for, triton_client
 from workers.jobs import run_job, source
 from workers.runtimes.base import LaunchSpec, Runtime
-from workers.runtimes.docker import DockerRuntime
+from workers.runtimes.docker import Container, DockerRuntime
 from workers.triton.client import Readiness
 from workers.triton.server import STOP_GRACE_S
 
@@ -66,9 +66,8 @@ def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
             if (now - deployment.status_changed_at).total_seconds() > stall_after_s(deployment.status):
                 _redrive(deployment)
         elif not runtime.is_running(deployment.runtime_handle, spec):
-            # A generation that needs new folders replaces the server while the
-            # deployment stays updating: the old one, stopped on purpose, is no crash.
-            if not (deployment.status == S.UPDATING and host_lock_held(deployment.pk, "generation")):
+            # The old server of one being replaced was stopped on purpose: no crash.
+            if not _server_being_replaced(deployment.pk, deployment.status):
                 _handle_crash(deployment, runtime, spec)
         elif deployment.status == S.LOADING:
             _check_loading(deployment, runtime, spec, now)
@@ -103,6 +102,29 @@ def adopt_servers() -> None:
         )
 
 
+def _server_being_replaced(deployment_id: int, status: str) -> bool:
+    """Whether a generation that needs new folders is replacing the deployment's
+    server now: it stops the old one and starts another while the deployment
+    stays updating, and records the new handle only once it runs. Its task holds
+    the generation lock throughout; the lock dies with a killed task."""
+    return status == S.UPDATING and host_lock_held(deployment_id, "generation")
+
+
+def unwanted_containers(containers: list[Container], active: dict[int, tuple[str, str]]) -> list[Container]:
+    """Of ``containers``, those no deployment wants; ``active`` maps each active
+    docker deployment of this host to its (runtime handle, status)."""
+    unwanted = []
+    for container in containers:
+        if container.deployment_id in active:
+            handle, status = active[container.deployment_id]
+            if handle == container.id or not handle:
+                continue  # its deployment's server, or one being started right now
+            if _server_being_replaced(container.deployment_id, status):
+                continue  # the new server, started before its handle is recorded
+        unwanted.append(container)
+    return unwanted
+
+
 def _remove_unwanted_containers() -> None:
     """Remove Gantry containers on this host that no deployment wants (any more)."""
     runtime = DockerRuntime(settings.GANTRY_HOST_NAME)
@@ -110,15 +132,13 @@ def _remove_unwanted_containers() -> None:
         containers = runtime.containers()
     except TransientError:
         return  # no Docker engine on this host
-    wanted = dict(
-        Deployment.objects.filter(
+    active = {
+        pk: (handle, status)
+        for pk, handle, status in Deployment.objects.filter(
             host__name=settings.GANTRY_HOST_NAME, runtime=DeploymentRuntime.DOCKER, status__in=states.ACTIVE
-        ).values_list("pk", "runtime_handle")
-    )
-    for container in containers:
-        handle = wanted.get(container.deployment_id)
-        if handle == container.id or (container.deployment_id in wanted and not handle):
-            continue  # its deployment's server, or one being started right now
+        ).values_list("pk", "runtime_handle", "status")
+    }
+    for container in unwanted_containers(containers, active):
         runtime.stop(container.id, grace_s=10)
         hosts.record_host_event(
             host_name=settings.GANTRY_HOST_NAME,

@@ -12,6 +12,7 @@ from deployments.services import deployments, hosts
 from deployments.services.placements import PlacementSpec
 from workers import processes
 from workers.deploy import lifecycle, reconcile
+from workers.runtimes.docker import Container
 from workers.triton.client import TritonClient
 
 
@@ -101,3 +102,21 @@ def test_a_server_replaced_for_a_generation_is_no_crash_while_its_task_holds_the
     deployment.refresh_from_db()
     assert deployment.status == DeploymentStatus.FAILED
     assert deployment.status_message.startswith("tritonserver exited unexpectedly")
+
+
+def test_the_new_server_of_a_generation_is_kept_until_its_handle_is_recorded(settings):
+    """A generation that needs new folders starts its container before it records
+    the new handle; reconcile removed that container in between (the server died
+    with SIGKILL while it loaded). While the generation's task holds its lock the
+    container is kept; without the lock, or for a deployment not updating, a
+    container that is not the deployment's server goes."""
+    new = Container(id="new", name="gantry-deployment-7", deployment_id=7, generation=3, running=True)
+    stray = Container(id="stray", name="gantry-deployment-8", deployment_id=8, generation=1, running=True)
+    served = Container(id="served", name="gantry-deployment-9", deployment_id=9, generation=1, running=True)
+    active = {7: ("old", DeploymentStatus.UPDATING), 9: ("served", DeploymentStatus.READY)}
+    with lifecycle.host_lock(7, "generation"):
+        assert reconcile.unwanted_containers([new, stray, served], active) == [stray]
+        assert reconcile.unwanted_containers([new], {7: ("old", DeploymentStatus.READY)}) == [new]
+    assert reconcile.unwanted_containers([new, stray, served], active) == [new, stray]
+    starting = {7: ("", DeploymentStatus.LAUNCHING)}
+    assert reconcile.unwanted_containers([new], starting) == []
