@@ -4,6 +4,7 @@ real tritonserver deployment, and percentiles."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -76,8 +77,13 @@ def server(argv: list[str], port: int) -> Iterator[None]:
     try:
         yield
     finally:
-        os.killpg(process.pid, 15)
-        process.wait(timeout=30)
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # daphne may wait on a client's request for good: the figures are taken already.
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
 
 
 def setup_django(port: int) -> Path:
