@@ -167,11 +167,11 @@ def main() -> None:
 
     setup_postgres(args.database_url)
     token, deployment = _seed()
-    from controlplane.serving import live_argv, web_argv
+    from controlplane.serving import live_argv, web_argv, web_workers
 
     web, live, single = args.port, args.port + 1, args.port + 2
     base = f"http://127.0.0.1:{web}"
-    workers = int(os.environ.get("GANTRY_WEB_WORKERS") or min(8, 2 * (os.cpu_count() or 1)))
+    workers = web_workers()
     print(f"{BUILDS} builds, {EVENTS} events in PostgreSQL; wrk -c{args.connections} for {args.seconds}s each; "
           f"web: gunicorn, {workers} uvicorn workers; {os.cpu_count()} cores")  # fmt: skip
     # Each page beside two floors: five columns, and every field the page writes.
