@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Prefetch, QuerySet
+from django.db.models import Exists, OuterRef, Prefetch, QuerySet
 
 from deployments import events
 from deployments.errors import NotFound
@@ -48,14 +48,20 @@ def build_list(**filters: str) -> QuerySet[EngineBuild]:
 def build_rows(columns: list[str]) -> QuerySet[EngineBuild]:
     """Builds as the API lists them: ``columns`` as values (lookups such as
     ``model__name`` join), no model instances: on a 50-row page building them
-    cost more than the query."""
-    return EngineBuild.objects.values(*columns)
+    cost more than the query. ``deployed`` says whether any deployment places
+    the build (see builds_deployed_in)."""
+    placed = DeploymentModel.objects.filter(engine_build=OuterRef("pk"))
+    return EngineBuild.objects.values(*columns, deployed=Exists(placed))
 
 
 def builds_deployed_in(build_ids: list[int]) -> dict[int, list[dict[str, Any]]]:
     """Where each of ``build_ids`` is deployed, in one query (cheaper than a prefetch:
-    a list page needs three values per placement, not two model rows)."""
+    a list page needs three values per placement, not two model rows), or none
+    when no id is given: a page passes only its rows that build_rows found
+    deployed, and most builds are not."""
     found: dict[int, list[dict[str, Any]]] = {build_id: [] for build_id in build_ids}
+    if not build_ids:
+        return found
     placements = DeploymentModel.objects.filter(engine_build_id__in=build_ids).order_by("deployment__name")
     for build_id, deployment_id, name, triton_name in placements.values_list(
         "engine_build_id", "deployment_id", "deployment__name", "triton_name"

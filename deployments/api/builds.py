@@ -227,7 +227,8 @@ class BuildList(ListEndpoint):
         return selectors.build_filter(rows, **query)
 
     def page_context(self, page: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"deployed_in": selectors.builds_deployed_in([row["id"] for row in page])}
+        deployed = selectors.builds_deployed_in([row["id"] for row in page if row["deployed"]])
+        return {"deployed_in": {row["id"]: deployed.get(row["id"], []) for row in page}}
 
     @idempotent()
     @extend_schema(request=BuildIn, responses={201: BuildRequestOut, 200: BuildRequestOut})
