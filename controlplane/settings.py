@@ -218,6 +218,10 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "deployments.api.schema.GantrySchema",
     # Bodies are JSON objects: nested specs and lists have no honest form encoding.
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_RENDERER_CLASSES": [
+        "deployments.api.renderers.JSONRenderer",
+        "rest_framework.renderers.BrowsableAPIRenderer",
+    ],
     "DEFAULT_THROTTLE_CLASSES": ["access.throttles.PerUser", "access.throttles.PerAddress"],
 }
 
