@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 
 from uvicorn_worker import UvicornWorker
 
@@ -50,25 +51,45 @@ def settle_heap() -> None:
 
 
 def web_workers() -> int:
-    """GANTRY_WEB_WORKERS, else two web processes per core, at most 8.
+    """GANTRY_WEB_WORKERS, else one web process per core, 2 to 8.
 
-    One per core measured a lower p99 when the clients' connections were spread
-    evenly, but a process takes every connection that arrives while it is
-    awake: at times all of them landed on one of two processes, and the pages
-    served half as much (docs/performance.md)."""
-    return int(os.environ.get("GANTRY_WEB_WORKERS") or min(8, 2 * (os.cpu_count() or 1)))
+    Each process serves its sync requests on a thread pool, so a slow request
+    holds a thread, not the process; twice as many processes as cores only
+    time-sliced the same cores, for a p99 twice as high (docs/performance.md)."""
+    return int(os.environ.get("GANTRY_WEB_WORKERS") or min(8, max(2, os.cpu_count() or 1)))
 
 
 def web_argv(python: str, *, bind: str, port: int, workers: int | None = None) -> list[str]:
-    """The web server's command line (``workers`` processes, else web_workers())."""
+    """The web server's command line (``workers`` processes, else web_workers()).
+
+    Each process listens on a socket of its own (``--reuse-port``), and the
+    kernel spreads new connections over them. On one shared socket, the process
+    that woke first took every connection waiting: at times all of a client's
+    keep-alive connections landed on one of two processes, which then served
+    half as much. SO_REUSEPORT also lets another server of the same user bind
+    the port: port_taken() says whether one is there before a command starts.
+    """
     return [
         python, "-m", "gunicorn", "controlplane.asgi:http_application",
         "--worker-class", "controlplane.serving.HttpWorker", "--workers", str(workers or web_workers()),
-        "--bind", f"{bind}:{port}", "--access-logfile", "-",
+        "--bind", f"{bind}:{port}", "--reuse-port", "--access-logfile", "-",
         # A streamed generation may be silent for long: uvicorn workers heartbeat
         # on their own, so this only catches a worker that is truly stuck.
         "--timeout", "120", "--graceful-timeout", "30",
     ]  # fmt: skip
+
+
+def port_taken(bind: str, port: int) -> bool:
+    """Whether something listens on ``bind``:``port`` already (a plain bind
+    fails there, even where a server shares it by SO_REUSEPORT)."""
+    family, kind, proto, _, address = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections do not count
+        try:
+            probe.bind(address)
+        except OSError:
+            return True
+    return False
 
 
 def live_argv(python: str, *, bind: str, port: int) -> list[str]:

@@ -37,7 +37,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from controlplane.celery import host_worker_argv
-from controlplane.serving import live_argv, web_argv
+from controlplane.serving import live_argv, port_taken, web_argv
 from deployments import states
 from deployments.checkpoints import UNTRAINED_NOTICE
 from deployments.errors import GantryError
@@ -84,6 +84,12 @@ class Command(BaseCommand):
         # Installed explicitly: a shell that starts us in the background ignores SIGINT.
         signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGTERM, _interrupt)
+        for port in (options["port"], options["port"] + 1):  # the web server's, and the live server's above it
+            if port_taken(options["bind"], port):
+                raise CommandError(
+                    f"{options['bind']}:{port} is in use already (another Gantry?): set GANTRY_WEB_PORT "
+                    "to another port (the live server takes the one above it)"
+                )
         try:
             self._ensure_redis()
             call_command("migrate", interactive=False, verbosity=0)

@@ -8,9 +8,9 @@ import os
 import sys
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from controlplane.serving import live_argv, web_argv
+from controlplane.serving import live_argv, port_taken, web_argv
 
 
 class Command(BaseCommand):
@@ -23,9 +23,12 @@ class Command(BaseCommand):
         parser.add_argument("--workers", type=int, default=None, help="web processes (GANTRY_WEB_WORKERS)")
 
     def handle(self, *args: Any, server: str, bind: str, port: int | None, workers: int | None, **options: Any) -> None:
+        port = port or (8000 if server == "web" else 8001)
+        if port_taken(bind, port):
+            raise CommandError(f"--port: {bind}:{port} is in use already (another Gantry server?); pick another")
         if server == "web":
-            argv = web_argv(sys.executable, bind=bind, port=port or 8000, workers=workers)
+            argv = web_argv(sys.executable, bind=bind, port=port, workers=workers)
         else:
-            argv = live_argv(sys.executable, bind=bind, port=port or 8001)
+            argv = live_argv(sys.executable, bind=bind, port=port)
         sys.stdout.flush()
         os.execv(sys.executable, argv)  # the server replaces this process: signals reach it directly

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import gc
+import socket
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
 
 from controlplane import serving
 
@@ -19,14 +24,41 @@ def test_a_web_process_keeps_the_collector_off_what_it_loaded():
         gc.set_threshold(*thresholds)
 
 
-def test_two_web_processes_per_core_unless_told(monkeypatch):
+def test_one_web_process_per_core_unless_told(monkeypatch):
     monkeypatch.delenv("GANTRY_WEB_WORKERS", raising=False)
-    monkeypatch.setattr(serving.os, "cpu_count", lambda: 2)
-    assert serving.web_workers() == 4
-    monkeypatch.setattr(serving.os, "cpu_count", lambda: 64)
-    assert serving.web_workers() == 8
+    for cores, processes in ((1, 2), (2, 2), (6, 6), (64, 8)):
+        monkeypatch.setattr(serving.os, "cpu_count", lambda cores=cores: cores)
+        assert serving.web_workers() == processes
     monkeypatch.setenv("GANTRY_WEB_WORKERS", "3")
     assert serving.web_workers() == 3
     argv = serving.web_argv("python", bind="127.0.0.1", port=8000)
     assert argv[argv.index("--workers") + 1] == "3"
     assert "controlplane.serving.HttpWorker" in argv
+    assert "--reuse-port" in argv  # a socket per process, connections spread by the kernel
+
+
+def _listener(reuse_port: bool) -> socket.socket:
+    listener = socket.socket()
+    if reuse_port:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    return listener
+
+
+def test_a_port_a_server_listens_on_is_taken_even_when_it_shares_it():
+    for reuse_port in (False, True):
+        listener = _listener(reuse_port)
+        port = listener.getsockname()[1]
+        assert serving.port_taken("127.0.0.1", port)
+        listener.close()
+        assert not serving.port_taken("127.0.0.1", port)
+
+
+def test_gantry_serve_refuses_a_port_in_use():
+    listener = _listener(reuse_port=True)
+    try:
+        with pytest.raises(CommandError, match=r"--port: 127.0.0.1:\d+ is in use already"):
+            call_command("gantry_serve", "web", "--port", str(listener.getsockname()[1]))
+    finally:
+        listener.close()
