@@ -55,7 +55,12 @@ def test_a_port_a_server_listens_on_is_taken_even_when_it_shares_it():
         assert not serving.port_taken("127.0.0.1", port)
 
 
-def test_gantry_serve_refuses_a_port_in_use():
+def test_gantry_serve_refuses_a_port_in_use(monkeypatch):
+    def started(*argv: object) -> None:
+        raise AssertionError(f"gantry_serve started a server on a port in use: {argv}")
+
+    # Were the check to let it through, the command would replace this test run with the server.
+    monkeypatch.setattr("controlplane.management.commands.gantry_serve.os.execv", started)
     listener = _listener(reuse_port=True)
     try:
         with pytest.raises(CommandError, match=r"--port: 127.0.0.1:\d+ is in use already"):
