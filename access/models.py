@@ -13,6 +13,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from deployments.fields import JSONField
+
 
 def secret_digest(secret: str) -> str:
     """What is stored of a secret Gantry issues (a personal token, a gateway key).
@@ -65,7 +67,7 @@ class IdempotentRequest(models.Model):
     path = models.CharField(max_length=512)
     body_digest = models.CharField(max_length=64)
     status = models.PositiveSmallIntegerField(null=True, help_text="Empty while the first request runs.")
-    response = models.JSONField(null=True, blank=True)
+    response = JSONField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
 
     class Meta:

@@ -19,6 +19,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator, RegexVa
 from django.db import models
 from django.utils import timezone
 
+from deployments.fields import JSONField
 from deployments.queues import host_queue
 
 # Triton model names and host names end up in paths, queue names and URLs.
@@ -37,7 +38,7 @@ class GpuHost(models.Model):
     cuda_version = models.CharField(max_length=32, blank=True)
     agent_version = models.CharField(max_length=32, blank=True)
     nvml_error = models.CharField(max_length=255, blank=True, help_text="Why NVML gave no inventory, if so.")
-    builders = models.JSONField(
+    builders = JSONField(
         default=dict, blank=True,
         help_text='What this host can build with: {"images": {image: digest}, "native": tensorrt_llm version}.',
     )  # fmt: skip
@@ -134,16 +135,16 @@ class RegisteredModel(models.Model):
     max_position_embeddings = models.PositiveIntegerField(null=True, blank=True)
     torch_dtype = models.CharField(max_length=32, blank=True)
     size_bytes = models.BigIntegerField(default=0)
-    tokenizer_files = models.JSONField(default=list, blank=True)
+    tokenizer_files = JSONField(default=list, blank=True)
     fingerprint = models.CharField(
         max_length=64, blank=True, help_text="sha256 over the checkpoint's files and contents."
     )
-    config = models.JSONField(default=dict, help_text="The checkpoint's config.json as read.")
+    config = JSONField(default=dict, help_text="The checkpoint's config.json as read.")
     trust_remote_code = models.BooleanField(
         default=False, help_text="Allow the checkpoint's own Python code (auto_map) to run on the host."
     )
     chat_template = models.TextField(blank=True, help_text="The Jinja chat template of its tokenizer files.")
-    special_tokens = models.JSONField(default=dict, blank=True, help_text="bos_token, eos_token, ... as strings.")
+    special_tokens = JSONField(default=dict, blank=True, help_text="bos_token, eos_token, ... as strings.")
     notice = models.CharField(
         max_length=255, blank=True, help_text="What a user must know about it (e.g. untrained weights)."
     )
@@ -181,14 +182,14 @@ class EngineBuild(models.Model):
 
     model = models.ForeignKey(RegisteredModel, on_delete=models.PROTECT, related_name="builds")
     host = models.ForeignKey(GpuHost, on_delete=models.PROTECT, related_name="builds")
-    spec = models.JSONField(default=dict, help_text="The normalized build spec.")
+    spec = JSONField(default=dict, help_text="The normalized build spec.")
     executor = models.CharField(max_length=16, choices=BuildExecutor.choices, default=BuildExecutor.DOCKER)
     builder_image = models.CharField(max_length=255, blank=True)
     image_digest = models.CharField(max_length=128, blank=True)
     trtllm_version = models.CharField(max_length=32, blank=True)
     gpu_name = models.CharField(max_length=128, blank=True)
     compute_capability = models.CharField(max_length=8, blank=True)
-    gpu_ids = models.JSONField(default=list, blank=True, help_text="The host GPUs the build runs on.")
+    gpu_ids = JSONField(default=list, blank=True, help_text="The host GPUs the build runs on.")
     tp_size = models.PositiveSmallIntegerField(default=1)
     pp_size = models.PositiveSmallIntegerField(default=1)
     cache_key = models.CharField(
@@ -204,10 +205,10 @@ class EngineBuild(models.Model):
     runtime_handle = models.CharField(max_length=128, blank=True, help_text="Container id or process group.")
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     output_dir = models.CharField(max_length=1024, blank=True)
-    artifacts = models.JSONField(default=list, blank=True, help_text="[{name, size, sha256}] of the engine folder.")
-    build_config = models.JSONField(default=dict, blank=True, help_text="build_config from the engine's config.json.")
-    plugin_config = models.JSONField(default=dict, blank=True)
-    engine_config = models.JSONField(default=dict, blank=True, help_text="The engine's config.json as written.")
+    artifacts = JSONField(default=list, blank=True, help_text="[{name, size, sha256}] of the engine folder.")
+    build_config = JSONField(default=dict, blank=True, help_text="build_config from the engine's config.json.")
+    plugin_config = JSONField(default=dict, blank=True)
+    engine_config = JSONField(default=dict, blank=True, help_text="The engine's config.json as written.")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -355,7 +356,7 @@ class DeploymentModel(models.Model):
     )
     backend = models.CharField(max_length=16, choices=Backend.choices, default=Backend.PYTHON)
     max_batch_size = models.PositiveIntegerField(default=32, validators=[MinValueValidator(1), MaxValueValidator(4096)])
-    preferred_batch_sizes = models.JSONField(default=list, blank=True)
+    preferred_batch_sizes = JSONField(default=list, blank=True)
     max_queue_delay_us = models.PositiveIntegerField(default=2000, validators=[MaxValueValidator(10_000_000)])
     # Triton's dynamic batcher queue: priority levels (0 = one queue) and the
     # default queue policy (a request waiting longer than the timeout is
@@ -368,7 +369,7 @@ class DeploymentModel(models.Model):
         default=1, validators=[MinValueValidator(1), MaxValueValidator(64)]
     )
     instance_kind = models.CharField(max_length=16, choices=InstanceKind.choices, default=InstanceKind.AUTO)
-    gpu_ids = models.JSONField(default=list, blank=True)
+    gpu_ids = JSONField(default=list, blank=True)
     gpu_memory_fraction = models.FloatField(default=0.1, validators=[MinValueValidator(0.01), MaxValueValidator(1.0)])
     # TensorRT-LLM placements only.
     batch_scheduler_policy = models.CharField(
@@ -405,7 +406,7 @@ class DeploymentRevision(models.Model):
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="revisions")
     generation = models.PositiveIntegerField()
-    spec = models.JSONField(help_text="The placements of this generation.")
+    spec = JSONField(help_text="The placements of this generation.")
     status = models.CharField(max_length=16, choices=RevisionStatus.choices, default=RevisionStatus.CURRENT)
     message = models.TextField(blank=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
@@ -432,7 +433,7 @@ class MetricSample(models.Model):
     at = models.DateTimeField(default=timezone.now)
     kind = models.CharField(max_length=8, choices=Kind.choices)
     subject = models.CharField(max_length=128, help_text="Triton model name or GPU uuid")
-    values = models.JSONField(default=dict)
+    values = JSONField(default=dict)
 
     class Meta:
         ordering = ["at", "id"]
@@ -483,7 +484,7 @@ class Event(models.Model):
     from_status = models.CharField(max_length=16, blank=True)
     to_status = models.CharField(max_length=16, blank=True)
     message = models.TextField(blank=True)
-    data = models.JSONField(default=dict, blank=True)
+    data = JSONField(default=dict, blank=True)
 
     objects = EventQuerySet.as_manager()
 
@@ -516,7 +517,7 @@ class OutboxMessage(models.Model):
 
     task = models.CharField(max_length=100)
     queue = models.CharField(max_length=80)
-    args = models.JSONField(default=list)
+    args = JSONField(default=list)
     created_at = models.DateTimeField(default=timezone.now)
     attempts = models.PositiveIntegerField(default=0)
     last_error = models.CharField(max_length=255, blank=True)

@@ -7,6 +7,7 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
+from deployments.fields import JSONField
 from deployments.models import Deployment
 
 
@@ -42,11 +43,11 @@ class LoadTest(models.Model):
     alias = models.CharField(max_length=128, help_text="The gateway model name the load went to.")
     triton_name = models.CharField(max_length=63)
     kind = models.CharField(max_length=16, help_text="llm, embedding or reranker")
-    workload = models.JSONField(help_text="The checked workload (loadtests.workload).")
-    context = models.JSONField(default=dict, help_text="What was under test: generation, builds, image, GPUs.")
+    workload = JSONField(help_text="The checked workload (loadtests.workload).")
+    context = JSONField(default=dict, help_text="What was under test: generation, builds, image, GPUs.")
     status = models.CharField(max_length=16, choices=RunStatus.choices, default=RunStatus.QUEUED)
     status_message = models.TextField(blank=True)
-    progress = models.JSONField(default=dict, blank=True, help_text="The step under way, for the page.")
+    progress = JSONField(default=dict, blank=True, help_text="The step under way, for the page.")
     log_tail = models.TextField(blank=True, help_text="The load generator's last lines.")
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
@@ -85,9 +86,9 @@ class LoadPoint(models.Model):
     target = models.CharField(max_length=8, choices=Target.choices)
     level = models.FloatField(help_text="Concurrency, or requests per second.")
     complete = models.BooleanField(default=True, help_text="False when the step was cut short.")
-    summary = models.JSONField(default=dict, help_text="Throughput, latency percentiles, goodput, errors.")
-    records = models.JSONField(default=list, help_text="One compact record per request.")
-    server = models.JSONField(default=dict, help_text="Triton's metrics sampled during the step.")
+    summary = JSONField(default=dict, help_text="Throughput, latency percentiles, goodput, errors.")
+    records = JSONField(default=list, help_text="One compact record per request.")
+    server = JSONField(default=dict, help_text="Triton's metrics sampled during the step.")
     started_at = models.DateTimeField()
     finished_at = models.DateTimeField()
 
