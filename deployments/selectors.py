@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
@@ -50,6 +51,14 @@ def build_rows(columns: list[str]) -> QuerySet[EngineBuild]:
     ``model__name`` join), no model instances: on a 50-row page building them
     cost more than the query. ``deployed`` says whether any deployment places
     the build (see builds_deployed_in)."""
+    return _resolved_build_rows(tuple(columns)).all()
+
+
+# Turning 30 names into columns and joins cost 0.34 ms a request, more than
+# compiling the SQL (docs/performance.md): each process does it once, and every
+# request filters a clone. The cached querysets are never evaluated themselves.
+@functools.cache
+def _resolved_build_rows(columns: tuple[str, ...]) -> QuerySet[EngineBuild]:
     placed = DeploymentModel.objects.filter(engine_build=OuterRef("pk"))
     return EngineBuild.objects.values(*columns, deployed=Exists(placed))
 
@@ -104,6 +113,11 @@ def event_list() -> QuerySet[Event]:
 def event_rows() -> QuerySet[Event]:
     """Events as the API lists them: the payload's columns as values (events.EVENT_COLUMNS);
     a host row is wide, and model instances cost more than the query."""
+    return _resolved_event_rows().all()
+
+
+@functools.cache  # as _resolved_build_rows
+def _resolved_event_rows() -> QuerySet[Event]:
     return Event.objects.values(*events.EVENT_COLUMNS)
 
 
