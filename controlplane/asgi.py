@@ -15,8 +15,11 @@ from typing import Any
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-# The servers borrow PostgreSQL connections from a pool (see settings).
-os.environ.setdefault("DATABASE_POOL_SIZE", "8")
+# The servers borrow PostgreSQL connections from a pool (see settings). A web
+# process runs its sync requests on as many threads: with 8, they queued on
+# the GIL each time one came back from PostgreSQL, and a process served 10-15%
+# fewer list pages at a higher p99 than with 4 (docs/performance.md).
+os.environ.setdefault("DATABASE_POOL_SIZE", "4")
 django_asgi_app = get_asgi_application()
 
 from a2wsgi import WSGIMiddleware  # noqa: E402
@@ -46,7 +49,7 @@ class DjangoDoors:
     holding a thread."""
 
     def __init__(self) -> None:
-        self.sync = WSGIMiddleware(get_wsgi_application(), workers=settings.DATABASE_POOL_SIZE or 8)
+        self.sync = WSGIMiddleware(get_wsgi_application(), workers=settings.DATABASE_POOL_SIZE or 4)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         door = django_asgi_app if _async_view(scope) else self.sync
