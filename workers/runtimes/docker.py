@@ -5,12 +5,15 @@ Containers use host networking (each deployment has its own three ports), a
 large shared-memory segment and unlimited locked memory as NVIDIA recommends,
 (GANTRY_DOCKER_ULIMITS), the model repository and checkpoints mounted read-only at the same paths, GPUs
 by device request, and labels naming the host, the deployment and its
-generation, so a restarted agent finds them again. Never privileged.
+generation, so a restarted agent finds them again. Never privileged: the
+server runs as the host agent's own user, with no capabilities and no way to
+gain any, as the process runtime's server does (see server_user).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -64,13 +67,29 @@ def run_options(spec: LaunchSpec, host_name: str) -> dict:
         "shm_size": SHM_SIZE,
         "ulimits": [Ulimit(name=name, soft=soft, hard=hard) for name, soft, hard in spec.ulimits],
         "mounts": mounts,
-        "environment": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **spec.extra_env},
+        # HOME: the agent's user has none in the image, and libraries cache under it.
+        "environment": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HOME": "/tmp", **spec.extra_env},
+        "user": server_user(),
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
         "privileged": False,
         "detach": True,
     }
     if spec.gpu_ids:
         options["device_requests"] = device_requests(spec.gpu_ids)
     return options
+
+
+def server_user() -> str:
+    """The container's uid:gid: the host agent's own. Triton's admin secret is
+    on its command line, where local users can read it (README), and a model
+    load may carry code. As root in the container that code would hold
+    Docker's default capabilities on the host's network (raw sockets: reading
+    and forging the host's traffic) and own the container's files. As the
+    agent's user, with none, it reads what the agent reads (the repository the
+    agent wrote, the checkpoints it inspected) and writes only /tmp and shared
+    memory."""
+    return f"{os.getuid()}:{os.getgid()}"
 
 
 def _client() -> docker.DockerClient:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tests import factories
@@ -28,6 +29,11 @@ def test_container_is_host_networked_labelled_and_read_only():
     options = run_options(_spec(), host_name="gpu-01")
     assert options["network_mode"] == "host"
     assert options["privileged"] is False
+    # Least privilege: the agent's own user, no capabilities, none to gain.
+    assert options["user"] == f"{os.getuid()}:{os.getgid()}"
+    assert options["cap_drop"] == ["ALL"]
+    assert options["security_opt"] == ["no-new-privileges"]
+    assert options["environment"]["HOME"] == "/tmp"
     assert options["labels"] == {"gantry.host": "gpu-01", "gantry.deployment": "7", "gantry.generation": "3"}
     assert options["name"] == "gantry-deployment-7"
     assert options["shm_size"] == "2g"
