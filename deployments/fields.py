@@ -14,9 +14,8 @@ class JSONField(models.JSONField):
     values, and json.loads made that 0.28 ms of each request (orjson: 0.03 ms;
     docs/performance.md). Text with a run of 19 digits takes Django's own path
     (orjson reads an integer beyond 64 bits as an inexact float; JSON writes
-    numbers in ASCII digits), as does what
-    orjson refuses (nesting deeper than 1024, text that is not JSON) and a field
-    with a custom decoder."""
+    numbers in ASCII digits), as does what orjson refuses (nesting deeper than
+    1024, text that is not JSON) and a field with a custom decoder."""
 
     def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
         if isinstance(value, str) and self.decoder is None and not _LONG_NUMBER.search(value):
