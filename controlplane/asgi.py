@@ -19,7 +19,8 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 # process runs its sync requests on as many threads: with 8, they queued on
 # the GIL each time one came back from PostgreSQL, and a process served 10-15%
 # fewer list pages at a higher p99 than with 4 (docs/performance.md).
-os.environ.setdefault("DATABASE_POOL_SIZE", "4")
+SERVER_POOL_SIZE = 4
+os.environ.setdefault("DATABASE_POOL_SIZE", str(SERVER_POOL_SIZE))
 django_asgi_app = get_asgi_application()
 
 from a2wsgi import WSGIMiddleware  # noqa: E402
@@ -49,7 +50,7 @@ class DjangoDoors:
     holding a thread."""
 
     def __init__(self) -> None:
-        self.sync = WSGIMiddleware(get_wsgi_application(), workers=settings.DATABASE_POOL_SIZE or 4)
+        self.sync = WSGIMiddleware(get_wsgi_application(), workers=settings.DATABASE_POOL_SIZE or SERVER_POOL_SIZE)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         door = django_asgi_app if _async_view(scope) else self.sync
