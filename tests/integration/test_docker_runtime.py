@@ -10,6 +10,7 @@ from pathlib import Path
 
 import docker
 import pytest
+import requests
 
 from deployments.models import Deployment, Event
 from tests.integration.conftest import Stack, wait_for
@@ -71,6 +72,15 @@ def test_two_models_in_one_container_restarted_after_a_kill(stack: Stack, minilm
             assert container.attrs["HostConfig"]["NetworkMode"] == "host"
             assert container.attrs["HostConfig"]["Privileged"] is False
             assert all(m["RW"] is False for m in container.attrs["Mounts"])
+            # The admin secret is nowhere docker inspect or ps can show, and the
+            # server took it: its repository API answers the deployment's key.
+            secret = Deployment.objects.get(pk=deployment_id).admin_secret
+            assert secret not in repr(container.attrs)
+            assert secret.encode() not in Path(f"/proc/{container.attrs['State']['Pid']}/cmdline").read_bytes()
+            port = Deployment.objects.get(pk=deployment_id).http_port
+            index = f"http://127.0.0.1:{port}/v2/repository/index"
+            assert requests.post(index, headers={"gantry-admin-key": secret}, timeout=10).status_code == 200
+            assert requests.post(index, timeout=10).status_code == 403
 
             embedded = http.post(
                 f"{stack.web_url}/api/deployments/{deployment_id}/embed/", json={"texts": ["a", "b"]}, timeout=60

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -103,6 +104,17 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
     assert requests.post(index_url, timeout=10).status_code == 403
     allowed = requests.post(index_url, headers={"gantry-admin-key": row.admin_secret}, timeout=10)
     assert allowed.status_code == 200 and allowed.json()[0]["state"] == "READY"
+    # ...and that secret is on no command line on this host, while the server's
+    # model stubs inherit neither the library that put it in place nor the rule
+    # file's name (workers/triton/secret.py).
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            assert row.admin_secret.encode() not in cmdline.read_bytes(), cmdline
+    stubs = set(processes.group_members(pid)) - {pid}
+    assert stubs, "the python model runs in a stub process of the server"
+    for stub in stubs:
+        environ = Path(f"/proc/{stub}/environ").read_bytes()
+        assert b"GANTRY_SECRET_FILE" not in environ and b"gantry-argv-secret" not in environ
 
     # The agent scrapes the server's metrics port once it is ready.
     wait_for(lambda: MetricSample.objects.filter(deployment=row, subject="minilm").exists(), 30, "a first scrape")

@@ -166,7 +166,7 @@ def current_status(deployment_id: int) -> str | None:
 
 def runtime_for(deployment: Deployment) -> Runtime:
     if deployment.runtime == DeploymentRuntime.DOCKER:
-        return DockerRuntime(settings.GANTRY_HOST_NAME)
+        return DockerRuntime(settings.GANTRY_HOST_NAME, settings.GANTRY_DATA_DIR)
     return ProcessRuntime(settings.GANTRY_DATA_DIR)
 
 

@@ -127,7 +127,7 @@ def unwanted_containers(containers: list[Container], active: dict[int, tuple[str
 
 def _remove_unwanted_containers() -> None:
     """Remove Gantry containers on this host that no deployment wants (any more)."""
-    runtime = DockerRuntime(settings.GANTRY_HOST_NAME)
+    runtime = DockerRuntime(settings.GANTRY_HOST_NAME, settings.GANTRY_DATA_DIR)
     try:
         containers = runtime.containers()
     except TransientError:

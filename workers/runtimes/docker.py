@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
@@ -23,6 +24,8 @@ from docker.types import DeviceRequest, Mount, Ulimit
 
 from deployments.errors import PermanentError, TransientError
 from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec, ServerExit
+from workers.triton import secret
+from workers.triton.secret import SecretFiles
 from workers.triton.server import STOP_GRACE_S, server_command
 
 log = logging.getLogger(__name__)
@@ -46,14 +49,22 @@ def container_name(spec: LaunchSpec) -> str:
     return f"gantry-deployment-{spec.deployment_id}"
 
 
-def run_options(spec: LaunchSpec, host_name: str) -> dict:
-    """Everything ``containers.run`` gets, for review and tests: no free-form flags."""
+def run_options(spec: LaunchSpec, host_name: str, secret_files: SecretFiles | None = None) -> dict:
+    """Everything ``containers.run`` gets, for review and tests: no free-form flags.
+    ``secret_files``: how the admin secret reaches the server (workers.triton.secret):
+    the library is mounted read-only at its host path; the rule file lies in the
+    deployment's folder, mounted already."""
     # The deployment's folder, not the repository in it: a new generation's
     # repository is written beside the old one and renamed into place, which a
     # mount of the repository folder itself would never see.
     folder = spec.repository.parent
     mounts = [Mount(target=str(folder), source=str(folder), type="bind", read_only=True)]
     mounts += [Mount(target=str(path), source=str(path), type="bind", read_only=True) for path in spec.read_only_mounts]
+    environment = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HOME": "/tmp", **spec.extra_env}
+    if secret_files is not None:
+        library = str(secret_files.library)
+        mounts.append(Mount(target=library, source=library, type="bind", read_only=True))
+        environment.update(secret_files.environment(spec.extra_env.get("LD_PRELOAD", "")))
     options = {
         "image": spec.image,
         "command": server_command(spec),
@@ -68,7 +79,7 @@ def run_options(spec: LaunchSpec, host_name: str) -> dict:
         "ulimits": [Ulimit(name=name, soft=soft, hard=hard) for name, soft, hard in spec.ulimits],
         "mounts": mounts,
         # HOME: the agent's user has none in the image, and libraries cache under it.
-        "environment": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HOME": "/tmp", **spec.extra_env},
+        "environment": environment,
         "user": server_user(),
         "cap_drop": ["ALL"],
         "security_opt": ["no-new-privileges"],
@@ -81,9 +92,9 @@ def run_options(spec: LaunchSpec, host_name: str) -> dict:
 
 
 def server_user() -> str:
-    """The container's uid:gid: the host agent's own. Triton's admin secret is
-    on its command line, where local users can read it (README), and a model
-    load may carry code. As root in the container that code would hold
+    """The container's uid:gid: the host agent's own, which can read the
+    admin rule file (mode 0600) in the deployment's folder. A model load may
+    carry code. As root in the container that code would hold
     Docker's default capabilities on the host's network (raw sockets: reading
     and forging the host's traffic) and own the container's files. As the
     agent's user, with none, it reads what the agent reads (the repository the
@@ -102,17 +113,19 @@ def _client() -> docker.DockerClient:
 class DockerRuntime:
     """The Runtime interface over the Docker engine of this host."""
 
-    def __init__(self, host_name: str) -> None:
+    def __init__(self, host_name: str, data_dir: Path) -> None:
         self.host_name = host_name
+        self.data_dir = data_dir
 
     def start(self, spec: LaunchSpec) -> str:
+        secret_files = secret.prepare(spec.admin_secret, spec.repository.parent, self.data_dir)
         client = _client()
         try:
             for attempt in range(5):
                 # A container of this name left by an earlier attempt is ours: replace it.
                 _remove_and_wait(client, container_name(spec))
                 try:
-                    container = client.containers.run(**run_options(spec, self.host_name))
+                    container = client.containers.run(**run_options(spec, self.host_name, secret_files))
                     break
                 except APIError as exc:
                     # Docker may still be removing the old container of this name.

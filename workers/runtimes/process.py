@@ -21,6 +21,7 @@ from pathlib import Path
 from deployments.errors import PermanentError
 from workers import processes
 from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec, ServerExit
+from workers.triton import secret
 from workers.triton.server import STOP_GRACE_S, tritonserver_args
 
 log = logging.getLogger(__name__)
@@ -102,13 +103,17 @@ def command_line(spec: LaunchSpec, backends: Path) -> list[str]:
 def start(spec: LaunchSpec, *, data_dir: Path) -> str:
     """Start tritonserver for ``spec``; return its handle (the process id)."""
     backends = prepare_backends(data_dir)
+    env = server_environment(spec.extra_env)
+    secret_files = secret.prepare(spec.admin_secret, spec.repository.parent, data_dir)
+    if secret_files is not None:
+        env.update(secret_files.environment(env.get("LD_PRELOAD", "")))
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(spec.log_path, "ab") as log_file:
         try:
             process = processes.start_group(
                 command_line(spec, backends),
                 stdout=log_file,
-                env=server_environment(spec.extra_env),
+                env=env,
                 cwd=spec.repository.parent,
             )
         except PermanentError as exc:

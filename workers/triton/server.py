@@ -1,11 +1,12 @@
 """tritonserver's command line, whatever runs it (a local process, a
 container, MPI ranks): explicit model control, the deployment's own ports, and
-the admin APIs restricted to Gantry's per-deployment secret."""
+the admin APIs restricted to Gantry's per-deployment secret (by a token:
+workers.triton.secret says how the secret reaches the server)."""
 
 from __future__ import annotations
 
 from workers.runtimes.base import LaunchSpec
-from workers.triton.client import ADMIN_HEADER
+from workers.triton.secret import restricted_api_args
 
 # On SIGTERM tritonserver waits this long for open client connections (a
 # keep-alive connection of the gateway, say) before it exits; its default of
@@ -62,10 +63,3 @@ def server_command(spec: LaunchSpec) -> list[str]:
         if rank < spec.world_size - 1:
             command.append(":")
     return command
-
-
-def restricted_api_args(secret: str) -> list[str]:
-    if not secret:
-        return []
-    rule = f"model-repository,logging:{ADMIN_HEADER}={secret}"
-    return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]

@@ -8,6 +8,7 @@ from pathlib import Path
 from tests import factories
 from workers.runtimes.base import LaunchSpec
 from workers.runtimes.docker import run_options
+from workers.triton.secret import SecretFiles
 
 
 def _spec(**overrides) -> LaunchSpec:  # noqa: ANN003
@@ -52,6 +53,17 @@ def test_container_is_host_networked_labelled_and_read_only():
     assert [a for a in command if a.startswith("--load-model=")] == ["--load-model=minilm", "--load-model=rerank"]
     assert "--http-port=18000" in command and "--metrics-port=18002" in command
     assert "device_requests" not in options
+
+
+def test_the_secret_reaches_the_container_by_file_and_library_not_command_or_environment():
+    library = "/var/gantry/triton/gantry-argv-secret-1.so"
+    files = SecretFiles(library=Path(library), rule=Path("/data/deployments/7-x/admin-rule"))
+    spec = _spec(admin_secret="s3cret", extra_env={"LD_PRELOAD": "/usr/lib/libtcmalloc.so"})
+    options = run_options(spec, "gpu-01", files)
+    assert "s3cret" not in repr(options)  # what docker inspect would show
+    assert options["environment"]["LD_PRELOAD"] == f"{library}:/usr/lib/libtcmalloc.so"
+    assert options["environment"]["GANTRY_SECRET_FILE"] == "/data/deployments/7-x/admin-rule"  # in the mounted folder
+    assert (library, library, True) in [(m["Source"], m["Target"], m["ReadOnly"]) for m in options["mounts"]]
 
 
 def test_gpus_go_through_device_requests():
