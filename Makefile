@@ -6,6 +6,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
+# Test files run on TEST_WORKERS processes at once (pytest-xdist; 0: one after
+# another), each with its own PostgreSQL database and Redis database number
+# (tests/parallel.py). A file stays on one process: the docker runtime names
+# containers by deployment id, which each process's database starts at 1.
+TEST_WORKERS ?= 2
+
 # Tests use their own PostgreSQL database and Redis database number.
 TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.0.0.1:5432/gantry} \
             REDIS_URL=$${TEST_REDIS_URL:-redis://127.0.0.1:6379/15} \
@@ -31,7 +37,7 @@ aiperf:
 	scripts/ensure-aiperf.sh
 
 demo: venv frontend aiperf
-	scripts/ensure-packages.sh redis-server
+	scripts/ensure-packages.sh redis-server gcc
 	mkdir -p var/models
 	test -s var/secret_key || (umask 077; $(PY) -c "import secrets; print(secrets.token_urlsafe(48))" > var/secret_key)
 	SECRET_KEY_FILE=$${SECRET_KEY_FILE:-var/secret_key} GANTRY_PLAIN_HTTP=$${GANTRY_PLAIN_HTTP:-1} \
@@ -85,12 +91,12 @@ lint: venv
 
 test: venv lint frontend aiperf
 	scripts/ensure-services.sh
-	scripts/ensure-packages.sh chromium
+	scripts/ensure-packages.sh chromium gcc
 	scripts/ensure-docker.sh
 	scripts/build-triton-test-image.sh $(PY) > .triton-test-image
 	tests/fixtures/build-builder-image.sh $(PY) $$(cat .triton-test-image) 0.16.0 > .builder-test-image
 	GANTRY_TEST_TRITON_IMAGE=$$(cat .triton-test-image) GANTRY_TEST_BUILDER_IMAGE=$$(cat .builder-test-image) \
-	  $(TEST_ENV) $(PY) -m pytest $(PYTEST_ARGS)
+	  $(TEST_ENV) $(PY) -m pytest -p tests.parallel -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf var .pytest_cache .ruff_cache
