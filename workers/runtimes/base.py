@@ -8,8 +8,10 @@ on the deployment.
 
 from __future__ import annotations
 
+import fcntl
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -66,6 +68,19 @@ class ServerExit:
         if self.returncode is not None and self.returncode < 0:
             data["signal"] = -self.returncode
         return data
+
+
+def make_once(folder: Path, done: Callable[[], bool], make: Callable[[], None]) -> None:
+    """``make()`` unless ``done()``, under a file lock in ``folder``: what a host
+    prepares for its servers (the backends folder, the secret library) is made
+    once, whichever of its worker processes asks first."""
+    if done():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done():
+            make()
 
 
 def busy_ports(address: str, ports: list[int]) -> list[int]:

@@ -9,7 +9,6 @@ so a recycled process id is never signalled.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import logging
 import os
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from deployments.errors import PermanentError
 from workers import processes
-from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec, ServerExit
+from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec, ServerExit, make_once
 from workers.triton import secret
 from workers.triton.server import STOP_GRACE_S, tritonserver_args
 
@@ -48,26 +47,19 @@ def prepare_backends(data_dir: Path) -> Path:
     """
     target = data_dir / "triton" / f"backends-py{sys.version_info.major}.{sys.version_info.minor}"
     marker = target / ".complete"
-    if marker.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.exists():
-            return target
+
+    def make() -> None:
         dist = _triton_dist()
-        stub = (
-            dist
-            / "python_backend_stubs"
-            / f"{sys.version_info.major}.{sys.version_info.minor}"
-            / ("triton_python_backend_stub")
-        )
+        stub = dist / "python_backend_stubs" / f"{sys.version_info.major}.{sys.version_info.minor}"
+        stub = stub / "triton_python_backend_stub"
         if not stub.exists():
             raise PermanentError(f"the Triton wheel has no python-backend stub for Python {sys.version_info[:2]}")
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(dist / "backends", target, ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy2(stub, target / "python" / "triton_python_backend_stub")
         marker.touch()
+
+    make_once(target.parent, marker.exists, make)
     return target
 
 

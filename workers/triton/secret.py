@@ -12,7 +12,6 @@ unprotected.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import shutil
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deployments.errors import PermanentError
+from workers.runtimes.base import make_once
 from workers.triton.client import ADMIN_HEADER
 
 TOKEN = "@gantry-admin-rule@"  # GANTRY_SECRET_TOKEN in argv_secret.c
@@ -60,13 +60,8 @@ def library(data_dir: Path) -> Path:
     if SOURCE.with_name(name).exists():
         return SOURCE.with_name(name)
     target = data_dir / "triton" / name
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
-            return target
+
+    def make() -> None:
         compiler = shutil.which(os.environ.get("CC") or "cc")
         if compiler is None:
             raise PermanentError(
@@ -83,6 +78,8 @@ def library(data_dir: Path) -> Path:
         if built.returncode != 0:
             raise PermanentError(f"could not compile {SOURCE.name} with {compiler}: {built.stderr.strip()[-2000:]}")
         os.replace(partial, target)
+
+    make_once(target.parent, target.exists, make)
     return target
 
 
