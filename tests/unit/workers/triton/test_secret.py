@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests import factories
 from tests.integration.conftest import free_ports, wait_for
 from workers import processes
 from workers.runtimes import process
+from workers.runtimes.base import LaunchSpec
 from workers.triton import secret
 
 
@@ -49,22 +51,19 @@ def test_without_a_compiler_a_copy_built_beside_the_source_serves_else_the_error
     assert secret.library(tmp_path / "elsewhere") == source.parent / built.name
 
 
-def _start(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int, Path]:
+def _spec(tmp_path: Path) -> LaunchSpec:
     (tmp_path / "repository").mkdir(exist_ok=True)
     port = free_ports(3)
-    log_path = tmp_path / "tritonserver.log"
-    argv = [
-        str(process._triton_dist() / "bin" / "tritonserver"),
-        f"--model-repository={tmp_path / 'repository'}",
-        "--model-control-mode=explicit",
-        f"--http-port={port}",
-        f"--grpc-port={port + 1}",
-        f"--metrics-port={port + 2}",
-        *secret.restricted_api_args("s3cret-value"),
-    ]
-    with open(log_path, "wb") as log_file:
-        server = processes.start_group(argv, stdout=log_file, env={**process.server_environment(), **env})
-    return server, port, log_path
+    return factories.launch_spec(
+        tmp_path, models=[], http_port=port, grpc_port=port + 1, metrics_port=port + 2, admin_secret="s3cret-value"
+    )
+
+
+def _run(spec: LaunchSpec, env: dict[str, str]) -> subprocess.Popen:
+    """The process runtime's own command line for ``spec``, under ``env``."""
+    backends = process.prepare_backends(spec.repository.parent)
+    with open(spec.log_path, "wb") as log_file:
+        return processes.start_group(process.command_line(spec, backends), stdout=log_file, env=env)
 
 
 def _live(port: int) -> bool:
@@ -75,28 +74,28 @@ def _live(port: int) -> bool:
 
 
 def test_the_server_takes_the_secret_from_the_file_and_shows_only_the_token(tmp_path: Path):
-    files = secret.prepare("s3cret-value", tmp_path, tmp_path)
-    server, port, _ = _start(tmp_path, files.environment())
+    spec = _spec(tmp_path)
+    handle = process.start(spec, data_dir=tmp_path)  # as the process runtime starts every server
     try:
-        index = f"http://127.0.0.1:{port}/v2/repository/index"
-        wait_for(lambda: _live(port), 30, "tritonserver to answer")
-        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        index = f"http://127.0.0.1:{spec.http_port}/v2/repository/index"
+        wait_for(lambda: _live(spec.http_port), 30, "tritonserver to answer")
+        cmdline = Path(f"/proc/{handle}/cmdline").read_bytes()
         assert b"s3cret-value" not in cmdline and secret.TOKEN.encode() in cmdline
         assert requests.post(index, timeout=5).status_code == 403
         assert requests.post(index, headers={"gantry-admin-key": secret.TOKEN}, timeout=5).status_code == 403
         assert requests.post(index, headers={"gantry-admin-key": "s3cret-value"}, timeout=5).status_code == 200
     finally:
-        processes.terminate_group(server.pid, grace_s=10)
-        server.wait(timeout=10)
+        process.stop(handle, spec.repository, grace_s=10)
 
 
 def test_without_the_library_or_the_file_the_server_does_not_start(tmp_path: Path):
-    server, _, log_path = _start(tmp_path, {})  # no LD_PRELOAD: the token is a malformed rule
+    spec = _spec(tmp_path)
+    server = _run(spec, process.server_environment())  # no LD_PRELOAD: the token is a malformed rule
     assert server.wait(timeout=30) != 0
-    assert "--http-restricted-api option format is" in log_path.read_text()
+    assert "--http-restricted-api option format is" in spec.log_path.read_text()
 
-    files = secret.prepare("s3cret-value", tmp_path, tmp_path)
+    files = secret.prepare(spec.admin_secret, tmp_path, tmp_path)
     files.rule.unlink()
-    server, _, log_path = _start(tmp_path, files.environment())
+    server = _run(spec, {**process.server_environment(), **files.environment()})
     assert server.wait(timeout=30) == 78
-    assert f"gantry: cannot open the admin secret file {files.rule}" in log_path.read_text()
+    assert f"gantry: cannot open the admin secret file {files.rule}" in spec.log_path.read_text()
