@@ -97,7 +97,15 @@ def normalize_spec(raw: dict[str, Any], *, model: RegisteredModel, host: GpuHost
             known = ", ".join(trtllm.RELEASES)
             fail("image", f"TensorRT-LLM {choices[image]} of {image} is not in Gantry's version table ({known})")
 
-    if release is not None and model.architecture not in release.model_dirs:
+    if release is not None and model.architecture == trtllm.GPT_OSS:
+        serving = trtllm.first_release_serving(trtllm.GPT_OSS)
+        fail(
+            "model",
+            "gpt-oss has no engine build in TensorRT-LLM (trtllm-build has no converter for it): deploy the "
+            f"checkpoint through the LLM API (llm_api), with TensorRT-LLM {serving.version if serving else '1.0.0'} "
+            "or later",
+        )
+    elif release is not None and model.architecture not in release.model_dirs:
         supported = ", ".join(release.architectures)
         fail("model", f"architecture {model.architecture or '(none)'} is not supported; supported: {supported}")
 

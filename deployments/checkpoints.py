@@ -14,9 +14,14 @@ from typing import Any
 from deployments.errors import ValidationFailed
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# What a loader reads when a folder holds several copies: transformers prefers
+# safetensors, then the PyTorch pickles; a GGUF file is read alone.
+_LOAD_ORDER = ((".safetensors",), (".bin", ".pt", ".pth"), (".gguf",))
+# sentence-transformers' own files beside config.json.
+SENTENCE_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "tokenizer_config.json")
 _CHUNK = 1 << 20
-# Written by workers/untrained_llm.py into the checkpoints Gantry makes itself.
+# Written by workers/untrained.py into the checkpoints Gantry makes itself.
 UNTRAINED_MARKER = "gantry_untrained.json"
 UNTRAINED_NOTICE = "untrained: random weights, so it answers with random words"
 
@@ -41,6 +46,7 @@ class CheckpointInfo:
     chat_template: str = ""
     special_tokens: dict[str, str] = field(default_factory=dict)
     notice: str = ""
+    sentence_config: dict[str, Any] = field(default_factory=dict)
 
 
 def under_roots(path: Path, roots: list[Path]) -> bool:
@@ -71,6 +77,10 @@ def inspect_checkpoint(path: Path, *, roots: list[Path], field_name: str = "path
     if not isinstance(config, dict):
         raise ValidationFailed({field_name: f"{config_path} must hold a JSON object"})
     files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    for file in files:
+        # A file that links out of the roots is as far out of reach as a folder there.
+        if not under_roots(file, roots):
+            raise ValidationFailed({field_name: f"{file} resolves to {file.resolve()}, outside the model roots"})
     if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
         raise ValidationFailed({field_name: f"{path} holds no weights (*.safetensors or *.bin)"})
 
@@ -91,13 +101,68 @@ def inspect_checkpoint(path: Path, *, roots: list[Path], field_name: str = "path
         num_layers=_int_or_none(config.get("num_hidden_layers") or config.get("n_layer")),
         max_position_embeddings=_int_or_none(config.get("max_position_embeddings") or config.get("n_positions")),
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or ""),
-        size_bytes=sum(p.stat().st_size for p in files),
+        size_bytes=weights_bytes(files),
         fingerprint=fingerprint(path, files),
         tokenizer_files=[name for name in TOKENIZER_FILES if (path / name).is_file()],
         config=config,
         **_tokenizer_extras(path),
         notice=UNTRAINED_NOTICE if (path / UNTRAINED_MARKER).is_file() else "",
+        sentence_config=sentence_config(path),
     )
+
+
+def weights_bytes(files: list[Path]) -> int:
+    """The bytes of the weight files a loader reads: the first kind present in
+    _LOAD_ORDER, so a .bin copy beside the safetensors is not counted twice."""
+    for suffixes in _LOAD_ORDER:
+        chosen = [f for f in files if f.name.endswith(suffixes)]
+        if chosen:
+            return sum(f.stat().st_size for f in chosen)
+    return 0
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def sentence_config(path: Path) -> dict[str, Any]:
+    """The checkpoint's sentence-transformers configuration, as sentence-transformers
+    will apply it: its modules (pooling mode, normalisation, dense layers), the
+    input length, prompts and similarity function. Empty without modules.json."""
+    modules = _json(path / "modules.json")
+    if not isinstance(modules, list):
+        return {}
+    found: dict[str, Any] = {"modules": []}
+    for module in modules:
+        if not isinstance(module, dict):
+            continue
+        kind = str(module.get("type", ""))
+        found["modules"].append(kind)
+        settings = _json(path / str(module.get("path", "")) / "config.json") or {}
+        if kind.endswith("Pooling") and isinstance(settings, dict):
+            modes = [k.removeprefix("pooling_mode_").removesuffix("_tokens") for k, v in settings.items()
+                     if k.startswith("pooling_mode_") and v is True]  # fmt: skip
+            found["pooling"] = "+".join(modes) or "mean"
+            found["dimension"] = settings.get("word_embedding_dimension")
+        elif kind.endswith("Dense") and isinstance(settings, dict):
+            found["dimension"] = settings.get("out_features", found.get("dimension"))
+        elif kind.endswith("Normalize"):
+            found["normalize"] = True
+    found.setdefault("normalize", False)
+    bert = _json(path / "sentence_bert_config.json")
+    if isinstance(bert, dict) and isinstance(bert.get("max_seq_length"), int):
+        found["max_seq_length"] = bert["max_seq_length"]
+    own = _json(path / "config_sentence_transformers.json")
+    if isinstance(own, dict):
+        for key in ("prompts", "default_prompt_name", "similarity_fn_name"):
+            if own.get(key):
+                found[key] = own[key]
+    # A module outside sentence-transformers' own is the checkpoint's code.
+    found["custom_modules"] = [m for m in found["modules"] if not m.startswith("sentence_transformers.")]
+    return found
 
 
 def _tokenizer_extras(path: Path) -> dict[str, Any]:

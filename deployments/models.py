@@ -134,7 +134,9 @@ class RegisteredModel(models.Model):
     vocab_size = models.PositiveIntegerField(null=True, blank=True)
     max_position_embeddings = models.PositiveIntegerField(null=True, blank=True)
     torch_dtype = models.CharField(max_length=32, blank=True)
-    size_bytes = models.BigIntegerField(default=0)
+    size_bytes = models.BigIntegerField(
+        default=0, help_text="The weight files a loader reads (safetensors when present, not a .bin copy beside them)."
+    )
     tokenizer_files = JSONField(default=list, blank=True)
     fingerprint = models.CharField(
         max_length=64, blank=True, help_text="sha256 over the checkpoint's files and contents."
@@ -145,6 +147,12 @@ class RegisteredModel(models.Model):
     )
     chat_template = models.TextField(blank=True, help_text="The Jinja chat template of its tokenizer files.")
     special_tokens = JSONField(default=dict, blank=True, help_text="bos_token, eos_token, ... as strings.")
+    sentence_config = JSONField(
+        default=dict,
+        blank=True,
+        help_text="The checkpoint's own sentence-transformers configuration (modules, pooling, normalisation, "
+        "prompts, max_seq_length), as read; empty when it has none.",
+    )
     notice = models.CharField(
         max_length=255, blank=True, help_text="What a user must know about it (e.g. untrained weights)."
     )
@@ -293,6 +301,15 @@ class Deployment(models.Model):
     status_message = models.TextField(blank=True)
     status_changed_at = models.DateTimeField(default=timezone.now)
     generation = models.PositiveIntegerField(default=1)
+    # Server settings (restart to change): the container's /dev/shm (docker; Docker's own
+    # default is 64 MB, the seeds use 16 GB) and Triton's --log-verbose level.
+    shm_size_mib = models.PositiveIntegerField(
+        default=2048, validators=[MinValueValidator(64), MaxValueValidator(1_048_576)],
+        help_text="The container's shared memory (/dev/shm) in MiB; the docker runtime only.",
+    )  # fmt: skip
+    log_verbose = models.PositiveSmallIntegerField(
+        default=0, validators=[MaxValueValidator(5)], help_text="tritonserver --log-verbose (0: off)."
+    )
     # Triton has no users: its model-repository and logging APIs answer only
     # requests carrying this secret (--http-restricted-api). Never shown.
     admin_secret = models.CharField(max_length=64, default=new_admin_secret, editable=False)
@@ -339,6 +356,30 @@ class SchedulerPolicy(models.TextChoices):
     MAX_UTILIZATION = "max_utilization"
 
 
+class Dtype(models.TextChoices):
+    AUTO = "auto", "auto (16-bit on a GPU, float32 on a CPU)"
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+class DecodingMode(models.TextChoices):
+    """tensorrtllm_backend's decoding_mode (speculative modes need engines Gantry does not build)."""
+
+    AUTO = "", "auto (top_k_top_p, or beam_search with beams)"
+    TOP_K = "top_k"
+    TOP_P = "top_p"
+    TOP_K_TOP_P = "top_k_top_p"
+    BEAM_SEARCH = "beam_search"
+
+
+class TimeoutAction(models.TextChoices):
+    """What Triton's queue does with a request past queue_timeout_us (ModelQueuePolicy)."""
+
+    REJECT = "REJECT"
+    DELAY = "DELAY"
+
+
 class InstanceKind(models.TextChoices):
     AUTO = "auto", "GPU when the host has one, else CPU"
     CPU = "KIND_CPU"
@@ -365,19 +406,43 @@ class DeploymentModel(models.Model):
     default_priority_level = models.PositiveSmallIntegerField(default=0, validators=[MaxValueValidator(16)])
     queue_timeout_us = models.PositiveBigIntegerField(default=0, validators=[MaxValueValidator(3_600_000_000)])
     max_queue_size = models.PositiveIntegerField(default=0, validators=[MaxValueValidator(1_000_000)])
+    timeout_action = models.CharField(max_length=8, choices=TimeoutAction.choices, default=TimeoutAction.REJECT)
     instance_count = models.PositiveSmallIntegerField(
         default=1, validators=[MinValueValidator(1), MaxValueValidator(64)]
     )
     instance_kind = models.CharField(max_length=16, choices=InstanceKind.choices, default=InstanceKind.AUTO)
     gpu_ids = JSONField(default=list, blank=True)
     gpu_memory_fraction = models.FloatField(default=0.1, validators=[MinValueValidator(0.01), MaxValueValidator(1.0)])
+    # Python-backend models (sentence models and the transformers LLM).
+    dtype = models.CharField(max_length=16, choices=Dtype.choices, default=Dtype.AUTO)
+    max_seq_len = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(8), MaxValueValidator(1_048_576)],
+        help_text="Tokens one input may hold: a text or query-passage pair (longer is truncated), or an llm "
+        "prompt with its output (longer is refused). Empty: the checkpoint's own.",
+    )  # fmt: skip
+    max_num_sequences = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(4096)],
+        help_text="An llm's sequences generating at once (transformers; the LLM API's max_batch_size). "
+        "Empty: max_batch_size.",
+    )  # fmt: skip
     # TensorRT-LLM placements only.
     batch_scheduler_policy = models.CharField(
         max_length=24, choices=SchedulerPolicy.choices, default=SchedulerPolicy.GUARANTEED_NO_EVICT
     )
     decoupled = models.BooleanField(default=True, help_text="Stream tokens as they are generated.")
+    kv_cache_free_gpu_mem_fraction = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0.01), MaxValueValidator(1.0)],
+        help_text="Of the memory left after the weights, the share for the KV cache (TensorRT-LLM's own "
+        "parameter). Empty: 0.9.",
+    )  # fmt: skip
+    max_tokens_in_paged_kv_cache = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)],
+        help_text="An absolute KV-cache budget in tokens, instead of the one planned from the fraction.",
+    )  # fmt: skip
+    enable_kv_cache_reuse = models.BooleanField(default=False, help_text="Reuse KV blocks of shared prompt prefixes.")
+    decoding_mode = models.CharField(max_length=16, choices=DecodingMode.choices, default=DecodingMode.AUTO, blank=True)
     kv_cache_tokens = models.PositiveIntegerField(
-        null=True, blank=True, help_text="max_tokens_in_paged_kv_cache, planned from the fraction and the checkpoint."
+        null=True, blank=True, help_text="max_tokens_in_paged_kv_cache as planned (or asked) for this placement."
     )
     ready = models.BooleanField(
         null=True,
@@ -393,6 +458,15 @@ class DeploymentModel(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment.name}/{self.triton_name}"
+
+    @property
+    def triton_models(self) -> list[str]:
+        """The Triton models this placement becomes, in load order: an engine
+        placement is its engine and the generate model clients call by the
+        placement's name (as workers.triton.config.TrtllmSpec.model_names)."""
+        if self.backend == Backend.TENSORRTLLM:
+            return [f"{self.triton_name}-engine", self.triton_name]
+        return [self.triton_name]
 
 
 class RevisionStatus(models.TextChoices):

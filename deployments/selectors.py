@@ -7,22 +7,21 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from django.conf import settings
-from django.db.models import Exists, OuterRef, Prefetch, QuerySet
+from django.db.models import Exists, OuterRef, Prefetch, Q, QuerySet
 
 from deployments import events
 from deployments.errors import NotFound
+from deployments.gpu_plan import Holder, host_plan, placement_gpus, share_of
 from deployments.models import (
-    Backend,
     Deployment,
     DeploymentModel,
+    DeploymentStatus,
     DesiredState,
     EngineBuild,
     Event,
     GpuHost,
     RegisteredModel,
 )
-from deployments.placement import kv_bytes_per_token, placement_gpus, weights_bytes_per_gpu
 
 
 def host_list() -> QuerySet[GpuHost]:
@@ -158,48 +157,49 @@ def deployment_list() -> QuerySet[Deployment]:
 
 
 def deployment_plan(deployment: Deployment) -> list[dict]:
-    """Per GPU of the host: the models placed on it, their memory fractions and
-    bytes, and whether together they stay within the headroom limit."""
-    return gpu_plan(deployment.host, deployment.placements.all())
+    """Per GPU of the host that the deployment uses: every model placed there, its
+    own and those of the other deployments that run (or should) on the host,
+    with their memory shares, what the shares hold, and what is wrong (over the
+    headroom, or no room left for the processes' CUDA contexts)."""
+    holders = [Holder(key=deployment.pk, name=deployment.name, placements=list(deployment.placements.all()),
+                      status=deployment.status), *plan_holders(deployment.host, besides=deployment.pk)]  # fmt: skip
+    own_gpus = {index for p in deployment.placements.all() for index in placement_gpus(p, _indexes(deployment.host))}
+    return [plan.as_dict(own=deployment.pk) for plan in host_plan(deployment.host, holders) if plan.index in own_gpus]
 
 
-def gpu_plan(host: GpuHost, placements: Iterable[DeploymentModel]) -> list[dict]:
-    """deployment_plan for placement rows, stored or not (a form's preflight)."""
-    gpus = {gpu.index: gpu for gpu in host.gpus.all()}
-    plan = {
-        index: {"gpu": index, "name": gpu.name, "uuid": gpu.uuid, "memory_total_bytes": gpu.memory_total_bytes,
-                "models": [], "fraction": 0.0}
-        for index, gpu in gpus.items()
-    }  # fmt: skip
-    for placement in placements:
-        for index in placement_gpus(placement, gpus):
-            if index in plan:
-                entry = plan[index]
-                row = {
-                    "triton_name": placement.triton_name,
-                    "fraction": placement.gpu_memory_fraction,
-                    "bytes": int(placement.gpu_memory_fraction * entry["memory_total_bytes"]),
-                }
-                if placement.backend in (Backend.TENSORRTLLM, Backend.LLM_API):
-                    # From the engine files' (or checkpoint's) real sizes and the checkpoint's shape.
-                    model, build, tp = placement.registered_model, placement.engine_build, len(placement.gpu_ids)
-                    row["engine_bytes"] = weights_bytes_per_gpu(model, build, tp_size=tp)
-                    row["kv_cache_tokens"] = placement.kv_cache_tokens
-                    per_token = kv_bytes_per_token(model, build, tp_size=tp)
-                    row["kv_cache_bytes"] = (placement.kv_cache_tokens or 0) * per_token
-                entry["models"].append(row)
-                entry["fraction"] = round(entry["fraction"] + placement.gpu_memory_fraction, 6)
-    headroom = settings.GANTRY_GPU_MEMORY_HEADROOM
-    return [
-        {**entry, "headroom": headroom, "within_headroom": entry["fraction"] <= headroom + 1e-9}
-        for entry in plan.values()
-        if entry["models"]
-    ]
+# Deployments whose placements count on their host's GPUs: running, or wanted
+# running (a crash-looping one still holds its share), or passing through.
+_HOLDING = frozenset(
+    {
+        DeploymentStatus.LAUNCHING,
+        DeploymentStatus.LOADING,
+        DeploymentStatus.READY,
+        DeploymentStatus.UPDATING,
+        DeploymentStatus.DEGRADED,
+        DeploymentStatus.STOPPING,
+    }
+)
+
+
+def plan_holders(host: GpuHost, *, besides: int | None = None) -> list[Holder]:
+    """The other deployments whose memory a host's GPU plan counts."""
+    rows = (
+        deployment_list()
+        .filter(host=host)
+        .filter(Q(desired_state=DesiredState.RUNNING) | Q(status__in=_HOLDING))
+        .exclude(pk=besides)
+        .order_by("name")
+    )
+    return [Holder(key=d.pk, name=d.name, placements=list(d.placements.all()), status=d.status) for d in rows]
+
+
+def _indexes(host: GpuHost) -> list[int]:
+    return [gpu.index for gpu in host.gpus.all()]
 
 
 def gpu_shares(hosts: Iterable[GpuHost], deployments: Iterable[Deployment]) -> dict[tuple[int, int], list[dict]]:
     """Per (host id, GPU index): the memory each model of a deployment meant to
-    run there is given (its fraction), for the dashboard's memory bars."""
+    run there is given (its fraction times its instances), for the dashboard's memory bars."""
     indexes = {host.pk: [gpu.index for gpu in host.gpus.all()] for host in hosts}
     shares: dict[tuple[int, int], list[dict]] = {}
     for deployment in deployments:
@@ -212,7 +212,7 @@ def gpu_shares(hosts: Iterable[GpuHost], deployments: Iterable[Deployment]) -> d
                         "deployment": deployment.name,
                         "deployment_id": deployment.pk,
                         "model": placement.triton_name,
-                        "fraction": placement.gpu_memory_fraction,
+                        "fraction": share_of(placement),
                     }
                 )
     return shares

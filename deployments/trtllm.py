@@ -100,6 +100,10 @@ _MODELS_SPLIT = {
 }
 
 
+# gpt-oss (20b, 120b): served by TensorRT-LLM's PyTorch backend only, never by an engine build.
+GPT_OSS = "GptOssForCausalLM"
+
+
 @dataclass(frozen=True)
 class Release:
     """What one TensorRT-LLM release accepts."""
@@ -116,10 +120,23 @@ class Release:
     # tensorrtllm_backend's LLM-API model folder inside the image, where the
     # release serves a HuggingFace checkpoint with no engine build; "" if it cannot.
     llmapi_model_dir: str = ""
+    # Architectures that release's LLM API (the PyTorch backend) serves from a
+    # checkpoint, beyond those it has converters for (gpt-oss has no converter).
+    llmapi_extra_architectures: frozenset[str] = frozenset()
+    # The tensorrt_llm model's decoding_mode values its backend reads
+    # (model_instance_state.cc); the speculative ones need engines Gantry does not build.
+    decoding_modes: frozenset[str] = frozenset({"top_k", "top_p", "top_k_top_p", "beam_search"})
 
     @property
     def architectures(self) -> list[str]:
         return sorted(self.model_dirs)
+
+    @property
+    def llmapi_architectures(self) -> frozenset[str]:
+        """What the LLM API of this release serves straight from a checkpoint (none without one)."""
+        if not self.llmapi_model_dir:
+            return frozenset()
+        return frozenset(self.model_dirs) | self.llmapi_extra_architectures
 
 
 RELEASES: dict[str, Release] = {
@@ -167,8 +184,33 @@ RELEASES: dict[str, Release] = {
             | {"--streaming", "--iteration_log", "--concurrency", "--warmup", "--report_json", "--tp", "--pp"},
             llmapi_model_dir="/app/all_models/llmapi/tensorrt_llm",
         ),
+        # Triton 25.09 and 25.10 (the compatibility matrix): the first release whose
+        # PyTorch backend serves gpt-oss (MXFP4 MoE weights, bf16 activations on
+        # Hopper). trtllm-build has no converter for it: it goes through the LLM API.
+        # The flags and folders follow 0.20's; not checked in the image here.
+        Release(
+            version="1.0.0",
+            examples_dir="/app/tensorrt_llm/examples",
+            model_dirs=_MODELS_SPLIT,
+            build_flags=_BUILD_COMMON | {"--kv_cache_type"},
+            convert_flags=_CONVERT_COMMON,
+            quantize_flags=_QUANTIZE_COMMON,
+            paged_kv_cache=("--kv_cache_type", "paged"),
+            bench_global_flags=_BENCH_GLOBAL | {"--model_path"},
+            bench_flags=_BENCH_EARLY
+            | {"--streaming", "--iteration_log", "--concurrency", "--warmup", "--report_json", "--tp", "--pp"},
+            llmapi_model_dir="/app/all_models/llmapi/tensorrt_llm",
+            llmapi_extra_architectures=frozenset({GPT_OSS}),
+        ),
     )
 }
+
+
+def first_release_serving(architecture: str) -> Release | None:
+    """The oldest release in the table whose LLM API serves ``architecture``."""
+    able = [r for r in RELEASES.values() if architecture in r.llmapi_architectures]
+    return min(able, key=lambda r: tuple(int(p) for p in r.version.split(".")), default=None)
+
 
 DTYPES = ("float16", "bfloat16")
 QUANTIZATIONS = ("none", "fp8", "int8_wo", "int4_wo")

@@ -11,7 +11,9 @@ Gantry.deployForm = (root, options) => {
   const { api, text } = Gantry;
   const fields = options.fields;  // bounds and defaults, from DeploymentModel
   const NUMBERS = ["gpu_memory_fraction", "instance_count", "max_batch_size", "max_queue_delay_us",
-                   "priority_levels", "default_priority_level", "queue_timeout_us", "max_queue_size"];
+                   "priority_levels", "default_priority_level", "queue_timeout_us", "max_queue_size", "max_seq_len"];
+  // An llm's settings (the server says which of its paths takes each).
+  const LLM_NUMBERS = ["max_num_sequences", "kv_cache_free_gpu_mem_fraction", "max_tokens_in_paged_kv_cache"];
   const COLORS = ["#2457c5", "#c4320a", "#087443", "#6938ef", "#b54708", "#0e7090", "#c11574"];
   const modelsBox = root.querySelector("[data-models]");
   const planBox = root.querySelector("[data-plan]");
@@ -57,7 +59,7 @@ Gantry.deployForm = (root, options) => {
 
   function number(row, name, value) {
     const bound = fields[name];
-    const step = name === "gpu_memory_fraction" ? "0.01" : "1";
+    const step = name.includes("fraction") ? "0.01" : "1";
     return input(row, name, { type: "number", min: bound.min, max: bound.max, step, value: value ?? bound.default });
   }
 
@@ -96,6 +98,10 @@ Gantry.deployForm = (root, options) => {
       labelled(row, "default_priority_level", "Default priority level", number(row, "default_priority_level", spec.default_priority_level)),
       labelled(row, "queue_timeout_us", "Queue timeout (µs)", number(row, "queue_timeout_us", spec.queue_timeout_us), "0: wait forever"),
       labelled(row, "max_queue_size", "Max queue size", number(row, "max_queue_size", spec.max_queue_size), "0: unbounded"),
+      labelled(row, "timeout_action", "Past the queue timeout", select(row, "timeout_action", options.timeout_actions, spec.timeout_action || fields.timeout_action.default)),
+      labelled(row, "dtype", "Precision", select(row, "dtype", options.dtypes, spec.dtype || fields.dtype.default)),
+      labelled(row, "max_seq_len", "Max tokens per input", number(row, "max_seq_len", spec.max_seq_len),
+               "empty: the checkpoint's own"),
     );
     const llm = document.createElement("div");
     llm.className = "grid llm-only";
@@ -108,12 +114,19 @@ Gantry.deployForm = (root, options) => {
       llm.append(
         labelled(row, "path", "Served by", select(row, "path", paths, path)),
         labelled(row, "batch_scheduler_policy", "Batch scheduler", select(row, "batch_scheduler_policy", options.scheduler_policies, spec.batch_scheduler_policy || fields.batch_scheduler_policy.default)),
+        labelled(row, "max_num_sequences", "Sequences at once", number(row, "max_num_sequences", spec.max_num_sequences), "empty: max batch size"),
+        labelled(row, "kv_cache_free_gpu_mem_fraction", "KV-cache share", number(row, "kv_cache_free_gpu_mem_fraction", spec.kv_cache_free_gpu_mem_fraction), "TensorRT-LLM; empty: 0.9"),
+        labelled(row, "max_tokens_in_paged_kv_cache", "KV-cache tokens", number(row, "max_tokens_in_paged_kv_cache", spec.max_tokens_in_paged_kv_cache), "TensorRT-LLM; empty: planned"),
+        labelled(row, "decoding_mode", "Decoding mode", select(row, "decoding_mode", options.decoding_modes, spec.decoding_mode || fields.decoding_mode.default)),
       );
-      const decoupled = input(row, "decoupled", { type: "checkbox" });
-      decoupled.checked = spec.decoupled ?? fields.decoupled.default;
-      const label = labelled(row, "decoupled", "Stream tokens (decoupled)", decoupled);
-      label.className = "check";
-      llm.append(label, errorSlot(`models[${row}].engine_build`), errorSlot(`models[${row}].llm_api`));
+      for (const [name, words] of [["decoupled", "Stream tokens (decoupled)"], ["enable_kv_cache_reuse", "Reuse KV cache of shared prefixes"]]) {
+        const box = input(row, name, { type: "checkbox" });
+        box.checked = spec[name] ?? fields[name].default;
+        const label = labelled(row, name, words, box);
+        label.className = "check";
+        llm.append(label);
+      }
+      llm.append(errorSlot(`models[${row}].engine_build`), errorSlot(`models[${row}].llm_api`));
     }
     model.addEventListener("change", drawLlm);
     drawLlm();
@@ -138,6 +151,8 @@ Gantry.deployForm = (root, options) => {
       if (value !== "") spec[name] = Number.isNaN(Number(value)) ? value : Number(value);
     }
     spec.instance_kind = get("instance_kind").value;
+    spec.timeout_action = get("timeout_action").value;
+    spec.dtype = get("dtype").value;
     spec.gpu_ids = list(get("gpu_ids").value);
     spec.preferred_batch_sizes = list(get("preferred_batch_sizes").value);
     const path = get("path");
@@ -146,6 +161,12 @@ Gantry.deployForm = (root, options) => {
       if (path.value.startsWith("engine:")) spec.engine_build = Number(path.value.slice(7));
       spec.batch_scheduler_policy = get("batch_scheduler_policy").value;
       spec.decoupled = get("decoupled").checked;
+      spec.enable_kv_cache_reuse = get("enable_kv_cache_reuse").checked;
+      spec.decoding_mode = get("decoding_mode").value;
+      for (const name of LLM_NUMBERS) {
+        const value = get(name).value.trim();
+        if (value !== "") spec[name] = Number.isNaN(Number(value)) ? value : Number(value);
+      }
     }
     return spec;
   }
@@ -156,6 +177,10 @@ Gantry.deployForm = (root, options) => {
     const result = { models: fieldsets.map(modelBody) };
     if (options.mode === "create") {
       for (const name of ["name", "host", "runtime", "image"]) result[name] = root.querySelector(`[name=${name}]`).value;
+      for (const name of ["shm_size_mib", "log_verbose"]) {
+        const value = root.querySelector(`[name=${name}]`).value.trim();
+        if (value !== "") result[name] = Number.isNaN(Number(value)) ? value : Number(value);
+      }
     } else {
       Object.assign(result, options.deployment);
     }
@@ -182,6 +207,7 @@ Gantry.deployForm = (root, options) => {
       return;
     }
     const names = [...new Set(plan.flatMap((gpu) => gpu.models.map((m) => m.triton_name)))];
+    const label = (m) => (m.deployment_id === null ? m.triton_name : `${m.deployment}/${m.triton_name}`);
     for (const gpu of plan) {
       const figure = document.createElement("figure");
       figure.className = "gpu-plan";
@@ -189,16 +215,17 @@ Gantry.deployForm = (root, options) => {
       const free = Math.max(0, gpu.headroom - gpu.fraction);
       figure.append(text("figcaption", `GPU ${gpu.gpu}: ${gpu.name}, ${bytes(gpu.memory_total_bytes)}: `
         + `${Math.round(gpu.fraction * 100)}% planned, ${gpu.within_headroom ? `${bytes(free * gpu.memory_total_bytes)} left under` : "over"} `
-        + `the ${Math.round(gpu.headroom * 100)}% headroom`));
+        + `the ${Math.round(gpu.headroom * 100)}% headroom; ${gpu.processes} server processes`));
       const bar = document.createElement("div");
-      bar.className = `memory-bar${gpu.within_headroom ? "" : " over"}`;
+      bar.className = `memory-bar${gpu.problems.length ? " over" : ""}`;
       bar.setAttribute("role", "img");
-      bar.setAttribute("aria-label", gpu.models.map((m) => `${m.triton_name} ${Math.round(m.fraction * 100)}%`).join(", "));
+      bar.setAttribute("aria-label", gpu.models.map((m) => `${label(m)} ${Math.round(m.share * 100)}%`).join(", "));
       for (const m of gpu.models) {
-        const segment = text("span", `${m.triton_name} ${Math.round(m.fraction * 100)}%`, "segment");
-        segment.style.width = `${Math.min(100, m.fraction * 100)}%`;
-        segment.style.background = COLORS[names.indexOf(m.triton_name) % COLORS.length];
-        segment.title = `${m.triton_name}: ${bytes(m.bytes)}`;
+        const segment = text("span", `${label(m)} ${Math.round(m.share * 100)}%`, "segment");
+        segment.style.width = `${Math.min(100, m.share * 100)}%`;
+        // Another deployment's share is grey: this form cannot change it.
+        segment.style.background = m.deployment_id === null ? COLORS[names.indexOf(m.triton_name) % COLORS.length] : "#667085";
+        segment.title = `${label(m)}: ${bytes(m.bytes)}`;
         bar.append(segment);
       }
       const mark = document.createElement("span");
@@ -209,11 +236,14 @@ Gantry.deployForm = (root, options) => {
       const legend = document.createElement("ul");
       legend.className = "plan-legend";
       for (const m of gpu.models) {
-        let words = `${m.triton_name}: ${Math.round(m.fraction * 100)}% = ${bytes(m.bytes)}`;
+        const times = m.instances > 1 && m.share !== m.fraction ? ` × ${m.instances} instances` : "";
+        let words = `${label(m)}: ${Math.round(m.fraction * 100)}%${times} = ${bytes(m.bytes)}`;
         if (m.engine_bytes != null) words += `; weights ${bytes(m.engine_bytes)}, KV cache ${m.kv_cache_tokens} tokens (${bytes(m.kv_cache_bytes)})`;
+        else if (m.weights_bytes != null) words += `; weights ${bytes(m.weights_bytes)}, KV cache ${bytes(m.kv_cache_bytes)}, activations ${bytes(m.activation_bytes)}`;
         legend.append(text("li", words));
       }
       figure.append(bar, legend);
+      for (const problem of gpu.problems) figure.append(text("p", problem, "error"));
       planBox.append(figure);
     }
   }
@@ -221,15 +251,16 @@ Gantry.deployForm = (root, options) => {
   async function preflight() {
     const { result, fieldsets } = body();
     const mine = ++asked;
-    const request = options.mode === "create" ? result : { ...result, name: "" };
+    const request = options.mode === "create" ? result : { ...result, name: "", replaces: options.deploymentId };
     try {
       const answer = await api("POST", "/api/deployments/preflight/", request);
       if (mine !== asked) return;  // a newer edit was already sent
       showErrors(answer.errors, fieldsets);
       drawPlan(answer.plan);
-      summary.textContent = answer.valid ? "The server's checks pass: nothing is saved until you submit."
-                                         : `${Object.keys(answer.errors).length} problem(s) to fix before this can be saved.`;
-      summary.className = answer.valid ? "muted" : "error";
+      const warnings = answer.warnings.length ? ` Beside what the host runs now: ${answer.warnings.join("; ")}.` : "";
+      summary.textContent = (answer.valid ? "The server's checks pass: nothing is saved until you submit."
+                                          : `${Object.keys(answer.errors).length} problem(s) to fix before this can be saved.`) + warnings;
+      summary.className = answer.valid && !warnings ? "muted" : "error";
     } catch (error) {
       if (mine !== asked) return;
       showErrors(error.errors || { form: [error.message] }, fieldsets);

@@ -638,13 +638,22 @@ const Gantry = (() => {
   function renderMetrics(at, models) {
     const body = document.getElementById("metrics");
     const format = (value, digits) => (value === undefined ? "–" : Number(value).toFixed(digits));
+    const memory = (value) => (value === undefined ? "–" : `${(value / 2 ** 30).toFixed(2)} GiB`);
     body.replaceChildren(...Object.entries(models).map(([name, m]) => {
       const row = document.createElement("tr");
       row.append(text("td", name), text("td", format(m.request_rate, 2)), text("td", format(m.failure_rate, 2)),
                  text("td", format(m.queue_ms, 2)), text("td", format(m.compute_ms, 2)),
-                 text("td", format(m.requests_total, 0)), text("td", format(m.failures_total, 0)));
+                 text("td", format(m.requests_total, 0)), text("td", format(m.failures_total, 0)),
+                 text("td", memory(m.gpu_memory_bytes)));
       return row;
     }));
+    // Beside each model's plan: what NVML sees its processes hold now, against the plan.
+    for (const cell of document.querySelectorAll("[data-memory-for]")) {
+      const used = (models[cell.dataset.memoryFor] || {}).gpu_memory_bytes;
+      cell.textContent = memory(used);
+      cell.classList.toggle("error", used !== undefined && cell.dataset.budget !== undefined
+                            && used > Number(cell.dataset.budget));
+    }
     document.getElementById("metrics-at").textContent = new Date(at).toLocaleTimeString();
   }
 

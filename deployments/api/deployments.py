@@ -3,6 +3,8 @@ deployments, and read their revisions, events, GPU plan, server log and metrics.
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +36,7 @@ from deployments.models import (
 )
 from deployments.permissions import ReadOrOperate
 from deployments.services import deployments, telemetry
+from deployments.services.deployments import ServerSpec
 from deployments.services.placements import MAX_BATCH_SIZE, PLACEMENT_FIELDS, PlacementSpec
 
 
@@ -56,12 +59,20 @@ class PlacementOut(serializers.ModelSerializer):
             "default_priority_level",
             "queue_timeout_us",
             "max_queue_size",
+            "timeout_action",
             "instance_count",
             "instance_kind",
             "gpu_ids",
             "gpu_memory_fraction",
+            "dtype",
+            "max_seq_len",
             "batch_scheduler_policy",
             "decoupled",
+            "max_num_sequences",
+            "kv_cache_free_gpu_mem_fraction",
+            "max_tokens_in_paged_kv_cache",
+            "enable_kv_cache_reuse",
+            "decoding_mode",
             "kv_cache_tokens",
             "ready",
         ]
@@ -85,6 +96,8 @@ class DeploymentOut(serializers.ModelSerializer):
             "http_port",
             "grpc_port",
             "metrics_port",
+            "shm_size_mib",
+            "log_verbose",
             "desired_state",
             "status",
             "shown_status",
@@ -134,12 +147,24 @@ class PortsIn(StrictSerializer):
     metrics = serializers.IntegerField(min_value=1024, max_value=65535)
 
 
+class ServerIn(StrictModelSerializer):
+    """A deployment's tritonserver settings; bounds and defaults are Deployment's."""
+
+    class Meta:
+        model = Deployment
+        fields = ["shm_size_mib", "log_verbose"]
+        extra_kwargs = {"shm_size_mib": {"required": False}, "log_verbose": {"required": False}}
+
+
 class DeploymentIn(StrictSerializer):
     name = serializers.CharField(max_length=63, validators=[slug_validator])
     host = serializers.CharField(max_length=63)
     runtime = serializers.ChoiceField(choices=Runtime.choices, default=Runtime.PROCESS)
     image = serializers.CharField(max_length=255, required=False, default="", allow_blank=True)
     ports = PortsIn(required=False)
+    # ServerIn's fields (Deployment's bounds), re-instantiated for this serializer.
+    shm_size_mib = copy.deepcopy(ServerIn().fields["shm_size_mib"])
+    log_verbose = copy.deepcopy(ServerIn().fields["log_verbose"])
     models = PlacementIn(many=True, allow_empty=False)
 
 
@@ -161,7 +186,15 @@ def _creation(data: dict[str, Any]) -> dict[str, Any]:
         "image": data["image"],
         "ports": (ports["http"], ports["grpc"], ports["metrics"]) if ports else None,
         "placements": placement_specs(data["models"]),
+        "server": server_spec(data),
     }
+
+
+def server_spec(data: dict[str, Any], current: Deployment | None = None) -> ServerSpec:
+    """The server settings a body asks for; unset ones keep ``current``'s (or the defaults)."""
+    base = ServerSpec() if current is None else ServerSpec(shm_size_mib=current.shm_size_mib,
+                                                             log_verbose=current.log_verbose)  # fmt: skip
+    return replace(base, **{name: data[name] for name in ("shm_size_mib", "log_verbose") if name in data})
 
 
 class DeploymentList(ListEndpoint):
@@ -203,6 +236,15 @@ class DeploymentDetail(APIView):
     @extend_schema(responses=DeploymentOut)
     def get(self, request: Request, pk: int) -> Response:
         return Response(DeploymentOut(get_object_or_404(selectors.deployment_list(), pk=pk)).data)
+
+    @extend_schema(request=ServerIn, responses={202: DeploymentOut})
+    def patch(self, request: Request, pk: int) -> Response:
+        """The server's settings (shm_size_mib, log_verbose): taken at the next start, or
+        now by a restart when it runs."""
+        data = validated(ServerIn, request)
+        current = get_object_or_404(Deployment, pk=pk)
+        deployments.deployment_configure(deployment_id=pk, server=server_spec(data, current), user=request.user)
+        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
 
 
 class ModelsIn(StrictSerializer):
@@ -308,12 +350,23 @@ class DeploymentEvents(Events):
 
 
 class PlannedModelOut(serializers.Serializer):
+    deployment = serializers.CharField()
+    deployment_id = serializers.IntegerField(allow_null=True, help_text="null: the unsaved one a preflight checks")
+    deployment_status = serializers.CharField()
+    own = serializers.BooleanField(help_text="placed by the deployment asked about (else by another on the host)")
     triton_name = serializers.CharField()
+    backend = serializers.CharField()
     fraction = serializers.FloatField()
+    instances = serializers.IntegerField()
+    share = serializers.FloatField(help_text="the fraction times the instances that each cap themselves at it")
     bytes = serializers.IntegerField()
+    processes = serializers.IntegerField(help_text="server processes it adds on this GPU")
+    nvml_budget_bytes = serializers.IntegerField(help_text="the most NVML may show them hold: share and contexts")
     engine_bytes = serializers.IntegerField(required=False, allow_null=True)
+    weights_bytes = serializers.IntegerField(required=False, allow_null=True)
     kv_cache_tokens = serializers.IntegerField(required=False, allow_null=True)
     kv_cache_bytes = serializers.IntegerField(required=False, allow_null=True)
+    activation_bytes = serializers.IntegerField(required=False, allow_null=True)
 
 
 class GpuPlanOut(serializers.Serializer):
@@ -322,9 +375,13 @@ class GpuPlanOut(serializers.Serializer):
     uuid = serializers.CharField()
     memory_total_bytes = serializers.IntegerField()
     models = PlannedModelOut(many=True)
-    fraction = serializers.FloatField(help_text="the sum of the models' fractions on this GPU")
+    fraction = serializers.FloatField(help_text="the sum of the models' shares on this GPU")
     headroom = serializers.FloatField()
     within_headroom = serializers.BooleanField()
+    processes = serializers.IntegerField(help_text="server processes on this GPU, tritonserver's included")
+    process_reserve_bytes = serializers.IntegerField(help_text="the CUDA context each is planned to hold")
+    contexts_fit = serializers.BooleanField(help_text="whether what the shares leave holds those contexts")
+    problems = serializers.ListField(child=serializers.CharField())
 
 
 class DeploymentPlan(APIView):
@@ -342,6 +399,10 @@ class DeploymentPreflightIn(DeploymentIn):
         max_length=63, validators=[slug_validator], required=False, default="", allow_blank=True,
         help_text="checked against existing deployments when given",
     )  # fmt: skip
+    replaces = serializers.IntegerField(
+        required=False, min_value=1, help_text="a deployment whose models these would replace (a change): "
+        "the host's plan leaves its current ones out",
+    )  # fmt: skip
 
 
 class DeploymentPreflightOut(serializers.Serializer):
@@ -350,7 +411,10 @@ class DeploymentPreflightOut(serializers.Serializer):
         child=serializers.ListField(child=serializers.CharField()),
         help_text="each broken rule by field, as a 400 of the create would name it (models[i].field)",
     )
-    plan = GpuPlanOut(many=True, help_text="the GPU plan of the placements that passed")
+    plan = GpuPlanOut(many=True, help_text="the host's GPU plan with the placements that passed")
+    warnings = serializers.ListField(
+        child=serializers.CharField(), help_text="what the host's other deployments would make a start refuse"
+    )
 
 
 class DeploymentPreflight(APIView):
@@ -364,7 +428,9 @@ class DeploymentPreflight(APIView):
     @extend_schema(request=DeploymentPreflightIn, responses={200: DeploymentPreflightOut})
     def post(self, request: Request) -> Response:
         data = validated(DeploymentPreflightIn, request)
-        return Response(deployments.deployment_preflight(**_creation(data), user=request.user))
+        return Response(
+            deployments.deployment_preflight(**_creation(data), replaces=data.get("replaces"), user=request.user)
+        )
 
 
 class RatesQuery(StrictSerializer):

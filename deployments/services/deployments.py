@@ -8,6 +8,7 @@ through deployments.queues once the change is committed.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from django.conf import settings
@@ -16,6 +17,7 @@ from django.db.models import Q
 
 from deployments import events, outbox, queues, selectors, states
 from deployments.errors import InvalidTransition, NotFound, ValidationFailed
+from deployments.gpu_plan import Holder, host_plan, plan_problems
 from deployments.models import (
     Deployment,
     DeploymentRevision,
@@ -35,7 +37,24 @@ from deployments.services.placements import (
     placements_snapshot,
     placements_validate,
     placements_write,
+    spec_from_snapshot,
 )
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Settings of a deployment's tritonserver itself; a running server is
+    restarted to take a change. Defaults and bounds are Deployment's."""
+
+    shm_size_mib: int = Deployment._meta.get_field("shm_size_mib").get_default()
+    log_verbose: int = Deployment._meta.get_field("log_verbose").get_default()
+
+
+def _server_errors(server: ServerSpec, runtime: str) -> dict[str, list[str]]:
+    default = ServerSpec().shm_size_mib
+    if runtime != Runtime.DOCKER and server.shm_size_mib != default:
+        return {"shm_size_mib": ["the process runtime's server uses the host's /dev/shm: this is the docker runtime's"]}
+    return {}
 
 
 def _allocate_ports(host: GpuHost) -> tuple[int, int, int]:
@@ -59,10 +78,11 @@ def _create_checks(
     runtime: str,
     image: str,
     ports: tuple[int, int, int] | None,
+    server: ServerSpec,
 ) -> tuple[GpuHost | None, list[Resolved], dict[str, list[str]]]:
     """Every rule a new deployment must pass, each broken one by field; and the
     placements that resolved (on a known host)."""
-    errors: dict[str, list[str]] = {}
+    errors: dict[str, list[str]] = _server_errors(server, runtime)
     if Deployment.objects.filter(name=name).exists():
         errors["name"] = [f"a deployment named {name!r} already exists"]
     if runtime == Runtime.DOCKER and image not in settings.GANTRY_ALLOWED_IMAGES:
@@ -94,17 +114,30 @@ def deployment_preflight(
     runtime: str = Runtime.PROCESS,
     image: str = "",
     ports: tuple[int, int, int] | None = None,
+    server: ServerSpec = ServerSpec(),
+    replaces: int | None = None,
     user: Any = None,
 ) -> dict[str, Any]:
     """What deployment_create would say, without writing anything: every broken
-    rule by field, and the GPU plan of the placements that resolved (each
-    model's share of each GPU, the headroom, an engine's KV-cache tokens)."""
+    rule by field, and the host's GPU plan with the placements that resolved
+    beside what its other deployments hold (each model's share of each GPU, the
+    headroom, what each share holds). ``replaces``: the deployment a change
+    would give these placements, left out of the plan."""
     require_operator(user)
     host, resolved, errors = _create_checks(
-        name=name, host_name=host_name, placements=placements, runtime=runtime, image=image, ports=ports
-    )
-    plan = selectors.gpu_plan(host, placement_rows(resolved)) if host is not None else []
-    return {"valid": not errors, "errors": errors, "plan": plan}
+        name=name, host_name=host_name, placements=placements, runtime=runtime, image=image, ports=ports,
+        server=server,
+    )  # fmt: skip
+    if host is None:
+        return {"valid": not errors, "errors": errors, "plan": [], "warnings": []}
+    holders = [
+        Holder(key=None, name=name or "this deployment", placements=placement_rows(resolved)),
+        *selectors.plan_holders(host, besides=replaces),
+    ]
+    plans = host_plan(host, holders)
+    # What the host holds now would refuse the start, not the creation: said, not refused.
+    warnings = [f"at start: {problem}" for problem in plan_problems(plans, own=None)] if not errors else []
+    return {"valid": not errors, "errors": errors, "plan": [p.as_dict() for p in plans], "warnings": warnings}
 
 
 def deployment_create(
@@ -115,13 +148,16 @@ def deployment_create(
     runtime: str = Runtime.PROCESS,
     image: str = "",
     ports: tuple[int, int, int] | None = None,
+    server: ServerSpec = ServerSpec(),
     user: Any = None,
 ) -> Deployment:
-    """Create a stopped deployment of one or more models on a host (nothing starts yet)."""
+    """Create a stopped deployment of one or more models on a host (nothing starts
+    yet: the host's GPU plan is checked when it starts)."""
     require_operator(user)
     host, resolved, errors = _create_checks(
-        name=name, host_name=host_name, placements=placements, runtime=runtime, image=image, ports=ports
-    )
+        name=name, host_name=host_name, placements=placements, runtime=runtime, image=image, ports=ports,
+        server=server,
+    )  # fmt: skip
     if errors:
         raise ValidationFailed(errors)
     try:
@@ -135,6 +171,7 @@ def deployment_create(
                 http_port=http_port,
                 grpc_port=grpc_port,
                 metrics_port=metrics_port,
+                **asdict(server),
                 created_by=events.signed_in(user),
             )
             placements_write(deployment=deployment, resolved=resolved)
@@ -179,6 +216,11 @@ def deployment_change(
         resolved = placements_validate(
             host=deployment.host, specs=placements, runtime=deployment.runtime, image=deployment.image
         )
+        if running:
+            # Applied now, so it must fit beside whatever else holds the host's GPUs.
+            problems = _host_problems(deployment, placement_rows(resolved))
+            if problems:
+                raise ValidationFailed({"models": problems})
         before = placements_snapshot(deployment)
         placements_write(deployment=deployment, resolved=resolved)
         after = placements_snapshot(deployment)
@@ -255,9 +297,7 @@ def deployment_roll_back_to(*, deployment_id: int, generation: int, user: Any = 
         raise ValidationFailed({"generation": f"{deployment.name} has no generation {generation}"})
     if generation == deployment.generation:
         raise ValidationFailed({"generation": f"generation {generation} is the one {deployment.name} holds now"})
-    specs = [
-        PlacementSpec.from_fields({k: v for k, v in item.items() if k != "kv_cache_tokens"}) for item in revision.spec
-    ]
+    specs = [spec_from_snapshot(item) for item in revision.spec]
     return deployment_change(
         deployment_id=deployment_id, placements=specs, user=user, reason=f"rolled back to generation {generation}"
     )
@@ -335,6 +375,50 @@ def deployment_delete(*, deployment_id: int, user: Any = None) -> None:
         deployment.delete()
 
 
+def _host_problems(deployment: Deployment, rows: list) -> list[str]:
+    """What is wrong with the host's GPU plan once ``rows`` (the deployment's
+    placements, as they would run) join what the host's other deployments hold.
+    The host's row is locked meanwhile, so two starts on one host are checked
+    one after the other, each seeing the other."""
+    host = GpuHost.objects.select_for_update().get(pk=deployment.host_id)
+    holders = [
+        Holder(key=deployment.pk, name=deployment.name, placements=rows, status=deployment.status),
+        *selectors.plan_holders(host, besides=deployment.pk),
+    ]
+    return plan_problems(host_plan(host, holders), own=deployment.pk)
+
+
+def deployment_configure(*, deployment_id: int, server: ServerSpec, user: Any = None) -> Deployment:
+    """Change the deployment's server settings (shared memory, log verbosity). A
+    deployment at rest takes them at its next start; a running one is restarted."""
+    require_operator(user)
+    with transaction.atomic():
+        deployment = Deployment.objects.select_related("host").select_for_update().filter(pk=deployment_id).first()
+        if deployment is None:
+            raise NotFound(f"deployment {deployment_id} does not exist")
+        errors = _server_errors(server, deployment.runtime)
+        if errors:
+            raise ValidationFailed(errors)
+        before = {name: getattr(deployment, name) for name in asdict(server)}
+        if before == asdict(server):
+            raise ValidationFailed({"server": "these are the deployment's settings already: nothing to change"})
+        if deployment.status not in states.AT_REST and deployment.status not in RESTARTABLE:
+            raise InvalidTransition(f"{deployment.name} is {deployment.status}; change it when it is ready or stopped")
+        Deployment.objects.filter(pk=deployment.pk).update(**asdict(server))
+        events.record(
+            kind="deployment.configured",
+            source=events.source_of(user),
+            actor=user,
+            deployment=deployment,
+            message="server settings: "
+            + ", ".join(f"{k} {before[k]} → {v}" for k, v in asdict(server).items() if before[k] != v),
+            data={"before": before, "after": asdict(server)},
+        )
+    if deployment.status in RESTARTABLE and deployment.runtime_handle:
+        return deployment_restart(deployment_id=deployment_id, user=user)
+    return Deployment.objects.select_related("host").get(pk=deployment_id)
+
+
 def _enqueue(task_name: str, deployment: Deployment, *more_args: Any) -> None:
     outbox.enqueue_on_commit(task_name, host_name=deployment.host.name, args=[deployment.pk, *more_args])
 
@@ -348,6 +432,11 @@ def deployment_start(*, deployment_id: int, user: Any = None) -> Deployment:
             f"{deployment.name} is {deployment.status}; only a stopped, failed or new deployment can start"
         )
     with transaction.atomic():
+        problems = _host_problems(
+            deployment, list(deployment.placements.select_related("registered_model", "engine_build"))
+        )
+        if problems:
+            raise InvalidTransition(f"{deployment.name} does not fit on {deployment.host.name}: {'; '.join(problems)}")
         deployment = states.deployment_transition(
             deployment_id=deployment_id,
             to=DeploymentStatus.LAUNCHING,

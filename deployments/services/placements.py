@@ -7,12 +7,14 @@ A placement's fields, defaults and bounds are defined once, on
 ``DeploymentModel``; ``PlacementSpec`` takes its defaults from there and the
 API serializer and the browser form derive their fields from it.
 
-Just over 400 lines on purpose: the rules of the three LLM paths (engine, LLM
-API, transformers) sit beside the rules they share with every placement.
+Over 400 lines on purpose: the rules of the three LLM paths (engine, LLM API,
+transformers) and of the sentence models sit beside the rules they share, so
+one read shows every rule a placement passes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -21,11 +23,24 @@ from django.core.validators import MaxValueValidator
 
 from deployments import trtllm
 from deployments.errors import ValidationFailed
+from deployments.gpu_plan import (
+    Holder,
+    dtype_bytes,
+    engine_bytes_per_gpu,
+    host_plan,
+    kv_cache_tokens,
+    plan_problems,
+    resolve_instances,
+    transformers_max_seq_len,
+    transformers_needs,
+)
 from deployments.models import (
     Backend,
     BuildStatus,
+    DecodingMode,
     Deployment,
     DeploymentModel,
+    Dtype,
     EngineBuild,
     GpuHost,
     Inspection,
@@ -33,8 +48,8 @@ from deployments.models import (
     ModelKind,
     RegisteredModel,
     Runtime,
+    TimeoutAction,
 )
-from deployments.placement import engine_bytes_per_gpu, kv_cache_tokens, resolve_instances
 
 # Kinds this version can place in a deployment, and the backend each uses.
 SERVABLE_KINDS = {
@@ -61,15 +76,24 @@ class PlacementSpec:
     default_priority_level: int = _default("default_priority_level")
     queue_timeout_us: int = _default("queue_timeout_us")
     max_queue_size: int = _default("max_queue_size")
+    timeout_action: str = _default("timeout_action")
     instance_count: int = _default("instance_count")
     instance_kind: str = _default("instance_kind")
     gpu_ids: tuple[int, ...] = ()
     gpu_memory_fraction: float = _default("gpu_memory_fraction")
+    # python-backend models (sentence models, the transformers llm): precision and input length.
+    dtype: str = _default("dtype")
+    max_seq_len: int | None = None
     # llm models: the engine build to serve, and how the backend schedules it.
     engine_build: int | None = None
     llm_api: bool = False  # serve the checkpoint itself through the LLM API (no engine build)
     batch_scheduler_policy: str = _default("batch_scheduler_policy")
     decoupled: bool = _default("decoupled")
+    max_num_sequences: int | None = None
+    kv_cache_free_gpu_mem_fraction: float | None = None
+    max_tokens_in_paged_kv_cache: int | None = None
+    enable_kv_cache_reuse: bool = _default("enable_kv_cache_reuse")
+    decoding_mode: str = _default("decoding_mode")
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> PlacementSpec:
@@ -92,7 +116,8 @@ MAX_BATCH_SIZE = min(
 
 @dataclass(frozen=True)
 class Resolved:
-    """A validated placement: its spec, model, and for an engine the build, GPUs and KV-cache tokens."""
+    """A validated placement: its spec, model, and for an engine (or the LLM API)
+    the build, GPUs and KV-cache tokens."""
 
     spec: PlacementSpec
     model: RegisteredModel
@@ -101,8 +126,11 @@ class Resolved:
     kv_cache_tokens: int | None = None
 
 
+Fail = Callable[[str, str], None]
+
+
 def _check_llm(
-    spec: PlacementSpec, model: RegisteredModel, host: GpuHost, runtime: str, image: str, fail: Any
+    spec: PlacementSpec, model: RegisteredModel, host: GpuHost, runtime: str, image: str, fail: Fail
 ) -> Resolved | None:
     """An llm takes one of three paths: its engine build, the LLM API, or (neither
     named) transformers on the python backend. The gates an engine passes
@@ -160,57 +188,137 @@ def _check_llm(
     built_batch = int(build.spec.get("max_batch_size", 0))
     if spec.max_batch_size > built_batch:
         fail("max_batch_size", f"build {build.pk} was built for at most {built_batch}")
+    _check_engine_runtime(spec, build, fail)
     tokens = None
     memory = min((gpus[i].memory_total_bytes for i in chosen if i in gpus), default=0)
     if memory and build.status == BuildStatus.SUCCEEDED:
-        try:
-            tokens = kv_cache_tokens(
-                model=model, build=build, fraction=spec.gpu_memory_fraction, gpu_memory_bytes=memory
-            )
-        except ValueError as exc:
-            fail("model", str(exc))
-        else:
-            per_gpu = engine_bytes_per_gpu(build)
-            if tokens < int(build.spec.get("max_seq_len", 1)):
-                fail(
-                    "gpu_memory_fraction",
-                    f"{spec.gpu_memory_fraction:g} of {memory / 2**30:.0f} GiB leaves room for {max(tokens, 0)} "
-                    f"KV-cache tokens after the engine's {per_gpu / 2**30:.1f} GiB per GPU: not even one "
-                    f"{build.spec.get('max_seq_len')}-token sequence",
-                )
+        tokens = _kv_budget(spec, model, build, memory, len(chosen), int(build.spec.get("max_seq_len", 1)), fail)
     return Resolved(spec=spec, model=model, build=build, gpus=chosen, kv_cache_tokens=tokens)
 
 
-def _check_transformers(spec: PlacementSpec, model: RegisteredModel, host: GpuHost, fail: Any) -> Resolved:
+def _check_engine_runtime(spec: PlacementSpec, build: EngineBuild, fail: Fail) -> None:
+    """The tensorrt_llm model's runtime parameters, against what the build and its
+    release's tensorrtllm backend read."""
+    release = trtllm.release_for(build.trtllm_version)
+    version = build.trtllm_version or "unknown"
+    if spec.max_num_sequences is not None:
+        fail(
+            "max_num_sequences",
+            f"the tensorrtllm backend of TensorRT-LLM {version} reads no max_num_sequences: the sequences in "
+            f"flight are bounded by the engine's max_batch_size ({build.spec.get('max_batch_size')} for build "
+            f"{build.pk}); build with another max_batch_size to change it",
+        )
+    if spec.max_seq_len is not None:
+        fail(
+            "max_seq_len",
+            f"an engine's max_seq_len is set when it is built ({build.spec.get('max_seq_len')} for build "
+            f"{build.pk}); leave it empty",
+        )
+    if spec.dtype != Dtype.AUTO:
+        fail("dtype", f"an engine runs in the dtype it was built with ({build.spec.get('dtype')}); leave it auto")
+    if spec.decoding_mode:
+        able = release.decoding_modes if release else frozenset()
+        if spec.decoding_mode not in able:
+            fail("decoding_mode", f"TensorRT-LLM {version}'s tensorrtllm backend does not take {spec.decoding_mode}")
+        elif spec.decoding_mode == DecodingMode.BEAM_SEARCH and int(build.spec.get("max_beam_width", 1)) < 2:
+            fail("decoding_mode", f"beam_search needs an engine built with max_beam_width above 1 (build {build.pk})")
+    if spec.enable_kv_cache_reuse and not build.spec.get("paged_context_fmha", False):
+        fail(
+            "enable_kv_cache_reuse",
+            f"KV-cache reuse needs an engine built with paged context FMHA; build {build.pk} was built without",
+        )
+
+
+def _kv_budget(
+    spec: PlacementSpec, model: RegisteredModel, build: EngineBuild | None, memory: int, gpus: int,
+    sequence: int, fail: Fail,
+) -> int | None:  # fmt: skip
+    """The absolute KV-cache token budget of an engine or the LLM API: the share
+    (kv_cache_free_gpu_mem_fraction) of what the fraction leaves after the
+    weights, or the tokens asked for, which must fit there. It must hold one
+    ``sequence``-token sequence."""
+    try:
+        planned = kv_cache_tokens(
+            model=model, build=build, fraction=spec.gpu_memory_fraction, gpu_memory_bytes=memory, tp_size=gpus,
+            kv_share=spec.kv_cache_free_gpu_mem_fraction,
+        )  # fmt: skip
+        room = kv_cache_tokens(
+            model=model, build=build, fraction=spec.gpu_memory_fraction, gpu_memory_bytes=memory, tp_size=gpus,
+            kv_share=1.0,
+        )  # fmt: skip
+    except ValueError as exc:
+        fail("model", str(exc))
+        return None
+    weights = (engine_bytes_per_gpu(build) if build else model.size_bytes / gpus) / 2**30
+    if spec.max_tokens_in_paged_kv_cache is not None:
+        if spec.max_tokens_in_paged_kv_cache > room:
+            fail(
+                "max_tokens_in_paged_kv_cache",
+                f"{spec.max_tokens_in_paged_kv_cache} tokens do not fit: {spec.gpu_memory_fraction:g} of "
+                f"{memory / 2**30:.0f} GiB holds at most {max(room, 0)} after the {weights:.1f} GiB of weights per GPU",
+            )
+        elif spec.max_tokens_in_paged_kv_cache < sequence:
+            fail("max_tokens_in_paged_kv_cache", f"must hold at least one {sequence}-token sequence")
+        return spec.max_tokens_in_paged_kv_cache
+    if planned < sequence:
+        what = "the engine's" if build else "the"
+        fail(
+            "gpu_memory_fraction",
+            f"{spec.gpu_memory_fraction:g} of {memory / 2**30:.0f} GiB leaves room for {max(planned, 0)} "
+            f"KV-cache tokens after {what} {weights:.1f} GiB per GPU: not even one {sequence}-token sequence",
+        )
+    return planned
+
+
+def _check_transformers(spec: PlacementSpec, model: RegisteredModel, host: GpuHost, fail: Fail) -> Resolved:
     """The path that runs wherever Triton's python backend does: the checkpoint
     through transformers' AutoModelForCausalLM, streamed (decoupled), on a GPU
-    within its memory fraction or on the CPU."""
+    within its memory fraction or on the CPU. On a GPU each instance's fraction
+    must hold its weights, a KV cache for max_num_sequences sequences of
+    max_seq_len tokens and one prefill's activations (deployments.gpu_plan)."""
     if not spec.decoupled:
         fail("decoupled", "the transformers path always streams (a decoupled model): leave decoupled on")
     causal = model.architecture.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
     if not causal and not model.config.get("auto_map"):
         fail(
             "model",
-            f"{model.name} is a {model.architecture or 'model of unknown architecture'}, "
+            f"{model.name} is {_a(model.architecture or 'model of unknown architecture')}, "
             "not a causal language model transformers can generate with",
         )
+    _refuse_engine_only(spec, fail, "the transformers path")
+    if spec.max_num_sequences is not None and spec.max_num_sequences < spec.max_batch_size:
+        fail("max_num_sequences", f"must be at least max_batch_size ({spec.max_batch_size}): a batch joins at once")
     host_gpus = {gpu.index: gpu for gpu in host.gpus.all()}
     kind, gpus = resolve_instances(spec.instance_kind, spec.gpu_ids, host_gpus)
+    _check_precision(spec, kind, gpus, host_gpus, fail)
+    limit = model.max_position_embeddings
+    if spec.max_seq_len is not None and limit and spec.max_seq_len > limit:
+        fail("max_seq_len", f"must be at most {limit}, {model.name}'s max_position_embeddings")
     if kind == InstanceKind.GPU:
-        weights = 2 * (model.parameter_count or model.size_bytes // 2)  # 16-bit weights on a GPU
+        sequences = spec.max_num_sequences or spec.max_batch_size
+        length = transformers_max_seq_len(model, spec.max_seq_len)
+        try:
+            needs = transformers_needs(
+                model, max_num_sequences=sequences, max_seq_len=length, element_bytes=_element_bytes(spec, kind)
+            )
+        except ValueError as exc:
+            fail("model", str(exc))
+            return Resolved(spec=spec, model=model)
         for index in gpus:
             gpu = host_gpus.get(index)
-            if gpu is not None and spec.gpu_memory_fraction * gpu.memory_total_bytes < weights * 1.2:
+            if gpu is not None and spec.gpu_memory_fraction * gpu.memory_total_bytes < needs.total:
                 fail(
                     "gpu_memory_fraction",
                     f"{spec.gpu_memory_fraction:g} of GPU {index}'s {gpu.memory_total_bytes / 2**30:.0f} GiB cannot "
-                    f"hold {model.name}'s {weights / 2**30:.2f} GiB of 16-bit weights and room to generate",
+                    f"hold {model.name}'s {needs.weights / 2**30:.2f} GiB of weights, a KV cache of "
+                    f"{needs.kv_cache / 2**30:.2f} GiB for {sequences} sequences of {length} tokens and "
+                    f"{needs.activations / 2**30:.2f} GiB of activations ({needs.total / 2**30:.2f} GiB in all)",
                 )
     return Resolved(spec=spec, model=model)
 
 
 def _check_llm_api(
-    spec: PlacementSpec, model: RegisteredModel, host: GpuHost, runtime: str, image: str, fail: Any
+    spec: PlacementSpec, model: RegisteredModel, host: GpuHost, runtime: str, image: str, fail: Fail
 ) -> Resolved | None:
     """The no-build path: the checkpoint served by the LLM-API backend of an image
     whose TensorRT-LLM release has it, on tensor-parallel GPUs of one model."""
@@ -227,8 +335,20 @@ def _check_llm_api(
             f"{image} has no LLM-API backend Gantry knows of (TensorRT-LLM {version or 'unknown'}); "
             f"images that have one: {', '.join(able) or 'none in GANTRY_BUILDER_IMAGES'}",
         )
-    if model.architecture not in (release.model_dirs if release else {}):
-        fail("model", f"architecture {model.architecture or '(none)'} is not one TensorRT-LLM {version} serves")
+    if model.architecture not in (release.llmapi_architectures if release else frozenset()):
+        first = trtllm.first_release_serving(model.architecture)
+        fail(
+            "model",
+            f"architecture {model.architecture or '(none)'} is not one TensorRT-LLM {version or '(none)'} serves"
+            + (f"; TensorRT-LLM {first.version} and later do" if first else ""),
+        )
+    if spec.decoding_mode:
+        fail("decoding_mode", "the LLM API takes sampling per request; decoding_mode is the tensorrtllm backend's")
+    if spec.dtype != Dtype.AUTO:
+        fail("dtype", "the LLM API loads the checkpoint in its own dtype; leave it auto")
+    limit = model.max_position_embeddings
+    if spec.max_seq_len is not None and limit and spec.max_seq_len > limit:
+        fail("max_seq_len", f"must be at most {limit}, {model.name}'s max_position_embeddings")
     gpus = {gpu.index: gpu for gpu in host.gpus.all()}
     chosen = tuple(sorted(spec.gpu_ids)) or tuple(sorted(gpus)[:1])
     if not chosen or any(i not in gpus for i in chosen):
@@ -237,28 +357,84 @@ def _check_llm_api(
     if model.num_attention_heads and model.num_attention_heads % len(chosen):
         fail("gpu_ids", f"{len(chosen)} GPUs (tensor parallel) must divide {model.num_attention_heads} attention heads")
     memory = min(gpus[i].memory_total_bytes for i in chosen)
-    tokens = None
-    try:
-        tokens = kv_cache_tokens(
-            model=model, build=None, fraction=spec.gpu_memory_fraction, gpu_memory_bytes=memory, tp_size=len(chosen)
-        )
-    except ValueError as exc:
-        fail("model", str(exc))
-    else:
-        limit = model.max_position_embeddings or 1
-        if tokens < min(limit, 2048):
-            fail(
-                "gpu_memory_fraction",
-                f"{spec.gpu_memory_fraction:g} of {memory / 2**30:.0f} GiB leaves room for {max(tokens, 0)} "
-                f"KV-cache tokens after the {model.size_bytes / len(chosen) / 2**30:.1f} GiB of weights per GPU",
-            )
+    sequence = min(spec.max_seq_len or model.max_position_embeddings or 2048, 2048)
+    tokens = _kv_budget(spec, model, None, memory, len(chosen), sequence, fail)
     return Resolved(spec=spec, model=model, gpus=chosen, kv_cache_tokens=tokens)
+
+
+def _check_sentence_model(spec: PlacementSpec, model: RegisteredModel, host: GpuHost, fail: Fail) -> None:
+    """An embedder or reranker on the python backend: its precision, its input
+    length (up to the checkpoint's positions), and weights its fraction can hold."""
+    if spec.engine_build is not None:
+        fail("engine_build", f"{model.name} is {_a(model.kind)} model, not an llm")
+    if spec.llm_api:
+        fail("llm_api", f"{model.name} is {_a(model.kind)} model, not an llm")
+    _refuse_engine_only(spec, fail, f"{_a(model.kind)} model")
+    if spec.max_num_sequences is not None:
+        fail("max_num_sequences", f"{_a(model.kind)} model generates no sequences: max_batch_size bounds a batch")
+    host_gpus = {gpu.index: gpu for gpu in host.gpus.all()}
+    kind, gpus = resolve_instances(spec.instance_kind, spec.gpu_ids, host_gpus)
+    _check_precision(spec, kind, gpus, host_gpus, fail)
+    limit = model.max_position_embeddings
+    if spec.max_seq_len is not None and limit and spec.max_seq_len > limit:
+        fail("max_seq_len", f"must be at most {limit}, {model.name}'s max_position_embeddings")
+    if kind == InstanceKind.GPU:
+        weights = (model.parameter_count or model.size_bytes // 4) * _element_bytes(spec, kind)
+        for index in gpus:
+            gpu = host_gpus.get(index)
+            if gpu is not None and spec.gpu_memory_fraction * gpu.memory_total_bytes < weights * 1.2:
+                fail(
+                    "gpu_memory_fraction",
+                    f"{spec.gpu_memory_fraction:g} of GPU {index}'s {gpu.memory_total_bytes / 2**30:.0f} GiB cannot "
+                    f"hold {model.name}'s {weights / 2**30:.2f} GiB of weights and room for a batch",
+                )
+
+
+def _refuse_engine_only(spec: PlacementSpec, fail: Fail, what: str) -> None:
+    """Settings only an engine or the LLM API reads, refused by name elsewhere."""
+    if spec.kv_cache_free_gpu_mem_fraction is not None:
+        fail("kv_cache_free_gpu_mem_fraction", f"TensorRT-LLM's KV-cache share; {what} has none to set")
+    if spec.max_tokens_in_paged_kv_cache is not None:
+        fail("max_tokens_in_paged_kv_cache", f"TensorRT-LLM's paged KV cache; {what} has none")
+    if spec.enable_kv_cache_reuse:
+        fail("enable_kv_cache_reuse", f"TensorRT-LLM's KV-cache reuse; {what} cannot reuse a cache")
+    if spec.decoding_mode:
+        fail("decoding_mode", f"the tensorrtllm backend's decoding mode; {what} samples per request")
+
+
+def _check_precision(
+    spec: PlacementSpec, kind: str, gpus: tuple[int, ...], host_gpus: dict[int, Any], fail: Fail
+) -> None:
+    """16-bit weights run on a GPU; bfloat16 needs compute capability 8.0 or later."""
+    if spec.dtype in (Dtype.FLOAT16, Dtype.BFLOAT16) and kind != InstanceKind.GPU:
+        fail("dtype", f"{spec.dtype} runs on a GPU; these instances run on the CPU (use float32 or auto)")
+    if spec.dtype == Dtype.BFLOAT16:
+        for index in gpus:
+            gpu = host_gpus.get(index)
+            if gpu is not None and _capability(gpu.compute_capability) < (8, 0):
+                fail("dtype", f"bfloat16 needs compute capability 8.0; GPU {index} is {gpu.compute_capability}")
+
+
+def _capability(value: str) -> tuple[int, int]:
+    major, _, minor = value.partition(".")
+    return (int(major or 0), int(minor or 0))
+
+
+def _element_bytes(spec: PlacementSpec, kind: str) -> int:
+    """Bytes per weight as the model will load: auto is 16-bit on a GPU, fp32 on a CPU."""
+    if spec.dtype == Dtype.AUTO:
+        return 2 if kind == InstanceKind.GPU else 4
+    return dtype_bytes(spec.dtype)
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1].lower() in "aeiou" else f"a {noun}"
 
 
 def placements_validate(*, host: GpuHost, specs: list[PlacementSpec], runtime: str, image: str) -> list[Resolved]:
     """Check a deployment's placements against each other and the host: known,
     inspected, servable models; unique names; batching and priority rules;
-    GPUs the host has; the engine gates; per-GPU fractions within the headroom.
+    GPUs the host has; the engine gates; its own GPU plan within the headroom.
     ValidationFailed names every broken rule by field (``models[i].field``)."""
     resolved, errors = placements_check(host=host, specs=specs, runtime=runtime, image=image)
     if errors:
@@ -277,69 +453,57 @@ def placements_check(
     resolved = []
     names: set[str] = set()
     gpu_indexes = set(host.gpus.values_list("index", flat=True))
-    per_gpu_fraction: dict[int, float] = {}
     for i, spec in enumerate(specs):
         where = f"models[{i}]"
+
+        def fail(field: str, message: str, where: str = where) -> None:
+            errors.setdefault(f"{where}.{field}", []).append(message)
+
         model = RegisteredModel.objects.filter(name=spec.model).first()
         if model is None:
-            errors.setdefault(f"{where}.model", []).append(f"no registered model named {spec.model!r}")
+            fail("model", f"no registered model named {spec.model!r}")
             continue
         if model.kind not in SERVABLE_KINDS:
-            errors.setdefault(f"{where}.model", []).append(
-                f"{model.name} is a {model.kind} model; this version deploys {', '.join(SERVABLE_KINDS)} models only"
-            )
+            fail("model", f"{model.name} is {_a(model.kind)} model; this version deploys "
+                          f"{', '.join(SERVABLE_KINDS)} models only")  # fmt: skip
         if model.inspection != Inspection.READY:
-            errors.setdefault(f"{where}.model", []).append(
-                f"{model.name} is not inspected yet ({model.inspection}) {model.inspection_message}".rstrip()
-            )
+            fail("model", f"{model.name} is not inspected yet ({model.inspection}) {model.inspection_message}".rstrip())
         triton_name = spec.triton_name or model.name
         if triton_name in names:
-            errors.setdefault(f"{where}.triton_name", []).append(f"{triton_name!r} is used twice in this deployment")
+            fail("triton_name", f"{triton_name!r} is used twice in this deployment")
         names.add(triton_name)
-        if spec.priority_levels and not 1 <= spec.default_priority_level <= spec.priority_levels:
-            errors.setdefault(f"{where}.default_priority_level", []).append(
-                f"must be between 1 and priority_levels ({spec.priority_levels})"
-            )
-        if not spec.priority_levels and spec.default_priority_level:
-            errors.setdefault(f"{where}.default_priority_level", []).append("needs priority_levels")
-        if spec.preferred_batch_sizes and max(spec.preferred_batch_sizes) > spec.max_batch_size:
-            errors.setdefault(f"{where}.preferred_batch_sizes", []).append("must not exceed max_batch_size")
+        _check_queue(spec, fail)
         if spec.instance_kind == InstanceKind.GPU and not gpu_indexes:
-            errors.setdefault(f"{where}.instance_kind", []).append(f"{host.name} has no GPUs")
+            fail("instance_kind", f"{host.name} has no GPUs")
         unknown = sorted(set(spec.gpu_ids) - gpu_indexes)
         if unknown:
-            errors.setdefault(f"{where}.gpu_ids", []).append(f"{host.name} has no GPU with index {unknown}")
+            fail("gpu_ids", f"{host.name} has no GPU with index {unknown}")
         if model.kind == ModelKind.LLM:
-            engine = _check_llm(
-                spec, model, host, runtime, image,
-                lambda field, message, where=where: errors.setdefault(f"{where}.{field}", []).append(message),
-            )  # fmt: skip
-            if engine is None:
-                continue
-            on_gpus = engine.gpus if (engine.build or spec.llm_api) else _instance_gpus(spec, gpu_indexes)
-            for gpu in on_gpus:
-                per_gpu_fraction[gpu] = per_gpu_fraction.get(gpu, 0.0) + spec.gpu_memory_fraction
-            resolved.append(engine)
+            engine = _check_llm(spec, model, host, runtime, image, fail)
+            if engine is not None:
+                resolved.append(engine)
             continue
-        if spec.engine_build is not None:
-            errors.setdefault(f"{where}.engine_build", []).append(f"{model.name} is a {model.kind} model, not an llm")
-        for gpu in _instance_gpus(spec, gpu_indexes):
-            per_gpu_fraction[gpu] = per_gpu_fraction.get(gpu, 0.0) + spec.gpu_memory_fraction
+        _check_sentence_model(spec, model, host, fail)
         resolved.append(Resolved(spec=spec, model=model))
     if sum(1 for spec in specs if spec.llm_api) > 1:
         errors.setdefault("models", []).append("a deployment serves at most one model through the LLM API")
-    headroom = settings.GANTRY_GPU_MEMORY_HEADROOM
-    for gpu, total in sorted(per_gpu_fraction.items()):
-        if total > headroom + 1e-9:
-            errors.setdefault("models", []).append(
-                f"GPU {gpu}: memory fractions add up to {total:.2f}, above the headroom limit {headroom:.2f}"
-            )
+    own = host_plan(host, [Holder(key=None, name="this deployment", placements=placement_rows(resolved))])
+    errors.setdefault("models", []).extend(plan_problems(own, own=None))
+    if not errors["models"]:
+        del errors["models"]
     return resolved, errors
 
 
-def _instance_gpus(spec: PlacementSpec, host_gpus: set[int]) -> tuple[int, ...]:
-    """The GPUs a python-backend placement's instances use (none on the CPU)."""
-    return resolve_instances(spec.instance_kind, spec.gpu_ids, host_gpus)[1]
+def _check_queue(spec: PlacementSpec, fail: Fail) -> None:
+    """Triton's dynamic batcher: priorities, preferred sizes and the queue policy."""
+    if spec.priority_levels and not 1 <= spec.default_priority_level <= spec.priority_levels:
+        fail("default_priority_level", f"must be between 1 and priority_levels ({spec.priority_levels})")
+    if not spec.priority_levels and spec.default_priority_level:
+        fail("default_priority_level", "needs priority_levels")
+    if spec.preferred_batch_sizes and max(spec.preferred_batch_sizes) > spec.max_batch_size:
+        fail("preferred_batch_sizes", "must not exceed max_batch_size")
+    if spec.timeout_action == TimeoutAction.DELAY and not spec.queue_timeout_us:
+        fail("timeout_action", "DELAY acts on requests past queue_timeout_us: set a queue timeout too")
 
 
 def placements_write(*, deployment: Deployment, resolved: list[Resolved]) -> None:
@@ -349,6 +513,14 @@ def placements_write(*, deployment: Deployment, resolved: list[Resolved]) -> Non
         row.save()
 
 
+# The spec fields a placement row stores as they are (the rest are derived).
+_STORED = tuple(
+    name
+    for name in PLACEMENT_FIELDS
+    if name not in ("model", "triton_name", "engine_build", "llm_api", "gpu_ids", "instance_kind")
+)
+
+
 def placement_rows(resolved: list[Resolved], *, deployment: Deployment | None = None) -> list[DeploymentModel]:
     """The (unsaved) placement rows ``resolved`` becomes: what placements_write
     stores, and what a plan is drawn from before anything is stored."""
@@ -356,27 +528,19 @@ def placement_rows(resolved: list[Resolved], *, deployment: Deployment | None = 
     for item in resolved:
         spec, model = item.spec, item.model
         engine = item.build is not None or spec.llm_api
+        values = {name: getattr(spec, name) for name in _STORED}
+        values["preferred_batch_sizes"] = list(spec.preferred_batch_sizes)
         rows.append(
             DeploymentModel(
                 **({"deployment": deployment} if deployment is not None else {}),
+                **values,
                 triton_name=spec.triton_name or model.name,
                 registered_model=model,
                 engine_build=item.build,
                 backend=_backend(item),
-                max_batch_size=spec.max_batch_size,
-                preferred_batch_sizes=list(spec.preferred_batch_sizes),
-                max_queue_delay_us=spec.max_queue_delay_us,
-                priority_levels=spec.priority_levels,
-                default_priority_level=spec.default_priority_level,
-                queue_timeout_us=spec.queue_timeout_us,
-                max_queue_size=spec.max_queue_size,
-                instance_count=spec.instance_count,
                 # An engine's GPUs are its own (gpu_device_ids); for the plan they count as a GPU placement.
                 instance_kind=InstanceKind.GPU if engine else spec.instance_kind,
                 gpu_ids=list(item.gpus) if engine else list(spec.gpu_ids),
-                gpu_memory_fraction=spec.gpu_memory_fraction,
-                batch_scheduler_policy=spec.batch_scheduler_policy,
-                decoupled=spec.decoupled,
                 kv_cache_tokens=item.kv_cache_tokens,
             )
         )
@@ -393,26 +557,18 @@ def _backend(item: Resolved) -> str:
 
 
 def placements_snapshot(deployment: Deployment) -> list[dict[str, Any]]:
-    """The deployment's placements as PlacementSpec fields, for revisions and comparisons."""
+    """The deployment's placements as PlacementSpec fields (and the KV-cache
+    tokens planned), for revisions and comparisons."""
     return [
         {
+            **{name: getattr(p, name) for name in _STORED},
             "model": p.registered_model.name,
             "triton_name": p.triton_name,
-            "max_batch_size": p.max_batch_size,
             "preferred_batch_sizes": list(p.preferred_batch_sizes),
-            "max_queue_delay_us": p.max_queue_delay_us,
-            "priority_levels": p.priority_levels,
-            "default_priority_level": p.default_priority_level,
-            "queue_timeout_us": p.queue_timeout_us,
-            "max_queue_size": p.max_queue_size,
-            "instance_count": p.instance_count,
             "instance_kind": p.instance_kind,
             "gpu_ids": list(p.gpu_ids),
-            "gpu_memory_fraction": p.gpu_memory_fraction,
             "engine_build": p.engine_build_id,
             "llm_api": p.backend == Backend.LLM_API,
-            "batch_scheduler_policy": p.batch_scheduler_policy,
-            "decoupled": p.decoupled,
             "kv_cache_tokens": p.kv_cache_tokens,
         }
         for p in deployment.placements.select_related("registered_model").order_by("triton_name")
@@ -421,7 +577,7 @@ def placements_snapshot(deployment: Deployment) -> list[dict[str, Any]]:
 
 def placement_from_snapshot(item: dict[str, Any]) -> Resolved:
     """A placement as a revision recorded it (validated when it was made)."""
-    spec = PlacementSpec.from_fields({k: v for k, v in item.items() if k != "kv_cache_tokens"})
+    spec = spec_from_snapshot(item)
     build = EngineBuild.objects.filter(pk=spec.engine_build).first() if spec.engine_build else None
     return Resolved(
         spec=spec,
@@ -430,3 +586,8 @@ def placement_from_snapshot(item: dict[str, Any]) -> Resolved:
         gpus=spec.gpu_ids if (build or spec.llm_api) else (),
         kv_cache_tokens=item.get("kv_cache_tokens"),
     )
+
+
+def spec_from_snapshot(item: dict[str, Any]) -> PlacementSpec:
+    """The spec a revision recorded; fields it predates take their defaults."""
+    return PlacementSpec.from_fields({k: v for k, v in item.items() if k in PLACEMENT_FIELDS})

@@ -130,9 +130,15 @@ def model_inspect(*, model_id: int, source: str) -> None:
     info = inspect_checkpoint(Path(model.path), roots=settings.GANTRY_MODEL_ROOTS)
     if model.kind in NEEDS_TOKENIZER and not info.tokenizer_files:
         raise ValidationFailed({"path": f"a {model.kind} model needs its tokenizer files beside config.json"})
-    if info.config.get("auto_map") and not model.trust_remote_code:
+    own_code = (
+        [f"auto_map in config.json ({', '.join(sorted(info.config['auto_map']))})"]
+        if info.config.get("auto_map")
+        else []
+    )
+    own_code += [f"module {m} in modules.json" for m in info.sentence_config.get("custom_modules", [])]
+    if own_code and not model.trust_remote_code:
         raise ValidationFailed(
-            {"trust_remote_code": f"{model.name} needs its own Python code (auto_map in config.json): "
+            {"trust_remote_code": f"{model.name} needs its own Python code ({'; '.join(own_code)}): "
              "register it with trust_remote_code set if you trust that code"}
         )  # fmt: skip
     _record_inspection(model, info, source=source)
@@ -161,6 +167,7 @@ def _record_inspection(model: RegisteredModel, info: CheckpointInfo, *, source: 
             config=info.config,
             chat_template=info.chat_template,
             special_tokens=info.special_tokens,
+            sentence_config=info.sentence_config,
             notice=info.notice,
         )
         if not recorded:

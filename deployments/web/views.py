@@ -22,15 +22,19 @@ from deployments.errors import GantryError
 from deployments.models import (
     GENERATIVE_BACKENDS,
     BuildStatus,
+    DecodingMode,
     DeploymentModel,
+    Dtype,
     Inspection,
     InstanceKind,
     ModelKind,
     RegisteredModel,
     SchedulerPolicy,
+    TimeoutAction,
 )
 from deployments.permissions import OPERATOR_REQUIRED, can_operate
 from deployments.services import builds, registered_models
+from deployments.services.deployments import ServerSpec
 from deployments.services.placements import SERVABLE_KINDS, placements_snapshot
 from deployments.web.forms import BuildFilterForm, BuildForm, EventFilterForm, RegisterForm, show_refusal
 
@@ -218,7 +222,8 @@ def deployment_detail(request: HttpRequest, pk: int) -> HttpResponse:
 # The numeric settings of a placement the deploy form offers, with DeploymentModel's bounds.
 _FORM_NUMBERS = (
     "gpu_memory_fraction", "instance_count", "max_batch_size", "max_queue_delay_us", "priority_levels",
-    "default_priority_level", "queue_timeout_us", "max_queue_size",
+    "default_priority_level", "queue_timeout_us", "max_queue_size", "max_seq_len", "max_num_sequences",
+    "kv_cache_free_gpu_mem_fraction", "max_tokens_in_paged_kv_cache",
 )  # fmt: skip
 
 
@@ -244,7 +249,8 @@ def deploy_form_options(*, mode: str, initial: list[dict[str, Any]], **extra: An
             {"id": build.pk, "label": f"{build.builder_image}, SM {build.compute_capability}, tp {build.tp_size}"}
         )
     fields = {name: _bounds(name) for name in _FORM_NUMBERS}
-    for name in ("instance_kind", "batch_scheduler_policy", "decoupled"):
+    for name in ("instance_kind", "batch_scheduler_policy", "decoupled", "timeout_action", "dtype",
+                 "enable_kv_cache_reuse", "decoding_mode"):  # fmt: skip
         fields[name] = {"default": DeploymentModel._meta.get_field(name).get_default()}
     return {
         "mode": mode,
@@ -252,6 +258,9 @@ def deploy_form_options(*, mode: str, initial: list[dict[str, Any]], **extra: An
         "fields": fields,
         "instance_kinds": InstanceKind.choices,
         "scheduler_policies": SchedulerPolicy.choices,
+        "timeout_actions": TimeoutAction.choices,
+        "dtypes": Dtype.choices,
+        "decoding_modes": DecodingMode.choices,
         "models": [
             {"name": m.name, "kind": m.kind, "notice": m.notice, "builds": builds_by_model.get(m.pk, [])}
             for m in models
@@ -272,6 +281,7 @@ def deployment_new(request: HttpRequest) -> HttpResponse:
         {
             "hosts": selectors.host_list(),
             "images": settings.GANTRY_ALLOWED_IMAGES,
+            "server": ServerSpec(),
             "options": deploy_form_options(mode="create", initial=[{"model": wanted}] if wanted else []),
         },
     )

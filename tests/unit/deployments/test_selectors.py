@@ -21,4 +21,6 @@ def test_the_plan_adds_up_each_gpus_fractions_against_the_headroom(gpu_host, min
     )
     [gpu] = selectors.deployment_plan(selectors.deployment_list().get(pk=deployment.pk))
     assert (gpu["gpu"], gpu["fraction"], gpu["within_headroom"]) == (0, 0.3, True)
-    assert gpu["models"] == [{"triton_name": "minilm", "fraction": 0.3, "bytes": int(0.3 * gpu["memory_total_bytes"])}]
+    [row] = gpu["models"]
+    assert (row["triton_name"], row["fraction"], row["share"], row["own"]) == ("minilm", 0.3, 0.3, True)
+    assert row["bytes"] == int(0.3 * gpu["memory_total_bytes"])

@@ -203,7 +203,9 @@ def test_preflight_draws_the_plan_of_an_unsaved_deployment_and_writes_nothing(ap
     # The same body creates it, and the stored plan is the one the preflight drew.
     created = _create(api, **body)
     assert created.status_code == 201, created.data
-    assert api.get(f"/api/deployments/{created.data['id']}/plan/").data == answer.data["plan"]
+    stored = api.get(f"/api/deployments/{created.data['id']}/plan/").data
+    drawn = [[(m["triton_name"], m["share"], m["bytes"]) for m in gpu["models"]] for gpu in answer.data["plan"]]
+    assert [[(m["triton_name"], m["share"], m["bytes"]) for m in gpu["models"]] for gpu in stored] == drawn
 
 
 def test_preflight_names_every_broken_rule_and_still_draws_what_passed(api, gpu_host, minilm, operator):

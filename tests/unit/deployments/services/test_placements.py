@@ -9,8 +9,8 @@ from django.utils import timezone
 
 from deployments import selectors
 from deployments.errors import ValidationFailed
+from deployments.gpu_plan import kv_bytes_per_token, kv_cache_tokens
 from deployments.models import BuildStatus, EngineBuild, GpuHost, RegisteredModel
-from deployments.placement import kv_bytes_per_token, kv_cache_tokens
 from deployments.services import deployments
 from deployments.services.placements import PlacementSpec
 from tests import factories
@@ -148,7 +148,10 @@ def test_engine_gates_name_the_model_and_the_rule(llama, mini, h100, operator):
 
 def test_an_llm_with_neither_engine_nor_llm_api_is_served_by_transformers(llama, operator):
     deployment = deployments.deployment_create(
-        name="x", host_name="h100-host", placements=[PlacementSpec(model="llama", gpu_ids=(1,))], user=operator
+        name="x",
+        host_name="h100-host",
+        placements=[PlacementSpec(model="llama", gpu_ids=(1,), gpu_memory_fraction=0.2)],
+        user=operator,
     )
     placement = deployment.placements.get()
     assert (placement.backend, placement.instance_kind, placement.gpu_ids) == ("transformers", "auto", [1])
@@ -166,7 +169,8 @@ def test_transformers_path_refuses_a_fraction_that_cannot_hold_the_weights(llama
         )  # fmt: skip
     )
     assert errors["models[0].gpu_memory_fraction"] == [
-        "0.1 of GPU 0's 80 GiB cannot hold llama's 14.90 GiB of 16-bit weights and room to generate"
+        "0.1 of GPU 0's 80 GiB cannot hold llama's 14.90 GiB of weights, a KV cache of 8.00 GiB for 32 sequences "
+        "of 4096 tokens and 0.30 GiB of activations (23.20 GiB in all)"
     ]
     assert errors["models[0].decoupled"] == [
         "the transformers path always streams (a decoupled model): leave decoupled on"
