@@ -11,20 +11,17 @@ through both.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from controlplane.ttl_cache import TtlCache
 from deployments import chat_template
-from deployments.errors import GantryError, InvalidTransition, NotFound, ValidationFailed
+from deployments.errors import InvalidTransition, NotFound, ValidationFailed
+from deployments.gpu_plan import transformers_max_seq_len
 from deployments.models import GENERATIVE_BACKENDS, Backend, Deployment, DeploymentModel, DeploymentStatus
-from workers.triton.client import generate_stream, infer_async
-from workers.triton.config import trtllm_preprocessing_model
+from workers.triton.client import generate_stream
 
 MAX_PROMPT_CHARS = 200_000
 DEFAULT_MAX_TOKENS = 128
@@ -52,7 +49,6 @@ class Prepared:
     inputs: dict[str, Any]
     max_tokens: int
     notice: str = ""  # what the user must know about the checkpoint (e.g. untrained)
-    count_model: str = ""  # a model that counts the prompt's tokens, when the route does not
 
 
 @dataclass
@@ -67,7 +63,7 @@ class Piece:
 class Outcome:
     """How a generation ended, for usage and the playground's figures."""
 
-    prompt_tokens: int | None = None  # None: the route does not report it (the TensorRT-LLM ensemble)
+    prompt_tokens: int | None = None  # None: not reported (yet)
     completion_tokens: int = 0
     finish_reason: str = "stop"
     streamed: bool = True
@@ -120,7 +116,7 @@ def read_route(deployment_id: int, model: str) -> dict[str, Any]:
     """Where a deployment's LLM (named, or its first) is served and what its checkpoint
     says, in one query; NotFound, ValidationFailed or InvalidTransition when it cannot
     be asked now."""
-    candidates = DeploymentModel.objects.select_related("deployment__host", "registered_model").filter(
+    candidates = DeploymentModel.objects.select_related("deployment__host", "registered_model", "engine_build").filter(
         deployment_id=deployment_id, backend__in=GENERATIVE_BACKENDS
     )
     placement = (candidates.filter(triton_name=model) if model else candidates).order_by("triton_name").first()
@@ -145,15 +141,21 @@ def route_of(placement: DeploymentModel) -> dict[str, Any]:
         "model_name": checkpoint.name,
         "chat_template": checkpoint.chat_template,
         "special_tokens": checkpoint.special_tokens,
-        "context": checkpoint.max_position_embeddings,
+        "context": served_context(placement),
         "notice": checkpoint.notice,
-        # The TensorRT-LLM ensemble cannot report the prompt's tokens (Triton refuses an
-        # output that mixes the decoupled engine's lineage with preprocessing's); its
-        # preprocessing model counts them beside the generation instead.
-        "count_model": trtllm_preprocessing_model(placement.triton_name)
-        if placement.backend == Backend.TENSORRTLLM
-        else "",
     }
+
+
+def served_context(placement: DeploymentModel) -> int | None:
+    """The most tokens (prompt and output) one sequence of the placement may hold:
+    its engine's max_seq_len, the transformers path's planned length, or the
+    checkpoint's positions."""
+    checkpoint = placement.registered_model
+    if placement.backend == Backend.TENSORRTLLM and placement.engine_build is not None:
+        return int(placement.engine_build.spec.get("max_seq_len") or 0) or checkpoint.max_position_embeddings
+    if placement.backend == Backend.TRANSFORMERS:
+        return transformers_max_seq_len(checkpoint, placement.max_seq_len)
+    return placement.max_seq_len or checkpoint.max_position_embeddings
 
 
 def prepare_generation(
@@ -203,7 +205,7 @@ def prepare_generation(
         inputs["stop_words"] = list(sampling.stop)
     return Prepared(
         url=route["url"], model=route["triton_name"], inputs=inputs, max_tokens=sampling.max_tokens,
-        notice=route["notice"], count_model=route.get("count_model", ""),
+        notice=route["notice"],
     )  # fmt: skip
 
 
@@ -214,39 +216,19 @@ async def generate(prepared: Prepared, *, stream: bool, outcome: Outcome) -> Asy
     iteration early (a client that went away) cancels the request in Triton.
     """
     outcome.streamed = stream
-    counting = asyncio.ensure_future(_count_prompt(prepared)) if prepared.count_model else None
-    try:
-        async for event in generate_stream(prepared.url, prepared.model, {**prepared.inputs, "stream": stream}):
-            text = _text(event.get("text_output"))
-            added = int(_first(event.get("num_output_tokens"), 0))
-            prompt_tokens = _first(event.get("num_input_tokens"), None)
-            if prompt_tokens is not None:
-                outcome.prompt_tokens = int(prompt_tokens)
-            outcome.completion_tokens += added
-            if (text or added) and outcome.first_token_at is None:
-                outcome.first_token_at = time.monotonic()
-            if text:
-                yield Piece(text=text, tokens=added)
-        outcome.ended = time.monotonic()
-        outcome.finish_reason = "length" if outcome.completion_tokens >= prepared.max_tokens else "stop"
-        if counting is not None:
-            outcome.prompt_tokens = await counting
-    finally:
-        if counting is not None and not counting.done():
-            counting.cancel()
-
-
-async def _count_prompt(prepared: Prepared) -> int | None:
-    """The prompt's tokens by the route's tokenizer model; None if it cannot say."""
-    inputs = {
-        "QUERY": np.array([[prepared.inputs["text_input"]]], dtype=object),
-        "REQUEST_OUTPUT_LEN": np.array([[prepared.max_tokens]], dtype=np.int32),
-    }
-    try:
-        outputs = await infer_async(prepared.url, prepared.count_model, inputs)
-    except GantryError:
-        return None
-    return int(outputs["REQUEST_INPUT_LEN"].reshape(-1)[0]) if "REQUEST_INPUT_LEN" in outputs else None
+    async for event in generate_stream(prepared.url, prepared.model, {**prepared.inputs, "stream": stream}):
+        text = _text(event.get("text_output"))
+        added = int(_first(event.get("num_output_tokens"), 0))
+        prompt_tokens = _first(event.get("num_input_tokens"), None)
+        if prompt_tokens is not None:
+            outcome.prompt_tokens = int(prompt_tokens)
+        outcome.completion_tokens += added
+        if (text or added) and outcome.first_token_at is None:
+            outcome.first_token_at = time.monotonic()
+        if text:
+            yield Piece(text=text, tokens=added)
+    outcome.ended = time.monotonic()
+    outcome.finish_reason = "length" if outcome.completion_tokens >= prepared.max_tokens else "stop"
 
 
 def _first(value: Any, default: Any) -> Any:

@@ -3,13 +3,13 @@
 # is made here from a Debian root file system (debootstrap) with python3 and
 # numpy, tritonserver from the nvidia-pytriton wheel laid out as in NVIDIA's
 # images (/opt/tritonserver/{bin,backends,lib}), and the python backend's
-# model dependencies (torch CPU, transformers) from the pinned lock.
+# model dependencies (torch CPU, transformers, sentence-transformers) from the pinned lock.
 # The tag carries a hash of its inputs: an existing image is reused.
 # Usage: build-triton-test-image.sh PYTHON   (prints the image tag)
 set -euo pipefail
 PY=${1:?usage: $0 PYTHON}
 cd "$(dirname "$0")/.."
-model_deps='^(torch|transformers|tokenizers|safetensors|huggingface[_-]hub|numpy|nvidia-pytriton)=='
+model_deps='^(torch|transformers|sentence-transformers|tokenizers|safetensors|huggingface[_-]hub|numpy|nvidia-pytriton)=='
 inputs=$( (cat scripts/build-triton-test-image.sh; grep -E "$model_deps" requirements.lock) | sha256sum | cut -c1-12)
 tag="gantry/tritonserver-test:$inputs"
 if docker image inspect "$tag" >/dev/null 2>&1; then

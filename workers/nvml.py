@@ -64,7 +64,7 @@ def read_inventory() -> Inventory:
             pass
 
 
-def compute_processes(gpu_indexes: list[int]) -> dict[int, int]:
+def compute_processes(gpu_indexes: list[int] | tuple[int, ...]) -> dict[int, int]:
     """{pid: GPU memory bytes} of the compute processes on the given GPUs (empty without NVML)."""
     try:
         pynvml.nvmlInit()

@@ -1,9 +1,14 @@
-"""The engine path in a real tritonserver: Gantry's generated tensorrtllm
-repository (preprocessing, engine, postprocessing, ensemble) loads with a
-test-only python model standing in for the engine (same inputs and outputs,
-decoupled: TensorRT-LLM cannot run here), and text goes through the ensemble
-end to end with Triton's generate and generate_stream, and through Gantry's
-own generate interface, exactly as it does for the transformers path."""
+"""The engine path in a real tritonserver: Gantry's generated repository for an
+engine placement (the tensorrt_llm model and the generate model in front of
+it) loads with a test-only python model standing in for the engine (same
+inputs and outputs, decoupled: TensorRT-LLM cannot run here), and text goes
+through it with Triton's generate and generate_stream, Gantry's own generate
+interface and the gateway, exactly as it does for the transformers path.
+
+The streamed text must equal the whole decode for a WordPiece, a SentencePiece
+and a byte-level tokenizer: decoding each response's tokens alone (what
+tensorrtllm_backend's ensemble postprocessing does) drops SentencePiece's
+spaces and splits multi-byte characters."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import asyncio
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -23,12 +29,35 @@ from workers.runtimes.process import ProcessRuntime
 from workers.triton.client import TritonClient, generate_stream
 from workers.triton.config import Batching, TrtllmSpec, parse_text, to_text
 from workers.triton.repository import write_repository
-from workers.untrained_llm import make_untrained_llm
+from workers.untrained import make_untrained_llm
 
 pytestmark = pytest.mark.integration
 
+CORPUS = ["the quick brown fox jumps over the lazy dog", "gantry serves every model on triton",
+          "héllo wörld 日本語 naïve café"] * 50  # fmt: skip
 
-def _stand_in_for_the_engine(repository: Path, spec: TrtllmSpec) -> None:
+
+def _trained_tokenizer(folder: Path, kind: str) -> Path:
+    """A small tokenizer of a real kind trained here: SentencePiece-style BPE (▁ marks a
+    word's start) or byte-level BPE (a character may span several tokens)."""
+    from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    if kind == "sentencepiece":
+        trained = SentencePieceBPETokenizer()
+        trained.train_from_iterator(CORPUS, vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
+                                    show_progress=False)  # fmt: skip
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=trained, unk_token="<unk>", bos_token="<s>",
+                                            eos_token="</s>")  # fmt: skip
+    else:
+        trained = ByteLevelBPETokenizer()
+        trained.train_from_iterator(CORPUS, vocab_size=260, special_tokens=["<|endoftext|>"], show_progress=False)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=trained, eos_token="<|endoftext|>")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _stand_in_for_the_engine(repository: Path, spec: TrtllmSpec, drop_ids: list[int]) -> None:
     """Same config as Gantry wrote for the engine model, but run by the python
     backend with the stand-in's code (the tensorrtllm backend's parameters dropped)."""
     folder = repository / spec.engine_model
@@ -36,37 +65,45 @@ def _stand_in_for_the_engine(repository: Path, spec: TrtllmSpec) -> None:
     config.backend = "python"
     config.ClearField("parameters")
     config.parameters["step_delay_s"].string_value = "0.05"
+    config.parameters["drop_ids"].string_value = ",".join(map(str, drop_ids))
     (folder / "config.pbtxt").write_text(to_text(config))
     shutil.copyfile(ROOT / "tests/fixtures/engine_standin_model.py", folder / "1" / "model.py")
 
 
 @pytest.fixture(scope="module")
-def ensemble(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    tmp_path = tmp_path_factory.mktemp("ensemble")
-    tokenizer_dir = make_untrained_llm(tmp_path / "tiny-llama")
-    spec = TrtllmSpec(
-        name="llm",
-        engine_dir="/nonexistent/engine",
-        tokenizer_dir=str(tokenizer_dir),
-        batching=Batching(max_batch_size=8),
-        gpu_device_ids=(0,),
-    )
+def engine(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """One server with an engine placement per tokenizer kind: llm (WordPiece, the
+    untrained Llama's), sp (SentencePiece) and bytes (byte-level)."""
+    tmp_path = tmp_path_factory.mktemp("engine")
+    tokenizers = {
+        "llm": make_untrained_llm(tmp_path / "tiny-llama"),
+        "sp": _trained_tokenizer(tmp_path / "sp", "sentencepiece"),
+        "bytes": _trained_tokenizer(tmp_path / "bytes", "bytelevel"),
+    }
+    specs = [
+        TrtllmSpec(name=name, engine_dir="/nonexistent/engine", tokenizer_dir=str(folder),
+                   batching=Batching(max_batch_size=8), gpu_device_ids=(0,))
+        for name, folder in tokenizers.items()
+    ]  # fmt: skip
     repository = tmp_path / "deployment" / "repository"
-    write_repository(repository, [spec])
-    _stand_in_for_the_engine(repository, spec)
+    write_repository(repository, specs)
+    for spec, folder in zip(specs, tokenizers.values(), strict=True):
+        _stand_in_for_the_engine(repository, spec, AutoTokenizer.from_pretrained(folder).all_special_ids)
     record = tmp_path / "engine-requests.jsonl"
     os.environ["GANTRY_STANDIN_RECORD"] = str(record)  # read by the stand-in inside the server
     port = free_ports(3)
     launch = factories.launch_spec(
-        tmp_path / "deployment", models=spec.model_names, http_port=port, grpc_port=port + 1, metrics_port=port + 2
-    )
+        tmp_path / "deployment",
+        models=[name for spec in specs for name in spec.model_names],
+        http_port=port, grpc_port=port + 1, metrics_port=port + 2,
+    )  # fmt: skip
     runtime = ProcessRuntime(tmp_path / "data")
     handle = runtime.start(launch)
     try:
         client = TritonClient(f"127.0.0.1:{port}")
         client.wait_until_ready(launch.models, timeout_s=120, keep_waiting=lambda: runtime.is_running(handle, launch))
         client.close()
-        yield f"127.0.0.1:{port}", record, tokenizer_dir
+        yield f"127.0.0.1:{port}", record, tokenizers
     finally:
         runtime.stop(handle, launch)
         os.environ.pop("GANTRY_STANDIN_RECORD", None)
@@ -76,76 +113,107 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_text_goes_through_the_generated_ensemble_with_generate_and_generate_stream(ensemble):
-    url, record, tokenizer_dir = ensemble
-    prompt = "gantry serves every model"
-    prompt_tokens = len(AutoTokenizer.from_pretrained(tokenizer_dir).encode(prompt, add_special_tokens=False))
+def _stream(url: str, model: str, body: dict) -> list[dict]:
+    with requests.post(f"http://{url}/v2/models/{model}/generate_stream", json={**body, "stream": True},
+                       stream=True, timeout=30) as answer:  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        return [json.loads(line[5:]) for line in answer.iter_lines(decode_unicode=True) if line.startswith("data:")]
 
-    # generate: one answer, the echo engine's tokens decoded by postprocessing.
-    whole = requests.post(
-        f"http://{url}/v2/models/llm/generate", json={"text_input": prompt, "max_tokens": 16}, timeout=30
-    )
+
+@pytest.mark.parametrize(
+    ("model", "prompt"),
+    [
+        ("llm", "gantry serves every model"),
+        ("sp", "gantry serves every model on triton"),
+        ("bytes", "naïve café 日本語 héllo"),
+    ],  # fmt: skip
+)
+def test_streamed_text_equals_the_whole_decode_for_every_kind_of_tokenizer(engine, model, prompt):
+    url, _, tokenizers = engine
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers[model])
+    ids = [i for i in tokenizer.encode(prompt) if i not in tokenizer.all_special_ids]
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+    # Decoded one token at a time, as the ensemble's postprocessing did, the text is wrong.
+    if model != "llm":
+        assert "".join(tokenizer.decode([i]) for i in ids) != expected
+    events = _stream(url, model, {"text_input": prompt, "max_tokens": 64})
+    streamed = "".join(e["text_output"] for e in events)
+    assert streamed == expected
+    assert all("\ufffd" not in e["text_output"] for e in events)  # never half a character
+    assert sum(e["num_output_tokens"] for e in events) == len(ids)
+    assert {e["num_input_tokens"] for e in events} == {len(tokenizer.encode(prompt))}
+    whole = requests.post(f"http://{url}/v2/models/{model}/generate",
+                          json={"text_input": prompt, "max_tokens": 64}, timeout=30)  # fmt: skip
     assert whole.status_code == 200, whole.text
-    assert whole.json()["text_output"] == prompt
-    assert whole.json()["num_output_tokens"] == prompt_tokens
+    assert (whole.json()["text_output"], whole.json()["num_output_tokens"]) == (expected, len(ids))
 
-    # generate_stream: one event per token, each with the tokens it adds.
-    body = {"text_input": prompt, "max_tokens": 3, "stream": True, "temperature": 0.5, "random_seed": 9,
-            "repetition_penalty": 1.1, "stop_words": ["models"]}  # fmt: skip
+
+def test_sampling_fields_and_stop_words_reach_the_engine_and_a_stop_string_ends_the_text(engine):
+    url, record, tokenizers = engine
     before = len(_records(record))
-    with requests.post(f"http://{url}/v2/models/llm/generate_stream", json=body, stream=True, timeout=30) as streamed:
-        events = [json.loads(line[5:]) for line in streamed.iter_lines(decode_unicode=True) if line.startswith("data:")]
-    texts = [e["text_output"] for e in events if e.get("text_output")]
-    assert len(texts) == 3 and prompt.replace(" ", "").startswith("".join(texts).replace("##", ""))
-    assert sum(e.get("num_output_tokens", 0) for e in events) == 3
-
-    # The sampling fields and stop words reached the engine through the ensemble.
-    # The stand-in writes its record after its final response: wait for this stream's.
-    streamed_request = wait_for(
-        lambda: next((r for r in _records(record)[before:] if r["streaming"]), None), 10, "the stream's record"
-    )
-    assert streamed_request["streaming"] is True
-    assert streamed_request["temperature"] == [0.5] and streamed_request["random_seed"] == [9]
-    assert streamed_request["repetition_penalty"] == pytest.approx([1.1])
-    # [ids of "models"..., then each stop string's end offset]: one stop string of n tokens.
-    flat = streamed_request["stop_words_list"]
+    body = {"text_input": "gantry serves every model on triton", "max_tokens": 16, "temperature": 0.5,
+            "random_seed": 9, "repetition_penalty": 1.1, "top_k": 5, "top_p": 0.9, "stop_words": ["model"]}  # fmt: skip
+    events = _stream(url, "sp", body)
+    # The text ends before the stop string, whatever the engine does with its token ids.
+    assert "".join(e["text_output"] for e in events) == "gantry serves every "
+    seen = wait_for(lambda: next((r for r in _records(record)[before:] if r["streaming"]), None), 10, "the record")
+    assert seen["temperature"] == [0.5] and seen["random_seed"] == [9] and seen["runtime_top_k"] == [5]
+    assert seen["repetition_penalty"] == pytest.approx([1.1]) and seen["runtime_top_p"] == pytest.approx([0.9])
+    # [ids of "model"..., then each stop string's end offset]: one stop string of n tokens.
+    flat = seen["stop_words_list"]
     ids, ends = flat[: len(flat) // 2], flat[len(flat) // 2 :]
-    assert ids[0] > 0 and ends[0] == len([i for i in ids if i > 0]) and ends[1:] == [-1] * (len(ends) - 1)
+    stop_ids = AutoTokenizer.from_pretrained(tokenizers["sp"]).encode("model", add_special_tokens=False)
+    assert ids[: len(stop_ids)] == stop_ids and ends[0] == len(stop_ids)
 
 
-def test_gantrys_generate_interface_treats_the_ensemble_like_the_transformers_model(ensemble):
-    url, _, _ = ensemble
+def test_a_client_that_goes_away_cancels_the_engine_request(engine):
+    url, record, _ = engine
+    before = len(_records(record))
+    long_prompt = " ".join(["gantry serves every model"] * 20)
+    with requests.post(f"http://{url}/v2/models/llm/generate_stream",
+                       json={"text_input": long_prompt, "max_tokens": 80, "stream": True},
+                       stream=True, timeout=30) as answer:  # fmt: skip
+        lines = answer.iter_lines()
+        for _ in range(3):
+            next(lines)
+    started = time.monotonic()
+    seen = wait_for(lambda: next(iter(_records(record)[before:]), None), 15, "the engine's record")
+    # 80 tokens at 0.05 s would take 4 s: the engine stopped well before.
+    assert seen["cancelled"] is True and seen["sent"] < 60, seen
+    assert time.monotonic() - started < 4
+
+
+def test_gantrys_generate_interface_reads_prompt_tokens_from_the_engine_path(engine):
+    url, _, tokenizers = engine
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers["llm"])
 
     async def run() -> tuple[list[dict], list[dict]]:
-        streamed = [
-            e
-            async for e in generate_stream(url, "llm", {"text_input": "one two three", "max_tokens": 8, "stream": True})
-        ]
-        whole = [e async for e in generate_stream(url, "llm", {"text_input": "one two three", "max_tokens": 8})]
+        body = {"text_input": "one two three", "max_tokens": 8}
+        streamed = [e async for e in generate_stream(url, "llm", {**body, "stream": True})]
+        whole = [e async for e in generate_stream(url, "llm", body)]
         return streamed, whole
 
     streamed, whole = asyncio.run(run())
-    assert " ".join(e["text_output"] for e in streamed if e["text_output"]) == "one two three"
+    assert "".join(e["text_output"] for e in streamed) == "one two three"
     assert [e["text_output"] for e in whole] == ["one two three"]
     assert sum(e["num_output_tokens"] for e in streamed) == 3 and whole[0]["num_output_tokens"] == 3
-    assert all("num_input_tokens" not in e for e in streamed + whole)  # see ensemble_config
+    assert whole[0]["num_input_tokens"] == len(tokenizer.encode("one two three"))
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_openai_client_chats_through_the_ensemble_via_the_gateway(ensemble, stack):  # noqa: ANN001
+def test_the_openai_client_chats_through_the_engine_path_via_the_gateway(engine, stack):  # noqa: ANN001
     """The gateway's chat on the engine route: the rows say a deployment serves the
-    ensemble above (what a worker records after launching it); the web process,
-    the ensemble and the stand-in engine are real. Prompt tokens are counted by
-    the ensemble's own preprocessing model."""
+    engine placement above (what a worker records after launching it); the web
+    process, the generate model and the stand-in engine are real."""
     import openai
 
     from deployments import chat_template
     from deployments.models import Backend, Deployment, DeploymentModel, DeploymentStatus
     from gateway import services as gateway
 
-    url, _, tokenizer_dir = ensemble
+    url, _, tokenizers = engine
     host = factories.cpu_host("engine-host")
-    checkpoint = factories.registered_model(name="engine-llm", kind="llm", path=tokenizer_dir, host=host)
+    checkpoint = factories.registered_model(name="engine-llm", kind="llm", path=tokenizers["llm"], host=host)
     deployment = Deployment.objects.create(
         name="engine", host=host, http_port=int(url.rsplit(":", 1)[1]), grpc_port=1, metrics_port=2,
         status=DeploymentStatus.READY, desired_state="running",
@@ -163,16 +231,14 @@ def test_the_openai_client_chats_through_the_ensemble_via_the_gateway(ensemble, 
     rendered = whole.choices[0].message.content
     assert "one" in rendered or "user" in rendered.lower(), rendered
     assert whole.usage.completion_tokens == 8 and whole.choices[0].finish_reason == "length"
-    # The prompt as Gantry renders it, tokenized as the preprocessing model does.
+    # The prompt as Gantry renders it, counted by the generate model with the checkpoint's tokenizer.
     prompt = chat_template.render(checkpoint.chat_template, messages, special_tokens=checkpoint.special_tokens,
                                   model_name=checkpoint.name)  # fmt: skip
-    assert whole.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(tokenizer_dir).encode(prompt))
+    assert whole.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(tokenizers["llm"]).encode(prompt))
 
     stream = client.chat.completions.create(
         model="engine-chat", messages=messages, max_tokens=8, stream=True, stream_options={"include_usage": True}
     )
     chunks = list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).replace(" ", "") == rendered.replace(
-        " ", ""
-    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == rendered
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens and chunks[-1].usage.completion_tokens == 8

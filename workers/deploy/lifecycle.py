@@ -246,9 +246,9 @@ def _apply_generation_once(deployment_id: int, generation: int) -> None:
         return
     spec = launch_spec(deployment)
     runtime = runtime_for(deployment)
-    missing = runtime.missing_mounts(deployment.runtime_handle, spec)
-    if missing:
-        _restart_for_generation(deployment, runtime, spec, generation, missing)
+    changes = runtime.server_changes(deployment.runtime_handle, spec)
+    if changes:
+        _restart_for_generation(deployment, runtime, spec, generation, changes)
         return
     try:
         plan = swap_models(deployment, spec, model_specs(deployment))
@@ -269,16 +269,15 @@ def _apply_generation_once(deployment_id: int, generation: int) -> None:
 
 
 def _restart_for_generation(
-    deployment: Deployment, runtime: Runtime, spec: LaunchSpec, generation: int, missing: list[str]
+    deployment: Deployment, runtime: Runtime, spec: LaunchSpec, generation: int, changes: list[str]
 ) -> None:
-    """A container cannot be given new folders while it runs: start a new one for
-    the generation (the old one stops first, so the ports are free)."""
+    """A running server cannot be given new folders, GPUs or arguments: start a
+    new one for the generation (the old one stops first, so the ports are free)."""
     deployments.record_deployment_event(
         deployment_id=deployment.pk,
         kind="deployment.generation_restart",
         source=source(),
-        message=f"generation {generation} reads {', '.join(missing)}, which the running container was not "
-        "started with: restarting its server",
+        message=f"generation {generation} needs a new server ({'; '.join(changes)}): restarting its server",
     )
     runtime.stop(deployment.runtime_handle, spec)
     write_repository(spec.repository, model_specs(deployment))

@@ -11,9 +11,9 @@ from django.conf import settings
 
 from deployments import trtllm
 from deployments.errors import PermanentError
+from deployments.gpu_plan import DEFAULT_KV_CACHE_SHARE, placement_gpus, resolve_instances, transformers_max_seq_len
 from deployments.models import Backend, Deployment, DeploymentModel, ModelKind
 from deployments.models import Runtime as DeploymentRuntime
-from deployments.placement import placement_gpus, resolve_instances, triton_model_names
 from workers.runtimes.base import LaunchSpec, Runtime
 from workers.runtimes.docker import DockerRuntime
 from workers.runtimes.process import ProcessRuntime
@@ -68,6 +68,7 @@ def _batching(placement: DeploymentModel) -> Batching:
         default_priority_level=placement.default_priority_level,
         queue_timeout_us=placement.queue_timeout_us,
         max_queue_size=placement.max_queue_size,
+        timeout_action=placement.timeout_action,
     )
 
 
@@ -103,8 +104,12 @@ def model_specs(deployment: Deployment) -> list[ModelSpec]:
                     checkpoint_path=model.path,
                     image_model_dir=release.llmapi_model_dir,
                     gpu_device_ids=visible(placement.gpu_ids),
-                    max_batch_size=placement.max_batch_size,
+                    max_batch_size=placement.max_num_sequences or placement.max_batch_size,
                     max_tokens_in_kv_cache=placement.kv_cache_tokens,
+                    kv_cache_free_gpu_mem_fraction=_kv_share(placement),
+                    enable_block_reuse=placement.enable_kv_cache_reuse,
+                    max_seq_len=placement.max_seq_len,
+                    trust_remote_code=model.trust_remote_code,
                     decoupled=placement.decoupled,
                 )
             )
@@ -120,8 +125,12 @@ def model_specs(deployment: Deployment) -> list[ModelSpec]:
                     gpu_device_ids=visible(placement.gpu_ids),
                     max_beam_width=int(build.spec.get("max_beam_width", 1)),
                     batch_scheduler_policy=placement.batch_scheduler_policy,
+                    kv_cache_free_gpu_mem_fraction=_kv_share(placement),
                     max_tokens_in_paged_kv_cache=placement.kv_cache_tokens,
                     decoupled=placement.decoupled,
+                    enable_kv_cache_reuse=placement.enable_kv_cache_reuse,
+                    decoding_mode=placement.decoding_mode,
+                    trust_remote_code=model.trust_remote_code,
                 )
             )
             continue
@@ -136,23 +145,32 @@ def model_specs(deployment: Deployment) -> list[ModelSpec]:
                     instances=instances,
                     gpu_memory_fraction=placement.gpu_memory_fraction,
                     trust_remote_code=model.trust_remote_code,
+                    dtype=placement.dtype,
+                    max_num_sequences=placement.max_num_sequences or placement.max_batch_size,
+                    max_seq_len=transformers_max_seq_len(model, placement.max_seq_len),
                 )
             )
             continue
-        if not model.hidden_size:
-            raise PermanentError(f"{model.name}: its config.json gives no hidden_size")
         specs.append(
             PythonModelSpec(
                 name=placement.triton_name,
                 task=RERANK if model.kind == ModelKind.RERANKER else EMBED,
                 checkpoint_path=model.path,
-                embedding_dim=model.hidden_size,
                 batching=_batching(placement),
                 instances=instances,
                 gpu_memory_fraction=placement.gpu_memory_fraction,
+                max_seq_len=placement.max_seq_len,
+                dtype=placement.dtype,
+                trust_remote_code=model.trust_remote_code,
             )
         )
     return specs
+
+
+def _kv_share(placement: DeploymentModel) -> float:
+    if placement.kv_cache_free_gpu_mem_fraction is None:
+        return DEFAULT_KV_CACHE_SHARE
+    return placement.kv_cache_free_gpu_mem_fraction
 
 
 def triton_client(deployment: Deployment) -> TritonClient:
@@ -188,7 +206,7 @@ def launch_spec(deployment: Deployment) -> LaunchSpec:
         deployment_id=deployment.pk,
         generation=deployment.generation,
         repository=paths.repository,
-        models=triton_model_names(placements),
+        models=[name for p in placements for name in p.triton_models],
         world_size=max((p.engine_build.world_size for p in engines), default=1),
         engine_models=[f"{p.triton_name}-engine" for p in engines],
         http_port=deployment.http_port,
@@ -200,6 +218,8 @@ def launch_spec(deployment: Deployment) -> LaunchSpec:
         gpu_ids=server_gpus(deployment),
         ulimits=tuple(settings.GANTRY_DOCKER_ULIMITS),
         admin_secret=deployment.admin_secret,
+        shm_size_mib=deployment.shm_size_mib,
+        log_verbose=deployment.log_verbose,
         extra_env=_server_env(paths, placements),
         read_only_mounts=tuple(
             sorted(

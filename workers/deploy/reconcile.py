@@ -20,7 +20,6 @@ from deployments.errors import InvalidTransition, TransientError
 from deployments.models import Deployment, DesiredState, Event
 from deployments.models import DeploymentStatus as S
 from deployments.models import Runtime as DeploymentRuntime
-from deployments.placement import triton_model_names
 from deployments.services import deployments, hosts
 from workers import nvml
 from workers.deploy import telemetry
@@ -77,7 +76,9 @@ def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
                 _roll_back_stale_update(deployment)
         else:
             _check_models(deployment)
-            telemetry.collect_metrics(deployment, inventory)
+            pids = runtime.pids(deployment.runtime_handle, spec) if spec.gpu_ids else []
+            memory = telemetry.process_memory(pids, spec.gpu_ids)
+            telemetry.collect_metrics(deployment, inventory, memory=memory)
     _remove_unwanted_containers()
 
 
@@ -167,7 +168,7 @@ def _redrive(deployment: Deployment) -> None:
 def _readiness(deployment: Deployment) -> Readiness:
     client = triton_client(deployment)
     try:
-        return client.readiness(triton_model_names(deployment.placements.all()))
+        return client.readiness([name for p in deployment.placements.all() for name in p.triton_models])
     finally:
         client.close()
 

@@ -5,6 +5,7 @@ NVML)."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from django.conf import settings
 
@@ -55,8 +56,42 @@ def _gpu_figures(triton: dict[str, dict[str, float]], inventory: nvml.Inventory 
     }
 
 
-def collect_metrics(deployment: Deployment, inventory: nvml.Inventory | None = None) -> None:
-    """Scrape the server's metrics port once and store per-model rates and GPU figures."""
+STUB = "triton_python_backend_stub"
+SERVER = "tritonserver"
+
+
+def process_memory(pids: list[int], gpu_indexes: tuple[int, ...]) -> dict[str, int]:
+    """NVML's GPU memory of a server's processes, by what they run: each python
+    model's stubs under the model's name (a stub runs <repository>/<model>/1/model.py),
+    everything else (tritonserver, an engine inside it) under "tritonserver"."""
+    if not gpu_indexes or not pids:
+        return {}
+    used = nvml.compute_processes(gpu_indexes)
+    found: dict[str, int] = {}
+    for pid in pids:
+        if pid in used:
+            name = _stub_model(pid) or SERVER
+            found[name] = found.get(name, 0) + used[pid]
+    return found
+
+
+def _stub_model(pid: int) -> str:
+    try:
+        argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return ""
+    if len(argv) < 2 or not argv[0].endswith(STUB.encode()):
+        return ""
+    parts = Path(argv[1].decode(errors="replace")).parts
+    return parts[-3] if len(parts) >= 3 else ""
+
+
+def collect_metrics(
+    deployment: Deployment, inventory: nvml.Inventory | None = None, *, memory: dict[str, int] | None = None
+) -> None:
+    """Scrape the server's metrics port once and store per-model rates, GPU
+    figures and each model's GPU memory as NVML sees it (``memory``, from
+    process_memory)."""
     url = f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.metrics_port}/metrics"
     try:
         current = metrics.scrape(url)
@@ -67,11 +102,10 @@ def collect_metrics(deployment: Deployment, inventory: nvml.Inventory | None = N
     if handle != deployment.runtime_handle:
         previous = None  # another server since: its counters started again from zero
     _last_scrape[deployment.pk] = (deployment.runtime_handle, current)
-    telemetry.metrics_record(
-        deployment_id=deployment.pk,
-        models=metrics.derive(previous, current),
-        gpus=_gpu_figures(current.gpus, inventory),
-    )
+    models = metrics.derive(previous, current)
+    for name, used in (memory or {}).items():
+        models.setdefault(name, {})["gpu_memory_bytes"] = used
+    telemetry.metrics_record(deployment_id=deployment.pk, models=models, gpus=_gpu_figures(current.gpus, inventory))
 
 
 def report_readiness(deployment: Deployment, models: dict[str, bool]) -> None:

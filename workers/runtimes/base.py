@@ -38,6 +38,8 @@ class LaunchSpec:
     ulimits: tuple[tuple[str, int, int], ...] = ()  # docker only: (name, soft, hard)
     read_only_mounts: tuple[Path, ...] = ()  # docker only: folders the models read (checkpoints)
     admin_secret: str = ""  # required by Triton's model-repository and logging APIs
+    shm_size_mib: int = 2048  # docker only: the container's /dev/shm
+    log_verbose: int = 0  # tritonserver --log-verbose
     extra_env: dict[str, str] = field(default_factory=dict)
     world_size: int = 1  # > 1: one MPI rank per GPU of a multi-GPU engine
     engine_models: list[str] = field(default_factory=list)  # what ranks above 0 load
@@ -111,8 +113,9 @@ class Runtime(Protocol):
         """Server log lines written since ``cursor`` (None: only the recent ones), and the next cursor."""
         ...
 
-    def missing_mounts(self, handle: str, spec: LaunchSpec) -> list[str]:
-        """Folders ``spec`` reads that the running server cannot see (a container's mounts)."""
+    def server_changes(self, handle: str, spec: LaunchSpec) -> list[str]:
+        """Why the running server cannot take ``spec`` in place (a new server must
+        start): in words, none when a reload of the changed models is enough."""
         ...
 
     def pids(self, handle: str, spec: LaunchSpec) -> list[int]:

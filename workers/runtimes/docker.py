@@ -26,14 +26,15 @@ from deployments.errors import PermanentError, TransientError
 from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec, ServerExit
 from workers.triton import secret
 from workers.triton.secret import SecretFiles
-from workers.triton.server import STOP_GRACE_S, server_command
+from workers.triton.server import STOP_GRACE_S, server_command, server_settings
 
 log = logging.getLogger(__name__)
 
 LABEL_HOST = "gantry.host"
 LABEL_DEPLOYMENT = "gantry.deployment"
 LABEL_GENERATION = "gantry.generation"
-SHM_SIZE = "2g"  # Docker's 64 MB default is far too small for Triton's python backend and MPI ranks
+# A build container's /dev/shm: Docker's 64 MB default is far too small for MPI ranks.
+BUILD_SHM_SIZE = "2g"
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ def run_options(spec: LaunchSpec, host_name: str, secret_files: SecretFiles | No
             LABEL_GENERATION: str(spec.generation),
         },
         "network_mode": "host",
-        "shm_size": SHM_SIZE,
+        # Docker's 64 MB default is far too small for the python backend and MPI ranks.
+        "shm_size": f"{spec.shm_size_mib}m",
         "ulimits": [Ulimit(name=name, soft=soft, hard=hard) for name, soft, hard in spec.ulimits],
         "mounts": mounts,
         # HOME: the agent's user has none in the image, and libraries cache under it.
@@ -226,13 +228,29 @@ class DockerRuntime:
         returncode = -(code - 128) if isinstance(code, int) and 128 < code < 160 else code
         return ServerExit(returncode, oom_killed=bool(state.get("OOMKilled")))
 
-    def missing_mounts(self, handle: str, spec: LaunchSpec) -> list[str]:
-        """Folders ``spec`` reads that the running container was not started with."""
+    def server_changes(self, handle: str, spec: LaunchSpec) -> list[str]:
+        """Why the running container cannot take ``spec`` in place: folders it was not
+        started with, other GPUs (Docker numbers a container's GPUs from 0, so a
+        move leaves every config the same), another shared-memory size, or other
+        server arguments."""
         container = self._get(handle) if handle else None
         if container is None:
             return []
+        changes = []
         mounted = {m.get("Source", "") for m in container.attrs.get("Mounts") or []}
-        return sorted(str(p) for p in spec.read_only_mounts if str(p) not in mounted)
+        missing = sorted(str(p) for p in spec.read_only_mounts if str(p) not in mounted)
+        if missing:
+            changes.append(f"it reads {', '.join(missing)}, which the container was not started with")
+        host_config = container.attrs.get("HostConfig") or {}
+        requested = sorted(int(i) for r in host_config.get("DeviceRequests") or [] for i in r.get("DeviceIDs") or [])
+        if requested != sorted(spec.gpu_ids):
+            changes.append(f"it runs on GPUs {sorted(spec.gpu_ids)}, the container on {requested}")
+        if int(host_config.get("ShmSize") or 0) != spec.shm_size_mib * 2**20:
+            changes.append(f"its shared memory is {spec.shm_size_mib} MiB")
+        running = server_settings((container.attrs.get("Config") or {}).get("Cmd") or [])
+        if running != server_settings(server_command(spec)):
+            changes.append("its server arguments differ")
+        return changes
 
     def containers(self) -> list[Container]:
         """Every deployment container Gantry started on this host, running or not."""
@@ -289,7 +307,7 @@ def build_run_options(spec: BuildContainerSpec, host_name: str) -> dict:
         "name": f"gantry-build-{spec.build_id}-{spec.step}",
         "labels": {LABEL_HOST: host_name, LABEL_BUILD: str(spec.build_id)},
         "network_mode": "host",
-        "shm_size": SHM_SIZE,
+        "shm_size": BUILD_SHM_SIZE,
         "ulimits": [Ulimit(name=name, soft=soft, hard=hard) for name, soft, hard in spec.ulimits],
         "mounts": mounts,
         "environment": spec.env,

@@ -21,7 +21,7 @@ from deployments.errors import PermanentError
 from workers import processes
 from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec, ServerExit, make_once
 from workers.triton import secret
-from workers.triton.server import STOP_GRACE_S, tritonserver_args
+from workers.triton.server import STOP_GRACE_S, server_settings, tritonserver_args
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +213,17 @@ class ProcessRuntime:
     def log_tail(self, handle: str, spec: LaunchSpec, lines: int = 20) -> str:
         return log_tail(spec.log_path, lines)
 
-    def missing_mounts(self, handle: str, spec: LaunchSpec) -> list[str]:
-        return []  # a process on the host sees every folder
+    def server_changes(self, handle: str, spec: LaunchSpec) -> list[str]:
+        """Why the running server cannot take ``spec`` in place: other server
+        arguments (a process sees every folder and GPU of the host, and its
+        configs name host GPUs, so a move reloads in place)."""
+        try:
+            argv = [a.decode() for a in (Path("/proc") / handle / "cmdline").read_bytes().split(b"\0") if a]
+        except (OSError, ValueError):
+            return []
+        if server_settings(argv[1:]) != server_settings(tritonserver_args(spec)):
+            return ["its server arguments differ"]
+        return []
 
     def pids(self, handle: str, spec: LaunchSpec) -> list[int]:
         return processes.group_members(int(handle)) if handle.isdigit() else []

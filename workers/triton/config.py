@@ -5,9 +5,9 @@ string templates; ``read_config`` parses a file back the same way, so what we
 write is exactly what Triton reads.
 
 Over 400 lines on purpose: every kind of model Gantry writes (sentence models,
-the causal LM, the four models of a TensorRT-LLM stack, the LLM-API model)
-shares the same batching, instance and tensor helpers here, and the generate
-interface is declared once for the causal LM and the ensemble alike.
+the causal LM, the engine and generate model of a TensorRT-LLM placement, the
+LLM-API model) shares the same batching, instance and tensor helpers here, and
+the generate interface is declared once for every LLM path.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class Batching:
     default_priority_level: int = 0
     queue_timeout_us: int = 0  # 0: requests wait as long as it takes
     max_queue_size: int = 0  # 0: unbounded
+    timeout_action: str = "REJECT"  # or DELAY: what happens to a request past the timeout
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,12 @@ class PythonModelSpec:
     name: str
     task: str  # EMBED or RERANK
     checkpoint_path: str
-    embedding_dim: int
     batching: Batching
     instances: Instances = field(default_factory=Instances)
     gpu_memory_fraction: float = 0.1
-    max_length: int = 256
+    max_seq_len: int | None = None  # None: the checkpoint's own (its sentence-transformers config)
+    dtype: str = "auto"  # float16 on a GPU, float32 on a CPU
+    trust_remote_code: bool = False
 
 
 CAUSAL_LM_MODEL_FILE = "causal_lm_model.py"
@@ -72,6 +74,8 @@ class CausalLmSpec:
     gpu_memory_fraction: float = 0.1
     trust_remote_code: bool = False
     dtype: str = "auto"  # bfloat16 or float16 on a GPU, float32 on a CPU
+    max_num_sequences: int = 8
+    max_seq_len: int = 2048
 
     @property
     def model_names(self) -> list[str]:
@@ -114,7 +118,7 @@ def _apply_batching(config: mc.ModelConfig, batching: Batching) -> None:
         dynamic.default_priority_level = batching.default_priority_level
     if batching.queue_timeout_us or batching.max_queue_size:
         policy = dynamic.default_queue_policy
-        policy.timeout_action = mc.ModelQueuePolicy.REJECT
+        policy.timeout_action = mc.ModelQueuePolicy.TimeoutAction.Value(batching.timeout_action)
         policy.default_timeout_microseconds = batching.queue_timeout_us
         policy.allow_timeout_override = True
         policy.max_queue_size = batching.max_queue_size
@@ -141,7 +145,8 @@ def python_model_config(spec: PythonModelSpec) -> mc.ModelConfig:
     config = mc.ModelConfig(name=spec.name, backend="python")
     if spec.task == EMBED:
         _tensor(config.input, "TEXT", mc.TYPE_STRING, [1])
-        _tensor(config.output, "EMBEDDING", mc.TYPE_FP32, [spec.embedding_dim])
+        # As wide as the checkpoint's modules make it (a Dense layer may change the width).
+        _tensor(config.output, "EMBEDDING", mc.TYPE_FP32, [-1])
         _tensor(config.output, "NUM_TOKENS", mc.TYPE_INT32, [1])
     elif spec.task == RERANK:
         _tensor(config.input, "QUERY", mc.TYPE_STRING, [1])
@@ -158,7 +163,9 @@ def python_model_config(spec: PythonModelSpec) -> mc.ModelConfig:
             "task": spec.task,
             "checkpoint_path": spec.checkpoint_path,
             "gpu_memory_fraction": f"{spec.gpu_memory_fraction:g}",
-            "max_length": str(spec.max_length),
+            "max_seq_len": str(spec.max_seq_len or ""),
+            "dtype": spec.dtype,
+            "trust_remote_code": str(spec.trust_remote_code).lower(),
         },
     )
     return config
@@ -180,7 +187,8 @@ def causal_lm_config(spec: CausalLmSpec) -> mc.ModelConfig:
         config,
         {
             "checkpoint_path": spec.checkpoint_path,
-            "max_batch_size": str(spec.batching.max_batch_size),
+            "max_num_sequences": str(spec.max_num_sequences),
+            "max_seq_len": str(spec.max_seq_len),
             "gpu_memory_fraction": f"{spec.gpu_memory_fraction:g}",
             "trust_remote_code": str(spec.trust_remote_code).lower(),
             "dtype": spec.dtype,
@@ -208,26 +216,18 @@ def read_config(model_dir: Path) -> mc.ModelConfig:
     return parse_text((model_dir / CONFIG_FILE).read_text())
 
 
-# --- the TensorRT-LLM stack (tensorrtllm_backend's inflight_batcher_llm layout) ---------
+# --- a TensorRT-LLM engine behind the generate interface --------------------------------
 
-PREPROCESSING = "preprocessing"
-
-
-def trtllm_preprocessing_model(name: str) -> str:
-    """The tokenizer model beside the ensemble named ``name`` (also how the gateway counts prompt tokens)."""
-    return f"{name}-{PREPROCESSING}"
-
-
-POSTPROCESSING = "postprocessing"
-TOKENIZER_MODEL_FILE = "tokenizer_model.py"
+ENGINE_GENERATE_MODEL_FILE = "engine_generate_model.py"
+# Copied beside every generating python model's model.py (python_models/gantry_text.py).
+TEXT_HELPER_FILE = "gantry_text.py"
 
 
 @dataclass(frozen=True)
 class TrtllmSpec:
-    """An engine served by the tensorrtllm backend, with the tokenizer models and
-    the ensemble that let a client send text. ``name`` is the ensemble's name;
-    the engine model is ``<name>-engine``, the tokenizer models
-    ``<name>-preprocessing`` and ``<name>-postprocessing``."""
+    """An engine served by the tensorrtllm backend as ``<name>-engine``, behind
+    ``<name>``: Gantry's generate model (python_models/engine_generate_model.py),
+    which tokenizes, streams the engine's tokens and decodes them incrementally."""
 
     name: str
     engine_dir: str
@@ -239,27 +239,19 @@ class TrtllmSpec:
     kv_cache_free_gpu_mem_fraction: float = 0.9
     max_tokens_in_paged_kv_cache: int | None = None
     decoupled: bool = True  # streaming responses
-    exclude_input_in_output: bool = True
     enable_kv_cache_reuse: bool = False
     enable_chunked_context: bool = True
-    tokenizer_instances: int = 1
+    decoding_mode: str = ""  # "": the backend's default (top_k_top_p, or beam_search with beams)
+    trust_remote_code: bool = False
 
     @property
     def engine_model(self) -> str:
         return f"{self.name}-engine"
 
     @property
-    def preprocessing_model(self) -> str:
-        return trtllm_preprocessing_model(self.name)
-
-    @property
-    def postprocessing_model(self) -> str:
-        return f"{self.name}-{POSTPROCESSING}"
-
-    @property
     def model_names(self) -> list[str]:
-        """Load order: the engine and tokenizers before the ensemble that needs them."""
-        return [self.engine_model, self.preprocessing_model, self.postprocessing_model, self.name]
+        """Load order: the engine before the generate model that calls it."""
+        return [self.engine_model, self.name]
 
 
 # (name, type, dims, reshape to scalar, optional, ragged) of the engine model's inputs,
@@ -311,7 +303,8 @@ def tensorrtllm_model_config(spec: TrtllmSpec) -> mc.ModelConfig:
     """The engine model: backend tensorrtllm, in-flight batching, the engine folder
     as gpt_model_path, GPUs through gpu_device_ids while the instance group
     stays KIND_CPU (the backend places the engine itself), and an absolute
-    KV-cache token budget so models sharing a GPU cannot starve each other."""
+    KV-cache token budget so models sharing a GPU cannot starve each other.
+    Streaming needs it decoupled; the generate model always streams from it."""
     config = mc.ModelConfig(name=spec.engine_model, backend="tensorrtllm")
     config.model_transaction_policy.decoupled = spec.decoupled
     _apply_batching(config, spec.batching)
@@ -327,7 +320,7 @@ def tensorrtllm_model_config(spec: TrtllmSpec) -> mc.ModelConfig:
         "gpt_model_path": spec.engine_dir,
         "batch_scheduler_policy": spec.batch_scheduler_policy,
         "kv_cache_free_gpu_mem_fraction": f"{spec.kv_cache_free_gpu_mem_fraction:g}",
-        "exclude_input_in_output": str(spec.exclude_input_in_output).lower(),
+        "exclude_input_in_output": "true",  # each streamed response carries only its new tokens
         "enable_kv_cache_reuse": str(spec.enable_kv_cache_reuse).lower(),
         "enable_chunked_context": str(spec.enable_chunked_context).lower(),
         "gpu_device_ids": ",".join(map(str, spec.gpu_device_ids)),
@@ -335,127 +328,39 @@ def tensorrtllm_model_config(spec: TrtllmSpec) -> mc.ModelConfig:
     }
     if spec.max_tokens_in_paged_kv_cache is not None:
         parameters["max_tokens_in_paged_kv_cache"] = str(spec.max_tokens_in_paged_kv_cache)
+    if spec.decoding_mode:
+        parameters["decoding_mode"] = spec.decoding_mode
     _parameters(config, parameters)
     return config
 
 
-def preprocessing_config(spec: TrtllmSpec) -> mc.ModelConfig:
-    """Text in, token ids out (python backend, the checkpoint's tokenizer); stop
-    strings become the engine's stop_words_list."""
-    config = mc.ModelConfig(
-        name=spec.preprocessing_model, backend="python", max_batch_size=spec.batching.max_batch_size
-    )
-    _input(config, "QUERY", mc.TYPE_STRING, [1])
-    _input(config, "REQUEST_OUTPUT_LEN", mc.TYPE_INT32, [1])
-    _input(config, "END_ID", mc.TYPE_INT32, [1], optional=True)
-    _input(config, "PAD_ID", mc.TYPE_INT32, [1], optional=True)
-    _input(config, "STOP_WORDS_DICT", mc.TYPE_STRING, [-1], optional=True)
-    _tensor(config.output, "INPUT_ID", mc.TYPE_INT32, [-1])
-    _tensor(config.output, "REQUEST_INPUT_LEN", mc.TYPE_INT32, [1])
-    _tensor(config.output, "REQUEST_OUTPUT_LEN", mc.TYPE_INT32, [1])
-    _tensor(config.output, "OUT_END_ID", mc.TYPE_INT32, [1])
-    _tensor(config.output, "OUT_PAD_ID", mc.TYPE_INT32, [1])
-    _tensor(config.output, "STOP_WORDS_IDS", mc.TYPE_INT32, [2, -1])
-    _apply_instances(config, Instances(count=spec.tokenizer_instances, kind="KIND_CPU"))
-    _parameters(config, {"task": PREPROCESSING, "tokenizer_dir": spec.tokenizer_dir})
-    return config
-
-
-def postprocessing_config(spec: TrtllmSpec) -> mc.ModelConfig:
-    """Token ids in, text out (python backend, the checkpoint's tokenizer), with
-    how many tokens each response adds."""
-    config = mc.ModelConfig(
-        name=spec.postprocessing_model, backend="python", max_batch_size=spec.batching.max_batch_size
-    )
-    _input(config, "TOKENS_BATCH", mc.TYPE_INT32, [-1, -1])
-    _input(config, "SEQUENCE_LENGTH", mc.TYPE_INT32, [-1])
-    _tensor(config.output, "OUTPUT", mc.TYPE_STRING, [-1])
-    _tensor(config.output, "NUM_OUTPUT_TOKENS", mc.TYPE_INT32, [1])
-    _apply_instances(config, Instances(count=spec.tokenizer_instances, kind="KIND_CPU"))
-    _parameters(config, {"task": POSTPROCESSING, "tokenizer_dir": spec.tokenizer_dir, "skip_special_tokens": "true"})
-    return config
-
-
-def _step(config: mc.ModelConfig, model: str, inputs: dict[str, str], outputs: dict[str, str]) -> None:
-    step = config.ensemble_scheduling.step.add(model_name=model, model_version=-1)
-    for key, value in inputs.items():
-        step.input_map[key] = value
-    for key, value in outputs.items():
-        step.output_map[key] = value
-
-
-def ensemble_config(spec: TrtllmSpec) -> mc.ModelConfig:
-    """preprocessing -> engine -> postprocessing behind the generate interface
-    (GENERATE_INPUTS -> text_output and num_output_tokens), streamed when the
-    client sets stream and the engine model is decoupled.
-
-    num_input_tokens is not among its outputs: Triton refuses an ensemble
-    whose outputs mix the decoupled engine's lineage with preprocessing's
-    ("receives inputs originated from different decoupled models"), so
-    callers read the prompt's token count as unknown on this route."""
-    config = mc.ModelConfig(name=spec.name, platform="ensemble", max_batch_size=spec.batching.max_batch_size)
+def engine_generate_config(spec: TrtllmSpec) -> mc.ModelConfig:
+    """The generate interface (GENERATE_INPUTS -> GENERATE_OUTPUTS) in front of the
+    engine: a decoupled python model that calls it (BLS) and streams its text.
+    Clients queue here, so the placement's queue policy applies here too."""
+    config = mc.ModelConfig(name=spec.name, backend="python")
+    config.model_transaction_policy.decoupled = True
     for name, data_type, dims in GENERATE_INPUTS:
         _input(config, name, data_type, dims, optional=name not in GENERATE_REQUIRED)
-    _input(config, "end_id", mc.TYPE_INT32, [1], optional=True)
-    _input(config, "pad_id", mc.TYPE_INT32, [1], optional=True)
     for name, data_type, dims in GENERATE_OUTPUTS:
-        if name != "num_input_tokens":
-            _tensor(config.output, name, data_type, dims)
-    _step(
+        _tensor(config.output, name, data_type, dims)
+    _apply_batching(config, spec.batching)
+    _apply_instances(config, Instances(count=1, kind="KIND_CPU"))
+    _parameters(
         config,
-        spec.preprocessing_model,
         {
-            "QUERY": "text_input",
-            "REQUEST_OUTPUT_LEN": "max_tokens",
-            "END_ID": "end_id",
-            "PAD_ID": "pad_id",
-            "STOP_WORDS_DICT": "stop_words",
+            "engine_model": spec.engine_model,
+            "tokenizer_dir": spec.tokenizer_dir,
+            "skip_special_tokens": "true",
+            "trust_remote_code": str(spec.trust_remote_code).lower(),
         },
-        {
-            "INPUT_ID": "_INPUT_ID",
-            "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
-            "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN",
-            "OUT_END_ID": "_END_ID",
-            "OUT_PAD_ID": "_PAD_ID",
-            "STOP_WORDS_IDS": "_STOP_WORDS_IDS",
-        },
-    )
-    _step(
-        config,
-        spec.engine_model,
-        {
-            "input_ids": "_INPUT_ID",
-            "input_lengths": "_REQUEST_INPUT_LEN",
-            "request_output_len": "_REQUEST_OUTPUT_LEN",
-            "end_id": "_END_ID",
-            "pad_id": "_PAD_ID",
-            "stop_words_list": "_STOP_WORDS_IDS",
-            "temperature": "temperature",
-            "runtime_top_k": "top_k",
-            "runtime_top_p": "top_p",
-            "random_seed": "random_seed",
-            "repetition_penalty": "repetition_penalty",
-            "streaming": "stream",
-        },
-        {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"},
-    )
-    _step(
-        config,
-        spec.postprocessing_model,
-        {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"},
-        {"OUTPUT": "text_output", "NUM_OUTPUT_TOKENS": "num_output_tokens"},
     )
     return config
 
 
 def trtllm_configs(spec: TrtllmSpec) -> dict[str, mc.ModelConfig]:
-    """Every model of the stack, by name, in load order."""
-    return {
-        spec.engine_model: tensorrtllm_model_config(spec),
-        spec.preprocessing_model: preprocessing_config(spec),
-        spec.postprocessing_model: postprocessing_config(spec),
-        spec.name: ensemble_config(spec),
-    }
+    """Every model of the placement, by name, in load order."""
+    return {spec.engine_model: tensorrtllm_model_config(spec), spec.name: engine_generate_config(spec)}
 
 
 # --- the LLM-API path: a HuggingFace checkpoint served with no engine build ------------
@@ -472,8 +377,12 @@ class LlmApiSpec:
     checkpoint_path: str
     image_model_dir: str  # the LLM-API model folder inside the image
     gpu_device_ids: tuple[int, ...]
-    max_batch_size: int
+    max_batch_size: int  # the sequences in flight (max_num_sequences)
     max_tokens_in_kv_cache: int | None = None
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    enable_block_reuse: bool = False
+    max_seq_len: int | None = None
+    trust_remote_code: bool = False
     decoupled: bool = True
 
     @property
@@ -495,14 +404,21 @@ def llmapi_model_config(spec: LlmApiSpec) -> mc.ModelConfig:
 
 def llmapi_model_yaml(spec: LlmApiSpec) -> dict:
     """The model.yaml the LLM-API model reads: ``LLM()`` arguments plus triton_config."""
-    kv_cache: dict = {"free_gpu_memory_fraction": 0.9}
+    kv_cache: dict = {
+        "free_gpu_memory_fraction": spec.kv_cache_free_gpu_mem_fraction,
+        "enable_block_reuse": spec.enable_block_reuse,
+    }
     if spec.max_tokens_in_kv_cache is not None:
         kv_cache["max_tokens"] = spec.max_tokens_in_kv_cache
-    return {
+    args = {
         "model": spec.checkpoint_path,
         "backend": "pytorch",
         "tensor_parallel_size": len(spec.gpu_device_ids),
         "max_batch_size": spec.max_batch_size,
         "kv_cache_config": kv_cache,
+        "trust_remote_code": spec.trust_remote_code,
         "triton_config": {"max_batch_size": spec.max_batch_size, "decoupled": spec.decoupled},
     }
+    if spec.max_seq_len:
+        args["max_seq_len"] = spec.max_seq_len
+    return args

@@ -1,7 +1,7 @@
 """The Triton model repository on disk: <root>/<model>/config.pbtxt, with
-<root>/<model>/1/model.py for python-backend models, and an empty version
-folder for the tensorrtllm engine model and the ensemble (the engine itself
-stays in its build folder, named by gpt_model_path)."""
+<root>/<model>/1/model.py for python-backend models (and gantry_text.py beside
+the generating ones), and an empty version folder for the tensorrtllm engine
+model (the engine itself stays in its build folder, named by gpt_model_path)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 
 from workers.triton.config import (
     CAUSAL_LM_MODEL_FILE,
+    ENGINE_GENERATE_MODEL_FILE,
     LLMAPI_CONFIG_FILE,
-    TOKENIZER_MODEL_FILE,
+    TEXT_HELPER_FILE,
     CausalLmSpec,
     LlmApiSpec,
     PythonModelSpec,
@@ -34,16 +35,22 @@ def model_names(spec: ModelSpec) -> list[str]:
     return [spec.name] if isinstance(spec, PythonModelSpec) else spec.model_names
 
 
+def _python_model(folder: Path, code: str, *helpers: str) -> None:
+    """A python-backend model's version folder: its code as model.py, and the helpers it imports."""
+    (folder / "1").mkdir()
+    shutil.copyfile(PYTHON_MODELS / code, folder / "1" / "model.py")
+    for helper in helpers:
+        shutil.copyfile(PYTHON_MODELS / helper, folder / "1" / helper)
+
+
 def _write_model(staging: Path, spec: ModelSpec) -> None:
     if isinstance(spec, PythonModelSpec):
         write_config(staging / spec.name, python_model_config(spec))
-        (staging / spec.name / "1").mkdir()
-        shutil.copyfile(PYTHON_MODELS / "sentence_model.py", staging / spec.name / "1" / "model.py")
+        _python_model(staging / spec.name, "sentence_model.py")
         return
     if isinstance(spec, CausalLmSpec):
         write_config(staging / spec.name, causal_lm_config(spec))
-        (staging / spec.name / "1").mkdir()
-        shutil.copyfile(PYTHON_MODELS / CAUSAL_LM_MODEL_FILE, staging / spec.name / "1" / "model.py")
+        _python_model(staging / spec.name, CAUSAL_LM_MODEL_FILE, TEXT_HELPER_FILE)
         return
     if isinstance(spec, LlmApiSpec):
         write_config(staging / spec.name, llmapi_model_config(spec))
@@ -54,9 +61,10 @@ def _write_model(staging: Path, spec: ModelSpec) -> None:
         return
     for name, config in trtllm_configs(spec).items():
         write_config(staging / name, config)
-        (staging / name / "1").mkdir()
         if config.backend == "python":
-            shutil.copyfile(PYTHON_MODELS / TOKENIZER_MODEL_FILE, staging / name / "1" / "model.py")
+            _python_model(staging / name, ENGINE_GENERATE_MODEL_FILE, TEXT_HELPER_FILE)
+        else:
+            (staging / name / "1").mkdir()
 
 
 def write_repository(root: Path, specs: list[ModelSpec]) -> list[str]:

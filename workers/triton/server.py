@@ -30,10 +30,17 @@ def tritonserver_args(spec: LaunchSpec) -> list[str]:
         f"--metrics-address={spec.bind_address}",
         f"--metrics-port={spec.metrics_port}",
         "--allow-metrics=true",
-        "--log-verbose=0",
+        f"--log-verbose={spec.log_verbose}",
         f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
         *restricted_api_args(spec.admin_secret),
     ]
+
+
+def server_settings(argv: list[str]) -> list[str]:
+    """What a server was started with beyond the models it loads (and where the
+    host keeps its backends): a new generation that changes any of it needs a
+    new server."""
+    return [arg for arg in argv if not arg.startswith(("--load-model=", "--backend-directory="))]
 
 
 def server_command(spec: LaunchSpec) -> list[str]:

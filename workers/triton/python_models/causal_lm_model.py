@@ -19,10 +19,16 @@ request whose client went away (is_cancelled) stops at the next step. Models
 whose cache is not a plain per-layer key/value cache (sliding windows, state
 space layers) batch only the requests that arrive together.
 
-Parameters (config.pbtxt): checkpoint_path, max_batch_size, dtype (auto:
-bfloat16 or float16 on a GPU, float32 on a CPU), trust_remote_code, and on a
-GPU instance gpu_memory_fraction, which caps this process's PyTorch
-allocations on that GPU.
+Its memory is bounded by what Gantry planned for it (deployments/gpu_plan.py):
+at most max_num_sequences sequences generate at once, each of at most
+max_seq_len tokens (prompt and output), and prompts are prefilled at most
+PREFILL_TOKENS (padded) tokens per forward pass, keeping only the last
+position's logits. Text is sent as it becomes certain (gantry_text.TextStream).
+
+Parameters (config.pbtxt): checkpoint_path, max_num_sequences, max_seq_len,
+dtype (auto: bfloat16 or float16 on a GPU, float32 on a CPU),
+trust_remote_code, and on a GPU instance gpu_memory_fraction, which caps this
+process's PyTorch allocations on that GPU.
 """
 
 import json
@@ -33,6 +39,7 @@ import time
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
+from gantry_text import TextStream
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicLayer
 
@@ -40,6 +47,9 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # How long a wave waits for more requests after the first arrives (seconds):
 # concurrent clients rarely arrive in the same microsecond.
 GATHER_S = 0.002
+# The most (padded) prompt tokens one prefill forward pass takes; newcomers are
+# prefilled in groups within it (deployments/gpu_plan.py plans its activations).
+PREFILL_TOKENS = 4096
 
 
 def _parameter(config, key, default):
@@ -102,8 +112,7 @@ class _Sequence:
             )
         self.output_ids = []
         self.counted = 0  # output tokens already reported
-        self.sent_chars = 0
-        self.text = ""
+        self.text = TextStream(tokenizer, self.stops)
         self.done = False
 
     def respond(self, text, final):
@@ -114,6 +123,21 @@ class _Sequence:
         ]
         self.counted = len(self.output_ids)
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+
+
+def _prefill_groups(sequences):
+    """Newcomers in groups whose padded prompts stay within PREFILL_TOKENS (a prompt
+    longer than that is prefilled alone), shortest first so padding stays small."""
+    groups, group = [], []
+    for sequence in sorted(sequences, key=lambda s: len(s.prompt_ids)):
+        longest = len(sequence.prompt_ids)
+        if group and (len(group) + 1) * longest > PREFILL_TOKENS:
+            groups.append(group)
+            group = []
+        group.append(sequence)
+    if group:
+        groups.append(group)
+    return groups
 
 
 class _Batch:
@@ -166,7 +190,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("parameter checkpoint_path is missing")
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("this model streams: its config must be decoupled")
-        self.max_batch = max(1, int(_parameter(config, "max_batch_size", "8")))
+        self.max_batch = max(1, int(_parameter(config, "max_num_sequences", "8")))
         trust = _parameter(config, "trust_remote_code", "false") == "true"
         if args.get("model_instance_kind") == "GPU":
             device_id = int(args["model_instance_device_id"])
@@ -187,19 +211,21 @@ class TritonPythonModel:
         ).to(self.device)
         self.model.eval()
         model_config = self.model.config
-        self.context_len = int(getattr(model_config, "max_position_embeddings", 0) or 2048)
+        positions = int(getattr(model_config, "max_position_embeddings", 0) or 2048)
+        self.context_len = int(_parameter(config, "max_seq_len", str(positions)))
         eos = self.tokenizer.eos_token_id
         if eos is None:
             eos = getattr(model_config, "eos_token_id", None)
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)
+        self.keep_last_logits = True
         self.pending = queue.Queue()
         self.stopping = threading.Event()
         self.worker = threading.Thread(target=self._loop, name="gantry-generate", daemon=True)
         self.worker.start()
         pb_utils.Logger.log_info(
-            f"causal LM {checkpoint} on {self.device} as {dtype}, waves of up to {self.max_batch}, "
+            f"causal LM {checkpoint} on {self.device} as {dtype}, up to {self.max_batch} sequences at once, "
             f"context {self.context_len} (torch {torch.__version__})"
         )
 
@@ -237,8 +263,8 @@ class TritonPythonModel:
                 room = self.max_batch - (len(batch.rows) if batch else 0)
                 if batch is None or batch.mergeable:
                     newcomers = self._take(block=batch is None, room=room)
-                    if newcomers:
-                        joined = self._prefill(newcomers)
+                    for group in _prefill_groups(newcomers):
+                        joined = self._prefill(group)
                         batch = joined if batch is None else batch.merge(joined)
                 if batch is not None:
                     batch = self._step(batch)
@@ -261,8 +287,18 @@ class TritonPythonModel:
             attention[row, longest - len(sequence.prompt_ids) :] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        outputs = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        outputs = self._forward(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
         return _Batch(sequences, outputs.past_key_values, attention, positions[:, -1:], outputs.logits[:, -1, :])
+
+    def _forward(self, **inputs):
+        """One forward pass, computing logits only for the last position where the
+        model can (a prefill's logits for every prompt token would dwarf its KV cache)."""
+        if self.keep_last_logits:
+            try:
+                return self.model(**inputs, logits_to_keep=1)
+            except TypeError:
+                self.keep_last_logits = False  # a model (its own remote code) without the argument
+        return self.model(**inputs)
 
     @torch.inference_mode()
     def _step(self, batch):
@@ -288,7 +324,7 @@ class TritonPythonModel:
         ones = torch.ones((len(keep), 1), dtype=torch.long, device=self.device)
         batch.attention = torch.cat([batch.attention, ones], -1)
         batch.positions = batch.positions + 1
-        outputs = self.model(
+        outputs = self._forward(
             input_ids=tokens,
             attention_mask=batch.attention,
             position_ids=batch.positions,
@@ -324,34 +360,17 @@ class TritonPythonModel:
         """Record one generated token; send the text that is now certain; finish on
         end of sequence, a stop string, or max_tokens."""
         finished = token in self.eos_ids
+        piece = ""
         if not finished:
             sequence.output_ids.append(token)
-        text = self.tokenizer.decode(sequence.output_ids, skip_special_tokens=True)
-        for stop in sequence.stops:
-            at = text.find(stop)
-            if at != -1:
-                text, finished = text[:at], True
-        if len(sequence.output_ids) >= sequence.max_tokens:
-            finished = True
-        sequence.text = text
+            piece = sequence.text.add([token])
+        finished = finished or sequence.text.stopped or len(sequence.output_ids) >= sequence.max_tokens
         if finished:
             sequence.done = True
-            if sequence.stream:
-                sequence.respond(text[sequence.sent_chars :], final=True)
-            else:
-                sequence.respond(text, final=True)
-            return
-        if not sequence.stream:
-            return
-        # Hold back a character that may still change (an incomplete UTF-8 sequence)
-        # and a tail that may be the start of a stop string.
-        certain = len(text.rstrip("\ufffd"))
-        if sequence.stops:
-            hold = max(len(s) for s in sequence.stops) - 1
-            certain = min(certain, max(sequence.sent_chars, len(text) - hold))
-        if certain > sequence.sent_chars:
-            sequence.respond(text[sequence.sent_chars : certain], final=False)
-            sequence.sent_chars = certain
+            rest = sequence.text.finish()
+            sequence.respond(piece + rest if sequence.stream else sequence.text.text, final=True)
+        elif sequence.stream and piece:
+            sequence.respond(piece, final=False)
 
     def finalize(self):
         self.stopping.set()

@@ -12,18 +12,17 @@ from workers.triton.secret import SecretFiles
 
 
 def _spec(**overrides) -> LaunchSpec:  # noqa: ANN003
-    return factories.launch_spec(
-        Path("/data/deployments/7-x"),
-        generation=3,
-        models=["minilm", "rerank"],
-        http_port=18000,
-        grpc_port=18001,
-        metrics_port=18002,
-        image="gantry/tritonserver-test:abc",
-        read_only_mounts=(Path("/models/minilm"),),
-        ulimits=(("memlock", -1, -1), ("stack", 67108864, 67108864)),
-        **overrides,
-    )
+    values = {
+        "generation": 3,
+        "models": ["minilm", "rerank"],
+        "http_port": 18000,
+        "grpc_port": 18001,
+        "metrics_port": 18002,
+        "image": "gantry/tritonserver-test:abc",
+        "read_only_mounts": (Path("/models/minilm"),),
+        "ulimits": (("memlock", -1, -1), ("stack", 67108864, 67108864)),
+    }
+    return factories.launch_spec(Path("/data/deployments/7-x"), **{**values, **overrides})
 
 
 def test_container_is_host_networked_labelled_and_read_only():
@@ -37,7 +36,7 @@ def test_container_is_host_networked_labelled_and_read_only():
     assert options["environment"]["HOME"] == "/tmp"
     assert options["labels"] == {"gantry.host": "gpu-01", "gantry.deployment": "7", "gantry.generation": "3"}
     assert options["name"] == "gantry-deployment-7"
-    assert options["shm_size"] == "2g"
+    assert options["shm_size"] == "2048m"
     assert {(u["Name"], u["Soft"], u["Hard"]) for u in options["ulimits"]} == {
         ("memlock", -1, -1),
         ("stack", 67108864, 67108864),
@@ -71,3 +70,35 @@ def test_gpus_go_through_device_requests():
     [request] = options["device_requests"]
     assert request["DeviceIDs"] == ["0", "2"]
     assert request["Capabilities"] == [["gpu"]]
+
+
+class _Inspected:
+    """What ``docker inspect`` holds of a container started with ``options`` (the SDK object's attrs)."""
+
+    def __init__(self, options: dict) -> None:
+        requests_ = options.get("device_requests") or []
+        self.attrs = {
+            "Mounts": [{"Source": m["Source"], "Destination": m["Target"]} for m in options["mounts"]],
+            "HostConfig": {
+                "DeviceRequests": [{"DeviceIDs": r["DeviceIDs"]} for r in requests_],
+                "ShmSize": int(options["shm_size"].removesuffix("m")) * 2**20,
+            },
+            "Config": {"Cmd": options["command"]},
+        }
+
+
+def test_a_generation_that_moves_gpus_or_changes_the_server_needs_a_new_container(monkeypatch, tmp_path):
+    """Docker numbers a container's GPUs from 0, so a model moved from GPU 0 to GPU 1
+    writes the same configs: only the container's device request tells."""
+    from workers.runtimes.docker import DockerRuntime
+
+    running = _spec(gpu_ids=(0,))
+    runtime = DockerRuntime("gpu-01", tmp_path)
+    monkeypatch.setattr(runtime, "_get", lambda handle: _Inspected(run_options(running, "gpu-01")))
+    assert runtime.server_changes("c1", running) == []
+    assert runtime.server_changes("c1", _spec(gpu_ids=(1,))) == ["it runs on GPUs [1], the container on [0]"]
+    assert runtime.server_changes("c1", _spec(gpu_ids=(0,), shm_size_mib=16384)) == ["its shared memory is 16384 MiB"]
+    assert runtime.server_changes("c1", _spec(gpu_ids=(0,), log_verbose=1)) == ["its server arguments differ"]
+    assert runtime.server_changes("c1", _spec(gpu_ids=(0,), models=["other"])) == []  # a reload is enough
+    moved = _spec(gpu_ids=(0,), read_only_mounts=(Path("/models/minilm"), Path("/models/new")))
+    assert runtime.server_changes("c1", moved) == ["it reads /models/new, which the container was not started with"]

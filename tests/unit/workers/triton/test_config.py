@@ -1,7 +1,8 @@
-"""config.pbtxt through Triton's own schema: python models, engines, the ensemble."""
+"""config.pbtxt through Triton's own schema: python models, engines and the generate model in front of them."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from workers.triton.config import (
     EMBED,
+    GENERATE_INPUTS,
+    GENERATE_OUTPUTS,
     RERANK,
     Batching,
     Instances,
@@ -21,7 +24,7 @@ from workers.triton.config import (
     trtllm_configs,
     write_config,
 )
-from workers.triton.repository import write_repository
+from workers.triton.repository import PYTHON_MODELS, write_repository
 
 
 def _spec(**overrides) -> PythonModelSpec:
@@ -29,7 +32,6 @@ def _spec(**overrides) -> PythonModelSpec:
         "name": "minilm",
         "task": EMBED,
         "checkpoint_path": "/models/all-MiniLM-L6-v2",
-        "embedding_dim": 384,
         "batching": Batching(max_batch_size=32, preferred_batch_sizes=(8, 16), max_queue_delay_us=2000),
         "instances": Instances(count=2, kind="KIND_GPU", gpus=(0,)),
         "gpu_memory_fraction": 0.05,
@@ -51,7 +53,7 @@ def test_embedding_config_fields():
     assert config.max_batch_size == 32
     assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [("TEXT", mc.TYPE_STRING, [1])]
     assert [(o.name, o.data_type, list(o.dims)) for o in config.output] == [
-        ("EMBEDDING", mc.TYPE_FP32, [384]),
+        ("EMBEDDING", mc.TYPE_FP32, [-1]),  # as wide as the checkpoint's modules make it
         ("NUM_TOKENS", mc.TYPE_INT32, [1]),  # the gateway's usage
     ]
     assert list(config.dynamic_batching.preferred_batch_size) == [8, 16]
@@ -60,6 +62,19 @@ def test_embedding_config_fields():
     assert (group.kind, group.count, list(group.gpus)) == (mc.ModelInstanceGroup.KIND_GPU, 2, [0])
     assert config.parameters["checkpoint_path"].string_value == "/models/all-MiniLM-L6-v2"
     assert config.parameters["gpu_memory_fraction"].string_value == "0.05"
+    # The checkpoint's own length and precision unless the placement names them.
+    assert (config.parameters["max_seq_len"].string_value, config.parameters["dtype"].string_value) == ("", "auto")
+    assert config.parameters["trust_remote_code"].string_value == "false"
+
+
+def test_sentence_model_takes_the_seeds_precision_length_and_remote_code():
+    config = python_model_config(_spec(dtype="float16", max_seq_len=512, trust_remote_code=True))
+    parameters = {k: v.string_value for k, v in config.parameters.items()}
+    assert (parameters["dtype"], parameters["max_seq_len"], parameters["trust_remote_code"]) == (
+        "float16",
+        "512",
+        "true",
+    )
 
 
 def test_cpu_instances_name_no_gpus():
@@ -99,6 +114,10 @@ def test_priority_levels_and_queue_policy():
     assert (dynamic.priority_levels, dynamic.default_priority_level) == (2, 2)
     policy = dynamic.default_queue_policy
     assert policy.timeout_action == mc.ModelQueuePolicy.REJECT
+    delayed = python_model_config(
+        _spec(batching=Batching(max_batch_size=8, queue_timeout_us=1000, timeout_action="DELAY"))
+    )
+    assert delayed.dynamic_batching.default_queue_policy.timeout_action == mc.ModelQueuePolicy.DELAY
     assert (policy.default_timeout_microseconds, policy.max_queue_size, policy.allow_timeout_override) == (
         500_000,
         64,
@@ -198,36 +217,44 @@ def test_engine_config_follows_the_backend_template_where_the_seeds_simplify():
     assert next(t for t in config.input if t.name == "input_ids").allow_ragged_batch
 
 
-def test_ensemble_wiring_is_complete():
-    """What Triton checks when it loads an ensemble: every step reads tensors the
-    ensemble has or an earlier step made, from inputs its model declares, and
-    writes outputs its model declares; the ensemble's outputs are all produced."""
+def test_engine_config_carries_the_seeds_runtime_settings():
+    config = trtllm_configs(
+        _engine_spec(kv_cache_free_gpu_mem_fraction=0.92, enable_kv_cache_reuse=True, decoding_mode="top_p")
+    )["llama-engine"]
+    parameters = {k: v.string_value for k, v in config.parameters.items()}
+    assert parameters["kv_cache_free_gpu_mem_fraction"] == "0.92"  # the seeds tune 0.92
+    assert (parameters["enable_kv_cache_reuse"], parameters["decoding_mode"]) == ("true", "top_p")
+    # Each streamed response carries only its new tokens: the generate model decodes them all together.
+    assert parameters["exclude_input_in_output"] == "true"
+    assert "decoding_mode" not in trtllm_configs(_engine_spec())["llama-engine"].parameters
+
+
+def test_the_generate_model_calls_the_engine_with_inputs_it_declares():
+    """The generate model (python_models/engine_generate_model.py) is the generate
+    interface in front of the engine: decoupled, every generate input and
+    output, and only engine inputs the engine model declares."""
     configs = trtllm_configs(_engine_spec())
-    ensemble = configs["llama"]
-    assert ensemble.platform == "ensemble"
-    available = {t.name for t in ensemble.input}
-    for step in ensemble.ensemble_scheduling.step:
-        model = configs[step.model_name]
-        declared_in = {t.name for t in model.input}
-        declared_out = {t.name for t in model.output}
-        assert set(step.input_map) <= declared_in, step.model_name
-        assert set(step.input_map.values()) <= available, step.model_name
-        required = {t.name for t in model.input if not t.optional}
-        assert required <= set(step.input_map), (step.model_name, required - set(step.input_map))
-        assert set(step.output_map) <= declared_out, step.model_name
-        available |= set(step.output_map.values())
-    assert {t.name for t in ensemble.output} <= available
-    assert [s.model_name for s in ensemble.ensemble_scheduling.step] == [
-        "llama-preprocessing", "llama-engine", "llama-postprocessing",
-    ]  # fmt: skip
+    generate, engine = configs["llama"], configs["llama-engine"]
+    assert (generate.backend, generate.model_transaction_policy.decoupled) == ("python", True)
+    assert [t.name for t in generate.input] == [name for name, _, _ in GENERATE_INPUTS]
+    assert [t.name for t in generate.output] == [name for name, _, _ in GENERATE_OUTPUTS]  # num_input_tokens too
+    assert generate.parameters["engine_model"].string_value == "llama-engine"
+    assert generate.parameters["tokenizer_dir"].string_value == "/models/llama"
+    code = (PYTHON_MODELS / "engine_generate_model.py").read_text()
+    # Every tensor it builds, and the engine names of its SAMPLING table ("top_k": ("runtime_top_k", ...)).
+    sent = set(re.findall(r'tensor\("(\w+)"', code)) | set(re.findall(r'"\w+": \("(\w+)", np\.\w+\)', code))
+    declared = {t.name for t in engine.input}
+    assert sent <= declared, sent - declared
+    assert {t.name for t in engine.input if not t.optional} <= sent
 
 
-def test_repository_holds_the_four_models_with_the_tokenizer_code(tmp_path: Path):
+def test_repository_holds_the_engine_and_the_generate_model_with_its_code(tmp_path: Path):
     names = write_repository(tmp_path / "repo", [_engine_spec()])
-    assert names == ["llama-engine", "llama-preprocessing", "llama-postprocessing", "llama"]
+    assert names == ["llama-engine", "llama"]
     for name, config in trtllm_configs(_engine_spec()).items():
         assert read_config(tmp_path / "repo" / name) == config
-    assert (tmp_path / "repo" / "llama-preprocessing" / "1" / "model.py").is_file()
+    assert (tmp_path / "repo" / "llama" / "1" / "model.py").read_text() == (
+        PYTHON_MODELS / "engine_generate_model.py"
+    ).read_text()
+    assert (tmp_path / "repo" / "llama" / "1" / "gantry_text.py").is_file()
     assert not (tmp_path / "repo" / "llama-engine" / "1" / "model.py").exists()
-    tokenizer_dir = read_config(tmp_path / "repo" / "llama-postprocessing").parameters["tokenizer_dir"]
-    assert tokenizer_dir.string_value == "/models/llama"
