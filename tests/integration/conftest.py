@@ -290,8 +290,8 @@ def screenshot(page):  # noqa: ANN001, ANN201
 
 @pytest.fixture(scope="session")
 def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An untrained Llama with a real tokenizer, made once per run (workers/untrained_llm.py)."""
-    from workers.untrained_llm import make_untrained_llm
+    """An untrained Llama with a real tokenizer, made once per run (workers/untrained.py)."""
+    from workers.untrained import make_untrained_llm
 
     return make_untrained_llm(tmp_path_factory.mktemp("llm") / "tiny-llama")
 

