@@ -20,12 +20,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 GANTRY_DATA_DIR=/var/lib/gantry
 WORKDIR /app
 COPY pyproject.toml requirements.lock ./
 COPY controlplane controlplane
+COPY common common
 COPY access access
 COPY deployments deployments
 COPY gateway gateway
 COPY workers workers
 COPY --from=secretlib /src/gantry-argv-secret-*.so workers/triton/
 COPY playground playground
+COPY loadtests loadtests
 RUN pip install --no-cache-dir -c requirements.lock ".[worker]"
 COPY manage.py ./
 COPY templates templates

@@ -95,9 +95,14 @@ class Publisher:
     def submit(self, groups: list[str], payload: dict[str, Any]) -> None:
         self.loop.call_soon_threadsafe(self._enqueue, groups, payload)
 
+    def flush(self, timeout_s: float = 5) -> None:
+        """Wait until what was submitted before this call has been sent (or dropped)."""
+        asyncio.run_coroutine_threadsafe(self.queue.join(), self.loop).result(timeout_s)
+
     def _enqueue(self, groups: list[str], payload: dict[str, Any]) -> None:
         if self.queue.full():
             self.queue.get_nowait()
+            self.queue.task_done()
             self.dropped += 1
             if self.dropped % 1000 == 1:
                 log.warning("over %s live messages wait for Redis: %s dropped so far", PUBLISH_BACKLOG, self.dropped)
@@ -120,27 +125,32 @@ class Publisher:
         while True:
             groups, payload = await self.queue.get()
             try:
-                async with client.pipeline(transaction=False) as pipe:
-                    for group in groups:
-                        pipe.incr(seq_key(group))
-                        pipe.expire(seq_key(group), SEQ_KEY_TTL_S)
-                    numbers = (await pipe.execute())[::2]
-                await asyncio.gather(
-                    *(
-                        layer.group_send(
-                            group, {"type": "gantry.message", "payload": {**payload, "group": group, "seq": seq}}
-                        )
-                        for group, seq in zip(groups, numbers, strict=True)
-                    )
-                )
+                await self._send(client, layer, groups, payload)
             except Exception:  # noqa: BLE001 - delivery is best effort; the database holds the truth
                 if failing_since is None:
                     failing_since = time.monotonic()
                     log.warning("could not publish to %s; dropping live messages until Redis answers", groups)
                 continue
+            finally:
+                self.queue.task_done()
             if failing_since is not None:
                 log.warning("publishing again after %.0fs", time.monotonic() - failing_since)
                 failing_since = None
+
+    @staticmethod
+    async def _send(client: redis.asyncio.Redis, layer: Any, groups: list[str], payload: dict[str, Any]) -> None:
+        """Number ``payload`` in each group's sequence, then hand it to the channel layer."""
+        async with client.pipeline(transaction=False) as pipe:
+            for group in groups:
+                pipe.incr(seq_key(group))
+                pipe.expire(seq_key(group), SEQ_KEY_TTL_S)
+            numbers = (await pipe.execute())[::2]
+        await asyncio.gather(
+            *(
+                layer.group_send(group, {"type": "gantry.message", "payload": {**payload, "group": group, "seq": seq}})
+                for group, seq in zip(groups, numbers, strict=True)
+            )
+        )
 
 
 _publisher: Publisher | None = None

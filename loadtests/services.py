@@ -10,13 +10,13 @@ loadtests.models.ALLOWED); each move is on the deployment's timeline.
 from __future__ import annotations
 
 import datetime as dt
-from importlib import metadata
 from typing import Any
 
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from common.version import gantry_version
 from deployments import events, outbox, queues, trtllm
 from deployments.errors import ConfirmationRequired, InvalidTransition, NotFound, ValidationFailed
 from deployments.models import Deployment, DeploymentModel, DeploymentStatus
@@ -267,7 +267,7 @@ def context_of(deployment: Deployment, triton_name: str) -> dict[str, Any]:
             ],
         },
         "placements": placements,
-        "gantry_version": metadata.version("gantry"),
+        "gantry_version": gantry_version(),
     }
 
 

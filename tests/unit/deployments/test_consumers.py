@@ -46,6 +46,7 @@ def test_socket_for_a_missing_deployment_is_refused(operator):
 def test_joined_socket_receives_what_is_published_to_its_deployment_only(operator, minilm):
     deployment = factories.deployment(host=minilm.host, user=operator)
     other = factories.deployment(host=minilm.host, user=operator, name="other")
+    events.publisher().flush()  # their creation events are numbered and sent before the socket joins
 
     async def run() -> tuple:
         communicator = _connect(f"/ws/deployments/{deployment.pk}/", operator)
@@ -72,6 +73,7 @@ def test_joined_socket_receives_what_is_published_to_its_deployment_only(operato
 
 def test_each_group_numbers_its_messages_so_a_lost_one_shows_as_a_gap(operator, minilm):
     deployment = factories.deployment(host=minilm.host, user=operator)
+    events.publisher().flush()  # its creation event is numbered and sent before the socket joins
     group = events.deployment_group(deployment.pk)
 
     async def run() -> list[dict]:
