@@ -147,7 +147,7 @@ class Floor:
                 return scores
 
         prompts = [f"{PROMPT}{i}" for i in range(streams)]
-        batch = self.tokenizer(prompts, return_tensors="pt", padding=True).to("cuda:0")
+        batch = self.tokenizer(prompts, return_tensors="pt", padding=True, return_token_type_ids=False).to("cuda:0")
         torch.cuda.synchronize()
         started = time.perf_counter()
         with torch.inference_mode():

@@ -39,7 +39,8 @@ docker drf-spectacular drf-spectacular-sidecar gevent geventhttpclient greenlet 
 inflection jiter jsonschema jsonschema-specifications kombu openai orjson prompt_toolkit pycparser pydantic
 pydantic_core pyOpenSSL pytest-django python-dotenv redis referencing rpds-py sentence-transformers service-identity
 sniffio sqlparse tritonclient Twisted txaio typing-inspection tzlocal uritemplate uvicorn uvicorn-worker vine
-wcwidth websockets whitenoise zope.event zope.interface httptools numpy scipy"
+wcwidth websockets whitenoise zope.event zope.interface httptools numpy scipy brotli httpcore2 httpx2 python-rapidjson
+importlib_metadata lazy-importer watchfiles truststore ujson"
 pinned requirements.lock $gantry > "$work/gantry.txt"
 wheels "$work/gantry" -r "$work/gantry.txt"
 unpack "$work/gantry" "$work/site/gantry"

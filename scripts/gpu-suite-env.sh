@@ -24,6 +24,8 @@ case "${1:?gantry, triton or env}" in
     ;;
   triton)
     tar -xJf .gpuw2/triton.tar.xz -C "$site"
+    # Wheels added beside the archives since they were packed.
+    for wheel in .gpuw2/*.whl; do [ -e "$wheel" ] && python3 -m zipfile -e "$wheel" "$site"; done
     mkdir -p /root/aiperf-site
     tar -xJf .gpuw2/aiperf.tar.xz -C /root/aiperf-site --strip-components=1
     printf '#!/bin/sh\nPYTHONPATH=/root/aiperf-site exec %s -c "import sys; from aiperf.cli import app; sys.exit(app())" "$@"\n' \

@@ -200,9 +200,12 @@ def _side_load(plane, key: str, stop: threading.Event, counts: dict) -> list[thr
                 body, path = {"model": "seed-embedder", "input": SENTENCES}, "/v1/embeddings"
             else:
                 body, path = {"model": "seed-reranker", "query": "GPUs", "documents": SENTENCES[:8]}, "/v1/rerank"
-            answer = session.post(f"{plane.url}{path}", json=body, headers=headers, timeout=60)
-            counts[kind] += 1 if answer.status_code == 200 else 0
-            counts[f"{kind}_errors"] += 0 if answer.status_code == 200 else 1
+            try:
+                ok = session.post(f"{plane.url}{path}", json=body, headers=headers, timeout=60).status_code == 200
+            except requests.RequestException:
+                ok = False
+            counts[kind] += 1 if ok else 0
+            counts[f"{kind}_errors"] += 0 if ok else 1
 
     threads = [threading.Thread(target=fire, args=(kind,), daemon=True) for kind in ("embed", "rerank")]
     for thread in threads:
