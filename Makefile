@@ -65,9 +65,11 @@ BENCH_GATEWAY_ARGS ?=
 BENCH_API_ARGS ?=
 BENCH_LIVE_ARGS ?=
 BENCH_PAGES_ARGS ?=
+BENCH_DECODE_ARGS ?=
 bench: venv
 	$(PY) bench/generate.py $(BENCH_ARGS)
 	$(PY) bench/gateway.py $(BENCH_GATEWAY_ARGS)
+	$(MAKE) bench-decode
 	$(MAKE) bench-api
 	$(MAKE) bench-live
 	$(MAKE) bench-pages
@@ -91,6 +93,10 @@ bench-pages: venv frontend
 
 bench-gateway: venv
 	$(PY) bench/gateway.py $(BENCH_GATEWAY_ARGS)
+
+# The causal-LM decoder against the loop it replaced and plain generate (CPU; --gpu on a GPU host).
+bench-decode:
+	$(GPU_PYTHON) bench/decode.py $(BENCH_DECODE_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

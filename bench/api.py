@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import add_database_argument, percentile, server, setup_postgres  # noqa: E402
+from bench.harness import add_database_argument, percentile, server, setup_postgres  # noqa: E402
 
 BUILDS, EVENTS = 10_000, 100_000
 

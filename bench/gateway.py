@@ -23,7 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from common import percentile, served, setup_django
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.harness import percentile, served, setup_django  # noqa: E402
 
 SENTENCES = ["Gantry serves every model it deploys through one gateway.", "The cat sat on the mat."]
 

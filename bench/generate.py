@@ -22,7 +22,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import percentile, served, setup_django
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.harness import percentile, served, setup_django  # noqa: E402
 
 
 @dataclass

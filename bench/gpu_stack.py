@@ -1,4 +1,4 @@
-"""The seeds' stack on one GPU, through Gantry itself, beside its floor.
+"""The seeds' stack on one GPU, through Gantry itself, beside its floors.
 
 The control plane runs as a user runs it (tests/gpu/control_plane.py: `manage.py
 gantry_demo --no-stack`, SQLite, its own Redis); an LLM, a cross-encoder
@@ -7,25 +7,33 @@ Llama in 16 bits and two BERTs, UNTRAINED weights: their text means nothing,
 their cost is real) are registered through the REST API and deployed at the
 seeds' split of GPU 0 (LLM 0.80, reranker 0.10, embedder 0.05).
 
-For each level of concurrent streams (1, 8, 32) and each round, in turns:
-- served: that many streamed chat completions through /v1 (the openai
-  client's HTTP, the gateway, Triton, the transformers model), each asking
-  --tokens tokens, with embed and rerank requests running beside them;
-- floor: the same checkpoint in this process, plain transformers generate on a
-  batch of that many prompts, the same dtype, min_new_tokens = max_new_tokens.
-The order of the two alternates every round. It prints tokens/s in all,
-tokens/s per stream and time to first token (p50 and p90, with the sample
-count: no p99 is claimed under 1000 samples) for both, and served/floor; and
-embed and rerank requests/s alone and beside each level.
+Every side runs closed-loop (bench/streams.py): each stream sends its next
+streamed request as soon as the last one ended, for --seconds per side, level
+and round; the order of the sides alternates every round.
 
-    make bench-gpu BENCH_GPU_ARGS="--rounds 3 --out report.json"
+1. The stack (issue 27), at each level of concurrent streams (1, 8, 32):
+   - served: streamed chat completions through /v1 (the gateway, Triton, the
+     transformers model), --tokens tokens each, with embed and rerank requests
+     running beside them;
+   - floor: the same checkpoint in this process, plain transformers generate on
+     batches of that many prompts, the same dtype.
+   It prints tokens/s in all and per stream and time to first token for both,
+   served/floor (target >= 0.9), and embed and rerank requests/s alone and beside.
+2. The gateway's own cost (issue 34), on this machine's cores: streamed
+   completions of --gateway-tokens tokens through /v1 against the same prompts
+   sent to Triton's generate_stream of the same deployment, nothing beside
+   them, until each side has --gateway-samples answers per level: added time to
+   first token p50/p99 (targets: p99 under 2 ms) and tokens/s ratio (>= 0.97).
+
+    make bench-gpu BENCH_GPU_ARGS="--rounds 2 --out report.json"
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import math
+import os
 import sys
 import threading
 import time
@@ -34,29 +42,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.streams import Floor, Target, closed_loop, figures, p99_text  # noqa: E402
+
+# GANTRY_GPU_SUITE_REHEARSAL=1: the same run on a CPU host, with the tiny LLM (as the GPU suite rehearses).
+REHEARSAL = os.environ.get("GANTRY_GPU_SUITE_REHEARSAL") == "1"
+LLM_SEQ = 512 if REHEARSAL else 2048
 SPLIT = {"llm": 0.80, "reranker": 0.10, "embedder": 0.05}
 SENTENCES = [f"Sentence number {i} about GPUs, models and serving." for i in range(16)]
 PROMPT = "Write about GPUs, models and serving: "
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2) if ordered else None
 
 
 def deploy(plane, checkpoints: dict[str, Path]) -> tuple[int, str]:  # noqa: ANN001
     for name, kind, trust in (("llm", "llm", False), ("reranker", "reranker", False), ("embedder", "embedding", True)):
         model = plane.register(name, kind, checkpoints[name], trust=trust)
         assert model["inspection"] == "ready", model["inspection_message"]
-    gpu = {"instance_kind": "KIND_GPU", "gpu_ids": [0]}
+    gpu = {} if REHEARSAL else {"instance_kind": "KIND_GPU", "gpu_ids": [0]}
+    half = {} if REHEARSAL else {"dtype": "float16"}
     models = [
-        {"model": "llm", "gpu_memory_fraction": SPLIT["llm"], "max_batch_size": 32, "max_seq_len": 2048, **gpu},
+        {"model": "llm", "gpu_memory_fraction": SPLIT["llm"], "max_batch_size": 32, "max_seq_len": LLM_SEQ, **gpu},
         {
             "model": "reranker",
             "gpu_memory_fraction": SPLIT["reranker"],
             "max_batch_size": 64,
             "max_seq_len": 512,
-            "dtype": "float16",
+            **half,
             **gpu,
         },
         {
@@ -64,7 +73,7 @@ def deploy(plane, checkpoints: dict[str, Path]) -> tuple[int, str]:  # noqa: ANN
             "gpu_memory_fraction": SPLIT["embedder"],
             "max_batch_size": 128,
             "max_seq_len": 512,
-            "dtype": "float16",
+            **half,
             **gpu,
         },
     ]
@@ -83,84 +92,6 @@ def deploy(plane, checkpoints: dict[str, Path]) -> tuple[int, str]:  # noqa: ANN
         )
     key = plane.ok("POST", "/api/gateway/keys/", 201, json={"name": "bench", "all_aliases": True})["key"]
     return deployment["id"], key
-
-
-def served(url: str, key: str, streams: int, tokens: int) -> list[dict]:
-    """``streams`` streamed chat completions at once through /v1: per stream its TTFT, tokens and decode time."""
-    import openai
-
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=600)
-    samples: list[dict] = []
-
-    def one(i: int) -> None:
-        started = time.perf_counter()
-        first = last = None
-        count = 0
-        stream = client.chat.completions.create(
-            model="seed-llm",
-            messages=[{"role": "user", "content": f"{PROMPT}{i}"}],
-            max_tokens=tokens,
-            stream=True,
-            stream_options={"include_usage": True},
-            temperature=1.0,
-        )
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                last = time.perf_counter()
-                first = first or last
-            if chunk.usage:
-                count = chunk.usage.completion_tokens
-        samples.append({"ttft_ms": (first - started) * 1000, "tokens": count, "decode_s": last - first})
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return samples
-
-
-class Floor:
-    """The same checkpoint in this process: plain transformers generate, batched."""
-
-    def __init__(self, folder: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.tokenizer.padding_side = "left"
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to("cuda:0").eval()
-
-    def run(self, streams: int, tokens: int) -> list[dict]:
-        from transformers import LogitsProcessor, LogitsProcessorList
-
-        torch = self.torch
-        first: list[float] = []
-
-        class FirstStep(LogitsProcessor):
-            def __call__(self, input_ids, scores):  # noqa: ANN001, ANN204
-                if not first:
-                    torch.cuda.synchronize()
-                    first.append(time.perf_counter())
-                return scores
-
-        prompts = [f"{PROMPT}{i}" for i in range(streams)]
-        batch = self.tokenizer(prompts, return_tensors="pt", padding=True, return_token_type_ids=False).to("cuda:0")
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        with torch.inference_mode():
-            self.model.generate(
-                **batch,
-                max_new_tokens=tokens,
-                min_new_tokens=tokens,
-                do_sample=True,
-                logits_processor=LogitsProcessorList([FirstStep()]),
-            )
-        torch.cuda.synchronize()
-        ended = time.perf_counter()
-        return [{"ttft_ms": (first[0] - started) * 1000, "tokens": tokens, "decode_s": ended - first[0]}] * streams
 
 
 def side_load(url: str, key: str, stop: threading.Event, counts: dict) -> list[threading.Thread]:
@@ -183,19 +114,22 @@ def side_load(url: str, key: str, stop: threading.Event, counts: dict) -> list[t
     return threads
 
 
-def figures(samples: list[dict], wall_s: float) -> dict:
-    ttfts = [s["ttft_ms"] for s in samples]
-    per_stream = [(s["tokens"] - 1) / s["decode_s"] for s in samples if s["decode_s"] > 0 and s["tokens"] > 1]
-    return {
-        "samples": len(samples),
-        "tokens_per_s": round(sum(s["tokens"] for s in samples) / wall_s, 1),
-        "tokens_per_s_per_stream": round(statistics.median(per_stream), 1) if per_stream else None,
-        "ttft_p50_ms": quantile(ttfts, 0.5),
-        "ttft_p90_ms": quantile(ttfts, 0.9),
-    }
+def _alternating(sides: dict, level: int, rounds: int, **kwargs) -> dict:
+    """Each side's figures at ``level`` streams over ``rounds`` rounds, in alternating order.
+    ``sides``: name -> callable(level, **kwargs) returning (samples, wall)."""
+    collected = {name: {"samples": [], "wall": 0.0} for name in sides}
+    names = list(sides)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            samples, wall = sides[name](level, **kwargs)
+            collected[name]["samples"] += samples
+            collected[name]["wall"] += wall
+    return {name: figures(value["samples"], value["wall"]) for name, value in collected.items()}
 
 
 def main() -> int:
+    import torch
+
     from tests.gpu import control_plane
     from tests.gpu.control_plane import TOKENIZER
     from workers.untrained import make_untrained_encoder, make_untrained_llm
@@ -203,29 +137,56 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/gantry-gpu-bench"))
     parser.add_argument("--levels", default="1,8,32")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=10.0, help="per side, level and round (the stack)")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--gateway-tokens", type=int, default=16)
+    parser.add_argument("--gateway-samples", type=int, default=1000, help="answers per side and level")
+    parser.add_argument("--phases", default="stack,gateway")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     levels = [int(level) for level in args.levels.split(",")]
+    phases = args.phases.split(",")
     models = args.work / "models"
+    size = "tiny" if REHEARSAL else "1b"
     made = time.monotonic()
     checkpoints = {
-        "llm": make_untrained_llm(models / "llm-1b", size="1b", tokenizer_dir=TOKENIZER),
+        "llm": make_untrained_llm(models / f"llm-{size}", size=size, tokenizer_dir=TOKENIZER),
         "reranker": make_untrained_encoder(models / "reranker", kind="reranker", tokenizer_dir=TOKENIZER),
         "embedder": make_untrained_encoder(
             models / "embedder", kind="embedding", remote_code=True, tokenizer_dir=TOKENIZER
         ),
     }
-    report: dict = {"making_checkpoints_s": round(time.monotonic() - made, 1), "levels": {}}
+    report: dict = {"making_checkpoints_s": round(time.monotonic() - made, 1), "stack": {}, "gateway": {}}
     plane = control_plane.start(args.work / "control-plane", model_roots=[models])
     try:
         started = time.monotonic()
-        _, key = deploy(plane, checkpoints)
+        deployment_id, key = deploy(plane, checkpoints)
         report["launch_to_ready_s"] = round(time.monotonic() - started, 1)
-        floor = Floor(checkpoints["llm"])
-        floor.run(1, 8)  # CUDA warm-up, not measured
-        served(plane.url, key, 1, 8)
+        triton = f"http://127.0.0.1:{plane.ok('GET', f'/api/deployments/{deployment_id}/')['http_port']}"
+        auth = {"Authorization": f"Bearer {key}"}
+        prompts = [f"{PROMPT}{i}" for i in range(256)]
+        chat = Target(
+            f"{plane.url}/v1/chat/completions",
+            lambda i: {
+                "model": "seed-llm",
+                "messages": [{"role": "user", "content": prompts[i % 256]}],
+                "max_tokens": args.tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "temperature": 1.0,
+            },
+            auth,
+            openai=True,
+        )
+        if REHEARSAL:
+            floor = Floor(checkpoints["llm"], "cpu", torch.float32)
+        else:
+            half = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            floor = Floor(checkpoints["llm"], "cuda:0", half)
+        for level in levels:  # warm-up (CUDA graphs, allocators), not measured
+            closed_loop(chat, level, 0.0)
+            floor.closed_loop(prompts, level, 0.0, 8)
         counts = {"embed": 0, "rerank": 0}
         stop = threading.Event()
         threads = side_load(plane.url, key, stop, counts)
@@ -234,49 +195,99 @@ def main() -> int:
         for thread in threads:
             thread.join()
         report["side_alone_per_s"] = {k: round(v / 10, 1) for k, v in counts.items()}
-        for level in levels:
-            sides: dict[str, dict] = {"served": {"samples": [], "wall": 0.0}, "floor": {"samples": [], "wall": 0.0}}
-            beside = {"embed": 0, "rerank": 0}
-            beside_s = 0.0
-            for round_ in range(args.rounds):
-                for side in ("served", "floor") if round_ % 2 == 0 else ("floor", "served"):
-                    stop = threading.Event()
-                    threads = side_load(plane.url, key, stop, beside) if side == "served" else []
-                    begun = time.perf_counter()
-                    samples = (
-                        served(plane.url, key, level, args.tokens)
-                        if side == "served"
-                        else floor.run(level, args.tokens)
-                    )
-                    wall = time.perf_counter() - begun
-                    stop.set()
-                    for thread in threads:
-                        thread.join()
-                    beside_s += wall if side == "served" else 0.0
-                    sides[side]["samples"] += samples
-                    sides[side]["wall"] += wall
-            row = {side: figures(value["samples"], value["wall"]) for side, value in sides.items()}
+
+        def served(level: int, beside: dict, clock: list) -> tuple[list[dict], float]:
+            stop = threading.Event()
+            threads = side_load(plane.url, key, stop, beside)
+            samples, wall = closed_loop(chat, level, args.seconds)
+            stop.set()
+            for thread in threads:
+                thread.join()
+            clock[0] += wall
+            return samples, wall
+
+        def in_process(level: int, beside: dict, clock: list) -> tuple[list[dict], float]:
+            return floor.closed_loop(prompts, level, args.seconds, args.tokens)
+
+        for level in levels if "stack" in phases else []:
+            beside, clock = {"embed": 0, "rerank": 0}, [0.0]
+            row = _alternating({"served": served, "floor": in_process}, level, args.rounds, beside=beside, clock=clock)
             row["served_over_floor"] = round(row["served"]["tokens_per_s"] / row["floor"]["tokens_per_s"], 3)
-            row["side_beside_per_s"] = {k: round(v / beside_s, 1) for k, v in beside.items()}
-            report["levels"][level] = row
-            print(json.dumps({level: row}), flush=True)
+            row["side_beside_per_s"] = {k: round(v / clock[0], 1) for k, v in beside.items()}
+            report["stack"][level] = row
+            print(json.dumps({"stack": {level: row}}), flush=True)
+
+        body = {"max_tokens": args.gateway_tokens, "stream": True, "temperature": 1.0}
+        usage = {"model": "seed-llm", "stream_options": {"include_usage": True}}
+        gateway = Target(
+            f"{plane.url}/v1/completions", lambda i: {**body, **usage, "prompt": prompts[i % 256]}, auth, openai=True
+        )
+        direct = Target(f"{triton}/v2/models/llm/generate_stream", lambda i: {**body, "text_input": prompts[i % 256]})
+        per_round = math.ceil(args.gateway_samples / args.rounds)
+        for level in levels if "gateway" in phases else []:
+            sides = {
+                "gateway": lambda level: closed_loop(gateway, level, 0.0, per_round),
+                "triton": lambda level: closed_loop(direct, level, 0.0, per_round),
+            }
+            row = _alternating(sides, level, args.rounds)
+            row["added_ttft_p50_ms"] = round(row["gateway"]["ttft_p50_ms"] - row["triton"]["ttft_p50_ms"], 2)
+            if row["gateway"]["ttft_p99_ms"] is not None and row["triton"]["ttft_p99_ms"] is not None:
+                row["added_ttft_p99_ms"] = round(row["gateway"]["ttft_p99_ms"] - row["triton"]["ttft_p99_ms"], 2)
+            row["tokens_per_s_ratio"] = round(row["gateway"]["tokens_per_s"] / row["triton"]["tokens_per_s"], 3)
+            report["gateway"][level] = row
+            print(json.dumps({"gateway": {level: row}}), flush=True)
     finally:
         plane.stop()
-    print(
-        f"\n{'streams':>7} | {'served tok/s':>12} | {'floor tok/s':>11} | {'served/floor':>12} (target >= 0.9) | "
-        f"{'TTFT p50 served':>15} | {'TTFT p50 floor':>14} | embed, rerank req/s beside (alone "
-        f"{report['side_alone_per_s']['embed']}, {report['side_alone_per_s']['rerank']})"
-    )
-    for level, row in report["levels"].items():
-        print(
-            f"{level:>7} | {row['served']['tokens_per_s']:>12} | {row['floor']['tokens_per_s']:>11} | "
-            f"{row['served_over_floor']:>12}x{'':16} | {row['served']['ttft_p50_ms']:>13}ms | "
-            f"{row['floor']['ttft_p50_ms']:>12}ms | {row['side_beside_per_s']['embed']}, "
-            f"{row['side_beside_per_s']['rerank']}"
-        )
+    _print(report)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _print(report: dict) -> None:
+    if report["stack"]:
+        alone = report["side_alone_per_s"]
+        print(
+            f"\nthe stack: served (/v1, embed and rerank beside) against plain generate in-process; "
+            f"target served/floor >= 0.9; embed, rerank req/s alone {alone['embed']}, {alone['rerank']}"
+        )
+        print(
+            f"{'streams':>7} {'side':>7} {'tok/s':>9} {'per stream':>10} {'TTFT p50':>9} {'p90':>8} {'p99':>8} "
+            f"{'n':>6}  served/floor  embed, rerank beside"
+        )
+        for level, row in report["stack"].items():
+            for side in ("served", "floor"):
+                f = row[side]
+                tail = (
+                    f"  {row['served_over_floor']:>11}x  {row['side_beside_per_s']['embed']}, "
+                    f"{row['side_beside_per_s']['rerank']}"
+                    if side == "served"
+                    else ""
+                )
+                print(
+                    f"{level:>7} {side:>7} {f['tokens_per_s']:9.1f} {f['per_stream_tokens_per_s'] or 0:10.1f} "
+                    f"{f['ttft_p50_ms']:9.1f} {f['ttft_p90_ms']:8.1f} {p99_text(f['ttft_p99_ms'])} "
+                    f"{f['samples']:6d}{tail}"
+                )
+    if report["gateway"]:
+        print("\nthe gateway's cost: /v1/completions against Triton's generate_stream, same prompts")
+        print(
+            f"{'streams':>7} {'side':>7} {'tok/s':>9} {'TTFT p50':>9} {'p99':>8} {'n':>6}  "
+            f"added TTFT p50, p99 (target p99 < 2 ms)  tok/s ratio (>= 0.97)"
+        )
+        for level, row in report["gateway"].items():
+            for side in ("gateway", "triton"):
+                f = row[side]
+                tail = (
+                    f"  {row['added_ttft_p50_ms']:+.2f}, {row.get('added_ttft_p99_ms', 'n<1000')} ms"
+                    f"{'':>25}{row['tokens_per_s_ratio']}x"
+                    if side == "gateway"
+                    else ""
+                )
+                print(
+                    f"{level:>7} {side:>7} {f['tokens_per_s']:9.1f} {f['ttft_p50_ms']:9.2f} "
+                    f"{p99_text(f['ttft_p99_ms'])} {f['samples']:6d}{tail}"
+                )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.api import _seed  # noqa: E402
-from bench.common import add_database_argument, percentile, server, setup_postgres  # noqa: E402
+from bench.harness import add_database_argument, percentile, server, setup_postgres  # noqa: E402
 
 # As static/gantry.js reconnects.
 RECONNECT_FIRST_S, RECONNECT_MAX_S, RECONNECT_JITTER_S = 0.5, 0.75, 0.25

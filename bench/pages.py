@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import add_database_argument, percentile, server, setup_postgres  # noqa: E402
+from bench.harness import add_database_argument, percentile, server, setup_postgres  # noqa: E402
 
 DEPLOYMENTS, EVENTS, HOSTS = 100, 100_000, 10
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import add_database_argument, setup_postgres  # noqa: E402
+from bench.harness import add_database_argument, setup_postgres  # noqa: E402
 
 REQUESTS = 300
 

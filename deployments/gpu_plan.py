@@ -14,7 +14,8 @@ instance is a process that caps its own allocations at the fraction. What the
 share must hold is planned per backend: an engine's files and its KV-cache
 tokens, the LLM API's weights and KV cache, and for the transformers path the
 16-bit weights, a KV cache for max_num_sequences sequences of max_seq_len
-tokens, and the activations of one prefill chunk.
+tokens (allocated at load: python_models/gantry_decode.py), and the activations
+of one prefill chunk.
 """
 
 from __future__ import annotations
@@ -31,14 +32,27 @@ from deployments.models import Backend, DeploymentModel, EngineBuild, InstanceKi
 # KV cache unless the placement says otherwise (kv_cache_free_gpu_mem_fraction).
 DEFAULT_KV_CACHE_SHARE = 0.9
 # The transformers path prefills at most this many (padded) prompt tokens per
-# forward pass (python_models/causal_lm_model.py), so its activations are bounded.
+# forward pass (python_models/gantry_decode.py), so its activations are bounded.
 PREFILL_TOKENS = 4096
 # The context a transformers placement serves when it names none: the checkpoint's,
 # capped so that a long-context checkpoint does not plan its KV cache for 128k tokens.
 DEFAULT_MAX_SEQ_LEN = 4096
-# The dynamic KV cache of the transformers path is copied when sequences join a
-# running batch (old and new copies live together for a moment): planned twice.
-DYNAMIC_CACHE_COPIES = 2
+# A model with sliding-window (or other non-full) attention layers decodes with
+# its own growing cache, which is re-allocated as it grows (old and new copies
+# live together for a moment): its KV cache is planned twice. Full attention
+# uses the decoder's slot cache, allocated once.
+GROWING_CACHE_COPIES = 2
+
+
+def kv_cache_copies(config: dict[str, Any], max_seq_len: int) -> int:
+    """How many KV caches of the planned size a transformers LLM holds at once: one
+    in the slot cache (every layer full attention within max_seq_len), else
+    GROWING_CACHE_COPIES (the same rule as gantry_decode.Decoder's)."""
+    window = config.get("sliding_window")
+    kinds = set(config.get("layer_types") or ["full_attention"])
+    if (window and window < max_seq_len) or kinds != {"full_attention"}:
+        return GROWING_CACHE_COPIES
+    return 1
 
 
 def resolve_instances(
@@ -134,7 +148,7 @@ def transformers_needs(
     model: RegisteredModel, *, max_num_sequences: int, max_seq_len: int, element_bytes: int = 2
 ) -> TransformersNeeds:
     """The 16-bit (or fp32) weights, a KV cache for ``max_num_sequences`` sequences of
-    ``max_seq_len`` tokens (held twice: see DYNAMIC_CACHE_COPIES), and the
+    ``max_seq_len`` tokens (times kv_cache_copies), and the
     activations of one prefill pass of PREFILL_TOKENS tokens (or one whole
     sequence, if longer) plus the logits of a decode step."""
     parameters = model.parameter_count or model.size_bytes // 2
@@ -143,7 +157,7 @@ def transformers_needs(
     intermediate = int(config.get("intermediate_size") or 4 * hidden)
     vocab = model.vocab_size or int(config.get("vocab_size") or 0)
     kv = (
-        DYNAMIC_CACHE_COPIES
+        kv_cache_copies(config, max_seq_len)
         * max_num_sequences
         * max_seq_len
         * kv_bytes_per_token(model, None, element_bytes=element_bytes)

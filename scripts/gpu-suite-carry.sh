@@ -8,7 +8,9 @@
 #            SciPy 1.17 for the python-backend stub (it is built for numpy 1),
 #            and Debian's redis-server; unpacked and xz-compressed.
 #   .gpuw2/: tritonserver (the nvidia-pytriton wheel, trimmed to CPython 3.12's
-#            stub) and AIPerf with what it needs beyond that machine's packages.
+#            stub), AIPerf with what it needs beyond that machine's packages, and
+#            the lock's transformers, tokenizers, huggingface-hub and safetensors
+#            (the python models run on them, not on the machine's older ones).
 # Usage: scripts/gpu-suite-carry.sh PYTHON   (the venv's python, for pip)
 set -euo pipefail
 PY=${1:?usage: $0 PYTHON}
@@ -62,6 +64,11 @@ pinned aiperf.lock $aiperf > "$work/aiperf.txt"
 wheels "$work/aiperf" -r "$work/aiperf.txt"
 unpack "$work/aiperf" "$work/site/aiperf"
 tar -C "$work/site" -cf - aiperf | xz -T0 -9 > .gpuw2/aiperf.tar.xz
+
+# The lock's Hugging Face stack, before the machine's own in the venv.
+wheels "$work/hf" $(pinned requirements.lock transformers tokenizers huggingface_hub safetensors click)
+unpack "$work/hf" "$work/site/hf"
+tar -C "$work/site" -cf - hf | xz -T0 -9 > .gpuw2/hf.tar.xz
 
 # tritonserver as the process runtime finds it (pytriton/tritonserver, nvidia_pytriton.libs).
 wheels "$work/triton" "$(pinned requirements.lock nvidia-pytriton)"

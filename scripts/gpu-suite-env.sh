@@ -5,8 +5,9 @@
 #   gpu-suite-env.sh gantry   (from .gpuw1): a venv (GANTRY_GPU_VENV, default /root/gv) over the
 #                              machine's python3 site-packages, with numpy 1.26 before its numpy 2
 #                              (the python-backend stub is built for numpy 1), and redis-server
-#   gpu-suite-env.sh triton   (from .gpuw2): tritonserver and AIPerf (in its own folder, on the
-#                              machine's numpy 2, behind a wrapper GANTRY_AIPERF points at)
+#   gpu-suite-env.sh triton   (from .gpuw2): tritonserver, the lock's transformers stack, and
+#                              AIPerf (in its own folder, on the machine's numpy 2, behind a
+#                              wrapper GANTRY_AIPERF points at)
 #   gpu-suite-env.sh env      the exports, to eval
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,7 @@ case "${1:?gantry, triton or env}" in
     ;;
   triton)
     tar -xJf .gpuw2/triton.tar.xz -C "$site"
+    tar -xJf .gpuw2/hf.tar.xz -C "$site" --strip-components=1
     # Wheels added beside the archives since they were packed.
     for wheel in .gpuw2/*.whl; do [ -e "$wheel" ] && python3 -m zipfile -e "$wheel" "$site"; done
     mkdir -p /root/aiperf-site

@@ -65,7 +65,7 @@ CAUSAL_LM_MODEL_FILE = "causal_lm_model.py"
 @dataclass(frozen=True)
 class CausalLmSpec:
     """A HuggingFace causal LM on the python backend (python_models/causal_lm_model.py):
-    decoupled, with the TensorRT-LLM ensemble's inputs and outputs."""
+    decoupled, with the generate interface of the TensorRT-LLM route."""
 
     name: str
     checkpoint_path: str
@@ -221,6 +221,8 @@ def read_config(model_dir: Path) -> mc.ModelConfig:
 ENGINE_GENERATE_MODEL_FILE = "engine_generate_model.py"
 # Copied beside every generating python model's model.py (python_models/gantry_text.py).
 TEXT_HELPER_FILE = "gantry_text.py"
+# Copied beside the causal-LM model's model.py (python_models/gantry_decode.py).
+DECODE_HELPER_FILE = "gantry_decode.py"
 
 
 @dataclass(frozen=True)

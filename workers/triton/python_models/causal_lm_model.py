@@ -1,29 +1,27 @@
 """Triton python-backend model: text generation from a HuggingFace causal-LM
 checkpoint (whatever transformers' AutoModelForCausalLM loads from a folder).
 
-Gantry copies this file to <repository>/<model>/1/model.py. Its inputs and
-outputs are those of the TensorRT-LLM ensemble, so every door treats both
-alike: text_input and max_tokens in; optional temperature, top_p, top_k,
-random_seed, repetition_penalty, stop_words and stream; text_output out (one
-response per new piece of text when streaming, else one), with
-num_input_tokens and num_output_tokens (the tokens this response adds) so
-callers can count usage.
+Gantry copies this file to <repository>/<model>/1/model.py, with gantry_decode.py
+and gantry_text.py beside it. Its inputs and outputs are those of the
+TensorRT-LLM route's generate model, so every door treats both alike:
+text_input and max_tokens in; optional temperature, top_p, top_k, random_seed,
+repetition_penalty, stop_words and stream; text_output out (one response per
+new piece of text when streaming, else one), with num_input_tokens and
+num_output_tokens (the tokens this response adds) so callers can count usage.
 
 The model is decoupled. execute() only queues requests; one generation thread
-batches them continuously: between two decode steps, requests that arrived are
-prefilled together (left-padded) and join the running batch (their KV caches
-padded to a common length), and finished ones leave it, so N concurrent
-streams cost about one forward pass per token instead of N, however they
-arrive. Each sequence keeps its own sampling settings and random generator. A
-request whose client went away (is_cancelled) stops at the next step. Models
-whose cache is not a plain per-layer key/value cache (sliding windows, state
-space layers) batch only the requests that arrive together.
+runs a gantry_decode.Decoder, which batches them continuously (requests join
+and leave between decode steps) over a static KV cache and, on a GPU, CUDA
+graphs. Each request keeps its own sampling settings and random stream. A
+request whose client went away (is_cancelled, asked every few tokens) stops
+there.
 
 Its memory is bounded by what Gantry planned for it (deployments/gpu_plan.py):
 at most max_num_sequences sequences generate at once, each of at most
-max_seq_len tokens (prompt and output), and prompts are prefilled at most
-PREFILL_TOKENS (padded) tokens per forward pass, keeping only the last
-position's logits. Text is sent as it becomes certain (gantry_text.TextStream).
+max_seq_len tokens (prompt and output); their KV cache is allocated once, at
+load, inside this process's cap, so a cache too large for the placement fails
+the load rather than a request. Text is sent as it becomes certain
+(gantry_text.TextStream).
 
 Parameters (config.pbtxt): checkpoint_path, max_num_sequences, max_seq_len,
 dtype (auto: bfloat16 or float16 on a GPU, float32 on a CPU),
@@ -33,23 +31,25 @@ process's PyTorch allocations on that GPU.
 
 import json
 import queue
+import random
 import threading
 import time
 
 import numpy as np
 import torch
+import transformers
 import triton_python_backend_utils as pb_utils
+from gantry_decode import Decoder
 from gantry_text import TextStream
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.cache_utils import DynamicLayer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # How long a wave waits for more requests after the first arrives (seconds):
 # concurrent clients rarely arrive in the same microsecond.
 GATHER_S = 0.002
-# The most (padded) prompt tokens one prefill forward pass takes; newcomers are
-# prefilled in groups within it (deployments/gpu_plan.py plans its activations).
-PREFILL_TOKENS = 4096
+# Tokens between two is_cancelled() calls for one request (each is a round trip
+# to Triton's core).
+CANCEL_CHECK_EVERY = 8
 
 
 def _parameter(config, key, default):
@@ -91,9 +91,7 @@ class _Sequence:
         self.stream = _scalar(request, "stream", False, bool)
         self.stops = [s for s in _strings(request, "stop_words") if s]
         seed = _scalar(request, "random_seed", None, int)
-        self.generator = None
-        if seed is not None:
-            self.generator = torch.Generator().manual_seed(seed)
+        self.random = None if seed is None else random.Random(seed)
         if not prompt:
             raise ValueError("text_input is empty")
         if self.max_tokens < 1:
@@ -124,62 +122,11 @@ class _Sequence:
         self.counted = len(self.output_ids)
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
 
-
-def _prefill_groups(sequences):
-    """Newcomers in groups whose padded prompts stay within PREFILL_TOKENS (a prompt
-    longer than that is prefilled alone), shortest first so padding stays small."""
-    groups, group = [], []
-    for sequence in sorted(sequences, key=lambda s: len(s.prompt_ids)):
-        longest = len(sequence.prompt_ids)
-        if group and (len(group) + 1) * longest > PREFILL_TOKENS:
-            groups.append(group)
-            group = []
-        group.append(sequence)
-    if group:
-        groups.append(group)
-    return groups
-
-
-class _Batch:
-    """Sequences decoding together: their KV cache, attention mask (left padding
-    as zeros), each row's last position, and the logits of each row's next token."""
-
-    def __init__(self, rows, past, attention, positions, logits):
-        self.rows, self.past, self.attention, self.positions, self.logits = rows, past, attention, positions, logits
-
-    @property
-    def mergeable(self):
-        layers = getattr(self.past, "layers", None)
-        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
-
-    def select(self, keep):
-        index = torch.tensor(keep, device=self.attention.device)
-        self.rows = [self.rows[i] for i in keep]
-        self.attention, self.positions, self.logits = self.attention[index], self.positions[index], self.logits[index]
-        for layer in self.past.layers:
-            layer.keys, layer.values = layer.keys[index], layer.values[index]
-
-    def merge(self, other):
-        """One batch of both: caches and masks left-padded to the longer one."""
-        if not other.mergeable:
-            raise RuntimeError("cannot join a cache of this kind")
-        width = max(self.attention.shape[-1], other.attention.shape[-1])
-
-        def pad(tensor, dim_from_end):
-            missing = width - tensor.shape[-dim_from_end]
-            if not missing:
-                return tensor
-            spec = [0, 0] * (dim_from_end - 1) + [missing, 0]
-            return torch.nn.functional.pad(tensor, spec)
-
-        self.attention = torch.cat([pad(self.attention, 1), pad(other.attention, 1)])
-        for mine, theirs in zip(self.past.layers, other.past.layers, strict=True):
-            mine.keys = torch.cat([pad(mine.keys, 2), pad(theirs.keys, 2)])
-            mine.values = torch.cat([pad(mine.values, 2), pad(theirs.values, 2)])
-        self.positions = torch.cat([self.positions, other.positions])
-        self.logits = torch.cat([self.logits, other.logits])
-        self.rows = self.rows + other.rows
-        return self
+    def fail(self, message):
+        if not self.done:
+            self.done = True
+            error = pb_utils.TritonError(message)
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
 
 
 class TritonPythonModel:
@@ -190,13 +137,14 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("parameter checkpoint_path is missing")
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("this model streams: its config must be decoupled")
-        self.max_batch = max(1, int(_parameter(config, "max_num_sequences", "8")))
+        max_batch = max(1, int(_parameter(config, "max_num_sequences", "8")))
         trust = _parameter(config, "trust_remote_code", "false") == "true"
         if args.get("model_instance_kind") == "GPU":
             device_id = int(args["model_instance_device_id"])
             fraction = float(_parameter(config, "gpu_memory_fraction", "0.1"))
             torch.cuda.set_per_process_memory_fraction(fraction, device=device_id)
             self.device = torch.device(f"cuda:{device_id}")
+            torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
         dtype = _parameter(config, "dtype", "auto")
@@ -218,15 +166,19 @@ class TritonPythonModel:
             eos = getattr(model_config, "eos_token_id", None)
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)
-        self.keep_last_logits = True
+        pad_id = pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)
+        self.decoder = Decoder(
+            self.model, max_batch=max_batch, max_len=self.context_len, pad_id=pad_id, log=pb_utils.Logger.log_info
+        )
+        self.decoder.warm_up()
         self.pending = queue.Queue()
         self.stopping = threading.Event()
         self.worker = threading.Thread(target=self._loop, name="gantry-generate", daemon=True)
         self.worker.start()
         pb_utils.Logger.log_info(
-            f"causal LM {checkpoint} on {self.device} as {dtype}, up to {self.max_batch} sequences at once, "
-            f"context {self.context_len} (torch {torch.__version__})"
+            f"causal LM {checkpoint} on {self.device} as {dtype}, up to {max_batch} sequences at once, "
+            f"context {self.context_len}: {self.decoder.mode} "
+            f"(torch {torch.__version__}, transformers {transformers.__version__})"
         )
 
     def execute(self, requests):
@@ -257,108 +209,38 @@ class TritonPythonModel:
         return taken
 
     def _loop(self):
-        batch = None
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
+        decoder, waiting = self.decoder, []
         while not self.stopping.is_set():
+            joining = []
             try:
-                room = self.max_batch - (len(batch.rows) if batch else 0)
-                if batch is None or batch.mergeable:
-                    newcomers = self._take(block=batch is None, room=room)
-                    for group in _prefill_groups(newcomers):
-                        joined = self._prefill(group)
-                        batch = joined if batch is None else batch.merge(joined)
-                if batch is not None:
-                    batch = self._step(batch)
+                room = decoder.room
+                if room:
+                    idle = not decoder.rows and not waiting
+                    waiting += self._take(block=idle, room=room - len(waiting))
+                    joining, waiting = waiting[:room], waiting[room:]
+                    if joining:
+                        waiting = decoder.admit(joining) + waiting
+                if not decoder.rows:
+                    continue
+                for sequence, token in decoder.step():
+                    self._advance(sequence, token)
+                decoder.release([s for s in decoder.rows if s.done])
             except Exception as exc:  # noqa: BLE001 - every request in the batch gets the error
                 pb_utils.Logger.log_error(f"generation failed: {exc}")
-                for sequence in batch.rows if batch else []:
-                    if not sequence.done:
-                        error = pb_utils.TritonError(f"generation failed: {exc}")
-                        sequence.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
-                        sequence.done = True
-                batch = None
-
-    @torch.inference_mode()
-    def _prefill(self, sequences):
-        longest = max(len(s.prompt_ids) for s in sequences)
-        input_ids = torch.full((len(sequences), longest), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(sequences), longest), dtype=torch.long)
-        for row, sequence in enumerate(sequences):
-            input_ids[row, longest - len(sequence.prompt_ids) :] = torch.tensor(sequence.prompt_ids)
-            attention[row, longest - len(sequence.prompt_ids) :] = 1
-        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        outputs = self._forward(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
-        return _Batch(sequences, outputs.past_key_values, attention, positions[:, -1:], outputs.logits[:, -1, :])
-
-    def _forward(self, **inputs):
-        """One forward pass, computing logits only for the last position where the
-        model can (a prefill's logits for every prompt token would dwarf its KV cache)."""
-        if self.keep_last_logits:
-            try:
-                return self.model(**inputs, logits_to_keep=1)
-            except TypeError:
-                self.keep_last_logits = False  # a model (its own remote code) without the argument
-        return self.model(**inputs)
-
-    @torch.inference_mode()
-    def _step(self, batch):
-        """Sample each row's next token, send what is certain, drop finished rows, and
-        run one forward pass for the rest; None when nothing is left."""
-        chosen = []
-        logits = batch.logits.float().cpu()  # one copy per step, not one per row
-        for row, sequence in enumerate(batch.rows):
-            if sequence.sender.is_cancelled():
-                sequence.done = True
-                sequence.sender.send(flags=FINAL)
-                pb_utils.Logger.log_info(f"request cancelled by its client after {len(sequence.output_ids)} tokens")
-                chosen.append(self.pad_id)
-                continue
-            token = self._sample(sequence, logits[row].clone())
-            self._advance(sequence, token)
-            chosen.append(token)
-        keep = [row for row, sequence in enumerate(batch.rows) if not sequence.done]
-        if not keep:
-            return None
-        batch.select(keep)
-        tokens = torch.tensor([chosen[row] for row in keep], dtype=torch.long, device=self.device).unsqueeze(-1)
-        ones = torch.ones((len(keep), 1), dtype=torch.long, device=self.device)
-        batch.attention = torch.cat([batch.attention, ones], -1)
-        batch.positions = batch.positions + 1
-        outputs = self._forward(
-            input_ids=tokens,
-            attention_mask=batch.attention,
-            position_ids=batch.positions,
-            past_key_values=batch.past,
-            use_cache=True,
-        )
-        batch.past = outputs.past_key_values
-        batch.logits = outputs.logits[:, -1, :]
-        return batch
-
-    def _sample(self, sequence, logits):
-        if sequence.repetition_penalty != 1.0 and (sequence.output_ids or sequence.prompt_ids):
-            seen = torch.tensor(sorted(set(sequence.prompt_ids + sequence.output_ids)))
-            picked = logits[seen]
-            logits[seen] = torch.where(
-                picked > 0, picked / sequence.repetition_penalty, picked * sequence.repetition_penalty
-            )
-        if sequence.temperature == 0:
-            return int(torch.argmax(logits))
-        logits = logits / sequence.temperature
-        if sequence.top_k:
-            kth = torch.topk(logits, min(sequence.top_k, logits.numel())).values[-1]
-            logits[logits < kth] = float("-inf")
-        if sequence.top_p < 1.0:
-            ordered, order = torch.sort(logits, descending=True)
-            cumulative = torch.softmax(ordered, -1).cumsum(-1)
-            drop = cumulative - torch.softmax(ordered, -1) > sequence.top_p
-            logits[order[drop]] = float("-inf")
-        probabilities = torch.softmax(logits, -1)
-        return int(torch.multinomial(probabilities, 1, generator=sequence.generator))
+                for sequence in {id(s): s for s in decoder.rows + joining}.values():
+                    sequence.fail(f"generation failed: {exc}")
+                decoder.reset()
 
     def _advance(self, sequence, token):
         """Record one generated token; send the text that is now certain; finish on
-        end of sequence, a stop string, or max_tokens."""
+        end of sequence, a stop string, max_tokens, or a client that went away."""
+        if len(sequence.output_ids) % CANCEL_CHECK_EVERY == 0 and sequence.sender.is_cancelled():
+            sequence.done = True
+            sequence.sender.send(flags=FINAL)
+            pb_utils.Logger.log_info(f"request cancelled by its client after {len(sequence.output_ids)} tokens")
+            return
         finished = token in self.eos_ids
         piece = ""
         if not finished:
@@ -375,6 +257,6 @@ class TritonPythonModel:
     def finalize(self):
         self.stopping.set()
         self.worker.join(timeout=10)
-        self.model = None
+        self.decoder = self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -14,6 +14,7 @@ from workers.triton.config import (
     GENERATE_OUTPUTS,
     RERANK,
     Batching,
+    CausalLmSpec,
     Instances,
     PythonModelSpec,
     TrtllmSpec,
@@ -258,3 +259,12 @@ def test_repository_holds_the_engine_and_the_generate_model_with_its_code(tmp_pa
     ).read_text()
     assert (tmp_path / "repo" / "llama" / "1" / "gantry_text.py").is_file()
     assert not (tmp_path / "repo" / "llama-engine" / "1" / "model.py").exists()
+
+
+def test_repository_holds_the_causal_lm_with_its_decoder_and_text_helpers(tmp_path: Path):
+    spec = CausalLmSpec(name="chat", checkpoint_path="/models/tiny", batching=Batching(max_batch_size=8))
+    assert write_repository(tmp_path / "repo", [spec]) == ["chat"]
+    version = tmp_path / "repo" / "chat" / "1"
+    assert (version / "model.py").read_text() == (PYTHON_MODELS / "causal_lm_model.py").read_text()
+    for helper in ("gantry_decode.py", "gantry_text.py"):
+        assert (version / helper).read_text() == (PYTHON_MODELS / helper).read_text()

@@ -1,0 +1,177 @@
+"""Streamed generation, measured the same way by every LLM benchmark: closed-loop
+clients (each stream sends a request as soon as its last one ended) against
+Triton's generate_stream or an OpenAI-compatible /v1, and the floor they are
+compared with, plain transformers generate in the benchmark's own process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.harness import percentile
+
+
+@dataclass
+class Target:
+    """Where requests go: ``body(i)`` is the i-th request's JSON; ``openai`` says the
+    answer is /v1's chat or completion chunks (else Triton's generate_stream events)."""
+
+    url: str
+    body: Callable[[int], dict]
+    headers: dict = field(default_factory=dict)
+    openai: bool = False
+
+
+async def _one(session: Any, target: Target, i: int) -> dict | None:
+    started = time.perf_counter()
+    first, tokens = None, 0
+    async with session.post(target.url, json=target.body(i), headers=target.headers) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{target.url}: {response.status} {await response.text()}")
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"{target.url}: {event['error']}")
+            if target.openai:  # a chat chunk's delta, or a completion chunk's text; usage last
+                choice = event["choices"][0] if event.get("choices") else {}
+                text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
+            else:
+                text = event.get("text_output")
+                tokens += int(event.get("num_output_tokens", 0))
+            if text and first is None:
+                first = time.perf_counter()
+    ended = time.perf_counter()
+    if first is None:
+        return None
+    return {"ttft_ms": (first - started) * 1000, "tokens": tokens, "decode_s": ended - first, "ended": ended}
+
+
+def closed_loop(target: Target, streams: int, seconds: float, min_samples: int = 0) -> tuple[list[dict], float]:
+    """``streams`` clients, each sending requests one after another: at least one
+    each, then until ``seconds`` have passed and ``min_samples`` requests ended.
+    Returns the samples and the wall time from the start to the last answer."""
+    import aiohttp
+
+    async def run() -> tuple[list[dict], float]:
+        samples: list[dict] = []
+        counter = iter(range(10**9))
+        started = time.perf_counter()
+
+        async def client(session: Any) -> None:
+            while True:
+                sample = await _one(session, target, next(counter))
+                if sample:
+                    samples.append(sample)
+                if time.perf_counter() >= started + seconds and len(samples) >= min_samples:
+                    return
+
+        timeout = aiohttp.ClientTimeout(total=None)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+            await asyncio.gather(*(client(session) for _ in range(streams)))
+        return samples, (max(s["ended"] for s in samples) - started) if samples else seconds
+
+    return asyncio.run(run())
+
+
+def figures(samples: list[dict], wall: float) -> dict:
+    """Output tokens/s in all and per stream (median), and time to first token
+    p50/p90, and p99 from 1000 samples up (None below)."""
+    ttfts = [s["ttft_ms"] for s in samples]
+    rates = [(s["tokens"] - 1) / s["decode_s"] for s in samples if s["tokens"] > 1 and s["decode_s"] > 0]
+    return {
+        "samples": len(samples),
+        "tokens_per_s": round(sum(s["tokens"] for s in samples) / wall, 1),
+        "per_stream_tokens_per_s": round(statistics.median(rates), 1) if rates else None,
+        "ttft_p50_ms": round(percentile(ttfts, 0.5), 2),
+        "ttft_p90_ms": round(percentile(ttfts, 0.9), 2),
+        "ttft_p99_ms": round(percentile(ttfts, 0.99), 2) if len(ttfts) >= 1000 else None,
+    }
+
+
+def p99_text(value: float | None, width: int = 8) -> str:
+    return f"{value:{width}.1f}" if value is not None else f"{'n<1000':>{width}}"
+
+
+class Floor:
+    """A checkpoint in this process under plain transformers generate: batches of
+    as many prompts as there are streams, min_new_tokens = max_new_tokens."""
+
+    def __init__(self, checkpoint: Path, device: str, dtype: Any) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch, self.device = torch, device
+        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        self.tokenizer.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+
+    def sync(self) -> None:
+        if self.device != "cpu":
+            self.torch.cuda.synchronize()
+
+    def closed_loop(self, prompts: list[str], streams: int, seconds: float, tokens: int) -> tuple[list[dict], float]:
+        """Batches of ``streams`` prompts, one after another, for ``seconds`` (at least one)."""
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        first: list[float] = []
+        sync = self.sync
+
+        class FirstStep(LogitsProcessor):
+            """Notes when generate asks for the first token's scores (the prompts are prefilled)."""
+
+            def __call__(self, input_ids, scores):  # noqa: ANN001, ANN204
+                if not first:
+                    sync()
+                    first.append(time.perf_counter())
+                return scores
+
+        samples: list[dict] = []
+        started = time.perf_counter()
+        while not samples or time.perf_counter() < started + seconds:
+            first.clear()
+            batch = [prompts[(len(samples) + i) % len(prompts)] for i in range(streams)]
+            inputs = self.tokenizer(batch, return_tensors="pt", padding=True, return_token_type_ids=False)
+            begun = time.perf_counter()
+            with self.torch.inference_mode():
+                self.model.generate(
+                    **inputs.to(self.device),
+                    max_new_tokens=tokens,
+                    min_new_tokens=tokens,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    logits_processor=LogitsProcessorList([FirstStep()]),
+                )
+            sync()
+            ended = time.perf_counter()
+            sample = {"ttft_ms": (first[0] - begun) * 1000, "tokens": tokens, "decode_s": ended - first[0]}
+            samples += [{**sample, "ended": ended}] * streams
+        return samples, max(s["ended"] for s in samples) - started
+
+
+def copy_rate(torch: Any, device: str) -> float:
+    """Bytes per second a same-device copy moves (read plus write), best of 10."""
+    size = 2**30 if device != "cpu" else 2**28
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(10):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        begun = time.perf_counter()
+        target.copy_(source)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - begun)
+    return 2 * size / best
