@@ -81,6 +81,9 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # write after another process wrote fails at once with "database is locked",
     # whatever the timeout (seen from the demo's outbox sender).
     DATABASES["default"]["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
+    # Readers never wait for a writer's commit (the gateway's reads beside the
+    # worker's and the usage flush's writes).
+    DATABASES["default"]["OPTIONS"]["init_command"] = "PRAGMA journal_mode=WAL"
 elif DATABASE_POOL_SIZE:
     if DATABASES["default"]["CONN_MAX_AGE"]:
         raise ImproperlyConfigured("DATABASE_CONN_MAX_AGE: must be 0 with a pool (DATABASE_POOL_SIZE=0 turns it off)")

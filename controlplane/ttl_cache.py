@@ -4,12 +4,21 @@ Token checks and routes are read on every request of the gateway, the lean
 generate path and the REST API; kept for ``ttl_s`` (a second), each is read
 once a second per key instead. The price is that a change (a revoked token,
 a stopped deployment, a moved alias) takes effect within that second.
+
+The gateway reads through fetch(): past its second a value is still served,
+for at most one second more, while one background read replaces it, so no
+request waits on the database but a key's first (or one after a quiet spell).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 MISSING = object()
 
@@ -18,6 +27,7 @@ class TtlCache:
     def __init__(self, ttl_s: float = 1.0, max_entries: int = 10_000) -> None:
         self.ttl_s, self.max_entries = ttl_s, max_entries
         self._entries: dict[Any, tuple[float, Any]] = {}
+        self._refreshing: dict[Any, asyncio.Task] = {}
 
     def get(self, key: Any, default: Any = None) -> Any:
         """The value kept for ``key`` if it is fresh, else ``default``."""
@@ -29,6 +39,27 @@ class TtlCache:
             self._entries.clear()  # a flood of distinct keys: start again rather than grow
         self._entries[key] = (time.monotonic() + self.ttl_s, value)
         return value
+
+    async def fetch(self, key: Any, read: Callable[[], Awaitable[Any]]) -> Any:
+        """The value for ``key``: kept and fresh, else stale by less than ttl_s (while
+        one background read() replaces it), else read() now."""
+        entry = self._entries.get(key)
+        now = time.monotonic()
+        if entry is not None and entry[0] > now:
+            return entry[1]
+        if entry is not None and entry[0] + self.ttl_s > now:
+            if key not in self._refreshing:
+                self._refreshing[key] = asyncio.get_running_loop().create_task(self._refresh(key, read))
+            return entry[1]
+        return self.put(key, await read())
+
+    async def _refresh(self, key: Any, read: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            self.put(key, await read())
+        except Exception as exc:  # noqa: BLE001 - the stale value ages out; the next request reads itself
+            log.warning("refreshing a cached %r failed: %s", key, exc)
+        finally:
+            self._refreshing.pop(key, None)
 
     def clear(self) -> None:
         self._entries.clear()

@@ -44,15 +44,16 @@ DEFAULT_MAX_SEQ_LEN = 4096
 GROWING_CACHE_COPIES = 2
 
 
-def kv_cache_copies(config: dict[str, Any], max_seq_len: int) -> int:
-    """How many KV caches of the planned size a transformers LLM holds at once: one
-    in the slot cache (every layer full attention within max_seq_len), else
-    GROWING_CACHE_COPIES (the same rule as gantry_decode.Decoder's)."""
+def kv_cache_sequences(config: dict[str, Any], max_num_sequences: int, max_seq_len: int) -> int:
+    """How many sequences of max_seq_len tokens a transformers LLM's KV cache holds at
+    once: the slot cache's, one slot per sequence and a scratch one (every layer full
+    attention within max_seq_len), else GROWING_CACHE_COPIES times them (the same
+    rule as gantry_decode.Decoder's)."""
     window = config.get("sliding_window")
     kinds = set(config.get("layer_types") or ["full_attention"])
     if (window and window < max_seq_len) or kinds != {"full_attention"}:
-        return GROWING_CACHE_COPIES
-    return 1
+        return GROWING_CACHE_COPIES * max_num_sequences
+    return max_num_sequences + 1
 
 
 def resolve_instances(
@@ -148,7 +149,7 @@ def transformers_needs(
     model: RegisteredModel, *, max_num_sequences: int, max_seq_len: int, element_bytes: int = 2
 ) -> TransformersNeeds:
     """The 16-bit (or fp32) weights, a KV cache for ``max_num_sequences`` sequences of
-    ``max_seq_len`` tokens (times kv_cache_copies), and the
+    ``max_seq_len`` tokens (kv_cache_sequences), and the
     activations of one prefill pass of PREFILL_TOKENS tokens (or one whole
     sequence, if longer) plus the logits of a decode step."""
     parameters = model.parameter_count or model.size_bytes // 2
@@ -157,8 +158,7 @@ def transformers_needs(
     intermediate = int(config.get("intermediate_size") or 4 * hidden)
     vocab = model.vocab_size or int(config.get("vocab_size") or 0)
     kv = (
-        kv_cache_copies(config, max_seq_len)
-        * max_num_sequences
+        kv_cache_sequences(config, max_num_sequences, max_seq_len)
         * max_seq_len
         * kv_bytes_per_token(model, None, element_bytes=element_bytes)
     )

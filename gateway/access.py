@@ -102,9 +102,7 @@ async def authenticate(headers: list[tuple[bytes, bytes]]) -> Caller:
     if not header.startswith(b"Bearer ") or not header[7:].strip():
         raise _invalid_key("Send your API key as 'Authorization: Bearer <key>'.")
     digest = secret_digest(header[7:].strip().decode("latin-1"))
-    found = _callers.get(digest)
-    if found is None:
-        found = _callers.put(digest, await db(_read_caller)(digest))
+    found = await _callers.fetch(digest, lambda: db(_read_caller)(digest))
     if isinstance(found, GatewayError):
         raise found
     if found.expires_at is not None and found.expires_at <= timezone.now():
@@ -146,9 +144,7 @@ async def resolve(caller: Caller, alias: Any, kind: str, endpoint: str) -> Targe
         raise GatewayError(400, "model: required (a model name from GET /v1/models)", param="model")
     if not caller.may_use(alias):
         raise model_not_found(alias)
-    target = _targets.get(alias)
-    if target is None:
-        target = _targets.put(alias, await db(_read_target)(alias) or False)
+    target = await _targets.fetch(alias, lambda: db(_read_target)(alias))
     if not target:
         raise model_not_found(alias)
     if target.kind and target.kind != kind:

@@ -187,7 +187,9 @@ def test_the_openai_client_chats_completes_embeds_and_reranks_through_the_gatewa
     def usage() -> dict | None:
         body = stack.session().get(f"{stack.web_url}/api/gateway/usage/?key={key['id']}", timeout=10).json()
         rows = {row["alias"]: row for row in body["results"]}
-        return rows if rows.get("embedder", {}).get("requests") == 3 and "reranker" in rows else None
+        # Each web process flushes its own counts: wait for all of them.
+        chats = rows.get("org/tiny-chat", {}).get("requests", 0)
+        return rows if rows.get("embedder", {}).get("requests") == 3 and "reranker" in rows and chats >= 5 else None
 
     rows = wait_for(usage, 10, "usage to be saved")
     chat_row = rows["org/tiny-chat"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from controlplane.ttl_cache import MISSING, TtlCache
@@ -20,3 +21,51 @@ def test_a_flood_of_keys_starts_again_instead_of_growing():
     for i in range(7):
         cache.put(i, i)
     assert len(cache._entries) <= 3 and cache.get(6) == 6
+
+
+def test_fetch_serves_a_stale_value_while_one_background_read_replaces_it():
+    reads: list[int] = []
+
+    async def read() -> int:
+        reads.append(len(reads))
+        await asyncio.sleep(0.01)
+        return len(reads)
+
+    async def scenario() -> None:
+        cache = TtlCache(ttl_s=0.05)
+        assert await cache.fetch("k", read) == 1  # the first request reads
+        assert await cache.fetch("k", read) == 1 and len(reads) == 1  # fresh: kept
+        await asyncio.sleep(0.06)
+        # Stale: served at once, twice, while a single read refreshes it.
+        assert [await cache.fetch("k", read), await cache.fetch("k", read)] == [1, 1]
+        await asyncio.sleep(0.02)
+        assert await cache.fetch("k", read) == 2 and len(reads) == 2
+        await asyncio.sleep(0.11)  # past ttl twice over: too old to serve, read now
+        assert await cache.fetch("k", read) == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_refresh_keeps_the_stale_value_only_until_it_is_too_old():
+    answers = iter([1, RuntimeError("database down"), RuntimeError("database down")])
+
+    async def read() -> int:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def scenario() -> None:
+        cache = TtlCache(ttl_s=0.05)
+        assert await cache.fetch("k", read) == 1
+        await asyncio.sleep(0.06)
+        assert await cache.fetch("k", read) == 1  # stale; its refresh fails in the background
+        await asyncio.sleep(0.06)
+        try:
+            await cache.fetch("k", read)
+        except RuntimeError as exc:
+            assert str(exc) == "database down"
+        else:
+            raise AssertionError("a value past its grace was served")
+
+    asyncio.run(scenario())

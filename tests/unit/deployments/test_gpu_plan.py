@@ -92,15 +92,15 @@ def test_the_transformers_kv_cache_is_planned_from_sequences_and_length(llama):
     RegisteredModel.objects.filter(pk=llama.pk).update(parameter_count=1_000_000_000)
     llama.refresh_from_db()
     needs = transformers_needs(llama, max_num_sequences=8, max_seq_len=1024)
-    # One slot cache: 8 sequences x 1024 tokens x (2 x 16 layers x 8 KV heads x 64 x 2 bytes).
-    assert needs.kv_cache == 8 * 1024 * 32768
+    # One slot cache: 8 sequences (and a scratch slot) x 1024 tokens x (2 x 16 layers x 8 KV heads x 64 x 2 bytes).
+    assert needs.kv_cache == 9 * 1024 * 32768
     assert needs.weights == 2_000_000_000
     assert needs.activations > 0
     # A sliding window shorter than the context: the model's own growing cache, planned twice.
     RegisteredModel.objects.filter(pk=llama.pk).update(config={**llama.config, "sliding_window": 512})
     llama.refresh_from_db()
     assert transformers_needs(llama, max_num_sequences=8, max_seq_len=1024).kv_cache == 2 * 8 * 1024 * 32768
-    assert transformers_needs(llama, max_num_sequences=8, max_seq_len=512).kv_cache == 8 * 512 * 32768
+    assert transformers_needs(llama, max_num_sequences=8, max_seq_len=512).kv_cache == 9 * 512 * 32768
 
 
 def test_the_preflight_of_a_change_leaves_the_changed_deployments_own_models_out(api, gpu_host, minilm, operator):

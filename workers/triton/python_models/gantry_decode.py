@@ -43,16 +43,22 @@ PREFILL_TOKENS = 4096
 # The attended width is rounded up to a power of two of at least this, so a
 # sequence crosses into a new graph a handful of times, not every token.
 MIN_WIDTH = 128
+# Prefill graphs up to this padded prompt length are captured at load (warm_up).
+WARM_PREFILL_WIDTH = 512
 
 
 class SlotCache(Cache):
     """A KV cache of fixed slots, one per sequence, each max_len positions long,
     allocated when the first layer writes (its heads and dtype are the model's).
+    The last slot is scratch: padding rows of a bucketed prefill write there.
 
     Before each forward pass, use() names the slots (rows), where each input token
     is written (its position in the sequence) and how many positions attention
-    reads. Every layer then scatters its new keys and values there and reads the
-    first ``width`` positions back; positions a row has not reached are masked.
+    reads: every layer scatters its new keys and values there and reads the first
+    ``width`` positions back; positions a row has not reached are masked.
+    use_fresh() is for prompts with nothing cached yet: the new keys and values
+    are written to the slots of ``rows`` (an index tensor) and attention reads
+    them as they are, so a prefill needs no slot contiguous with the batch.
     """
 
     def __init__(self, slots: int, max_len: int):
@@ -63,15 +69,28 @@ class SlotCache(Cache):
         self.rows = slice(0, 0)
         self.write = None
         self.width = 0
+        self.fresh = False
+
+    @property
+    def scratch(self) -> int:
+        return self.slots - 1
 
     def use(self, rows: slice, write: torch.Tensor, width: int) -> None:
-        self.rows, self.write, self.width = rows, write, width
+        self.rows, self.write, self.width, self.fresh = rows, write, width, False
+
+    def use_fresh(self, rows: torch.Tensor, write: torch.Tensor) -> None:
+        self.rows, self.write, self.width, self.fresh = rows, write, write.shape[1], True
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx == len(self.keys):
             for store, states in ((self.keys, key_states), (self.values, value_states)):
                 shape = (self.slots, states.shape[1], self.max_len, states.shape[3])
                 store.append(torch.zeros(shape, dtype=states.dtype, device=states.device))
+        if self.fresh:
+            rows = self.rows[:, None]
+            self.keys[layer_idx][rows, :, self.write] = key_states.transpose(1, 2)
+            self.values[layer_idx][rows, :, self.write] = value_states.transpose(1, 2)
+            return key_states, value_states
         keys, values = self.keys[layer_idx][self.rows], self.values[layer_idx][self.rows]
         index = self.write[:, None, :, None]
         keys.scatter_(2, index.expand(key_states.shape), key_states)
@@ -103,10 +122,28 @@ def _mask(positions: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tens
     return torch.zeros(reach.shape, dtype=dtype, device=positions.device).masked_fill_(~reach, torch.finfo(dtype).min)
 
 
+def _fresh_mask(first_real: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask (rows, 1, width, width) of left-padded prompts: a real token
+    reads the real tokens up to itself (row r's start at column first_real[r]); a pad
+    reads only itself."""
+    column = torch.arange(width, device=first_real.device)
+    query, key = column[:, None], column[None, :]
+    allowed = ((key <= query)[None] & (key[None] >= first_real[:, None, None])) | (key == query)[None]
+    shape = (first_real.shape[0], 1, width, width)
+    return torch.zeros(shape, dtype=dtype, device=first_real.device).masked_fill_(
+        ~allowed[:, None], torch.finfo(dtype).min
+    )
+
+
 def _bucket(n: int, limit: int) -> int:
     """A batch size rounded up to 1, 2, 4, 8 or a multiple of 8 (at most ``limit``)."""
     size = next((b for b in (1, 2, 4, 8) if b >= n), -(-n // 8) * 8)
     return min(size, limit)
+
+
+def _width(n: int, least: int) -> int:
+    """A length rounded up to a power of two of at least ``least``."""
+    return max(least, 1 << (n - 1).bit_length())
 
 
 class Decoder:
@@ -140,8 +177,12 @@ class Decoder:
         self.host_uniform = torch.zeros(batch, dtype=torch.float32, pin_memory=cuda)
         self.copied = torch.cuda.Event() if cuda else None
         self.cache = self._slot_cache()
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] | None = {} if cuda and graphs else None
-        self.pool = torch.cuda.graph_pool_handle() if self.graphs is not None else None
+        graphs = cuda and graphs and self.cache is not None
+        # Decode graphs by (batch, width); prefill graphs by (rows, width), with their inputs.
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] | None = {} if graphs else None
+        self.prefill_graphs: dict[tuple[int, int], tuple] | None = {} if graphs else None
+        self.prefill_logits = torch.zeros((batch, self.vocab), device=device) if graphs else None
+        self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.wave = None  # the model's own cache, when decoding in waves
 
     # --- what the caller sees -----------------------------------------------------
@@ -150,7 +191,10 @@ class Decoder:
     def mode(self) -> str:
         if self.cache is None:
             return "waves (the model's own cache)"
-        graphs = "CUDA graphs" if self.graphs is not None else "eager"
+        if self.graphs is None:
+            graphs = "eager"
+        else:
+            graphs = "CUDA graphs" if self.prefill_graphs is not None else "CUDA graphs (decode only)"
         return f"slot KV cache of {self.cache.nbytes / 2**30:.2f} GiB, {graphs}"
 
     @property
@@ -164,7 +208,7 @@ class Decoder:
     def admit(self, sequences: list) -> list:
         """Prefill ``sequences`` (at most ``room``); they decode from the next step.
         Returns those that must wait (a wave takes one prefill group)."""
-        groups = prefill_groups(sequences)
+        groups = prefill_groups(sequences, self._padded)
         if self.cache is None:
             groups, waiting = groups[:1], [s for group in groups[1:] for s in group]
         else:
@@ -183,7 +227,7 @@ class Decoder:
             if self.cache is None:
                 self._prefill_wave(group)
             else:
-                self._prefill_slots(group, first)
+                self._prefill(group, first)
             self.rows += group
             self.lengths += [len(s.prompt_ids) for s in group]
             self.alive += [True] * len(group)
@@ -237,15 +281,29 @@ class Decoder:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Capture the decode graphs of every batch size at the shortest width now,
-        so the first requests do not wait for them (longer widths come on first use)."""
+        """Capture now the graphs the first requests would otherwise wait for: the
+        decode step of every batch size at the shortest width, and prefills of up to
+        WARM_PREFILL_WIDTH tokens (longer ones, and wider decode steps, on first use)."""
         if self.graphs is None or self.rows:
             return
         sizes = sorted({_bucket(n, self.max_batch) for n in range(1, self.max_batch + 1)})
         self.pos.zero_()
         for batch in sizes:
-            if self._graph(batch, min(MIN_WIDTH, self.max_len)) is None:
+            if self._decode_graph(batch, min(MIN_WIDTH, self.max_len)) is None:
                 return
+        width = 16
+        while width <= min(WARM_PREFILL_WIDTH, self.max_len):
+            for rows in (rows for rows in sizes if rows * width <= PREFILL_TOKENS):
+                # Every row writes the scratch slot: nothing is running yet.
+                inputs = (
+                    torch.full((rows, width), self.pad_id, dtype=torch.long),
+                    torch.arange(width).repeat(rows, 1),
+                    torch.full((rows,), self.cache.scratch, dtype=torch.long),
+                    torch.zeros(rows, dtype=torch.long),
+                )
+                if self.prefill_graphs is None or self._prefill_graph(rows, width, inputs) is None:
+                    return
+            width *= 2
 
     def reset(self) -> None:
         """Forget every row (after an error, or when a wave ends)."""
@@ -297,11 +355,24 @@ class Decoder:
         return self.model(**inputs)
 
     def _run_slots(self, ids: torch.Tensor, positions: torch.Tensor, rows: slice, width: int) -> torch.Tensor:
+        """A forward pass over slots ``rows`` that reads what they hold (decode steps, prompt chunks)."""
         self.cache.use(rows, positions, width)
         outputs = self._forward(
             input_ids=ids,
             position_ids=positions,
             attention_mask=_mask(positions, width, self.dtype),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return outputs.logits[:, -1, :]
+
+    def _run_fresh(self, ids, positions, rows, first_real) -> torch.Tensor:
+        """A forward pass over left-padded prompts written to slots ``rows`` (an index tensor)."""
+        self.cache.use_fresh(rows, positions)
+        outputs = self._forward(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=_fresh_mask(first_real, ids.shape[1], self.dtype),
             past_key_values=self.cache,
             use_cache=True,
         )
@@ -316,13 +387,15 @@ class Decoder:
         if (window and window < self.max_len) or kinds != {"full_attention"}:
             self.log(f"attention layers {sorted(kinds)}, window {window}: decoding in waves")
             return None
-        cache = SlotCache(self.max_batch, self.max_len)
-        probe = torch.arange(5, device=self.device)[None, :] % self.vocab
+        cache = SlotCache(self.max_batch + 1, self.max_len)
+        device = self.device
+        probe = torch.arange(5, device=device)[None, :] % self.vocab
+        row, start = torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
         try:
             with torch.inference_mode():
                 self.cache = cache
-                got = [self._run_slots(probe[:, :4], torch.arange(4, device=self.device)[None, :], slice(0, 1), 4)]
-                got.append(self._run_slots(probe[:, 4:], torch.tensor([[4]], device=self.device), slice(0, 1), 5))
+                got = [self._run_fresh(probe[:, :4], torch.arange(4, device=device)[None, :], row, start)]
+                got.append(self._run_slots(probe[:, 4:], torch.tensor([[4]], device=device), slice(0, 1), 5))
                 want = self.model(input_ids=probe).logits[0, 3:5]
         except torch.cuda.OutOfMemoryError:
             raise
@@ -338,37 +411,85 @@ class Decoder:
             return None
         return cache
 
-    def _prefill_slots(self, group: list, first: int) -> None:
-        rows = slice(first, first + len(group))
+    def _padded(self, rows: int, longest: int) -> tuple[int, int]:
+        """The (rows, width) a prefill of ``rows`` prompts of at most ``longest`` tokens
+        runs at: bucketed where prefills replay graphs, else as they are."""
+        if self.prefill_graphs is None or _width(longest, 16) > self.max_len:
+            return rows, longest
+        return _bucket(rows, self.max_batch), _width(longest, 16)
+
+    def _prefill(self, group: list, first: int) -> None:
         longest = max(len(s.prompt_ids) for s in group)
         if len(group) == 1 and longest > PREFILL_TOKENS:
-            ids = torch.tensor(group[0].prompt_ids, device=self.device)[None, :]
-            for start in range(0, longest, PREFILL_TOKENS):
-                end = min(longest, start + PREFILL_TOKENS)
-                positions = torch.arange(start, end, device=self.device)[None, :]
-                logits = self._run_slots(ids[:, start:end], positions, rows, end)
-            self.logits[first] = logits[0].float()
+            self._prefill_chunks(group[0], first)
             return
         # Left-padded, so every row's last real token is the last column (one logits
         # row each). Real tokens are written at 0..len-1; pads after them, where the
         # first decode steps overwrite them and the mask hides them until then.
-        ids = torch.full((len(group), longest), self.pad_id, dtype=torch.long)
-        positions = torch.zeros((len(group), longest), dtype=torch.long)
+        # Padding rows (to the bucket) write the scratch slot.
+        rows, width = self._padded(len(group), longest)
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        positions = torch.arange(width).repeat(rows, 1)
+        slots = torch.full((rows,), self.cache.scratch, dtype=torch.long)
+        first_real = torch.zeros(rows, dtype=torch.long)
         for row, sequence in enumerate(group):
             length = len(sequence.prompt_ids)
-            ids[row, longest - length :] = torch.tensor(sequence.prompt_ids)
-            positions[row, longest - length :] = torch.arange(length)
-            positions[row, : longest - length] = torch.arange(length, longest)
-        ids, positions = ids.to(self.device), positions.to(self.device)
-        self.logits[rows] = self._run_slots(ids, positions, rows, longest).float()
+            ids[row, width - length :] = torch.tensor(sequence.prompt_ids)
+            positions[row, width - length :] = torch.arange(length)
+            positions[row, : width - length] = torch.arange(length, width)
+            slots[row], first_real[row] = first + row, width - length
+        inputs = (ids, positions, slots, first_real)
+        taken = slice(first, first + len(group))
+        graph = self._prefill_graph(rows, width, inputs) if self.prefill_graphs is not None else None
+        if graph is None:
+            self.logits[taken] = self._run_fresh(*(t.to(self.device) for t in inputs))[: len(group)].float()
+            return
+        graph, buffers = graph
+        for buffer, tensor in zip(buffers, inputs, strict=True):
+            buffer.copy_(tensor)
+        graph.replay()
+        self.logits[taken] = self.prefill_logits[: len(group)]
+
+    def _prefill_chunks(self, sequence, first: int) -> None:
+        """A prompt longer than one prefill pass, PREFILL_TOKENS at a time, each chunk
+        reading the ones before it from its slot."""
+        length = len(sequence.prompt_ids)
+        ids = torch.tensor(sequence.prompt_ids, device=self.device)[None, :]
+        for start in range(0, length, PREFILL_TOKENS):
+            end = min(length, start + PREFILL_TOKENS)
+            positions = torch.arange(start, end, device=self.device)[None, :]
+            logits = self._run_slots(ids[:, start:end], positions, slice(first, first + 1), end)
+        self.logits[first] = logits[0].float()
+
+    def _prefill_graph(self, rows: int, width: int, inputs: tuple):
+        """The prefill graph of this bucket and its input buffers, captured on first use
+        (with ``inputs`` in them, so its warm-up passes write what the replay will);
+        None (and eager prefills from then on) if the model cannot be captured."""
+        entry = self.prefill_graphs.get((rows, width))
+        if entry is not None:
+            return entry
+        buffers = tuple(tensor.to(self.device) for tensor in inputs)
+
+        def run() -> None:
+            self.prefill_logits[:rows] = self._run_fresh(*buffers)
+
+        try:
+            graph = self._capture(run)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any model that cannot be captured prefills eagerly
+            self.log(f"prefill graphs off ({type(exc).__name__}: {exc}): prefilling eagerly")
+            self.prefill_graphs = None
+            return None
+        self.prefill_graphs[(rows, width)] = entry = (graph, buffers)
+        return entry
 
     def _decode_slots(self, n: int) -> None:
         batch = _bucket(n, self.max_batch)
-        reach = max(self.lengths) + 1
-        width = min(self.max_len, max(MIN_WIDTH, 1 << (reach - 1).bit_length()))
+        width = min(self.max_len, _width(max(self.lengths) + 1, MIN_WIDTH))
         if batch > n:
             self.pos[n:batch] = 0  # padding rows write position 0 of free slots
-        graph = self._graph(batch, width) if self.graphs is not None else None
+        graph = self._decode_graph(batch, width) if self.graphs is not None else None
         if graph is not None:
             graph.replay()
         else:
@@ -377,31 +498,36 @@ class Decoder:
     def _decode_eager(self, batch: int, width: int) -> None:
         self.logits[:batch] = self._run_slots(self.ids[:batch], self.pos[:batch], slice(0, batch), width)
 
-    def _graph(self, batch: int, width: int):
+    def _decode_graph(self, batch: int, width: int):
         """The decode step's CUDA graph for this bucket, captured on first use; None
         (and eager from then on) if the model cannot be captured."""
         graph = self.graphs.get((batch, width))
         if graph is not None:
             return graph
         try:
-            # Warm-up runs compute exactly what the replay will (same inputs, same
-            # slot positions), so running the step more than once changes nothing.
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._decode_eager(batch, width)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._decode_eager(batch, width)
+            graph = self._capture(lambda: self._decode_eager(batch, width))
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - any model that cannot be captured runs eagerly
             self.log(f"CUDA graphs off ({type(exc).__name__}: {exc}): decoding eagerly")
-            self.graphs = None
+            self.graphs = self.prefill_graphs = None
             return None
         self.graphs[(batch, width)] = graph
+        return graph
+
+    def _capture(self, run) -> torch.cuda.CUDAGraph:
+        """``run`` as a CUDA graph. Its warm-up passes compute exactly what the replay
+        will (same inputs, same slot positions), so running it more than once changes
+        nothing."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            run()
         return graph
 
     # --- waves: the model's own cache -------------------------------------------------
@@ -439,13 +565,14 @@ class Decoder:
         self.logits[:n] = outputs.logits[:, -1, :].float()
 
 
-def prefill_groups(sequences: list) -> list[list]:
-    """Sequences in groups whose padded prompts stay within PREFILL_TOKENS (a longer
-    prompt goes alone, in chunks), shortest first so padding stays small."""
+def prefill_groups(sequences: list, padded=lambda rows, longest: (rows, longest)) -> list[list]:
+    """Sequences in groups whose padded prompts (``padded(rows, longest)``) stay
+    within PREFILL_TOKENS (a longer prompt goes alone, in chunks), shortest first so
+    padding stays small."""
     groups, group = [], []
     for sequence in sorted(sequences, key=lambda s: len(s.prompt_ids)):
-        longest = len(sequence.prompt_ids)
-        if group and (len(group) + 1) * longest > PREFILL_TOKENS:
+        rows, width = padded(len(group) + 1, len(sequence.prompt_ids))
+        if group and rows * width > PREFILL_TOKENS:
             groups.append(group)
             group = []
         group.append(sequence)

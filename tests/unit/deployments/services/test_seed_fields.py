@@ -271,7 +271,7 @@ def test_transformers_sequences_in_flight_and_length_are_planned_and_bounded(lla
     [spec] = plan.model_specs(selectors.deployment_list().get(pk=deployment.pk))
     assert (spec.max_num_sequences, spec.max_seq_len, spec.dtype) == (64, 1024, "bfloat16")
     [gpu] = selectors.deployment_plan(selectors.deployment_list().get(pk=deployment.pk))
-    assert gpu["models"][0]["kv_cache_bytes"] == 64 * 1024 * 32768  # one slot cache
+    assert gpu["models"][0]["kv_cache_bytes"] == 65 * 1024 * 32768  # one slot per sequence and a scratch one
     errors = _refusal(
         lambda: deployments.deployment_create(
             name="u",

@@ -106,6 +106,25 @@ def test_greedy_tokens_match_generate_as_sequences_join_and_leave_the_batch() ->
     assert decoder.rows == [] and decoder.room == 4
 
 
+class Bucketed(gantry_decode.Decoder):
+    """Prefills at the bucketed sizes a GPU's graphs run at, without graphs."""
+
+    def _padded(self, rows: int, longest: int) -> tuple[int, int]:
+        return gantry_decode._bucket(rows, self.max_batch), gantry_decode._width(longest, 16)
+
+
+def test_bucketed_prefills_pad_rows_into_the_scratch_slot_and_match_generate() -> None:
+    """On a GPU prefills run at bucketed sizes (to replay a graph per bucket): rows
+    beyond the group write the scratch slot, columns beyond the longest prompt are pads."""
+    model = llama()
+    decoder = Bucketed(model, max_batch=8, max_len=256, pad_id=0)
+    assert decoder._padded(3, 17) == (4, 32)
+    requests = [Request(prompt(i, 3 + 6 * i), max_tokens=4 + 3 * i) for i in range(7)]
+    serve(decoder, {0: requests[:3], 2: requests[3:]})
+    for request in requests:
+        assert request.output == generate(model, request)
+
+
 def test_a_prompt_longer_than_a_prefill_pass_is_prefilled_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gantry_decode, "PREFILL_TOKENS", 16)
     model = llama()
