@@ -20,10 +20,12 @@ and round; the order of the sides alternates every round.
    It prints tokens/s in all and per stream and time to first token for both,
    served/floor (target >= 0.9), and embed and rerank requests/s alone and beside.
 2. The gateway's own cost (issue 34), on this machine's cores: streamed
-   completions of --gateway-tokens tokens through /v1 against the same prompts
-   sent to Triton's generate_stream of the same deployment, nothing beside
-   them, until each side has --gateway-samples answers per level: added time to
-   first token p50/p99 (targets: p99 under 2 ms) and tokens/s ratio (>= 0.97).
+   completions of about --gateway-tokens tokens (the i-th request of each side
+   asks the same number, from half to one and a half times it) through /v1
+   against the same prompts sent to Triton's generate_stream of the same
+   deployment, nothing beside them, until each side has --gateway-samples
+   answers per level: added time to first token p50/p99 (targets: p99 under
+   2 ms) and tokens/s ratio (>= 0.97).
 
     make bench-gpu BENCH_GPU_ARGS="--rounds 2 --out report.json"
 """
@@ -217,12 +219,21 @@ def main() -> int:
             report["stack"][level] = row
             print(json.dumps({"stack": {level: row}}), flush=True)
 
-        body = {"max_tokens": args.gateway_tokens, "stream": True, "temperature": 1.0}
+        # The i-th request of either side asks the same number of tokens, from half to
+        # one and a half times --gateway-tokens: with one length for all, streams that
+        # start together end together and rejoin the decoder in lockstep, which the
+        # gateway's own jitter breaks, and the comparison measured that, not the gateway.
+        def body(i: int) -> dict:
+            tokens = args.gateway_tokens // 2 + (i * 7919) % args.gateway_tokens
+            return {"max_tokens": tokens, "stream": True, "temperature": 1.0}
+
         usage = {"model": "seed-llm", "stream_options": {"include_usage": True}}
         gateway = Target(
-            f"{plane.url}/v1/completions", lambda i: {**body, **usage, "prompt": prompts[i % 256]}, auth, openai=True
+            f"{plane.url}/v1/completions", lambda i: {**body(i), **usage, "prompt": prompts[i % 256]}, auth, openai=True
         )
-        direct = Target(f"{triton}/v2/models/llm/generate_stream", lambda i: {**body, "text_input": prompts[i % 256]})
+        direct = Target(
+            f"{triton}/v2/models/llm/generate_stream", lambda i: {**body(i), "text_input": prompts[i % 256]}
+        )
         per_round = math.ceil(args.gateway_samples / args.rounds)
         for level in levels if "gateway" in phases else []:
             sides = {

@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import orjson
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
@@ -145,6 +146,7 @@ class TritonClient:
 # --- text generation (Triton's generate extension) ------------------------------------
 
 _sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+_JSON = {"Content-Type": "application/json"}
 
 
 def _session() -> aiohttp.ClientSession:
@@ -168,7 +170,7 @@ async def generate_stream(url: str, model: str, inputs: dict[str, Any]) -> Async
     """
     endpoint = f"http://{url}/v2/models/{model}/generate_stream"
     try:
-        response = await _session().post(endpoint, json=inputs)
+        response = await _session().post(endpoint, data=orjson.dumps(inputs), headers=_JSON)
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
         raise TransientError(f"{model}: server unreachable at {url}: {exc}") from exc
     finished = False
@@ -176,10 +178,10 @@ async def generate_stream(url: str, model: str, inputs: dict[str, Any]) -> Async
         if response.status != 200:
             raise _refusal(model, response.status, await response.text())
         async for raw in response.content:
-            line = raw.decode("utf-8").strip()
-            if not line.startswith("data:"):
+            line = raw.strip()
+            if not line.startswith(b"data:"):
                 continue
-            event = json.loads(line[5:])
+            event = orjson.loads(line[5:])
             if "error" in event:
                 raise PermanentError(f"{model}: {event['error']}")
             yield event
