@@ -223,7 +223,7 @@ REST_FRAMEWORK = {
     "EXCEPTION_HANDLER": "deployments.api.base.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "deployments.api.schema.GantrySchema",
     # Bodies are JSON objects: nested specs and lists have no honest form encoding.
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["controlplane.parsers.JSONParser"],
     "DEFAULT_RENDERER_CLASSES": [
         "deployments.api.renderers.JSONRenderer",
         "rest_framework.renderers.BrowsableAPIRenderer",

@@ -10,6 +10,7 @@ from typing import Any
 
 from django.conf import settings
 
+from common.words import a
 from deployments import trtllm
 from deployments.errors import ValidationFailed
 from deployments.models import GpuHost, Inspection, ModelKind, RegisteredModel
@@ -75,7 +76,7 @@ def normalize_spec(raw: dict[str, Any], *, model: RegisteredModel, host: GpuHost
         errors.setdefault(name, []).append(message)
 
     if model.kind != ModelKind.LLM:
-        fail("model", f"{model.name} is a {model.kind} model; engines are built from llm checkpoints")
+        fail("model", f"{model.name} is {a(model.kind)} model; engines are built from llm checkpoints")
     if model.inspection != Inspection.READY:
         fail(
             "model", f"{model.name} is not inspected yet ({model.inspection}): {model.inspection_message}".rstrip(": ")

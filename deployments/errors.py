@@ -44,6 +44,10 @@ class PermanentError(GantryError):
     """An outside system refused in a way that retrying will not fix."""
 
 
+class ContextExceeded(PermanentError):
+    """A model refused a prompt that, with the tokens asked for, does not fit its context."""
+
+
 class ConfirmationRequired(InvalidTransition):
     """The action would disturb others (a load test on a deployment real clients
     use): ask again, confirmed."""

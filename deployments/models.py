@@ -28,6 +28,10 @@ slug_validator = RegexValidator(
     "use 1-63 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit",
 )
 
+# The database's integers are 64-bit: a larger id in a body, a query or a form is
+# refused by name (serializers and forms bound to it), never an OverflowError.
+DB_INT_MAX = 2**63 - 1
+
 
 class GpuHost(models.Model):
     name = models.CharField(max_length=63, unique=True, validators=[slug_validator])

@@ -10,14 +10,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections
+from django.db import InterfaceError, OperationalError, close_old_connections
 from django.utils import timezone
 
 from access.models import secret_digest
+from access.services import TOKEN_PREFIX
+from common.words import a
 from controlplane.ttl_cache import TtlCache
 from deployments.models import DeploymentModel, DeploymentStatus, ModelKind
 from gateway.errors import GatewayError, model_not_found, not_ready
 from gateway.models import Alias, ApiKey
+from gateway.services import KEY_PREFIX
 from playground.generation import route_of
 
 CACHE_S = 1.0
@@ -56,6 +59,9 @@ class Target:
 
 
 _callers, _targets = TtlCache(CACHE_S), TtlCache(CACHE_S)
+# The errors of a database that cannot be reached (restarting, say): keys and routes
+# read before it went away keep serving, as they were read; anything else is a 503.
+DATABASE_AWAY = (OperationalError, InterfaceError)
 
 
 def db(fn: Any) -> Any:
@@ -101,8 +107,14 @@ async def authenticate(headers: list[tuple[bytes, bytes]]) -> Caller:
     header = next((value for name, value in headers if name == b"authorization"), b"")
     if not header.startswith(b"Bearer ") or not header[7:].strip():
         raise _invalid_key("Send your API key as 'Authorization: Bearer <key>'.")
-    digest = secret_digest(header[7:].strip().decode("latin-1"))
-    found = await _callers.fetch(digest, lambda: db(_read_caller)(digest))
+    secret = header[7:].strip().decode("latin-1")
+    if secret.startswith(TOKEN_PREFIX):
+        raise _invalid_key(
+            f"This is a REST API token ({TOKEN_PREFIX}…): /v1 takes gateway keys ({KEY_PREFIX}…). Create one on "
+            "Gantry's gateway page or with POST /api/gateway/keys/."
+        )
+    digest = secret_digest(secret)
+    found = await _callers.fetch(digest, lambda: db(_read_caller)(digest), DATABASE_AWAY)
     if isinstance(found, GatewayError):
         raise found
     if found.expires_at is not None and found.expires_at <= timezone.now():
@@ -144,13 +156,13 @@ async def resolve(caller: Caller, alias: Any, kind: str, endpoint: str) -> Targe
         raise GatewayError(400, "model: required (a model name from GET /v1/models)", param="model")
     if not caller.may_use(alias):
         raise model_not_found(alias)
-    target = await _targets.fetch(alias, lambda: db(_read_target)(alias))
+    target = await _targets.fetch(alias, lambda: db(_read_target)(alias), DATABASE_AWAY)
     if not target:
         raise model_not_found(alias)
     if target.kind and target.kind != kind:
         raise GatewayError(
             400,
-            f"model {alias!r} is a {target.kind} model; {endpoint} needs a {kind} model",
+            f"model {alias!r} is {a(target.kind)} model; {endpoint} needs {a(kind)} model",
             param="model",
             code="model_not_supported",
         )

@@ -22,14 +22,15 @@ from typing import Any
 
 import numpy as np
 
+from common import jsonbody
 from controlplane.asgi_io import BodyTooLarge, read_body, send_json, stream_events
 from deployments.errors import GantryError
 from deployments.models import ModelKind
 from gateway import schemas
-from gateway.access import Caller, Target, authenticate, db, resolve, visible_aliases
-from gateway.errors import GatewayError, from_gantry
+from gateway.access import DATABASE_AWAY, Caller, Target, authenticate, db, resolve, visible_aliases
+from gateway.errors import GatewayError, database_away, from_gantry
 from gateway.metering import admit, charge, usage
-from playground.generation import Outcome, Prepared, Sampling, generate, prepare_generation
+from playground.generation import Outcome, Piece, Sampling, generate, prepare_generation
 from workers.triton.client import infer_async
 
 PREFIX = "/v1/"
@@ -68,14 +69,17 @@ async def handle(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if raw is None:
             return
         try:
-            body = json.loads(raw or b"null")
-        except ValueError as exc:
-            raise GatewayError(400, f"the body must be JSON: {exc}", code="invalid_json") from exc
+            body = jsonbody.loads(raw)
+        except jsonbody.InvalidJson as exc:
+            raise GatewayError(400, f"the body {exc}", code="invalid_json") from exc
         await handler(caller, body, receive, send)
     except BodyTooLarge as exc:
         await send_json(send, 413, GatewayError(413, str(exc)).body())
     except GatewayError as exc:
         await send_json(send, exc.status, exc.body(), exc.headers())
+    except DATABASE_AWAY:
+        away = database_away()
+        await send_json(send, away.status, away.body(), away.headers())
 
 
 # --- /v1/models ------------------------------------------------------------------------
@@ -130,16 +134,25 @@ async def _generation(caller: Caller, data: dict[str, Any], receive: Any, send: 
         raise from_gantry(exc, alias=target.alias) from exc
     shape = _Shape(chat=chat, alias=target.alias, notice=prepared.notice)
     outcome = Outcome()
+    prompt_param = "messages" if chat else "prompt"
     if data["stream"]:
+        # The first piece before the stream's headers: a refusal (a prompt beyond the
+        # context, a model not ready) is an HTTP error, as OpenAI's, not an event.
+        pieces = generate(prepared, stream=True, outcome=outcome)
+        try:
+            first = await anext(pieces, None)
+        except GantryError as exc:
+            _count(caller, target.alias, prompt=0, completion=0, failed=True)
+            raise from_gantry(exc, alias=target.alias, prompt_param=prompt_param) from exc
         include_usage = data.get("stream_options", {}).get("include_usage", False)
-        events = _stream(caller, target, prepared, outcome, shape, include_usage=include_usage)
+        events = _stream(caller, target, _resumed(first, pieces), outcome, shape, include_usage=include_usage)
         await stream_events(send, receive, events)
         return
     try:
         text = "".join([piece.text async for piece in generate(prepared, stream=False, outcome=outcome)])
     except GantryError as exc:
         _count(caller, target.alias, prompt=0, completion=outcome.completion_tokens, failed=True)
-        raise from_gantry(exc, alias=target.alias) from exc
+        raise from_gantry(exc, alias=target.alias, prompt_param=prompt_param) from exc
     _count(caller, target.alias, prompt=outcome.prompt_tokens or 0, completion=outcome.completion_tokens, failed=False)
     await send_json(send, 200, shape.whole(text, outcome))
 
@@ -195,14 +208,31 @@ def _sse(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
+async def _resumed(first: Piece | None, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    """``first`` (already read), then the rest; closing this closes the rest (and Triton's request)."""
+    try:
+        if first is not None:
+            yield first
+        async for piece in rest:
+            yield piece
+    finally:
+        await rest.aclose()
+
+
 async def _stream(
-    caller: Caller, target: Target, prepared: Prepared, outcome: Outcome, shape: _Shape, *, include_usage: bool
+    caller: Caller,
+    target: Target,
+    pieces: AsyncIterator[Piece],
+    outcome: Outcome,
+    shape: _Shape,
+    *,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
     failed = False
     try:
         if shape.chat:
             yield _sse(_with_usage(shape.chunk(None, first=True), include_usage))
-        async for piece in generate(prepared, stream=True, outcome=outcome):
+        async for piece in pieces:
             yield _sse(_with_usage(shape.chunk(piece.text), include_usage))
         yield _sse(_with_usage(shape.chunk(None if shape.chat else "", outcome.finish_reason), include_usage))
         if include_usage:
@@ -211,7 +241,8 @@ async def _stream(
     except GantryError as exc:
         failed = True
         yield _sse(from_gantry(exc, alias=target.alias).body())
-    finally:  # also when the client went away: what was generated counts
+    finally:  # also when the client went away: Triton's request ends, and what was generated counts
+        await pieces.aclose()
         _count(
             caller, target.alias, prompt=outcome.prompt_tokens or 0, completion=outcome.completion_tokens, failed=failed
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from deployments.errors import (
+    ContextExceeded,
     GantryError,
     InvalidTransition,
     NotFound,
@@ -43,8 +44,13 @@ def bad_request(param: str, message: str, code: str | None = None) -> GatewayErr
     return GatewayError(400, f"{param}: {message}", param=param, code=code)
 
 
-def from_gantry(exc: GantryError, *, alias: str) -> GatewayError:
-    """A model path's error, as a client of the gateway should see it."""
+def from_gantry(exc: GantryError, *, alias: str, prompt_param: str | None = None) -> GatewayError:
+    """A model path's error, as a client of the gateway should see it (``prompt_param``:
+    the field that carried the prompt, named when it does not fit the context)."""
+    if isinstance(exc, ContextExceeded):
+        message = str(exc).split(": ", 1)[-1]
+        return GatewayError(400, f"{message[:1].upper()}{message[1:]}.", param=prompt_param,
+                            code="context_length_exceeded")  # fmt: skip
     if isinstance(exc, ValidationFailed):
         param, rule = next(iter(exc.errors.items()), ("", str(exc)))
         rule = " ".join(rule) if isinstance(rule, list) else str(rule)
@@ -76,4 +82,12 @@ def not_ready(alias: str, why: str) -> GatewayError:
     return GatewayError(
         503, f"model {alias!r} is not ready: {why}", type="server_error", code="model_not_ready",
         retry_after=NOT_READY_RETRY_S,
+    )  # fmt: skip
+
+
+def database_away() -> GatewayError:
+    """Gantry's database cannot be reached, and what the request needed from it was not kept."""
+    return GatewayError(
+        503, "Gantry cannot reach its database right now; try again in a few seconds.", type="server_error",
+        code="service_unavailable", retry_after=NOT_READY_RETRY_S,
     )  # fmt: skip

@@ -13,6 +13,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from access.models import secret_digest
+from common.words import a
 from deployments.errors import NotFound, ValidationFailed
 from deployments.events import record, source_of
 from deployments.models import Deployment, DeploymentModel
@@ -77,7 +78,7 @@ def alias_move(*, alias_id: int, deployment_id: int, triton_name: str, user: Any
         if old_kind is not None and old_kind != placement.registered_model.kind:
             raise ValidationFailed(
                 {"model": f"{alias.name!r} serves a {old_kind} model; {deployment.name}/{triton_name} "
-                 f"is a {placement.registered_model.kind} (clients would break)"}
+                 f"is {a(placement.registered_model.kind)} (clients would break)"}
             )  # fmt: skip
         alias.deployment, alias.triton_name = deployment, triton_name
         alias.save(update_fields=["deployment", "triton_name", "updated_at"])
@@ -131,7 +132,7 @@ def key_create(
     if all_aliases == bool(alias_names):
         raise ValidationFailed({"aliases": "name the aliases this key may use, or set all_aliases (not both)"})
     aliases = list(Alias.objects.filter(name__in=alias_names))
-    missing = sorted(set(alias_names) - {a.name for a in aliases})
+    missing = sorted(set(alias_names) - {alias.name for alias in aliases})
     if missing:
         raise ValidationFailed({"aliases": f"no such alias: {', '.join(missing)}"})
     if expires_at is not None and expires_at <= timezone.now():

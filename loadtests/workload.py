@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.words import a
 from deployments.errors import ValidationFailed
 from deployments.models import ModelKind
 
@@ -35,7 +36,7 @@ def check(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     with defaults filled in; every broken rule at once, by field."""
     errors: dict[str, str] = {}
     if kind not in _DEFAULT_INPUT_TOKENS:
-        raise ValidationFailed({"model": f"a {kind} model cannot be load tested (llm, embedding or reranker)"})
+        raise ValidationFailed({"model": f"{a(kind)} model cannot be load tested (llm, embedding or reranker)"})
     llm = kind == ModelKind.LLM
     mode = spec.get("mode", "concurrency")
     levels = list(spec.get("levels") or [1])
@@ -70,11 +71,11 @@ def check(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     if llm and endpoint not in LLM_ENDPOINTS:
         errors["endpoint"] = f"one of {', '.join(LLM_ENDPOINTS)} for an LLM"
     elif not llm and endpoint != kind:
-        errors["endpoint"] = f"{kind} for a {kind} model"
+        errors["endpoint"] = f"{kind} for {a(kind)} model"
     for field, allowed in (("output_tokens", llm), ("batch_size", kind == ModelKind.EMBEDDING),
                            ("passages", kind == ModelKind.RERANKER)):  # fmt: skip
         if spec.get(field) is not None and not allowed:
-            errors[field] = f"does not apply to a {kind} model"
+            errors[field] = f"does not apply to {a(kind)} model"
     thresholds = dict(spec.get("thresholds") or {})
     for name in ("time_to_first_token_ms", "inter_token_latency_ms"):
         if name in thresholds and not streaming:

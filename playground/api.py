@@ -17,6 +17,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from access.services import bearer_secret, token_user, token_user_if_known
+from common import jsonbody
 from controlplane.ttl_cache import MISSING
 from deployments import chat_template
 from deployments.api.base import StrictSerializer, error_body, gantry_error, json_type_errors, problem, validated
@@ -143,9 +144,9 @@ async def generate_answer(
     database); when ``known`` already says who asks and the route is cached,
     the request is prepared on the event loop without that trip."""
     try:
-        body = json.loads(raw or b"null")
-    except ValueError:
-        return Answer(400, error_body({"body": ["must be JSON"]}))
+        body = jsonbody.loads(raw)
+    except jsonbody.InvalidJson as exc:
+        return Answer(400, error_body({"body": [str(exc)]}))
     if not isinstance(body, dict):
         return Answer(400, error_body({"body": ["must be a JSON object"]}))
     serializer = GenerateIn(data=body)

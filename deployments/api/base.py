@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.validators import MaxValueValidator, MinValueValidator
 from rest_framework import serializers, status
 from rest_framework.exceptions import ValidationError as DRFValidationError
 from rest_framework.request import Request
@@ -21,6 +22,7 @@ from deployments.errors import (
     TransientError,
     ValidationFailed,
 )
+from deployments.models import DB_INT_MAX
 
 # Each of Gantry's errors: its status code and machine-readable code.
 _STATUS_FOR: dict[type[GantryError], tuple[int, str]] = {
@@ -98,8 +100,31 @@ def field_errors(detail: Any, prefix: str = "") -> dict[str, list[str]]:
     return {prefix: [str(detail)]}
 
 
+def _bounded(field: serializers.Field) -> None:
+    """Bound an integer field (or a list's integer items) to what the database holds."""
+    if isinstance(field, serializers.ListField):
+        _bounded(field.child)
+    if not isinstance(field, serializers.IntegerField):
+        return
+    if field.max_value is None:
+        field.max_value = DB_INT_MAX
+        message = field.error_messages["max_value"].format(max_value=DB_INT_MAX)
+        field.validators.append(MaxValueValidator(DB_INT_MAX, message=message))
+    if field.min_value is None:
+        field.min_value = -DB_INT_MAX - 1
+        message = field.error_messages["min_value"].format(min_value=-DB_INT_MAX - 1)
+        field.validators.append(MinValueValidator(-DB_INT_MAX - 1, message=message))
+
+
 class _RefusesUnknownFields:
-    """Refuses fields it does not know, so a typo is an error, not a silent default."""
+    """Refuses fields it does not know, so a typo is an error, not a silent default;
+    and bounds every integer field to the database's 64 bits."""
+
+    def get_fields(self) -> dict[str, serializers.Field]:
+        fields = super().get_fields()
+        for field in fields.values():
+            _bounded(field)
+        return fields
 
     def to_internal_value(self, data: Any) -> Any:
         unknown = sorted(set(data) - set(self.fields)) if isinstance(data, dict) else []

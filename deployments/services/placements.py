@@ -21,6 +21,7 @@ from typing import Any
 from django.conf import settings
 from django.core.validators import MaxValueValidator
 
+from common.words import a
 from deployments import trtllm
 from deployments.errors import ValidationFailed
 from deployments.gpu_plan import (
@@ -282,7 +283,7 @@ def _check_transformers(spec: PlacementSpec, model: RegisteredModel, host: GpuHo
     if not causal and not model.config.get("auto_map"):
         fail(
             "model",
-            f"{model.name} is {_a(model.architecture or 'model of unknown architecture')}, "
+            f"{model.name} is {a(model.architecture or 'model of unknown architecture')}, "
             "not a causal language model transformers can generate with",
         )
     _refuse_engine_only(spec, fail, "the transformers path")
@@ -366,12 +367,12 @@ def _check_sentence_model(spec: PlacementSpec, model: RegisteredModel, host: Gpu
     """An embedder or reranker on the python backend: its precision, its input
     length (up to the checkpoint's positions), and weights its fraction can hold."""
     if spec.engine_build is not None:
-        fail("engine_build", f"{model.name} is {_a(model.kind)} model, not an llm")
+        fail("engine_build", f"{model.name} is {a(model.kind)} model, not an llm")
     if spec.llm_api:
-        fail("llm_api", f"{model.name} is {_a(model.kind)} model, not an llm")
-    _refuse_engine_only(spec, fail, f"{_a(model.kind)} model")
+        fail("llm_api", f"{model.name} is {a(model.kind)} model, not an llm")
+    _refuse_engine_only(spec, fail, f"{a(model.kind)} model")
     if spec.max_num_sequences is not None:
-        fail("max_num_sequences", f"{_a(model.kind)} model generates no sequences: max_batch_size bounds a batch")
+        fail("max_num_sequences", f"{a(model.kind)} model generates no sequences: max_batch_size bounds a batch")
     host_gpus = {gpu.index: gpu for gpu in host.gpus.all()}
     kind, gpus = resolve_instances(spec.instance_kind, spec.gpu_ids, host_gpus)
     _check_precision(spec, kind, gpus, host_gpus, fail)
@@ -427,10 +428,6 @@ def _element_bytes(spec: PlacementSpec, kind: str) -> int:
     return dtype_bytes(spec.dtype)
 
 
-def _a(noun: str) -> str:
-    return f"an {noun}" if noun[:1].lower() in "aeiou" else f"a {noun}"
-
-
 def placements_validate(*, host: GpuHost, specs: list[PlacementSpec], runtime: str, image: str) -> list[Resolved]:
     """Check a deployment's placements against each other and the host: known,
     inspected, servable models; unique names; batching and priority rules;
@@ -464,7 +461,7 @@ def placements_check(
             fail("model", f"no registered model named {spec.model!r}")
             continue
         if model.kind not in SERVABLE_KINDS:
-            fail("model", f"{model.name} is {_a(model.kind)} model; this version deploys "
+            fail("model", f"{model.name} is {a(model.kind)} model; this version deploys "
                           f"{', '.join(SERVABLE_KINDS)} models only")  # fmt: skip
         if model.inspection != Inspection.READY:
             fail("model", f"{model.name} is not inspected yet ({model.inspection}) {model.inspection_message}".rstrip())

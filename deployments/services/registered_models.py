@@ -9,6 +9,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
+from common.words import a
 from deployments import events, outbox, queues, states
 from deployments.checkpoints import CheckpointInfo, inspect_checkpoint, under_roots
 from deployments.errors import InvalidTransition, NotFound, ValidationFailed
@@ -129,7 +130,7 @@ def model_inspect(*, model_id: int, source: str) -> None:
         return
     info = inspect_checkpoint(Path(model.path), roots=settings.GANTRY_MODEL_ROOTS)
     if model.kind in NEEDS_TOKENIZER and not info.tokenizer_files:
-        raise ValidationFailed({"path": f"a {model.kind} model needs its tokenizer files beside config.json"})
+        raise ValidationFailed({"path": f"{a(model.kind)} model needs its tokenizer files beside config.json"})
     own_code = (
         [f"auto_map in config.json ({', '.join(sorted(info.config['auto_map']))})"]
         if info.config.get("auto_map")

@@ -9,7 +9,7 @@ from django import forms
 
 from deployments import build_spec, selectors, trtllm
 from deployments.errors import GantryError, ValidationFailed
-from deployments.models import BuildStatus, ModelKind, slug_validator
+from deployments.models import DB_INT_MAX, BuildStatus, ModelKind, slug_validator
 
 
 class RegisterForm(forms.Form):
@@ -40,7 +40,7 @@ class BuildFilterForm(forms.Form):
     model = forms.CharField(max_length=63, required=False)
     status = forms.ChoiceField(choices=[("", "any"), *BuildStatus.choices], required=False)
     host = forms.CharField(max_length=63, required=False)
-    before = forms.IntegerField(min_value=1, required=False, widget=forms.HiddenInput)
+    before = forms.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, widget=forms.HiddenInput)
 
 
 class EventFilterForm(forms.Form):
@@ -49,10 +49,10 @@ class EventFilterForm(forms.Form):
     kind = forms.CharField(max_length=64, required=False, help_text="exact, or a prefix ending in '.'")
     actor = forms.CharField(max_length=150, required=False, label="User")
     host = forms.CharField(max_length=63, required=False)
-    deployment = forms.IntegerField(min_value=1, required=False, label="Deployment id")
-    build = forms.IntegerField(min_value=1, required=False, label="Build id")
-    model = forms.IntegerField(min_value=1, required=False, label="Model id")
-    before = forms.IntegerField(min_value=1, required=False, widget=forms.HiddenInput)
+    deployment = forms.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, label="Deployment id")
+    build = forms.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, label="Build id")
+    model = forms.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, label="Model id")
+    before = forms.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, widget=forms.HiddenInput)
 
 
 class BuildForm(forms.Form):

@@ -220,12 +220,36 @@ def test_postgres_restarted_under_a_running_deployment_is_survived(
         assert http.post(f"{base}{url}start/").status_code == 202
         wait_for(lambda: get(url).json()["status"] == "ready", 240, "the deployment to be ready")
         [(server, repository)] = process.servers_under(data_dir)
+        alias = {"name": "embedder", "deployment": created["id"], "model": "minilm"}
+        assert http.post(f"{base}/api/gateway/aliases/", json=alias).status_code == 201
+        keys = [
+            http.post(f"{base}/api/gateway/keys/", json={"name": name, "all_aliases": True})
+            for name in ("seen", "unseen")
+        ]
+        assert [k.status_code for k in keys] == [201, 201], keys[0].text
+        seen, unseen = (k.json()["key"] for k in keys)
+
+        def embed(key: str) -> requests.Response:
+            body = {"model": "embedder", "input": "the database is away"}
+            return requests.post(
+                f"{base}/v1/embeddings", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
+            )
+
+        assert embed(seen).status_code == 200
 
         own_postgres.stop()
         down = get(url)
         assert down.status_code == 503, down.text
         assert down.json()["code"] == "database_unavailable" and down.headers["Retry-After"] == "5"
         assert process.is_running(server, repository)  # Triton does not need the database to serve
+        # The gateway keeps serving a key it has seen, and answers others in OpenAI's shape.
+        time.sleep(2.5)  # past the second its key and route are kept fresh
+        served = embed(seen)
+        assert served.status_code == 200, served.text
+        assert len(served.json()["data"][0]["embedding"]) == 384
+        refused = embed(unseen)
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "5", refused.text
+        assert refused.json()["error"]["code"] == "service_unavailable"
         time.sleep(3)  # a few of the agent's beats fail
         own_postgres.start()
 

@@ -145,6 +145,18 @@ def test_the_openai_client_chats_completes_embeds_and_reranks_through_the_gatewa
     # Refusals in OpenAI's shape, naming the parameter.
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="nope", messages=messages)
+    # A prompt beyond the context: a 400 naming the prompt's field, streamed or not.
+    long = [{"role": "user", "content": "word " * 2000}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as too_long:
+            client.chat.completions.create(model="org/tiny-chat", messages=long, max_tokens=16, stream=stream)
+        assert too_long.value.body["code"] == "context_length_exceeded", too_long.value.body
+        assert too_long.value.body["param"] == "messages"
+        assert "data:" not in too_long.value.body["message"]
+        assert "exceed the model's context of 512 tokens" in too_long.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model="org/tiny-chat", prompt="word " * 2000, max_tokens=16)
+    assert (too_long.value.body["code"], too_long.value.body["param"]) == ("context_length_exceeded", "prompt")
     assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
     for kwargs, param in (
         ({"n": 2}, "n"),
@@ -161,14 +173,31 @@ def test_the_openai_client_chats_completes_embeds_and_reranks_through_the_gatewa
     with pytest.raises(openai.BadRequestError) as wrong_kind:
         client.embeddings.create(model="org/tiny-chat", input="x")
     assert wrong_kind.value.body["code"] == "model_not_supported"
+    assert wrong_kind.value.body["message"] == (
+        "model 'org/tiny-chat' is an llm model; /v1/embeddings needs an embedding model"
+    )
     with pytest.raises(openai.BadRequestError) as no_dimensions:
         client.embeddings.create(model="embedder", input="x", dimensions=64)
     assert no_dimensions.value.body["param"] == "dimensions"
     unknown = gateway.get(f"{v1}/nothing-here")
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_url"
     assert gateway.post(f"{v1}/embeddings", data=b"{not json").json()["error"]["code"] == "invalid_json"
+    deep = gateway.post(f"{v1}/embeddings", data=b"[" * 5000 + b"]" * 5000)
+    assert deep.status_code == 400 and deep.json()["error"] == {
+        "message": "the body must not nest deeper than 32 levels",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_json",
+    }
     anonymous = requests.post(f"{v1}/embeddings", json={"model": "embedder", "input": "x"}, timeout=10)
     assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key"
+    rest_token = {"Authorization": f"Bearer {stack.token}"}
+    wrong_door = requests.post(
+        f"{v1}/embeddings", json={"model": "embedder", "input": "x"}, headers=rest_token, timeout=10
+    )
+    assert wrong_door.status_code == 401 and wrong_door.json()["error"]["message"].startswith(
+        "This is a REST API token (gt-…): /v1 takes gateway keys (gk-…)."
+    )
 
     # A client that drops a stream halfway cancels the request inside Triton.
     body = {"model": "org/tiny-chat", "messages": messages, "max_tokens": 400, "stream": True}
@@ -195,9 +224,15 @@ def test_the_openai_client_chats_completes_embeds_and_reranks_through_the_gatewa
     chat_row = rows["org/tiny-chat"]
     assert chat_row["requests"] >= 5 and chat_row["completion_tokens"] >= 2 * whole.usage.completion_tokens
     assert rows["embedder"]["prompt_tokens"] >= 2 * floats.usage.prompt_tokens
-    listed = stack.session().get(f"{stack.web_url}/api/gateway/keys/{key['id']}/", timeout=10).json()
-    # Requests refused before reaching a model (bad input, unknown model) are not counted.
-    assert listed["last_used_at"] and listed["usage"]["requests"] == 9 and "key" not in listed
+
+    # Requests refused before reaching a model (bad input, unknown model) are not counted;
+    # those the model refused (the three prompts beyond its context) are, as failed.
+    def listed() -> dict | None:
+        body = stack.session().get(f"{stack.web_url}/api/gateway/keys/{key['id']}/", timeout=10).json()
+        return body if body["usage"]["requests"] >= 12 else None
+
+    counted = wait_for(listed, 10, "every web process's counts to be saved")
+    assert counted["last_used_at"] and counted["usage"]["requests"] == 12 and "key" not in counted
 
     # A deployment that is not ready answers 503 with Retry-After.
     http = stack.session()

@@ -24,7 +24,7 @@ import orjson
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from deployments.errors import PermanentError, TransientError
+from deployments.errors import ContextExceeded, PermanentError, TransientError
 
 # The header Triton's restricted APIs (model repository, logging) expect.
 ADMIN_HEADER = "gantry-admin-key"
@@ -183,7 +183,7 @@ async def generate_stream(url: str, model: str, inputs: dict[str, Any]) -> Async
                 continue
             event = orjson.loads(line[5:])
             if "error" in event:
-                raise PermanentError(f"{model}: {event['error']}")
+                raise _refused(f"{model}: {event['error']}")
             yield event
         finished = True
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
@@ -196,13 +196,27 @@ async def generate_stream(url: str, model: str, inputs: dict[str, Any]) -> Async
 
 
 def _refusal(model: str, status: int, body: str) -> Exception:
+    """Triton's refusal of a request: its error message, without the JSON or the
+    server-sent event framing it came in."""
+    text = body.strip()
+    if text.startswith("data:"):
+        text = text.splitlines()[0][5:].strip()
     try:
-        message = json.loads(body).get("error", body)
-    except ValueError:
-        message = body
+        message = json.loads(text).get("error", text)
+    except (ValueError, AttributeError):
+        message = text
     if status in (400, 404):
-        return PermanentError(f"{model}: {message}")
+        return _refused(f"{model}: {message}")
     return TransientError(f"{model}: Triton answered {status}: {message}")
+
+
+# How the transformers LLM (python_models/causal_lm_model.py) refuses a prompt that,
+# with max_tokens, does not fit its context.
+_CONTEXT_EXCEEDED = "exceed the model's context"
+
+
+def _refused(message: str) -> PermanentError:
+    return ContextExceeded(message) if _CONTEXT_EXCEEDED in message else PermanentError(message)
 
 
 # --- tensor inference from the event loop (the gateway) --------------------------------

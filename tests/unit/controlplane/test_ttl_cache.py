@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from controlplane.ttl_cache import MISSING, TtlCache
 
 
@@ -67,5 +69,58 @@ def test_a_failed_refresh_keeps_the_stale_value_only_until_it_is_too_old():
             assert str(exc) == "database down"
         else:
             raise AssertionError("a value past its grace was served")
+
+    asyncio.run(scenario())
+
+
+class Away(Exception):
+    """What a read raises while the database cannot be reached."""
+
+
+def test_while_reads_fail_with_an_outage_the_last_value_serves_until_it_is_too_old():
+    state = {"away": False, "reads": 0}
+
+    async def read() -> str:
+        state["reads"] += 1
+        if state["away"]:
+            raise Away("connection refused")
+        return "caller"
+
+    async def scenario() -> None:
+        cache = TtlCache(ttl_s=0.02, outage_s=0.3)
+        assert await cache.fetch("seen", read, (Away,)) == "caller"
+        state["away"] = True
+        await asyncio.sleep(0.05)  # past ttl twice over: a read is due, and fails
+        assert await cache.fetch("seen", read, (Away,)) == "caller"
+        reads = state["reads"]
+        # Within the outage no request waits on a read: the kept value, one refresh at a time.
+        assert [await cache.fetch("seen", read, (Away,)) for _ in range(5)] == ["caller"] * 5
+        assert state["reads"] <= reads + 1
+        with pytest.raises(Away):
+            await cache.fetch("never-seen", read, (Away,))
+        await asyncio.sleep(0.3)  # older than outage_s: no longer served
+        with pytest.raises(Away):
+            await cache.fetch("seen", read, (Away,))
+        state["away"] = False
+        assert await cache.fetch("seen", read, (Away,)) == "caller"
+
+    asyncio.run(scenario())
+
+
+def test_an_error_that_is_not_an_outage_is_never_papered_over():
+    answers = iter(["caller", ValueError("a bug")])
+
+    async def read() -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def scenario() -> None:
+        cache = TtlCache(ttl_s=0.02)
+        assert await cache.fetch("k", read, (Away,)) == "caller"
+        await asyncio.sleep(0.05)
+        with pytest.raises(ValueError, match="a bug"):
+            await cache.fetch("k", read, (Away,))
 
     asyncio.run(scenario())

@@ -104,6 +104,7 @@ class _Sequence:
         if not self.prompt_ids:
             raise ValueError("text_input has no tokens")
         if len(self.prompt_ids) + self.max_tokens > context_len:
+            # Gantry's client knows this refusal by "exceed the model's context" (workers/triton/client.py).
             raise ValueError(
                 f"the prompt's {len(self.prompt_ids)} tokens plus max_tokens {self.max_tokens} exceed "
                 f"the model's context of {context_len} tokens"

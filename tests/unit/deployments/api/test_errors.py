@@ -3,6 +3,7 @@ even where no view answers."""
 
 from __future__ import annotations
 
+import pytest
 from rest_framework.test import APIClient
 
 
@@ -58,3 +59,37 @@ def test_json_types_are_not_coerced(api, host, minilm):  # noqa: ANN001
         "models[0].max_batch_size": ["must be an integer"],
         "models[0].gpu_ids[0]": ["must be an integer"],
     }
+
+
+BIG = 2**64
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        f"/api/gateway/aliases/?deployment={BIG}",
+        f"/api/events/?deployment={BIG}",
+        f"/api/events/?build={BIG}",
+        f"/api/gateway/usage/?key={BIG}",
+        f"/api/loadtests/?deployment={BIG}",
+    ],
+)
+def test_an_id_beyond_the_databases_64_bits_is_a_400_naming_the_field(api, path: str) -> None:  # noqa: ANN001
+    response = api.get(path)
+    assert response.status_code == 400, response.content
+    [(field, [rule])] = response.json()["errors"].items()
+    assert field == path.split("?")[1].split("=")[0]
+    assert rule == f"Ensure this value is less than or equal to {2**63 - 1}."
+
+
+def test_an_id_beyond_64_bits_in_a_body_is_a_400_naming_the_field(api, host, minilm) -> None:  # noqa: ANN001
+    body = {"name": "d", "host": "cpu-host", "models": [{"model": "minilm", "engine_build": BIG}]}
+    response = api.post("/api/deployments/", body, format="json")
+    assert response.status_code == 400
+    assert list(response.json()["errors"]) == ["models[0].engine_build"]
+
+
+def test_the_timeline_page_refuses_an_id_beyond_64_bits(client, operator) -> None:  # noqa: ANN001
+    client.force_login(operator)
+    response = client.get(f"/events/?deployment={BIG}")
+    assert response.status_code in (200, 400) and b"less than or equal to" in response.content

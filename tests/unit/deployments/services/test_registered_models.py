@@ -39,7 +39,7 @@ def test_a_text_model_without_its_tokenizer_fails_inspection_with_the_reason(hos
     worker_tasks.inspect(model.pk)
     model.refresh_from_db()
     assert model.inspection == Inspection.FAILED
-    assert model.inspection_message == "a embedding model needs its tokenizer files beside config.json"
+    assert model.inspection_message == "an embedding model needs its tokenizer files beside config.json"
     assert Event.objects.filter(model=model, kind="model.inspection_failed").exists()
 
 
