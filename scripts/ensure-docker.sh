@@ -14,8 +14,8 @@ if docker info >/dev/null 2>&1; then
 fi
 echo "starting dockerd"
 mkdir -p /tmp/gantry-dockerd
-$SUDO sh -c 'nohup setsid dockerd --bridge=none --iptables=false --ip-masq=false \
-  --pidfile /tmp/gantry-dockerd/dockerd.pid >/tmp/gantry-dockerd/dockerd.log 2>&1 &'
+$SUDO "$(dirname "$0")/detached.sh" dockerd --bridge=none --iptables=false --ip-masq=false \
+  --pidfile /tmp/gantry-dockerd/dockerd.pid </dev/null >/tmp/gantry-dockerd/dockerd.log 2>&1 &
 for _ in $(seq 1 100); do docker info >/dev/null 2>&1 && exit 0; sleep 0.2; done
 echo "dockerd did not start; see /tmp/gantry-dockerd/dockerd.log" >&2
 exit 1

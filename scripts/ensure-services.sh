@@ -17,7 +17,7 @@ if ! (command -v pg_isready >/dev/null && pg_isready -q -h 127.0.0.1 -p 5432); t
     $SUDO pg_createcluster "$version" main
   fi
   echo "starting PostgreSQL $version"
-  $SUDO pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
+  $SUDO "$(dirname "$0")/detached.sh" pg_ctlcluster --skip-systemctl-redirect "$version" main start </dev/null || true
   for _ in $(seq 1 50); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 0.2; done
   pg_isready -q -h 127.0.0.1 -p 5432
   # A fresh cluster asks for passwords over TCP: give the test user one.
@@ -37,7 +37,7 @@ command -v redis-server >/dev/null || {
 }
 if ! (command -v redis-cli >/dev/null && redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null | grep -q PONG); then
   echo "starting Redis"
-  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no --dir /tmp \
-    --logfile /tmp/gantry-test-redis.log
+  "$(dirname "$0")/detached.sh" redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" \
+    --appendonly no --dir /tmp --logfile /tmp/gantry-test-redis.log </dev/null
   for _ in $(seq 1 50); do redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null | grep -q PONG && break; sleep 0.1; done
 fi

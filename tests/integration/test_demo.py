@@ -1,6 +1,8 @@
 """`make demo` as a user runs it (manage.py gantry_demo on SQLite, with the
 Redis it starts itself): a worker SIGKILLed under it is started again, adopts
-the running stack, and nothing else stops; Ctrl-C then stops everything."""
+the running stack, and nothing else stops; a SIGKILLed web master leaves none
+of its workers behind; Ctrl-C with the database unwritable still stops
+everything."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.integration.conftest import _spawn, free_port, free_ports, wait_for
+from tests.integration.conftest import _spawn, free_port, free_ports, healthz_answers, wait_for
 from workers import processes
 from workers.runtimes import process
 
@@ -41,6 +43,28 @@ def _children(parent: int, marker: bytes) -> list[int]:
         if ppid == parent and marker in argv:
             found.append(int(entry.name))
     return found
+
+
+def _descendants(root: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def test_the_demo_restarts_a_killed_worker_which_adopts_the_running_stack(tmp_path: Path):
@@ -76,6 +100,29 @@ def test_the_demo_restarts_a_killed_worker_which_adopts_the_running_stack(tmp_pa
         assert [handle for handle, _ in process.servers_under(data_dir)] == [server]
         assert requests.get(f"http://127.0.0.1:{web_port}/healthz", timeout=10).status_code == 200
         assert len(_children(demo.pid, b"gantry@" + host.encode())) == 1
+
+        # A SIGKILLed web master: its workers go with it before a new one starts.
+        (master,) = _children(demo.pid, b"gunicorn")
+        old_workers = _descendants(master)
+        assert old_workers
+        os.kill(master, signal.SIGKILL)
+        wait_for(lambda: not any(_alive(pid) for pid in old_workers), 30, "the old web workers to be stopped")
+        wait_for(lambda: _children(demo.pid, b"gunicorn"), 30, "a new web master")
+        wait_for(lambda: healthz_answers(f"http://127.0.0.1:{web_port}"), 60, "the web again")
+
+        # Ctrl-C while the database takes no writes (stopping a deployment is one):
+        # everything the demo started still stops.
+        started = _descendants(demo.pid)
+        lock = sqlite3.connect(database, isolation_level=None)
+        lock.execute("BEGIN EXCLUSIVE")
+        try:
+            demo.send_signal(signal.SIGINT)
+            demo.wait(timeout=120)
+        finally:
+            lock.rollback()
+            lock.close()
+        assert [pid for pid in started if _alive(pid)] == []
+        assert process.servers_under(data_dir) == []
     finally:
         if demo.poll() is None:
             demo.send_signal(signal.SIGINT)  # Ctrl-C

@@ -35,6 +35,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connection
 
 from controlplane.celery import host_worker_argv
 from controlplane.serving import live_argv, port_taken, web_argv
@@ -287,6 +288,9 @@ class Command(BaseCommand):
                 raise CommandError(f"{name} exited ({how}) {len(recent) + 1} times in {RESTART_WINDOW_S}s; giving up")
             self.restarts[name] = [*recent, now]
             self.stderr.write(f"{name} exited ({how}); starting it again")
+            # What it started is in its group (a killed gunicorn master leaves its workers
+            # listening on the port beside the new ones): stop that first.
+            processes.terminate_group(process.pid, grace_s=5)
             self.children[index] = (name, argv, processes.start_group(argv))
             self._note_restart(name, how)
 
@@ -308,10 +312,21 @@ class Command(BaseCommand):
             time.sleep(1)
 
     def _shutdown(self) -> None:
-        self._stop_deployments()
-        for _name, _argv, process in reversed(self.children):
-            processes.terminate_group(process.pid, grace_s=20, leader_running=lambda p=process: p.poll() is None)
-            process.wait()
+        """Stop the deployments through the worker, then every child; whatever fails
+        on the way (the database away, say), the children and the servers still stop."""
+        try:
+            connection.close()  # one a database restart broke is opened again
+            self._stop_deployments()
+        except Exception as exc:  # noqa: BLE001 - everything below must still run
+            self.stderr.write(f"could not stop the deployments through the database ({exc}); stopping them directly")
+        finally:
+            for _name, _argv, process in reversed(self.children):
+                processes.terminate_group(process.pid, grace_s=20, leader_running=lambda p=process: p.poll() is None)
+                process.wait()
+            # With the worker gone, no server is taken for crashed and started again.
+            for handle, repository in triton_process.servers_under(settings.GANTRY_DATA_DIR):
+                self.stdout.write(f"stopping tritonserver pid {handle}")
+                triton_process.stop(handle, repository)
         self.stdout.write("everything Gantry started has stopped.")
 
     def _stop_deployments(self, timeout_s: float = 60) -> None:
@@ -333,6 +348,3 @@ class Command(BaseCommand):
         # Whatever the worker could not stop (it died, say), stop here directly.
         for deployment in active():
             lifecycle.stop(deployment.pk)
-        for handle, repository in triton_process.servers_under(settings.GANTRY_DATA_DIR):
-            self.stdout.write(f"stopping a tritonserver the database did not know (pid {handle})")
-            triton_process.stop(handle, repository)
