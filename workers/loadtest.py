@@ -19,7 +19,6 @@ import datetime as dt
 import json
 import logging
 import math
-import os
 import shutil
 import signal
 import subprocess
@@ -47,7 +46,6 @@ from workers.triton import metrics
 log = logging.getLogger(__name__)
 
 KEY_ENV = "GANTRY_LOADTEST_KEY"
-_NOT_FOR_AIPERF = ("DJANGO", "DATABASE", "SECRET", "GANTRY", "REDIS", "CELERY", "POSTGRES")
 # A running load test on this host not heartbeated for this long belongs to a worker
 # that died (a live one reports every second): the agent stops what it left.
 ORPHAN_AFTER_S = 20
@@ -73,7 +71,12 @@ def aiperf_version() -> str:
             "run scripts/ensure-aiperf.sh there"
         )
     completed = subprocess.run(  # noqa: S603 - a fixed executable
-        [str(executable), "--version"], capture_output=True, text=True, timeout=60, check=False
+        [str(executable), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=processes.child_environment(),
     )
     return completed.stdout.strip().splitlines()[-1] if completed.returncode == 0 and completed.stdout else "unknown"
 
@@ -446,7 +449,7 @@ def _step(
                         tokenizer=tokenizer, artifacts=artifacts)  # fmt: skip
     config_path = workdir / "aiperf.json"
     config_path.write_text(json.dumps(config, indent=1))
-    env = {**_generator_env(), KEY_ENV: key, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env = processes.child_environment({KEY_ENV: key, "HF_HUB_DISABLE_TELEMETRY": "1"})
     # The tokenizer is a checkpoint folder on this host. AIPerf's offline mode
     # looks only in the hub cache and refuses a folder, so it must stay off.
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -488,12 +491,6 @@ def _step(
         raise JobFailed(f"every request of step {step.index + 1} failed: " + _codes(counted))
 
 
-def _generator_env() -> dict[str, str]:
-    """The worker's environment less Gantry's own settings (database and broker
-    addresses with their passwords), for the load generators it starts."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(_NOT_FOR_AIPERF)}
-
-
 def _native_step(
     run: LoadTest, step: Step, *, deployment: Deployment, placement: DeploymentModel, workdir: Path
 ) -> None:
@@ -526,8 +523,14 @@ def _native_step(
         kv_cache_fraction=native_bench.KV_CACHE_FRACTION, tp_size=build.tp_size, pp_size=build.pp_size,
     )  # fmt: skip
     argv = trtllm.compose_bench(bench, release, NativeExecutor().toolchain(release))
-    env = {**_generator_env(), "CUDA_VISIBLE_DEVICES": ",".join(map(str, placement.gpu_ids)),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    env = processes.child_environment(
+        {
+            "CUDA_VISIBLE_DEVICES": ",".join(map(str, placement.gpu_ids)),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     ran = _generate(run, step, argv, env=env, log_path=workdir / "trtllm-bench.log", deployment=deployment)
     # trtllm-bench writes no report when interrupted: nothing of a stopped step is kept.
     if ran.stop is not None:

@@ -20,6 +20,25 @@ from typing import IO
 
 from deployments.errors import PermanentError
 
+# What a program Gantry runs for a user (tritonserver and the model code in its
+# stubs, build steps, load generators) may see of the worker's environment. An
+# allow-list: the worker's own settings (the database and broker addresses with
+# their passwords, the secret key) and anything else a host carries (a hub
+# token, a cloud key) stay out unless named here.
+CHILD_ENV_NAMES = frozenset(
+    "PATH HOME USER LOGNAME SHELL TERM LANG LANGUAGE TZ TMPDIR LD_LIBRARY_PATH PYTHONPATH VIRTUAL_ENV HF_HOME "
+    "HF_HUB_CACHE TORCH_HOME XDG_CACHE_HOME OMP_NUM_THREADS MKL_NUM_THREADS SSL_CERT_FILE SSL_CERT_DIR".split()
+)
+CHILD_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "OMPI_", "PMIX_", "UCX_", "AIPERF_")
+
+
+def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a program Gantry runs for a user: the allow-listed part
+    of this process's environment, and ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k in CHILD_ENV_NAMES or k.startswith(CHILD_ENV_PREFIXES)}
+    env.update(extra or {})
+    return env
+
 
 def start_group(
     argv: list[str],

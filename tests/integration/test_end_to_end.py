@@ -115,6 +115,10 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
     for stub in stubs:
         environ = Path(f"/proc/{stub}/environ").read_bytes()
         assert b"GANTRY_SECRET_FILE" not in environ and b"gantry-argv-secret" not in environ
+    # Nor do the server and the model code it runs see the worker's own settings.
+    for member in (pid, *stubs):
+        names = {item.split(b"=", 1)[0] for item in Path(f"/proc/{member}/environ").read_bytes().split(b"\0")}
+        assert not names & {b"DATABASE_URL", b"SECRET_KEY", b"REDIS_URL", b"DJANGO_SETTINGS_MODULE"}, member
 
     # The agent scrapes the server's metrics port once it is ready.
     wait_for(lambda: MetricSample.objects.filter(deployment=row, subject="minilm").exists(), 30, "a first scrape")

@@ -5,7 +5,6 @@ can build with, for its heartbeat."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -67,14 +66,15 @@ class ProcessStep:
     """A step run as a host process in its own process group."""
 
     def __init__(self, argv: list[str], ctx: StepContext) -> None:
-        env = {
-            **os.environ,
-            "GANTRY_BUILD_ID": str(ctx.build_id),
-            "CUDA_VISIBLE_DEVICES": ",".join(map(str, ctx.gpu_ids)),
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = processes.child_environment(
+            {
+                "GANTRY_BUILD_ID": str(ctx.build_id),
+                "CUDA_VISIBLE_DEVICES": ",".join(map(str, ctx.gpu_ids)),
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         self._process = processes.start_group(argv, stdout=subprocess.PIPE, cwd=ctx.read_write[0], env=env)
         self.handle = f"pid:{self._process.pid}"
 
@@ -122,7 +122,12 @@ def native_version() -> str:
     probe = "import importlib.metadata as m; print(m.version('tensorrt_llm'))"
     try:
         done = subprocess.run(  # noqa: S603 - a fixed probe
-            [settings.GANTRY_TRTLLM_PYTHON, "-c", probe], capture_output=True, text=True, timeout=60, check=False
+            [settings.GANTRY_TRTLLM_PYTHON, "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env=processes.child_environment(),
         )
     except (OSError, subprocess.TimeoutExpired):
         return ""

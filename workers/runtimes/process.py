@@ -71,7 +71,7 @@ def server_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     environment, and this environment's bin/ first on PATH so the embedded
     interpreter picks up its site-packages.
     """
-    env = dict(os.environ)
+    env = processes.child_environment()
     lib_dirs = []
     if sysconfig.get_config_var("Py_ENABLE_SHARED"):
         lib_dirs.append(str(sysconfig.get_config_var("LIBDIR")))
