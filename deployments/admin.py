@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from deployments.models import Deployment, DeploymentModel, EngineBuild, Event, Gpu, GpuHost, RegisteredModel
+from deployments.models import (
+    Deployment,
+    DeploymentModel,
+    EngineBuild,
+    Event,
+    Gpu,
+    GpuHost,
+    OutboxMessage,
+    RegisteredModel,
+)
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -130,3 +139,11 @@ class EventAdmin(ReadOnlyAdmin):
     ]  # fmt: skip
     list_filter = ["kind", "source"]
     search_fields = ["message"]
+
+
+@admin.register(OutboxMessage)
+class OutboxMessageAdmin(ReadOnlyAdmin):
+    """Tasks waiting for the broker, and the parked ones it refused (dead letters)."""
+
+    list_display = ["id", "task", "queue", "created_at", "attempts", "parked_at", "last_error"]
+    list_filter = [("parked_at", admin.EmptyFieldListFilter), "queue", "task"]

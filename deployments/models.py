@@ -599,6 +599,12 @@ class OutboxMessage(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     attempts = models.PositiveIntegerField(default=0)
     last_error = models.CharField(max_length=255, blank=True)
+    parked_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When the broker, answering, refused this message itself PARK_AFTER times: it is kept here "
+        "and on the timeline, and never sent again.",
+    )
 
     class Meta:
         ordering = ["id"]

@@ -41,6 +41,8 @@ SUBJECTS: dict[str, tuple[type, str]] = {
 }
 # A task sent this long after it was asked for (or after the broker refused it) is noted on the timeline.
 NOTE_DELAY_S = 5.0
+# A message the broker refuses this many times while answering others is parked (a dead letter).
+PARK_AFTER = 3
 
 
 def enqueue_on_commit(task_name: str, *, host_name: str, args: list[Any]) -> OutboxMessage:
@@ -89,7 +91,7 @@ def send_soon(message_id: int) -> None:
 
 def is_waiting(task_name: str, subject_id: int) -> bool:
     """Whether a ``task_name`` for object ``subject_id`` still waits to be sent."""
-    return OutboxMessage.objects.filter(task=task_name, args__0=subject_id).exists()
+    return OutboxMessage.objects.filter(task=task_name, args__0=subject_id, parked_at__isnull=True).exists()
 
 
 def redrive(task_name: str, *, host_name: str, args: list[Any], source: str, message: str, **subject: Any) -> bool:
@@ -113,12 +115,17 @@ def redrive(task_name: str, *, host_name: str, args: list[Any], source: str, mes
 
 def send(*, ids: Iterable[int] | None = None, queue: str | None = None) -> int:
     """Hand waiting messages (these ``ids``, or all of ``queue``, or all) to the
-    broker, oldest first; stop at the first the broker refuses. Returns how many
-    were sent. Never raises for a broker that is down."""
+    broker, oldest first. Returns how many were sent. Never raises for a broker
+    that is down: the first refusal while it does not answer a ping stops the
+    pass (relay tries again on the next beat). A refusal while it answers is
+    the message's own: the message is skipped this pass, and parked for good
+    after PARK_AFTER of them, so one poisoned message never blocks its queue."""
     sent = 0
+    skipped: list[int] = []
     while True:
         with transaction.atomic():
-            rows = OutboxMessage.objects.select_for_update(skip_locked=True).order_by("id")
+            rows = OutboxMessage.objects.select_for_update(skip_locked=True).filter(parked_at__isnull=True)
+            rows = rows.exclude(pk__in=skipped).order_by("id")
             if ids is not None:
                 rows = rows.filter(pk__in=list(ids))
             if queue is not None:
@@ -131,18 +138,47 @@ def send(*, ids: Iterable[int] | None = None, queue: str | None = None) -> int:
                 # row lock) for seconds; relay tries again on the next beat.
                 current_app.send_task(message.task, args=message.args, queue=message.queue, retry=False)
             except Exception as exc:  # noqa: BLE001 - any broker failure leaves the message waiting
-                OutboxMessage.objects.filter(pk=message.pk).update(
-                    attempts=F("attempts") + 1, last_error=f"{type(exc).__name__}: {exc}"[:255]
-                )
-                if message.attempts == 0:
-                    _note_waiting(message, exc)
-                log.warning("broker unreachable; %s waits in the outbox: %s", message, exc)
-                return sent
+                if not _broker_answers():
+                    _failed(message, exc, park=False)
+                    log.warning("broker unreachable; %s waits in the outbox: %s", message, exc)
+                    return sent
+                _failed(message, exc, park=message.attempts + 1 >= PARK_AFTER)
+                skipped.append(message.pk)
+                continue
             message.delete()
             waited = (timezone.now() - message.created_at).total_seconds()
             if message.attempts or waited >= NOTE_DELAY_S:
                 _note_sent_late(message, waited)
         sent += 1
+
+
+def _broker_answers() -> bool:
+    """Whether the broker answers a ping now (a refusal then was the message's own)."""
+    try:
+        with current_app.connection_for_write() as conn:
+            return bool(conn.default_channel.client.ping())
+    except Exception:  # noqa: BLE001 - any failure means it does not answer
+        return False
+
+
+def _failed(message: OutboxMessage, exc: Exception, *, park: bool) -> None:
+    error = f"{type(exc).__name__}: {exc}"[:255]
+    OutboxMessage.objects.filter(pk=message.pk).update(
+        attempts=F("attempts") + 1, last_error=error, parked_at=timezone.now() if park else None
+    )
+    if park:
+        log.error("the broker refused %s %d times while answering; parked: %s", message, PARK_AFTER, error)
+        events.record(
+            kind="task.parked",
+            source="system",
+            host=_host(message),
+            message=f"the broker refused the {_what(message)} {PARK_AFTER} times while it answered others "
+            f"({error}); it is parked in the outbox (message {message.pk}) and will not be sent again",
+            data={"task": message.task, "outbox_message": message.pk, "error": error},
+            **_subject(message),
+        )
+    elif message.attempts == 0:
+        _note_waiting(message, exc)
 
 
 def relay(*, queue: str | None = None) -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+import redis
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -131,3 +133,40 @@ def test_an_updating_deployment_is_redriven_with_its_generation(db, broker, hand
     assert deployments.deployment_redrive(deployment_id=deployment.pk, source="test", message="lost")
     message = OutboxMessage.objects.get()
     assert (message.task, message.args) == (queues.APPLY_GENERATION, [deployment.pk, 2])
+
+
+@pytest.fixture
+def strict_redis():  # noqa: ANN201 - the test Redis, refusing any bulk string over 1 MB for a while
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    before = client.config_get("proto-max-bulk-len")["proto-max-bulk-len"]
+    client.config_set("proto-max-bulk-len", str(2**20))
+    try:
+        yield client
+    finally:
+        client.config_set("proto-max-bulk-len", before)
+        client.delete("gpu.poison-host")
+
+
+def test_a_message_the_answering_broker_refuses_is_parked_and_never_blocks_its_queue(db, strict_redis):
+    """A real Redis that answers pings but refuses one message (its body is over the
+    server's bulk limit): the messages behind it are sent, and it is parked after
+    PARK_AFTER passes with the cause on the timeline."""
+    host = "poison-host"
+    poisoned = OutboxMessage.objects.create(
+        task=queues.LAUNCH_DEPLOYMENT, queue=queues.host_queue(host), args=[1, "x" * 2 * 2**20]
+    )
+    behind = OutboxMessage.objects.create(task=queues.STOP_DEPLOYMENT, queue=queues.host_queue(host), args=[2])
+    assert outbox.send(queue=queues.host_queue(host)) == 1  # the one behind it went
+    assert not OutboxMessage.objects.filter(pk=behind.pk).exists()
+    assert strict_redis.llen("gpu.poison-host") == 1
+    for _ in range(outbox.PARK_AFTER - 1):
+        assert outbox.send(queue=queues.host_queue(host)) == 0
+    poisoned.refresh_from_db()
+    assert poisoned.parked_at is not None and poisoned.attempts == outbox.PARK_AFTER
+    assert "OperationalError" in poisoned.last_error
+    parked = Event.objects.get(kind="task.parked")
+    assert f"parked in the outbox (message {poisoned.pk})" in parked.message
+    assert outbox.send(queue=queues.host_queue(host)) == 0  # never tried again
+    poisoned.refresh_from_db()
+    assert poisoned.attempts == outbox.PARK_AFTER
+    assert not outbox.is_waiting(queues.LAUNCH_DEPLOYMENT, 1)  # a re-drive may send it anew
