@@ -175,7 +175,11 @@ def _kv_share(placement: DeploymentModel) -> float:
 
 def triton_client(deployment: Deployment) -> TritonClient:
     """A client of the deployment's server on this host, allowed its admin APIs."""
-    return TritonClient(f"{settings.GANTRY_HOST_ADDRESS}:{deployment.http_port}", deployment.admin_secret)
+    return TritonClient(
+        f"{settings.GANTRY_HOST_ADDRESS}:{deployment.http_port}",
+        deployment.admin_secret,
+        load_timeout_s=settings.GANTRY_TRITON_READY_TIMEOUT,
+    )
 
 
 def current_status(deployment_id: int) -> str | None:

@@ -46,15 +46,29 @@ class Readiness:
 class TritonClient:
     """A small client for one server, addressed as host:http_port."""
 
-    def __init__(self, url: str, admin_secret: str = "") -> None:
+    def __init__(
+        self,
+        url: str,
+        admin_secret: str = "",
+        *,
+        load_timeout_s: float = 900.0,
+        network_timeout_s: float = _NETWORK_TIMEOUT_S,
+    ) -> None:
+        """``load_timeout_s`` bounds a repository load or unload, which blocks until
+        the model is loaded (a large engine takes minutes); ``network_timeout_s``
+        every other call."""
         self.url = url
         self._admin_headers = {ADMIN_HEADER: admin_secret} if admin_secret else None
         self._client = httpclient.InferenceServerClient(
-            url, connection_timeout=_CONNECT_TIMEOUT_S, network_timeout=_NETWORK_TIMEOUT_S
+            url, connection_timeout=_CONNECT_TIMEOUT_S, network_timeout=network_timeout_s
+        )
+        self._repository = httpclient.InferenceServerClient(
+            url, connection_timeout=_CONNECT_TIMEOUT_S, network_timeout=load_timeout_s
         )
 
     def close(self) -> None:
         self._client.close()
+        self._repository.close()
 
     def readiness(self, models: list[str]) -> Readiness:
         """Server liveness/readiness and each model's readiness; unreachable reads as not live."""
@@ -99,10 +113,10 @@ class TritonClient:
 
     def load(self, model: str) -> None:
         """Load ``model`` from the repository, or reload it if its files changed (explicit model control)."""
-        self._repository_call(self._client.load_model, model)
+        self._repository_call(self._repository.load_model, model)
 
     def unload(self, model: str) -> None:
-        self._repository_call(self._client.unload_model, model)
+        self._repository_call(self._repository.unload_model, model)
 
     def _repository_call(self, call: Callable[..., None], model: str) -> None:
         try:
