@@ -3,7 +3,8 @@
 On start and then every GANTRY_HEARTBEAT_INTERVAL seconds it reports the
 host's name, address and GPU inventory (NVML), sends what waits in the outbox
 for this host (workers.broker), and reconciles the host's deployments with the
-servers that really run here. None of it needs the broker: the database is the
+servers that really run here; between beats it checks every second that the
+servers it shows as serving still run. None of it needs the broker: the database is the
 source of truth, so the agent keeps converging through a broker outage, and
 says on the host's timeline when it lost and regained the broker or the
 database.
@@ -32,6 +33,8 @@ AGENT_VERSION = "0.1.0"
 _stop = threading.Event()
 
 
+# Between beats, how often serving deployments' servers are checked for a crash.
+WATCH_EVERY_S = 1.0
 # Probing images and the native toolchain takes a moment: refreshed every few beats.
 BUILDERS_EVERY_BEATS = 6
 _beats = 0
@@ -69,6 +72,7 @@ def beat_once() -> None:
         _adopted = True
     _broker.beat()
     deploy_reconcile.reconcile_host(inventory)
+    deploy_reconcile.relaunch_failed()
     build_reconcile.reconcile_builds()
     loadtest.reconcile_runs()
 
@@ -86,7 +90,18 @@ def run_forever() -> None:
             if failing_since is not None:
                 _note_recovery(time.monotonic() - failing_since)
                 failing_since = None
-        _stop.wait(settings.GANTRY_HEARTBEAT_INTERVAL)
+        _watch_until(time.monotonic() + settings.GANTRY_HEARTBEAT_INTERVAL)
+
+
+def _watch_until(deadline: float) -> None:
+    """Until the next beat, look for crashed servers every WATCH_EVERY_S."""
+    while not _stop.wait(min(WATCH_EVERY_S, max(0.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            return
+        try:
+            deploy_reconcile.watch_crashes()
+        except Exception:  # noqa: BLE001 - the next beat says what is wrong (database away, ...)
+            log.debug("crash watch failed", exc_info=True)
 
 
 def _note_recovery(outage_s: float) -> None:

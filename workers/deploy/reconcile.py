@@ -9,10 +9,12 @@ containers no deployment wants.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.db.models import Q
 from django.utils import timezone
 
 from deployments import states
@@ -38,6 +40,8 @@ log = logging.getLogger(__name__)
 # a deployment that stays longer lost its task (with its worker, or inside a
 # broker that restarted), which is then sent again.
 LAUNCH_STALL_S = 60
+# Automatic crash restarts are counted over this many minutes (GANTRY_CRASH_RESTART_LIMIT).
+CRASH_WINDOW_MIN = 10
 
 
 def stall_after_s(status: str) -> float:
@@ -47,8 +51,55 @@ def stall_after_s(status: str) -> float:
 
 
 def _recent_crash_restarts(deployment: Deployment) -> int:
-    since = timezone.now() - timedelta(minutes=10)
+    """Automatic restarts in the crash-loop window: the last 10 minutes, or since a
+    person last started it (a manual start is a fresh try)."""
+    since = timezone.now() - timedelta(minutes=CRASH_WINDOW_MIN)
+    started = (
+        Event.objects.filter(deployment=deployment, to_status=S.LAUNCHING, source__startswith="user:")
+        .order_by("-created_at")
+        .values_list("created_at", flat=True)
+        .first()
+    )
+    if started is not None and started > since:
+        since = started
     return Event.objects.filter(deployment=deployment, kind="deployment.crash_restart", created_at__gte=since).count()
+
+
+def relaunch_failed() -> None:
+    """A deployment whose crash restarts ran out (its last word is a crash loop) and
+    that is still wanted running is started again once its window has room. One
+    that failed otherwise (a model that would not load) waits for a person."""
+    failed = Deployment.objects.filter(
+        host__name=settings.GANTRY_HOST_NAME, status=S.FAILED, desired_state=DesiredState.RUNNING
+    )
+    for deployment in failed:
+        last = (
+            Event.objects.filter(deployment=deployment)
+            .filter(Q(kind="deployment.crash_loop") | ~Q(to_status=""))
+            .order_by("-created_at", "-id")
+            .values_list("kind", flat=True)
+            .first()
+        )
+        if last != "deployment.crash_loop":
+            continue
+        restarts = _recent_crash_restarts(deployment)
+        if restarts < settings.GANTRY_CRASH_RESTART_LIMIT:
+            with contextlib.suppress(InvalidTransition):
+                deployments.deployment_relaunch(deployment_id=deployment.pk, source=source(), attempt=restarts + 1)
+
+
+def watch_crashes() -> None:
+    """Between beats (every second): fail the serving deployments whose server is
+    gone, so a crash is not shown as ready until the next beat."""
+    serving = Deployment.objects.select_related("host").filter(
+        host__name=settings.GANTRY_HOST_NAME, status__in=states.SERVING
+    )
+    for deployment in serving:
+        runtime, spec = runtime_for(deployment), launch_spec(deployment)
+        if not runtime.is_running(deployment.runtime_handle, spec) and not _server_being_replaced(
+            deployment.pk, deployment.status
+        ):
+            _handle_crash(deployment, runtime, spec)
 
 
 def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
@@ -215,7 +266,8 @@ def _handle_crash(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) ->
             deployment_id=deployment.pk,
             kind="deployment.crash_loop",
             source=source(),
-            message=f"not restarting: {restarts} crash restarts in the last 10 minutes",
+            message=f"not restarting: {restarts} crash restarts in the last {CRASH_WINDOW_MIN} minutes; "
+            "it is started again once that window has room, or by a Start",
         )
         return
     try:

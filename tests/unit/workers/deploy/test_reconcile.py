@@ -120,3 +120,64 @@ def test_the_new_server_of_a_generation_is_kept_until_its_handle_is_recorded(set
     assert reconcile.unwanted_containers([new, stray, served], active) == [new, stray]
     starting = {7: ("", DeploymentStatus.LAUNCHING)}
     assert reconcile.unwanted_containers([new], starting) == []
+
+
+def _crash_looped(settings, minilm, operator) -> Deployment:  # noqa: ANN001
+    deployment = _launching_deployment(settings, minilm, operator, age_s=1)
+    states.deployment_transition(deployment_id=deployment.pk, to="loading", source="worker:t", runtime_handle="999999")
+    states.deployment_transition(deployment_id=deployment.pk, to="ready", source="worker:t")
+    settings.GANTRY_CRASH_RESTART_LIMIT = 2
+    for attempt in (1, 2):
+        Event.objects.create(
+            deployment=deployment,
+            kind="deployment.crash_restart",
+            source="worker:t",
+            message=f"automatic restart {attempt} of 2",
+        )
+    reconcile.watch_crashes()  # between beats: the server is gone
+    deployment.refresh_from_db()
+    assert deployment.status == DeploymentStatus.FAILED
+    loop = Event.objects.get(deployment=deployment, kind="deployment.crash_loop")
+    assert loop.message.startswith("not restarting: 2 crash restarts in the last 10 minutes")
+    return deployment
+
+
+def test_a_crash_loop_is_tried_again_once_its_window_has_room(settings, minilm, operator):
+    deployment = _crash_looped(settings, minilm, operator)
+    reconcile.relaunch_failed()
+    assert Deployment.objects.get(pk=deployment.pk).status == DeploymentStatus.FAILED  # the window is full
+    settings.GANTRY_CRASH_RESTART_LIMIT = 3  # the same as the window sliding past one restart
+    reconcile.relaunch_failed()
+    deployment.refresh_from_db()
+    assert deployment.status == DeploymentStatus.LAUNCHING
+    assert Event.objects.filter(deployment=deployment, kind="deployment.crash_restart").count() == 3
+
+
+def test_restarts_older_than_the_window_do_not_count(settings, minilm, operator):
+    deployment = _crash_looped(settings, minilm, operator)
+    Event.objects.create(
+        deployment=deployment,
+        kind="deployment.crash_restart",
+        source="worker:t",
+        created_at=timezone.now() - timedelta(minutes=reconcile.CRASH_WINDOW_MIN + 1),
+    )
+    assert reconcile._recent_crash_restarts(deployment) == 2
+
+
+def test_a_manual_start_resets_the_crash_loop_window(settings, minilm, operator):
+    deployment = _crash_looped(settings, minilm, operator)
+    assert reconcile._recent_crash_restarts(deployment) == 2
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    assert reconcile._recent_crash_restarts(deployment) == 0
+
+
+def test_a_deployment_that_failed_to_launch_waits_for_a_person(settings, minilm, operator):
+    deployment = _launching_deployment(settings, minilm, operator, age_s=1)
+    deployments.deployment_fail(
+        deployment_id=deployment.pk,
+        reason="minilm would not load",
+        source="worker:t",
+        only_from=frozenset({"launching"}),
+    )
+    reconcile.relaunch_failed()
+    assert Deployment.objects.get(pk=deployment.pk).status == DeploymentStatus.FAILED
