@@ -165,6 +165,25 @@ def run_create(
     return run
 
 
+def run_redrive(*, run_id: int, source: str, message: str) -> bool:
+    """Send a queued run's task again (its first may have been lost inside a broker
+    that restarted); False when the run is no longer queued or a task still waits
+    in the outbox. A duplicate is harmless: only one worker claims the run."""
+    with transaction.atomic():
+        run = LoadTest.objects.select_related("deployment__host").select_for_update(of=("self",)).filter(pk=run_id)
+        run = run.first()
+        if run is None or run.status != RunStatus.QUEUED:
+            return False
+        return outbox.redrive(
+            queues.RUN_LOADTEST,
+            host_name=run.deployment.host.name,
+            args=[run.pk],
+            source=source,
+            message=f"load test {run.pk}: {message}",
+            deployment=run.deployment,
+        )
+
+
 def _checked(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     """The workload checked for the model's kind, its refusals named as the API's
     own are (``workload.levels``), so a form shows each beside its field."""

@@ -23,6 +23,8 @@ from deployments.errors import InvalidTransition
 from deployments.models import BuildStatus, Deployment, EngineBuild, Inspection, RegisteredModel
 from deployments.queues import host_queue
 from deployments.services import builds, deployments, hosts, registered_models
+from loadtests import services as loadtest_services
+from loadtests.models import LoadTest, RunStatus
 from workers.jobs import source
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,8 @@ class BrokerWatch:
 
 def redrive_host(*, host_name: str, source: str, reason: str) -> list[str]:
     """Send again the task each passing row on ``host_name`` waits for (launching,
-    stopping and updating deployments, pending builds and inspections), and say
+    stopping and updating deployments, pending builds and inspections, queued
+    load tests), and say
     so on the host's timeline. Returns what was sent."""
     message = f"{reason}: sending its task again"
     sent = []
@@ -102,6 +105,10 @@ def redrive_host(*, host_name: str, source: str, reason: str) -> list[str]:
     ).values_list("pk", "name"):
         if registered_models.model_inspection_redrive(model_id=model_id, source=source, message=message):
             sent.append(f"inspection of {name}")
+    queued = LoadTest.objects.filter(deployment__host__name=host_name, status=RunStatus.QUEUED)
+    for run_id in queued.values_list("pk", flat=True):
+        if loadtest_services.run_redrive(run_id=run_id, source=source, message=message):
+            sent.append(f"load test {run_id}")
     hosts.record_host_event(
         host_name=host_name,
         kind="host.redrive",

@@ -15,10 +15,12 @@ writes its files).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -350,11 +352,12 @@ def reconcile_runs() -> None:
         heartbeat_at__lt=cutoff,
     )
     for run in orphans:
-        pid = run.progress.get("pid")
         # AIPerf sets its process title, which hides its command line and environment:
-        # it is this run's by its working directory (a reused pid is never signalled).
-        if isinstance(pid, int) and processes.is_ours(pid, cwd_under=run_folder(run.pk)):
-            processes.terminate_group(pid, grace_s=10.0)
+        # it is this run's by its working directory (a reused pid is never signalled),
+        # whether or not its pid was recorded before the worker died.
+        for pid in processes.working_in(run_folder(run.pk)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                processes.terminate_group(os.getpgid(pid), grace_s=10.0)
         services.run_keys_revoke(run_id=run.pk)
         services.run_finish(
             run_id=run.pk,
@@ -593,14 +596,18 @@ def _watch(
     step's time bound."""
     began = time.monotonic()
     stop: _Stop | None = None
+
+    def progress(elapsed: float) -> dict[str, Any]:
+        return {"step": step.index + 1, "steps": step.total, "target": step.target, "pid": process.pid,
+                "level": step.level, "elapsed_s": round(elapsed), "limit_s": limit_s}  # fmt: skip
+
+    services.run_report(run_id=run.pk, progress=progress(0))  # its pid on the run at once
     try:
         while process.poll() is None:
             time.sleep(1.0)
             sampler.sample()
             elapsed = time.monotonic() - began
-            progress = {"step": step.index + 1, "steps": step.total, "target": step.target, "pid": process.pid,
-                        "level": step.level, "elapsed_s": round(elapsed), "limit_s": limit_s}  # fmt: skip
-            status = services.run_report(run_id=run.pk, progress=progress, log_tail=_tail(log_path, tail))
+            status = services.run_report(run_id=run.pk, progress=progress(elapsed), log_tail=_tail(log_path, tail))
             current = Deployment.objects.filter(pk=deployment.pk).values_list("status", flat=True).first()
             if status == RunStatus.CANCELLING:
                 stop = _Stop(RunStatus.CANCELLED, "cancelled; the steps finished before are kept")

@@ -129,6 +129,20 @@ def is_ours(
     return True
 
 
+def working_in(folder: Path) -> list[int]:
+    """Live processes whose working directory is in ``folder`` (how a program that
+    hides its command line is found without a recorded pid)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if Path(os.readlink(entry / "cwd")).is_relative_to(folder) and is_alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
 def group_members(pgid: int) -> list[int]:
     """Live processes in process group ``pgid``."""
     members = []

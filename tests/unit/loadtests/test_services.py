@@ -125,7 +125,10 @@ def test_an_active_run_is_not_deleted(ready, operator):  # noqa: ANN001
     assert not LoadTest.objects.exists()
 
 
-def test_a_run_left_by_a_dead_worker_has_its_load_generator_stopped_and_fails(ready, operator, settings, tmp_path):  # noqa: ANN001
+@pytest.mark.parametrize("pid_recorded", [True, False], ids=["pid-recorded", "killed-before-the-pid-was-recorded"])
+def test_a_run_left_by_a_dead_worker_has_its_load_generator_stopped_and_fails(
+    ready, operator, settings, tmp_path, pid_recorded: bool
+):  # noqa: ANN001
     import subprocess
     import sys
 
@@ -141,7 +144,7 @@ def test_a_run_left_by_a_dead_worker_has_its_load_generator_stopped_and_fails(re
     folder.mkdir(parents=True)
     left = processes.start_group([sys.executable, "-c", "import time; time.sleep(120)"], cwd=folder,
                                  stdout=subprocess.DEVNULL)  # fmt: skip
-    LoadTest.objects.filter(pk=run.pk).update(progress={"step": 1, "pid": left.pid})
+    LoadTest.objects.filter(pk=run.pk).update(progress={"step": 1, "pid": left.pid} if pid_recorded else {})
     loadtest.reconcile_runs()  # heartbeated just now: still its worker's
     assert LoadTest.objects.get(pk=run.pk).status == RunStatus.RUNNING and left.poll() is None
     LoadTest.objects.filter(pk=run.pk).update(heartbeat_at=timezone.now() - dt.timedelta(seconds=60))

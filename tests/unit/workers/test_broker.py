@@ -10,6 +10,8 @@ import pytest
 from deployments import outbox, queues
 from deployments.models import Event, GpuHost, OutboxMessage
 from deployments.services import deployments, hosts, registered_models
+from gateway.models import Alias
+from loadtests import services as loadtest_services
 from tests import factories
 from tests.unit.deployments.test_outbox import Broker
 from workers import broker
@@ -50,6 +52,12 @@ def test_a_broker_restart_sends_again_what_each_passing_row_waits_for(settings, 
     launching = factories.deployment(host=host, name="launching", user=operator)
     deployments.deployment_start(deployment_id=launching.pk, user=operator)
     model = registered_models.model_register(name="pending", kind="embedding", path=minilm.path, host=host.name)
+    serving = factories.deployment_in(factories.deployment(host=host, name="serving", user=operator),
+                                      "launching", "loading", "ready")  # fmt: skip
+    Alias.objects.create(name="embed", deployment=serving, triton_name="minilm")
+    run = loadtest_services.run_create(
+        deployment_id=serving.pk, alias="embed", spec={"request_count": 5}, user=operator
+    )
     OutboxMessage.objects.all().delete()  # all of it was sent, then lost with the broker's queues
     watch = broker.BrokerWatch()
     watch.beat()  # the first run id this host sees: nothing to re-drive
@@ -58,9 +66,14 @@ def test_a_broker_restart_sends_again_what_each_passing_row_waits_for(settings, 
     watch.beat()
     queue = queues.host_queue(host.name)
     assert sorted(sent) == sorted(
-        [(queues.LAUNCH_DEPLOYMENT, [launching.pk], queue), (queues.INSPECT_MODEL, [model.pk], queue)]
+        [
+            (queues.LAUNCH_DEPLOYMENT, [launching.pk], queue),
+            (queues.INSPECT_MODEL, [model.pk], queue),
+            (queues.RUN_LOADTEST, [run.pk], queue),
+        ]
     )
     (note,) = _host_events(settings, "host.redrive")
     assert "the broker restarted" in note and "deployment launching" in note and "inspection of pending" in note
+    assert f"load test {run.pk}" in note
     watch.beat()  # the same run again: nothing more
-    assert len(sent) == 2
+    assert len(sent) == 3
