@@ -90,6 +90,8 @@ def normalize_spec(raw: dict[str, Any], *, model: RegisteredModel, host: GpuHost
             fail("image", f"{image!r} is not an allow-listed builder image (GANTRY_BUILDER_IMAGES: {allowed})")
         elif image == NATIVE:
             fail("image", f"{host.name} has no tensorrt_llm installed for native builds")
+        elif (host.builders or {}).get("docker_error"):
+            fail("image", f"{host.name} could not read its images: {host.builders['docker_error']}")
         else:
             fail("image", f"{image} is not on {host.name}: pull it there first (its agent reports the images it has)")
     else:

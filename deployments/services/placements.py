@@ -164,7 +164,9 @@ def _check_llm(
         )
     else:
         digest = (host.builders or {}).get("images", {}).get(image, "")
-        if digest != build.image_digest:
+        if (host.builders or {}).get("docker_error"):
+            fail("engine_build", f"{host.name} could not read its images: {host.builders['docker_error']}")
+        elif digest != build.image_digest:
             fail(
                 "engine_build",
                 f"{image} on {host.name} is {digest or 'not present'}, but build {build.pk} was made in "

@@ -14,6 +14,7 @@ from typing import Protocol
 from django.conf import settings
 
 from deployments import trtllm
+from deployments.errors import TransientError
 from deployments.models import BuildExecutor, EngineBuild
 from workers import processes
 from workers.runtimes import docker as docker_engine
@@ -135,8 +136,11 @@ def native_version() -> str:
 
 
 def builders_report() -> dict:
-    """What this host can build with, for the heartbeat."""
-    return {
-        "images": docker_engine.image_digests(sorted(settings.GANTRY_BUILDER_IMAGES)),
-        "native": native_version(),
-    }
+    """What this host can build with, for the heartbeat; ``docker_error`` says why
+    its images could not be read (they are then not "absent", but unknown)."""
+    report: dict = {"images": {}, "native": native_version()}
+    try:
+        report["images"] = docker_engine.image_digests(sorted(settings.GANTRY_BUILDER_IMAGES))
+    except TransientError as exc:
+        report["docker_error"] = str(exc)
+    return report

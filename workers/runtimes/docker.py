@@ -418,13 +418,11 @@ def build_containers(host_name: str) -> dict[str, int]:
 
 def image_digests(images: list[str]) -> dict[str, str]:
     """The digest of each of ``images`` present on this host (the repo digest where
-    it was pulled, else the local image id); absent images are left out."""
+    it was pulled, else the local image id); absent images are left out.
+    TransientError, saying why, when the Docker engine cannot be asked."""
     if not images:
         return {}
-    try:
-        client = _client()
-    except TransientError:
-        return {}
+    client = _client()
     digests = {}
     try:
         for image in images:
@@ -432,12 +430,10 @@ def image_digests(images: list[str]) -> dict[str, str]:
                 found = client.images.get(image)
             except (NotFound, ImageNotFound):
                 continue
-            except APIError:
-                continue
             repo_digests = found.attrs.get("RepoDigests") or []
             digests[image] = repo_digests[0].rpartition("@")[2] if repo_digests else found.id
-    except DockerException:
-        return digests
+    except DockerException as exc:
+        raise TransientError(f"Docker engine error while listing images: {exc}") from exc
     finally:
         client.close()
     return digests

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from deployments.errors import ValidationFailed
-from deployments.models import EngineBuild
+from deployments.models import EngineBuild, GpuHost
 from deployments.services import builds
 from tests import factories
+from workers.build import executors
 
 
 def request(operator, **spec):  # noqa: ANN001, ANN003, ANN201
@@ -97,3 +98,14 @@ def test_builder_image_must_be_allow_listed_and_on_the_host(llama, operator, set
 
 def test_unknown_build_setting_is_named(llama, operator):
     assert errors_of(lambda: request(operator, max_batch=4)) == {"spec.max_batch": ["is not a build setting"]}
+
+
+def test_a_host_whose_docker_cannot_be_asked_is_not_told_to_pull(llama, operator, settings, monkeypatch):  # noqa: ANN001
+    """The agent's report of a Docker engine it cannot reach (a real client on a dead
+    socket) says so, and a build there is refused with that cause, not "pull it"."""
+    monkeypatch.setenv("DOCKER_HOST", "unix:///tmp/gantry-no-docker-here.sock")
+    report = executors.builders_report()
+    assert report["images"] == {} and report["docker_error"].startswith("Docker engine unreachable")
+    GpuHost.objects.filter(name="h100-host").update(builders=report)
+    errors = errors_of(lambda: request(operator))
+    assert errors["image"] == [f"h100-host could not read its images: {report['docker_error']}"]
