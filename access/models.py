@@ -75,3 +75,18 @@ class IdempotentRequest(models.Model):
 
     def __str__(self) -> str:
         return f"{self.method} {self.path} [{self.key}]"
+
+
+class SignInFailures(models.Model):
+    """Failed sign-ins for one username from one address, counted in the database
+    (the source of truth): a Redis restart or outage neither wipes a running
+    lockout nor turns it off."""
+
+    key = models.CharField(max_length=255, unique=True)
+    failures = models.PositiveIntegerField(default=0)
+    expires_at = models.DateTimeField(
+        help_text="when the count (and any lockout) ends: the first failure's time plus GANTRY_LOGIN_LOCKOUT_S"
+    )
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.failures}"

@@ -1,19 +1,27 @@
 """Limits on how fast one client may call: the REST API per user or address
 (DRF throttles), and failed sign-ins per username and address (a lockout).
 
-Counters live in the shared Redis cache, so every web process counts
-together. They fail open: while Redis is unreachable nothing is limited,
-since refusing everyone would turn a cache outage into a full one."""
+The API's rate counters live in the shared Redis cache, so every web process
+counts together; they fail open: while Redis is unreachable nothing is
+limited, since refusing everyone would turn a cache outage into a full one.
+Sign-in failures are few and matter more: they are counted in the database,
+so a lockout holds through a Redis outage or restart."""
 
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 from django.core.cache import caches
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
 from rest_framework.request import Request
 from rest_framework.throttling import AnonRateThrottle, UserRateThrottle
+
+from access.models import SignInFailures
 
 log = logging.getLogger(__name__)
 
@@ -48,30 +56,34 @@ class PerAddress(_FailOpen, AnonRateThrottle):
 
 
 def _login_key(username: str, address: str) -> str:
-    return f"login-failures:{address}:{username.strip().lower()[:150]}"
+    return f"{address}:{username.strip().lower()[:150]}"[:255]
 
 
 def login_locked(username: str, address: str) -> bool:
     """Whether sign-ins for ``username`` from ``address`` are refused for now."""
-    try:
-        return (_shared().get(_login_key(username, address)) or 0) >= settings.GANTRY_LOGIN_ATTEMPTS
-    except Exception:  # noqa: BLE001
-        log.warning("sign-in failure counters unreachable", exc_info=True)
-        return False
+    return SignInFailures.objects.filter(
+        key=_login_key(username, address),
+        expires_at__gt=timezone.now(),
+        failures__gte=settings.GANTRY_LOGIN_ATTEMPTS,
+    ).exists()
 
 
 def login_failed(username: str, address: str) -> None:
-    key = _login_key(username, address)
-    try:
-        cache = _shared()
-        cache.add(key, 0, timeout=settings.GANTRY_LOGIN_LOCKOUT_S)
-        cache.incr(key)
-    except Exception:  # noqa: BLE001
-        log.warning("sign-in failure counters unreachable", exc_info=True)
+    """Count a failure; the count ends GANTRY_LOGIN_LOCKOUT_S after its first."""
+    key, now = _login_key(username, address), timezone.now()
+    with transaction.atomic():
+        row, created = SignInFailures.objects.select_for_update().get_or_create(
+            key=key, defaults={"failures": 1, "expires_at": now + timedelta(seconds=settings.GANTRY_LOGIN_LOCKOUT_S)}
+        )
+        if created:
+            return
+        if row.expires_at <= now:
+            row.failures, row.expires_at = 1, now + timedelta(seconds=settings.GANTRY_LOGIN_LOCKOUT_S)
+            row.save(update_fields=["failures", "expires_at"])
+        else:
+            SignInFailures.objects.filter(pk=row.pk).update(failures=F("failures") + 1)
+    SignInFailures.objects.filter(expires_at__lte=now).delete()  # what has run out, anyone's
 
 
 def login_succeeded(username: str, address: str) -> None:
-    try:
-        _shared().delete(_login_key(username, address))
-    except Exception:  # noqa: BLE001
-        log.warning("sign-in failure counters unreachable", exc_info=True)
+    SignInFailures.objects.filter(key=_login_key(username, address)).delete()

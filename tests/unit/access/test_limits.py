@@ -12,6 +12,8 @@ import pytest
 from django.core.cache import caches
 from rest_framework.test import APIClient
 
+from access.models import SignInFailures
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -88,3 +90,15 @@ def test_plain_http_is_redirected_unless_the_setup_opts_out(settings, client, db
     response = client.get("/login/")
     assert response.status_code == 301 and response["Location"].startswith("https://")
     assert client.get("/healthz").json() == {"status": "ok"}
+
+
+def test_a_lockout_lives_in_the_database_and_outlasts_a_redis_restart(settings, client, viewer):  # noqa: ANN001
+    """Counted in the database, not in Redis: a restart (or an outage) of Redis
+    neither wipes a running lockout nor turns the count off."""
+    settings.GANTRY_LOGIN_ATTEMPTS = 2
+    for _ in range(2):
+        client.post("/login/", {"username": viewer.username, "password": "wrong"})
+    assert SignInFailures.objects.get().failures == 2
+    caches["shared"].clear()  # what a Redis restart leaves
+    locked = client.post("/login/", {"username": viewer.username, "password": "viewer-pass"})
+    assert locked.status_code == 429
