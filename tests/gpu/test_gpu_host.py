@@ -4,6 +4,7 @@ control plane is test_seed_stack.py; the memory caps are test_caps.py."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -103,6 +104,7 @@ def test_docker_paths_compose_the_gpu_arguments(gpu_host):
         (request,) = options["device_requests"]
         assert request["DeviceIDs"] == ["0"] and request["Capabilities"] == [["gpu"]]
         assert options["privileged"] is False
+        assert options["cap_drop"] == ["ALL"] and options["user"] == f"{os.getuid()}:{os.getgid()}"
         assert {u["Name"]: (u["Soft"], u["Hard"]) for u in options["ulimits"]} == {
             "memlock": (-1, -1), "stack": (67108864, 67108864),
         }  # fmt: skip

@@ -298,7 +298,9 @@ class BuildContainerSpec:
 def build_run_options(spec: BuildContainerSpec, host_name: str) -> dict:
     """Everything ``containers.run`` gets for a build step: GPUs by device request,
     NVIDIA's shm size and ulimits, the checkpoint read-only, the work folders
-    read-write, labels tying the container to its build. Never privileged."""
+    read-write, labels tying the container to its build. As the agent's user with
+    no capabilities, as a serving container (server_user): the conversion runs
+    the checkpoint's code, and the files it writes are the agent's to remove."""
     mounts = [Mount(target=p, source=p, type="bind", read_only=True) for p in spec.read_only]
     mounts += [Mount(target=p, source=p, type="bind", read_only=False) for p in spec.read_write]
     options = {
@@ -310,7 +312,11 @@ def build_run_options(spec: BuildContainerSpec, host_name: str) -> dict:
         "shm_size": BUILD_SHM_SIZE,
         "ulimits": [Ulimit(name=name, soft=soft, hard=hard) for name, soft, hard in spec.ulimits],
         "mounts": mounts,
-        "environment": spec.env,
+        # HOME: the agent's user has none in the image, and the toolchain caches under it.
+        "environment": {"HOME": "/tmp", **spec.env},
+        "user": server_user(),
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
         "privileged": False,
         "detach": True,
     }

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests import factories
 from workers.runtimes.base import LaunchSpec
-from workers.runtimes.docker import run_options
+from workers.runtimes.docker import BuildContainerSpec, build_run_options, run_options
 from workers.triton.secret import SecretFiles
 
 
@@ -102,3 +102,17 @@ def test_a_generation_that_moves_gpus_or_changes_the_server_needs_a_new_containe
     assert runtime.server_changes("c1", _spec(gpu_ids=(0,), models=["other"])) == []  # a reload is enough
     moved = _spec(gpu_ids=(0,), read_only_mounts=(Path("/models/minilm"), Path("/models/new")))
     assert runtime.server_changes("c1", moved) == ["it reads /models/new, which the container was not started with"]
+
+
+def test_a_build_container_runs_as_the_agent_with_no_capabilities():
+    """The conversion runs the checkpoint's code: no more privilege than a serving
+    container, and its files are the agent's to remove (forget)."""
+    spec = BuildContainerSpec(
+        build_id=4, step=1, image="builder", argv=["trtllm-build"], gpu_ids=(), read_only=("/models/x",),
+        read_write=("/data/builds/4",), ulimits=(), env={"GANTRY_BUILD_ID": "4"},
+    )  # fmt: skip
+    options = build_run_options(spec, "gpu-01")
+    assert options["user"] == f"{os.getuid()}:{os.getgid()}"
+    assert options["cap_drop"] == ["ALL"] and options["security_opt"] == ["no-new-privileges"]
+    assert options["privileged"] is False
+    assert options["environment"] == {"HOME": "/tmp", "GANTRY_BUILD_ID": "4"}
