@@ -5,9 +5,10 @@ the one job runner (workers.jobs) turns a failure into the row's failed state.""
 from __future__ import annotations
 
 from celery import shared_task
+from django.conf import settings
 
 from deployments import queues
-from deployments.services import registered_models
+from deployments.services import hosts, registered_models
 from workers import (
     agent,  # noqa: F401 - importing agent connects it to worker start
     loadtest,
@@ -29,12 +30,20 @@ def stop_deployment(deployment_id: int) -> None:
 
 @shared_task(name=queues.FORGET_DEPLOYMENT)
 def forget_deployment(deployment_id: int, name: str) -> None:
-    lifecycle.forget(deployment_id, name)
+    what = f"removing the files of deleted deployment {name}"
+    run_job(what, lambda: lifecycle.forget(deployment_id, name), fail=_on_host_timeline)
 
 
 @shared_task(name=queues.FORGET_BUILD)
 def forget_build(build_id: int) -> None:
-    run.forget(build_id)
+    run_job(f"removing the files of deleted build {build_id}", lambda: run.forget(build_id), fail=_on_host_timeline)
+
+
+def _on_host_timeline(reason: str, *, status: str | None, details: dict) -> None:
+    """A job whose row is gone (a deleted deployment or build) fails on its host's timeline."""
+    hosts.record_host_event(
+        host_name=settings.GANTRY_HOST_NAME, kind="host.cleanup_failed", source=source(), message=reason
+    )
 
 
 @shared_task(name=queues.APPLY_GENERATION)
