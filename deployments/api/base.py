@@ -101,9 +101,14 @@ def field_errors(detail: Any, prefix: str = "") -> dict[str, list[str]]:
 
 
 def _bounded(field: serializers.Field) -> None:
-    """Bound an integer field (or a list's integer items) to what the database holds."""
+    """Hold a field to what the schema says of it: an integer (or a list's integer
+    items) to what the database holds; a string's max_length to the string sent
+    (DRF would check it after trimming whitespace, so 256 characters of which one is
+    a leading NEL passed a limit of 255)."""
     if isinstance(field, serializers.ListField):
         _bounded(field.child)
+    if isinstance(field, serializers.CharField) and field.max_length is not None:
+        field.trim_whitespace = False
     if not isinstance(field, serializers.IntegerField):
         return
     if field.max_value is None:
@@ -118,7 +123,8 @@ def _bounded(field: serializers.Field) -> None:
 
 class _RefusesUnknownFields:
     """Refuses fields it does not know, so a typo is an error, not a silent default;
-    and bounds every integer field to the database's 64 bits."""
+    bounds every integer field to the database's 64 bits, and checks a string's
+    length as sent (see _bounded)."""
 
     def get_fields(self) -> dict[str, serializers.Field]:
         fields = super().get_fields()

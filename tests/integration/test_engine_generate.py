@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -90,12 +89,12 @@ def engine(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     for spec, folder in zip(specs, tokenizers.values(), strict=True):
         _stand_in_for_the_engine(repository, spec, AutoTokenizer.from_pretrained(folder).all_special_ids)
     record = tmp_path / "engine-requests.jsonl"
-    os.environ["GANTRY_STANDIN_RECORD"] = str(record)  # read by the stand-in inside the server
     port = free_ports(3)
     launch = factories.launch_spec(
         tmp_path / "deployment",
         models=[name for spec in specs for name in spec.model_names],
         http_port=port, grpc_port=port + 1, metrics_port=port + 2,
+        extra_env={"GANTRY_STANDIN_RECORD": str(record)},  # read by the stand-in inside the server
     )  # fmt: skip
     runtime = ProcessRuntime(tmp_path / "data")
     handle = runtime.start(launch)
@@ -106,7 +105,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
         yield f"127.0.0.1:{port}", record, tokenizers
     finally:
         runtime.stop(handle, launch)
-        os.environ.pop("GANTRY_STANDIN_RECORD", None)
 
 
 def _records(path: Path) -> list[dict]:

@@ -93,3 +93,12 @@ def test_the_timeline_page_refuses_an_id_beyond_64_bits(client, operator) -> Non
     client.force_login(operator)
     response = client.get(f"/events/?deployment={BIG}")
     assert response.status_code in (200, 400) and b"less than or equal to" in response.content
+
+
+def test_a_strings_length_is_checked_as_sent_not_after_trimming(api) -> None:  # noqa: ANN001
+    """The schema says maxLength 255: 256 characters are refused even when one is a
+    leading NEL that DRF would have trimmed first (found by the contract fuzzer)."""
+    body = {"model": "m", "host": "h", "image": "\u0085" + "*" * 255}
+    response = api.post("/api/builds/preflight/", body, format="json")
+    assert response.status_code == 400
+    assert response.json()["errors"] == {"image": ["Ensure this field has no more than 255 characters."]}
