@@ -355,9 +355,12 @@ def reconcile_runs() -> None:
         # AIPerf sets its process title, which hides its command line and environment:
         # it is this run's by its working directory (a reused pid is never signalled),
         # whether or not its pid was recorded before the worker died.
+        groups = set()
         for pid in processes.working_in(run_folder(run.pk)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                processes.terminate_group(os.getpgid(pid), grace_s=10.0)
+            with contextlib.suppress(ProcessLookupError):
+                groups.add(os.getpgid(pid))
+        for pgid in groups:  # the generator and its workers: one group each
+            processes.terminate_group(pgid, grace_s=10.0)
         services.run_keys_revoke(run_id=run.pk)
         services.run_finish(
             run_id=run.pk,

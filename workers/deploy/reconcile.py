@@ -95,11 +95,17 @@ def watch_crashes() -> None:
         host__name=settings.GANTRY_HOST_NAME, status__in=states.SERVING
     )
     for deployment in serving:
-        runtime, spec = runtime_for(deployment), launch_spec(deployment)
-        if not runtime.is_running(deployment.runtime_handle, spec) and not _server_being_replaced(
-            deployment.pk, deployment.status
-        ):
-            _handle_crash(deployment, runtime, spec)
+        _server_gone(deployment, runtime_for(deployment), launch_spec(deployment))
+
+
+def _server_gone(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) -> bool:
+    """Whether the deployment's server no longer runs; a crash is handled here (the
+    old server of one being replaced was stopped on purpose: no crash)."""
+    if runtime.is_running(deployment.runtime_handle, spec):
+        return False
+    if not _server_being_replaced(deployment.pk, deployment.status):
+        _handle_crash(deployment, runtime, spec)
+    return True
 
 
 def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
@@ -115,10 +121,8 @@ def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
         if deployment.status in (S.LAUNCHING, S.STOPPING):
             if (now - deployment.status_changed_at).total_seconds() > stall_after_s(deployment.status):
                 _redrive(deployment)
-        elif not runtime.is_running(deployment.runtime_handle, spec):
-            # The old server of one being replaced was stopped on purpose: no crash.
-            if not _server_being_replaced(deployment.pk, deployment.status):
-                _handle_crash(deployment, runtime, spec)
+        elif _server_gone(deployment, runtime, spec):
+            continue
         elif deployment.status == S.LOADING:
             _check_loading(deployment, runtime, spec, now)
         elif deployment.status == S.UPDATING:
