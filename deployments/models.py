@@ -20,7 +20,7 @@ from django.db import models
 from django.utils import timezone
 
 from deployments.fields import JSONField
-from deployments.queues import host_queue
+from deployments.queues import host_queue, jobs_queue
 
 # Triton model names and host names end up in paths, queue names and URLs.
 slug_validator = RegexValidator(
@@ -71,6 +71,10 @@ class GpuHost(models.Model):
     @property
     def queue(self) -> str:
         return host_queue(self.name)
+
+    @property
+    def jobs_queue(self) -> str:
+        return jobs_queue(self.name)
 
 
 class Gpu(models.Model):

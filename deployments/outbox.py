@@ -48,7 +48,7 @@ PARK_AFTER = 3
 def enqueue_on_commit(task_name: str, *, host_name: str, args: list[Any]) -> OutboxMessage:
     """Ask ``host_name``'s worker for ``task_name(*args)``: written now, sent once the
     current transaction commits (and later, by ``relay``, if the broker is down)."""
-    message = OutboxMessage.objects.create(task=task_name, queue=queues.host_queue(host_name), args=args)
+    message = OutboxMessage.objects.create(task=task_name, queue=queues.queue_for(task_name, host_name), args=args)
     transaction.on_commit(lambda: send_soon(message.pk))
     return message
 
@@ -113,8 +113,8 @@ def redrive(task_name: str, *, host_name: str, args: list[Any], source: str, mes
     return True
 
 
-def send(*, ids: Iterable[int] | None = None, queue: str | None = None) -> int:
-    """Hand waiting messages (these ``ids``, or all of ``queue``, or all) to the
+def send(*, ids: Iterable[int] | None = None, host_name: str | None = None) -> int:
+    """Hand waiting messages (these ``ids``, or all for ``host_name``, or all) to the
     broker, oldest first. Returns how many were sent. Never raises for a broker
     that is down: the first refusal while it does not answer a ping stops the
     pass (relay tries again on the next beat). A refusal while it answers is
@@ -128,8 +128,8 @@ def send(*, ids: Iterable[int] | None = None, queue: str | None = None) -> int:
             rows = rows.exclude(pk__in=skipped).order_by("id")
             if ids is not None:
                 rows = rows.filter(pk__in=list(ids))
-            if queue is not None:
-                rows = rows.filter(queue=queue)
+            if host_name is not None:
+                rows = rows.filter(queue__in=queues.host_queues(host_name))
             message = rows.first()
             if message is None:
                 return sent
@@ -181,9 +181,9 @@ def _failed(message: OutboxMessage, exc: Exception, *, park: bool) -> None:
         _note_waiting(message, exc)
 
 
-def relay(*, queue: str | None = None) -> int:
+def relay(*, host_name: str | None = None) -> int:
     """Send what the broker could not take when it was asked (see ``send``)."""
-    return send(queue=queue)
+    return send(host_name=host_name)
 
 
 def _subject(message: OutboxMessage) -> dict[str, Any]:
@@ -195,7 +195,7 @@ def _subject(message: OutboxMessage) -> dict[str, Any]:
 
 
 def _host(message: OutboxMessage) -> GpuHost | None:
-    return GpuHost.objects.filter(name=message.queue.removeprefix("gpu.")).first()
+    return GpuHost.objects.filter(name=queues.host_of(message.queue)).first()
 
 
 def _what(message: OutboxMessage) -> str:

@@ -21,7 +21,6 @@ from django.conf import settings
 from deployments import outbox
 from deployments.errors import InvalidTransition
 from deployments.models import BuildStatus, Deployment, EngineBuild, Inspection, RegisteredModel
-from deployments.queues import host_queue
 from deployments.services import builds, deployments, hosts, registered_models
 from loadtests import services as loadtest_services
 from loadtests.models import LoadTest, RunStatus
@@ -76,7 +75,7 @@ class BrokerWatch:
                 source=source(),
                 reason="the broker restarted, and the tasks in its queues may be lost",
             )
-        sent = outbox.relay(queue=host_queue(host))
+        sent = outbox.relay(host_name=host)
         if sent:
             log.info("sent %s task(s) that waited in the outbox", sent)
 

@@ -34,7 +34,8 @@ class GpuOut(serializers.ModelSerializer):
 class HostOut(serializers.ModelSerializer):
     gpus = GpuOut(many=True, read_only=True)
     is_online = serializers.BooleanField(read_only=True)
-    queue = serializers.CharField(read_only=True)
+    queue = serializers.CharField(read_only=True, help_text="The control queue: launch, stop, apply, inspect.")
+    jobs_queue = serializers.CharField(read_only=True, help_text="The jobs queue: engine builds and load tests.")
 
     class Meta:
         model = GpuHost
@@ -48,6 +49,7 @@ class HostOut(serializers.ModelSerializer):
             "nvml_error",
             "agent_version",
             "queue",
+            "jobs_queue",
             "gpus",
         ]
 

@@ -19,7 +19,7 @@ from websockets.sync.client import connect
 
 from controlplane.celery import app as celery_app
 from deployments.models import BuildLogLine, BuildStatus, EngineBuild
-from deployments.queues import host_queue
+from deployments.queues import jobs_queue
 from tests.factories import LLAMA, write_checkpoint
 from tests.fixtures.trtllm_tree import lay_out
 from tests.integration.conftest import ROOT, RedisServer, Stack, make_stack, wait_for
@@ -72,8 +72,7 @@ def _build_stack(tmp_path: Path, operator: User, builder_image: str, **more_env:
         "TRTLLM_STANDIN_VERSION": VERSION,
         **more_env,
     }
-    worker = [sys.executable, str(ROOT / "tests/fixtures/standin_gpu_worker.py"), "-A", "controlplane", "worker",
-              "-Q", host_queue("{host}"), "-n", "gantry@{host}", "-c", "2", "-l", "INFO"]  # fmt: skip
+    worker = [sys.executable, str(ROOT / "tests/fixtures/standin_gpu_worker.py"), "{host}"]
     yield from make_stack(tmp_path, operator, extra_env=env, worker_argv=worker)
 
 
@@ -190,6 +189,24 @@ def test_cancel_and_time_limit_stop_the_container(build_stack: Stack, builder_im
     assert _build_containers(engine, limited["id"]) == []
 
 
+def test_control_work_never_waits_behind_long_jobs(build_stack: Stack, builder_image: str, tmp_path, engine):
+    """Two builds that never end hold the host's job slots; a checkpoint registered
+    meanwhile is still inspected (control work has its own worker and slots)."""
+    stack = build_stack
+    _register(stack, tmp_path, "hangs", {"hang": True})
+    builds = [_request(stack, "hangs", builder_image, spec={"max_batch_size": size}) for size in (4, 8)]
+    for build in builds:
+        wait_for(lambda b=build: _build(stack, b["id"])["phase"] == "building rank 1 of 1", 60, "both build steps")
+
+    stack.register_models(write_checkpoint(tmp_path / "late", LLAMA), late="llm")  # waits for its inspection
+
+    for build in builds:
+        stack.session().post(f"{stack.web_url}/api/builds/{build['id']}/cancel/", timeout=10)
+    for build in builds:
+        _wait_status(stack, build["id"], "cancelled", 60)
+    assert all(_build_containers(engine, build["id"]) == [] for build in builds)
+
+
 def test_native_build_runs_the_hosts_own_toolchain(build_stack: Stack, tmp_path):
     _register(build_stack, tmp_path, "native", {})
     build = _request(build_stack, "native", "native")
@@ -213,7 +230,7 @@ def test_worker_killed_during_a_build_never_leaves_it_running(build_stack: Stack
     wait_for(lambda: _build_containers(engine, build["id"]) == [], 30, "the orphaned container removed")
 
     # The broker redelivers the lost task later: it must not compile again.
-    celery_app.send_task("workers.tasks.run_build", args=[build["id"]], queue=host_queue(stack.host_name))
+    celery_app.send_task("workers.tasks.run_build", args=[build["id"]], queue=jobs_queue(stack.host_name))
     time.sleep(3)
     assert EngineBuild.objects.get(pk=build["id"]).status == BuildStatus.FAILED
     assert _build_containers(engine, build["id"]) == []

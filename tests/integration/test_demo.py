@@ -88,7 +88,7 @@ def test_the_demo_restarts_a_killed_worker_which_adopts_the_running_stack(tmp_pa
         ready = "SELECT id, runtime_handle FROM deployments_deployment WHERE name = 'demo-stack' AND status = 'ready'"
         wait_for(lambda: _rows(database, ready), 420, "the demo stack to be ready")
         stack_id, server = _rows(database, ready)[0]
-        (worker,) = _children(demo.pid, b"gantry@" + host.encode())
+        (worker,) = _children(demo.pid, b"workers.hostworker")
         os.kill(worker, signal.SIGKILL)
 
         adopted = "SELECT message FROM deployments_event WHERE kind = 'deployment.adopted' AND deployment_id = ?"
@@ -99,7 +99,7 @@ def test_the_demo_restarts_a_killed_worker_which_adopts_the_running_stack(tmp_pa
         assert _rows(database, ready) == [(stack_id, server)]  # the same server, never a second one
         assert [handle for handle, _ in process.servers_under(data_dir)] == [server]
         assert requests.get(f"http://127.0.0.1:{web_port}/healthz", timeout=10).status_code == 200
-        assert len(_children(demo.pid, b"gantry@" + host.encode())) == 1
+        assert len(_children(demo.pid, b"workers.hostworker")) == 1
 
         # A SIGKILLed web master: its workers go with it before a new one starts.
         (master,) = _children(demo.pid, b"gunicorn")

@@ -88,7 +88,7 @@ def test_a_task_waits_while_the_broker_is_down_and_the_timeline_says_so(db, brok
 
     OutboxMessage.objects.update(created_at=timezone.now() - timedelta(seconds=42))
     broker.down = False
-    assert outbox.relay(queue=queues.host_queue(minilm.host.name)) == 1
+    assert outbox.relay(host_name=minilm.host.name) == 1
     assert broker.sent == [(queues.LAUNCH_DEPLOYMENT, [deployment.pk], queues.host_queue(minilm.host.name))]
     late = Event.objects.get(deployment=deployment, kind="task.redriven")
     assert late.data["waited_s"] >= 42
@@ -156,17 +156,17 @@ def test_a_message_the_answering_broker_refuses_is_parked_and_never_blocks_its_q
         task=queues.LAUNCH_DEPLOYMENT, queue=queues.host_queue(host), args=[1, "x" * 2 * 2**20]
     )
     behind = OutboxMessage.objects.create(task=queues.STOP_DEPLOYMENT, queue=queues.host_queue(host), args=[2])
-    assert outbox.send(queue=queues.host_queue(host)) == 1  # the one behind it went
+    assert outbox.send(host_name=host) == 1  # the one behind it went
     assert not OutboxMessage.objects.filter(pk=behind.pk).exists()
     assert strict_redis.llen("gpu.poison-host") == 1
     for _ in range(outbox.PARK_AFTER - 1):
-        assert outbox.send(queue=queues.host_queue(host)) == 0
+        assert outbox.send(host_name=host) == 0
     poisoned.refresh_from_db()
     assert poisoned.parked_at is not None and poisoned.attempts == outbox.PARK_AFTER
     assert "OperationalError" in poisoned.last_error
     parked = Event.objects.get(kind="task.parked")
     assert f"parked in the outbox (message {poisoned.pk})" in parked.message
-    assert outbox.send(queue=queues.host_queue(host)) == 0  # never tried again
+    assert outbox.send(host_name=host) == 0  # never tried again
     poisoned.refresh_from_db()
     assert poisoned.attempts == outbox.PARK_AFTER
     assert not outbox.is_waiting(queues.LAUNCH_DEPLOYMENT, 1)  # a re-drive may send it anew

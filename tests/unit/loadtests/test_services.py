@@ -42,7 +42,7 @@ def test_a_run_is_queued_on_its_hosts_worker_with_what_was_under_test(ready, ope
     assert [p["triton_name"] for p in run.context["placements"]] == ["minilm"]
     assert run.context["placements"][0]["under_test"] and run.context["gantry_version"]
     message = OutboxMessage.objects.get(task=queues.RUN_LOADTEST)
-    assert message.queue == queues.host_queue(ready.host.name) and message.args == [run.pk]
+    assert message.queue == queues.jobs_queue(ready.host.name) and message.args == [run.pk]
     assert ready.events.filter(kind="loadtest.queued").exists()
 
 

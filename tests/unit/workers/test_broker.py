@@ -69,7 +69,7 @@ def test_a_broker_restart_sends_again_what_each_passing_row_waits_for(settings, 
         [
             (queues.LAUNCH_DEPLOYMENT, [launching.pk], queue),
             (queues.INSPECT_MODEL, [model.pk], queue),
-            (queues.RUN_LOADTEST, [run.pk], queue),
+            (queues.RUN_LOADTEST, [run.pk], queues.jobs_queue(host.name)),
         ]
     )
     (note,) = _host_events(settings, "host.redrive")
