@@ -222,6 +222,12 @@ class EngineBuild(models.Model):
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     output_dir = models.CharField(max_length=1024, blank=True)
     artifacts = JSONField(default=list, blank=True, help_text="[{name, size, sha256}] of the engine folder.")
+    files_missing = models.CharField(
+        max_length=512,
+        blank=True,
+        help_text="What its host found gone or changed of a succeeded build's engine folder; such a build is "
+        "never reused or served again.",
+    )
     build_config = JSONField(default=dict, blank=True, help_text="build_config from the engine's config.json.")
     plugin_config = JSONField(default=dict, blank=True)
     engine_config = JSONField(default=dict, blank=True, help_text="The engine's config.json as written.")

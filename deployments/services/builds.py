@@ -58,7 +58,8 @@ def _resolve(*, model: str, host: str, image: str, spec: dict[str, Any], time_li
 
 
 def _succeeded(key: str) -> EngineBuild | None:
-    return EngineBuild.objects.filter(cache_key=key, status=B.SUCCEEDED).order_by("-finished_at").first()
+    reusable = EngineBuild.objects.filter(cache_key=key, status=B.SUCCEEDED, files_missing="")
+    return reusable.order_by("-finished_at").first()
 
 
 def _running(key: str) -> EngineBuild | None:
@@ -267,6 +268,28 @@ def build_finish(*, build_id: int, to: str, source: str, message: str, **fields:
         return states.build_transition(build_id=build_id, to=to, source=source, message=message, **fields)
     except InvalidTransition:
         return None
+
+
+def build_files_missing(*, build_id: int, problem: str, source: str) -> bool:
+    """Record that a succeeded build's engine folder is gone or changed on its host
+    (``problem`` says what): it is never reused or served again, and an identical
+    request compiles anew. False when that was already known."""
+    with transaction.atomic():
+        changed = EngineBuild.objects.filter(pk=build_id, status=B.SUCCEEDED, files_missing="").update(
+            files_missing=problem[:512]
+        )
+        if changed:
+            build = EngineBuild.objects.select_related("host", "model").get(pk=build_id)
+            events.record(
+                kind="build.files_missing",
+                source=source,
+                build=build,
+                model=build.model,
+                host=build.host,
+                message=f"build {build_id}'s engine on {build.host.name}: {problem}; it is no longer reused "
+                "or served, and an identical request builds it again",
+            )
+    return bool(changed)
 
 
 def build_redrive(*, build_id: int, source: str, message: str) -> bool:

@@ -30,6 +30,7 @@ from deployments.gpu_plan import (
     engine_bytes_per_gpu,
     host_plan,
     kv_cache_tokens,
+    placement_gpus,
     plan_problems,
     resolve_instances,
     transformers_max_seq_len,
@@ -153,6 +154,8 @@ def _check_llm(
         fail("engine_build", f"build {build.pk} is of {build.model.name}, not {model.name}")
     if build.status != BuildStatus.SUCCEEDED:
         fail("engine_build", f"build {build.pk} is {build.status}; only succeeded builds can be served")
+    elif build.files_missing:
+        fail("engine_build", f"build {build.pk}'s engine on {build.host.name}: {build.files_missing}; build it again")
     if runtime != Runtime.DOCKER:
         fail(
             "engine_build", "engines run in the docker runtime (the host's own tritonserver has no tensorrtllm backend)"
@@ -486,11 +489,53 @@ def placements_check(
         resolved.append(Resolved(spec=spec, model=model))
     if sum(1 for spec in specs if spec.llm_api) > 1:
         errors.setdefault("models", []).append("a deployment serves at most one model through the LLM API")
-    own = host_plan(host, [Holder(key=None, name="this deployment", placements=placement_rows(resolved))])
+    rows = placement_rows(resolved)
+    _check_llm_api_gpus(specs, resolved, rows, sorted(gpu_indexes), errors)
+    if not gpu_indexes:
+        _check_auto_on_no_gpus(host, rows, errors)
+    own = host_plan(host, [Holder(key=None, name="this deployment", placements=rows)])
     errors.setdefault("models", []).extend(plan_problems(own, own=None))
     if not errors["models"]:
         del errors["models"]
     return resolved, errors
+
+
+def _check_llm_api_gpus(
+    specs: list[PlacementSpec],
+    resolved: list[Resolved],
+    rows: list[DeploymentModel],
+    host_gpus: list[int],
+    errors: dict[str, list[str]],
+) -> None:
+    """TensorRT-LLM's LLM() takes no device ids: its ranks take the first GPUs
+    the container sees, and Docker numbers the container's GPUs from 0 in host
+    order. So an LLM-API model must hold the lowest of the deployment's GPUs."""
+    used = sorted({g for row in rows for g in placement_gpus(row, host_gpus)})
+    for item, row in zip(resolved, rows, strict=True):
+        if row.backend != Backend.LLM_API:
+            continue
+        mine = sorted(placement_gpus(row, host_gpus))
+        first = used[: len(mine)]
+        if mine != first:
+            index = next(i for i, spec in enumerate(specs) if spec is item.spec)
+            errors.setdefault(f"models[{index}].gpu_ids", []).append(
+                f"the LLM API runs on the first {len(mine)} GPU(s) its container sees, here {first} "
+                f"(TensorRT-LLM's LLM() takes no device ids): place it on {first}, or the other models on higher GPUs"
+            )
+
+
+def _check_auto_on_no_gpus(host: GpuHost, rows: list[DeploymentModel], errors: dict[str, list[str]]) -> None:
+    """Placements of instance kind auto run on the CPU of a host that reports no
+    GPUs, and on its first GPU as soon as it reports one (a driver installed, NVML
+    back): their fractions must fit that GPU too."""
+    auto = [row for row in rows if row.instance_kind == InstanceKind.AUTO]
+    total = sum(row.gpu_memory_fraction for row in auto)
+    if total > 1.0 + 1e-9:
+        errors.setdefault("models", []).append(
+            f"{', '.join(row.triton_name for row in auto)} have instance_kind auto: they run on {host.name}'s first "
+            f"GPU once it reports one, and their gpu_memory_fraction add up to {total:g} > 1; lower them, or set "
+            "instance_kind KIND_CPU"
+        )
 
 
 def _check_queue(spec: PlacementSpec, fail: Fail) -> None:

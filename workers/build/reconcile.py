@@ -1,6 +1,7 @@
 """After a worker died mid-build: stop what it left on this host (a build
 process or container) and fail its build, and remove build containers of no
-running build."""
+running build. A succeeded build whose engine folder went missing or changed
+is marked so, and never reused or served again."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from deployments.models import BuildStatus as B
 from deployments.models import EngineBuild
 from deployments.services import builds
 from workers import processes
+from workers.build.verify import engine_files_problem
 from workers.jobs import source
 from workers.runtimes import docker as docker_engine
 
@@ -52,6 +54,10 @@ def reconcile_builds() -> None:
             message="the worker running this build stopped; what it left was stopped. Request the build again.",
             runtime_handle="",
         )
+    for build in EngineBuild.objects.filter(host__name=settings.GANTRY_HOST_NAME, status=B.SUCCEEDED, files_missing=""):
+        problem = engine_files_problem(build)
+        if problem:
+            builds.build_files_missing(build_id=build.pk, problem=problem, source=source())
     if not settings.GANTRY_BUILDER_IMAGES:
         return
     try:

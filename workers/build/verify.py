@@ -8,6 +8,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from django.conf import settings
+
 from deployments.models import EngineBuild
 from workers import nvml
 from workers.jobs import JobFailed
@@ -73,3 +75,22 @@ def verify_engine(build: EngineBuild, engine_dir: Path) -> dict:
         "plugin_config": plugin_config,
         "engine_config": config,
     }
+
+
+def engine_files_problem(build: EngineBuild) -> str | None:
+    """What is gone or changed of a succeeded build's engine folder on this host,
+    by name and size (hashing gigabytes on every check would cost too much)."""
+    folder = Path(build.output_dir)
+    if not build.output_dir or not folder.is_dir():
+        return f"its folder {folder} is not on {settings.GANTRY_HOST_NAME}"
+    gone, changed = [], []
+    for artifact in build.artifacts:
+        try:
+            size = (folder / artifact["name"]).stat().st_size
+        except OSError:
+            gone.append(artifact["name"])
+            continue
+        if size != artifact.get("size"):
+            changed.append(f"{artifact['name']} ({size} bytes, built as {artifact.get('size')})")
+    problems = ([f"{', '.join(gone)} gone"] if gone else []) + ([f"{', '.join(changed)} changed"] if changed else [])
+    return f"in {folder}: {'; '.join(problems)}" if problems else None

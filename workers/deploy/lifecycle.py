@@ -24,12 +24,13 @@ from deployments import states
 from deployments.errors import GantryError, InvalidTransition, PermanentError, TransientError
 from deployments.models import Deployment
 from deployments.models import DeploymentStatus as S
-from deployments.services import deployments
+from deployments.services import builds, deployments
 from workers import nvml
 from workers.deploy.plan import (
     current_status,
     launch_spec,
     load,
+    missing_inputs,
     model_specs,
     paths_for,
     runtime_for,
@@ -121,6 +122,8 @@ def _start_server(deployment_id: int) -> tuple[Deployment, Runtime, str, LaunchS
     if deployment is None or deployment.status != S.LAUNCHING:
         log.info("launch of %s skipped: status is %s", deployment_id, deployment and deployment.status)
         return None
+    if problem := inputs_problem(deployment):
+        raise PermanentError(problem)
     runtime = runtime_for(deployment)
     specs = model_specs(deployment)
     spec = launch_spec(deployment)
@@ -158,6 +161,16 @@ def _start_server(deployment_id: int) -> tuple[Deployment, Runtime, str, LaunchS
         runtime.stop(handle, spec)
         return None
     return deployment, runtime, handle, spec
+
+
+def inputs_problem(deployment: Deployment) -> str | None:
+    """What the deployment reads that is not on this host, in words (an engine
+    found gone or changed is marked so, and never reused); None when all is here."""
+    missing = missing_inputs(deployment)
+    for item in missing:
+        if item.build_id is not None:
+            builds.build_files_missing(build_id=item.build_id, problem=item.problem, source=source())
+    return "; ".join(item.describe() for item in missing) or None
 
 
 def _await_ready(
@@ -244,6 +257,9 @@ def _apply_generation_once(deployment_id: int, generation: int) -> None:
     deployment = load(deployment_id)
     if deployment is None or deployment.status != S.UPDATING or deployment.generation != generation:
         return
+    if problem := inputs_problem(deployment):
+        roll_back(deployment, generation, problem)
+        return
     spec = launch_spec(deployment)
     runtime = runtime_for(deployment)
     changes = runtime.server_changes(deployment.runtime_handle, spec)
@@ -272,7 +288,9 @@ def _restart_for_generation(
     deployment: Deployment, runtime: Runtime, spec: LaunchSpec, generation: int, changes: list[str]
 ) -> None:
     """A running server cannot be given new folders, GPUs or arguments: start a
-    new one for the generation (the old one stops first, so the ports are free)."""
+    new one for the generation (the old one stops first, so the ports are free).
+    If the new one does not come up, the previous generation is put back and
+    started again the same way."""
     deployments.record_deployment_event(
         deployment_id=deployment.pk,
         kind="deployment.generation_restart",
@@ -280,12 +298,41 @@ def _restart_for_generation(
         message=f"generation {generation} needs a new server ({'; '.join(changes)}): restarting its server",
     )
     runtime.stop(deployment.runtime_handle, spec)
+    try:
+        _replace_server(deployment, runtime, spec, what=f"generation {generation}: ")
+    except JobFailed as failed:
+        if current_status(deployment.pk) != S.UPDATING:
+            raise  # stopped meanwhile: nothing to put back
+        _restart_previous(deployment, generation, failed)
+
+
+def _replace_server(deployment: Deployment, runtime: Runtime, spec: LaunchSpec, *, what: str) -> None:
     write_repository(spec.repository, model_specs(deployment))
     handle = runtime.start(spec)
     if not deployments.deployment_server_replaced(deployment_id=deployment.pk, runtime_handle=handle):
         runtime.stop(handle, spec)  # stopped meanwhile: the stop task owns the deployment now
         return
-    _await_ready(deployment, runtime, handle, spec, status=S.UPDATING, what=f"generation {generation}: ")
+    _await_ready(deployment, runtime, handle, spec, status=S.UPDATING, what=what)
+
+
+def _restart_previous(deployment: Deployment, generation: int, failed: JobFailed) -> None:
+    """The new server of ``generation`` failed and is stopped: put the previous
+    generation back and start its server; JobFailed when even that fails."""
+    try:
+        restored = deployments.deployment_rollback(
+            deployment_id=deployment.pk, failed_generation=generation, reason=failed.reason, source=source()
+        )
+        _replace_server(
+            restored, runtime_for(restored), launch_spec(restored), what=f"rolling back from generation {generation}: "
+        )
+    except JobFailed as again:
+        raise JobFailed(
+            f"generation {generation} failed ({failed.reason}) and so did the rollback: {again.reason}", **again.details
+        ) from again
+    except (GantryError, OSError) as exc:
+        raise JobFailed(
+            f"generation {generation} failed ({failed.reason}) and so did the rollback: {exc}", **failed.details
+        ) from exc
 
 
 def roll_back(deployment: Deployment, generation: int, reason: str) -> None:

@@ -14,6 +14,7 @@ from deployments.errors import PermanentError
 from deployments.gpu_plan import DEFAULT_KV_CACHE_SHARE, placement_gpus, resolve_instances, transformers_max_seq_len
 from deployments.models import Backend, Deployment, DeploymentModel, ModelKind
 from deployments.models import Runtime as DeploymentRuntime
+from workers.build.verify import engine_files_problem
 from workers.runtimes.base import LaunchSpec, Runtime
 from workers.runtimes.docker import DockerRuntime
 from workers.runtimes.process import ProcessRuntime
@@ -53,7 +54,7 @@ def load(deployment_id: int) -> Deployment | None:
     """The deployment with everything planning reads (placements, builds, GPUs), or None."""
     return (
         Deployment.objects.select_related("host")
-        .prefetch_related("placements__registered_model", "placements__engine_build", "host__gpus")
+        .prefetch_related("placements__registered_model__host", "placements__engine_build", "host__gpus")
         .filter(pk=deployment_id)
         .first()
     )
@@ -70,6 +71,36 @@ def _batching(placement: DeploymentModel) -> Batching:
         max_queue_size=placement.max_queue_size,
         timeout_action=placement.timeout_action,
     )
+
+
+@dataclass(frozen=True)
+class MissingInput:
+    placement: str
+    problem: str
+    build_id: int | None = None  # an engine build whose folder is gone or changed
+
+    def describe(self) -> str:
+        return f"{self.placement}: {self.problem}"
+
+
+def missing_inputs(deployment: Deployment) -> list[MissingInput]:
+    """What the deployment's placements read that is not on this host: a
+    checkpoint (registered on another host, or removed since), or an engine
+    build's folder that is gone or changed."""
+    found: list[MissingInput] = []
+    for placement in deployment.placements.all():
+        model = placement.registered_model
+        if not Path(model.path).exists():
+            found.append(
+                MissingInput(
+                    placement.triton_name,
+                    f"checkpoint {model.path} (registered on {model.host.name}) is not on {settings.GANTRY_HOST_NAME}",
+                )
+            )
+        build = placement.engine_build
+        if build is not None and (problem := engine_files_problem(build)):
+            found.append(MissingInput(placement.triton_name, problem, build.pk))
+    return found
 
 
 def server_gpus(deployment: Deployment) -> tuple[int, ...]:
@@ -98,12 +129,19 @@ def model_specs(deployment: Deployment) -> list[ModelSpec]:
             release = trtllm.release_for(settings.GANTRY_BUILDER_IMAGES.get(deployment.image, ""))
             if release is None or not release.llmapi_model_dir:
                 raise PermanentError(f"{deployment.image} has no LLM-API backend in Gantry's version table")
+            devices = visible(placement.gpu_ids)
+            if devices != tuple(range(len(devices))):
+                # LLM() takes no device ids: its ranks take the container's first GPUs (placements_check).
+                raise PermanentError(
+                    f"{placement.triton_name} would run on the container's first {len(devices)} GPU(s), not on its "
+                    f"own GPUs {list(placement.gpu_ids)}: place the LLM-API model on the deployment's lowest GPUs"
+                )
             specs.append(
                 LlmApiSpec(
                     name=placement.triton_name,
                     checkpoint_path=model.path,
                     image_model_dir=release.llmapi_model_dir,
-                    gpu_device_ids=visible(placement.gpu_ids),
+                    gpu_device_ids=devices,
                     max_batch_size=placement.max_num_sequences or placement.max_batch_size,
                     max_tokens_in_kv_cache=placement.kv_cache_tokens,
                     kv_cache_free_gpu_mem_fraction=_kv_share(placement),

@@ -11,8 +11,9 @@ from django.conf import settings
 
 from deployments.errors import TransientError
 from deployments.models import Deployment
-from deployments.services import telemetry
+from deployments.services import deployments, telemetry
 from workers import nvml
+from workers.jobs import source
 from workers.runtimes.base import LaunchSpec, Runtime
 from workers.triton import metrics
 
@@ -21,16 +22,31 @@ log = logging.getLogger(__name__)
 
 # Where each deployment's server log was last read, per server (handle).
 _log_cursor: dict[int, tuple[str, float]] = {}
+# The server (handle) of each deployment whose log could not be read, once said so.
+_log_unreadable: dict[int, str] = {}
 
 
 def ship_log(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) -> None:
-    """Store the server log lines written since the last beat."""
+    """Store the server log lines written since the last beat. A log that cannot
+    be read is said on the deployment's timeline, once for each server."""
     if not deployment.runtime_handle:
         return
     handle, cursor = _log_cursor.get(deployment.pk, ("", None))
     if handle != deployment.runtime_handle:
         cursor = None
-    lines, cursor = runtime.read_log(deployment.runtime_handle, spec, cursor)
+    try:
+        lines, cursor = runtime.read_log(deployment.runtime_handle, spec, cursor)
+    except TransientError as exc:
+        if _log_unreadable.get(deployment.pk) != deployment.runtime_handle:
+            _log_unreadable[deployment.pk] = deployment.runtime_handle
+            deployments.record_deployment_event(
+                deployment_id=deployment.pk,
+                kind="deployment.log_unreadable",
+                source=source(),
+                message=f"{exc}; the server's lines are missing from its log until it can be read again",
+            )
+        return
+    _log_unreadable.pop(deployment.pk, None)
     _log_cursor[deployment.pk] = (deployment.runtime_handle, cursor)
     telemetry.log_lines_append(deployment_id=deployment.pk, lines=lines)
 

@@ -110,7 +110,8 @@ class Runtime(Protocol):
     def log_tail(self, handle: str, spec: LaunchSpec, lines: int = 20) -> str: ...
 
     def read_log(self, handle: str, spec: LaunchSpec, cursor: float | None) -> tuple[list[str], float]:
-        """Server log lines written since ``cursor`` (None: only the recent ones), and the next cursor."""
+        """Server log lines written since ``cursor`` (None: only the recent ones), and the
+        next cursor; TransientError, saying why, when the log cannot be read."""
         ...
 
     def server_changes(self, handle: str, spec: LaunchSpec) -> list[str]:

@@ -186,8 +186,8 @@ class DockerRuntime:
             return ""
         try:
             return container.logs(tail=lines).decode("utf-8", errors="replace")
-        except APIError:
-            return ""
+        except APIError as exc:
+            return f"(Docker could not read the container's log: {exc.explanation})"
 
     def read_log(self, handle: str, spec: LaunchSpec, cursor: float | None) -> tuple[list[str], float]:
         container = self._get(handle) if handle else None
@@ -196,8 +196,10 @@ class DockerRuntime:
             return [], cursor or now
         try:
             raw = container.logs(since=cursor, until=now) if cursor is not None else container.logs(tail=50)
-        except APIError:
-            return [], cursor or now
+        except APIError as exc:
+            raise TransientError(
+                f"Docker could not read the log of container {handle[:12]}: {exc.explanation}"
+            ) from exc
         return raw.decode("utf-8", errors="replace").splitlines()[-MAX_LOG_LINES:], now
 
     def pids(self, handle: str, spec: LaunchSpec | None = None) -> list[int]:
@@ -357,8 +359,11 @@ class BuildContainer:
                     yield raw.decode("utf-8", errors="replace").rstrip("\r")
             if pending:
                 yield pending.decode("utf-8", errors="replace")
-        except (APIError, NotFound):
-            return
+        except NotFound:
+            return  # removed (a cancel): its end is told elsewhere
+        except APIError as exc:
+            # The build goes on (its exit code decides); what it prints from here is not seen.
+            yield f"[gantry] Docker stopped streaming this build's log: {exc.explanation}; later lines are missing"
         finally:
             client.close()
 

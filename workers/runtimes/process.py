@@ -17,7 +17,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from deployments.errors import PermanentError
+from deployments.errors import PermanentError, TransientError
 from workers import processes
 from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec, ServerExit, make_once
 from workers.triton import secret
@@ -244,8 +244,10 @@ class ProcessRuntime:
                 start = int(cursor) if cursor is not None and cursor <= size else max(0, size - 16384)
                 handle_.seek(start)
                 data = handle_.read(size - start)
-        except OSError:
-            return [], cursor or 0.0
+        except FileNotFoundError:
+            return [], cursor or 0.0  # not written yet
+        except OSError as exc:
+            raise TransientError(f"could not read the server's log {spec.log_path}: {exc.strerror}") from exc
         complete = data[: data.rfind(b"\n") + 1]  # a partial last line waits for the next read
         lines = complete.decode("utf-8", errors="replace").splitlines()
         if cursor is None:

@@ -175,3 +175,24 @@ def test_transformers_path_refuses_a_fraction_that_cannot_hold_the_weights(llama
     assert errors["models[0].decoupled"] == [
         "the transformers path always streams (a decoupled model): leave decoupled on"
     ]
+
+
+def test_auto_placements_on_a_host_without_gpus_must_fit_the_gpu_it_may_report(host, minilm, minilm_path, operator):
+    """On the CPU today, on the host's first GPU once it reports one: 0.7 + 0.6 is refused."""
+    factories.registered_model(name="rerank", kind="reranker", path=minilm_path, host=host)
+
+    def create(embed: float, rerank: float):  # noqa: ANN202
+        return deployments.deployment_create(
+            name=f"auto-{int(embed * 100)}",
+            host_name=host.name,
+            placements=[
+                PlacementSpec(model="minilm", gpu_memory_fraction=embed),
+                PlacementSpec(model="rerank", gpu_memory_fraction=rerank),
+            ],
+            user=operator,
+        )
+
+    with pytest.raises(ValidationFailed) as refused:
+        create(0.7, 0.6)
+    assert "add up to 1.3 > 1; lower them, or set instance_kind KIND_CPU" in refused.value.errors["models"][-1]
+    assert create(0.5, 0.4).placements.count() == 2

@@ -1,13 +1,15 @@
-"""Deployment jobs on the host: stop waits for NVML to show the GPU memory released."""
+"""Deployment jobs on the host: stop waits for NVML to show the GPU memory released, and a
+launch refuses inputs that are not on the host."""
 
 from __future__ import annotations
 
 import pytest
 
 from deployments import states
-from deployments.models import Deployment, DeploymentStatus
+from deployments.models import Deployment, DeploymentStatus, RegisteredModel
 from deployments.services import deployments
 from deployments.services.placements import PlacementSpec
+from tests import factories
 from workers import nvml, processes
 from workers.deploy import lifecycle
 
@@ -47,3 +49,21 @@ def test_memory_still_held_after_the_timeout_is_not_called_stopped(stopping, mon
     row = Deployment.objects.get(pk=deployment.pk)
     assert row.status == DeploymentStatus.FAILED
     assert "still shows its processes [4243] holding 3072 MiB on GPU(s) [0]" in row.status_message
+
+
+def test_a_checkpoint_that_is_not_on_this_host_fails_the_launch_naming_it(settings, gpu_host, minilm, operator):
+    """Registered on another host (or removed since): the launch fails before any server starts."""
+    settings.GANTRY_HOST_NAME = gpu_host.name
+    deployment = deployments.deployment_create(
+        name="far", host_name=gpu_host.name, placements=[PlacementSpec(model="minilm")], user=operator
+    )
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    elsewhere = factories.gpu_host("gpu-a")
+    RegisteredModel.objects.filter(pk=minilm.pk).update(path="/models/only-on-a/minilm", host=elsewhere)
+    lifecycle.launch(deployment.pk)
+    row = Deployment.objects.get(pk=deployment.pk)
+    assert row.status == DeploymentStatus.FAILED and not row.runtime_handle
+    assert (
+        f"minilm: checkpoint /models/only-on-a/minilm (registered on gpu-a) is not on {gpu_host.name}"
+        in row.status_message
+    )

@@ -62,6 +62,33 @@ def test_checkpoint_is_served_through_the_llm_api_where_the_image_has_it(llama, 
     assert env == {"LLM_CONFIG_PATH": str(plan.paths_for(deployment).repository / "llama" / "model.yaml")}
 
 
+def test_the_llm_api_takes_the_lowest_gpus_of_its_container(llama, h100, minilm_path, operator, settings):
+    """TensorRT-LLM's LLM() takes no device ids: its ranks take the first GPUs the
+    container sees. Placed above another model's GPU, it would run on that one."""
+    settings.GANTRY_BUILDER_IMAGES = {NEWER: "0.20.0"}
+    settings.GANTRY_ALLOWED_IMAGES = [NEWER]
+    factories.registered_model(name="embed", kind="embedding", path=minilm_path, host=h100)
+
+    def beside(llm_gpu: int, embed_gpu: int):  # noqa: ANN202
+        return deployments.deployment_create(
+            name=f"llm-on-{llm_gpu}",
+            host_name=h100.name,
+            runtime="docker",
+            image=NEWER,
+            placements=[
+                PlacementSpec(model="llama", llm_api=True, gpu_ids=(llm_gpu,), gpu_memory_fraction=0.5),
+                PlacementSpec(model="embed", instance_kind="KIND_GPU", gpu_ids=(embed_gpu,), gpu_memory_fraction=0.1),
+            ],
+            user=operator,
+        )
+
+    errors = _refusal(lambda: beside(1, 0))
+    assert "runs on the first 1 GPU(s) its container sees, here [0]" in errors["models[0].gpu_ids"][0]
+    deployment = beside(0, 1)
+    specs = {spec.name: spec for spec in plan.model_specs(selectors.deployment_list().get(pk=deployment.pk))}
+    assert specs["llama"].gpu_device_ids == (0,)
+
+
 @pytest.mark.parametrize(("runtime", "image", "seen"), [("docker", "triton:test", (0, 1)), ("process", "", (2, 3))])
 def test_a_placement_on_host_gpus_2_and_3_runs_on_them_whatever_the_runtime(
     minilm, operator, settings, runtime, image, seen
