@@ -13,7 +13,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Q
+from django.db.models import Max, Q
 
 from deployments import events, outbox, queues, selectors, states
 from deployments.errors import InvalidTransition, NotFound, ValidationFailed
@@ -226,7 +226,9 @@ def deployment_change(
         after = placements_snapshot(deployment)
         if after == before:
             raise ValidationFailed({"models": "this is what the deployment already holds: nothing to change"})
-        generation = deployment.generation + 1
+        # After a failed generation was rolled back, its number stays taken by its revision.
+        newest = deployment.revisions.aggregate(newest=Max("generation"))["newest"] or 0
+        generation = max(deployment.generation, newest) + 1
         Deployment.objects.filter(pk=deployment.pk).update(generation=generation)
         states.revision_supersede_current(deployment_id=deployment.pk)
         DeploymentRevision.objects.create(

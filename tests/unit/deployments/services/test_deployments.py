@@ -74,3 +74,8 @@ def test_rollback_restores_the_previous_placements(deployment, operator):
     failed = restored.revisions.get(generation=2)
     assert (failed.status, failed.message) == (RevisionStatus.FAILED, "did not load")
     assert restored.revisions.get(generation=1).status == RevisionStatus.CURRENT
+    # The failed generation keeps its number: the next change is generation 3.
+    again = _change(deployment, operator, max_batch_size=4)
+    statuses = list(again.revisions.order_by("generation").values_list("generation", "status"))
+    assert again.generation == 3
+    assert statuses == [(1, RevisionStatus.SUPERSEDED), (2, RevisionStatus.FAILED), (3, RevisionStatus.CURRENT)]
