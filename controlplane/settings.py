@@ -109,6 +109,9 @@ GANTRY_HOST_ADDRESS = env_str("GANTRY_HOST_ADDRESS", "127.0.0.1")
 GANTRY_HEARTBEAT_INTERVAL = env_int("GANTRY_HEARTBEAT_INTERVAL", 10, minimum=1, maximum=3600)
 GANTRY_HOST_OFFLINE_AFTER_BEATS = env_int("GANTRY_HOST_OFFLINE_AFTER_BEATS", 3, minimum=1)
 GANTRY_TRITON_READY_TIMEOUT = env_int("GANTRY_TRITON_READY_TIMEOUT", 900, minimum=5)
+# The host worker's wait on any call to its Triton servers but a model load or
+# unload, which may take as long as GANTRY_TRITON_READY_TIMEOUT.
+GANTRY_TRITON_REQUEST_TIMEOUT = env_int("GANTRY_TRITON_REQUEST_TIMEOUT", 60, minimum=1, maximum=3600)
 GANTRY_TRITON_PORT_RANGE = env_port_range("GANTRY_TRITON_PORT_RANGE", (18000, 18999))
 # Triton images the docker runtime may start (exact references, e.g. repo/name:tag).
 GANTRY_ALLOWED_IMAGES = env_list("GANTRY_ALLOWED_IMAGES", [])

@@ -1,7 +1,8 @@
 """Outages for real: Redis (the broker and the channel layer) stopped and
 started again under a running stack, the worker stopped while its queue is
-lost. After each, nothing is stranded, no server is started twice, and the
-timeline says what happened."""
+lost, and a container deployment driven through a failed restart, a long load
+and a Redis restart under a load test. After each, nothing is stranded, no
+server is started twice, and the timeline says what happened."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from tests.integration.conftest import (
     free_port,
     free_ports,
     healthz_answers,
+    make_stack,
     stop_process,
     wait_for,
 )
@@ -313,3 +315,98 @@ def test_a_worker_killed_early_in_a_launch_converges_to_one_ready_server(
     assert not Event.objects.filter(deployment_id=deployment_id, to_status="failed").exists(), phase
     stack.session().post(f"{stack.web_url}/api/deployments/{deployment_id}/stop/", timeout=30)
     wait_for(lambda: _status(deployment_id) == "stopped", 60, "the deployment to stop")
+
+
+@pytest.fixture
+def docker_stack_on_own_redis(transactional_db, tmp_path: Path, operator, own_redis: RedisServer):  # noqa: ANN001, ANN201
+    """A stack whose Redis the test may restart, whose worker waits at most a second
+    on a call to Triton (a model load may take as long as a launch)."""
+    extra = {"REDIS_URL": own_redis.url, "GANTRY_TRITON_REQUEST_TIMEOUT": "1"}
+    yield from make_stack(tmp_path, operator, extra_env=extra)
+
+
+def test_the_docker_runtime_ends_where_it_should_through_a_failed_restart_a_long_load_and_a_redis_restart(
+    docker_stack_on_own_redis: Stack, own_redis: RedisServer, minilm_path: Path, tmp_path: Path
+):
+    """One container deployment, three blows:
+    - a generation that needs a new container and fails to load in it: the last
+      good generation is put back in a container of its own, serving;
+    - a reload whose model load outlasts the worker's Triton request timeout: it
+      is waited for, not taken for a failure and rolled back;
+    - Redis restarted, empty, under a load test through the gateway: the run
+      ends succeeded with its figures, and the deployment stays as it was."""
+    import shutil
+
+    import docker
+
+    stack = docker_stack_on_own_redis
+    http = stack.session()
+    broken = tmp_path / "broken"
+    shutil.copytree(minilm_path, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    stack.register_models(minilm_path, minilm="embedding")
+    stack.register_models(broken, broken="embedding")
+    image = os.environ["GANTRY_TEST_TRITON_IMAGE"]
+    body = {"name": "blows", "host": stack.host_name, "runtime": "docker", "image": image}
+    created = http.post(f"{stack.web_url}/api/deployments/", json={**body, "models": [{"model": "minilm"}]}, timeout=30)
+    assert created.status_code == 201, created.text
+    deployment_id = created.json()["id"]
+    url = f"{stack.web_url}/api/deployments/{deployment_id}/"
+
+    def ready_at(generation: int) -> bool:
+        current = http.get(url, timeout=10).json()
+        assert current["status"] != "failed", current["status_message"]
+        return current["status"] == "ready" and current["generation"] == generation
+
+    engine = docker.from_env()
+    containers = lambda: engine.containers.list(filters={"label": f"gantry.host={stack.host_name}"})  # noqa: E731
+    try:
+        http.post(url + "start/", timeout=30)
+        wait_for(lambda: ready_at(1), 300, "generation 1")
+        first = Deployment.objects.get(pk=deployment_id).runtime_handle
+
+        # 1. A new folder needs a new container; the broken checkpoint fails to load in it.
+        changed = http.put(url + "models/", json={"models": [{"model": "minilm"}, {"model": "broken"}]}, timeout=30)
+        assert changed.status_code == 202, changed.text
+        wait_for(lambda: _kinds(deployment_id=deployment_id) >= {"deployment.rollback"}, 300, "the rollback")
+        wait_for(lambda: ready_at(1), 300, "generation 1 again")
+        assert Deployment.objects.get(pk=deployment_id).runtime_handle not in ("", first)
+        rollback = Event.objects.get(deployment_id=deployment_id, kind="deployment.rollback")
+        assert "generation 2 failed" in rollback.message and "tritonserver" in rollback.message
+        revisions = http.get(url + "revisions/", timeout=30).json()["results"]
+        assert [(r["generation"], r["status"]) for r in revisions] == [(1, "current"), (2, "failed")]
+        [container] = containers()
+        assert str(broken.resolve()) not in {m["Source"] for m in container.attrs["Mounts"]}
+        assert http.post(url + "embed/", json={"texts": ["a"]}, timeout=60).status_code == 200
+
+        # 2. A reload in place whose load takes longer than a Triton request may.
+        changed = http.put(url + "models/", json={"models": [{"model": "minilm", "max_batch_size": 8}]}, timeout=30)
+        assert changed.status_code == 202, changed.text
+        wait_for(lambda: ready_at(3), 300, "generation 3")
+        applied = Event.objects.get(deployment_id=deployment_id, kind="deployment.generation_applied")
+        asked = Event.objects.filter(deployment_id=deployment_id, kind="deployment.changed").latest("id")
+        took = (applied.created_at - asked.created_at).total_seconds()
+        assert took > 1, f"the load took {took:.1f}s, within the request timeout: nothing was shown"
+        assert Event.objects.filter(deployment_id=deployment_id, kind="deployment.rollback").count() == 1
+
+        # 3. Redis restarted under a load test through the gateway.
+        from tests.integration.test_gateway import _alias
+        from tests.integration.test_loadtests import _ended, _start, _under_load
+
+        _alias(stack, "blows-embed", {"id": deployment_id}, "minilm")
+        run = _start(stack, {"id": deployment_id}, "blows-embed", {"levels": [1], "duration_s": 20})
+        _under_load(stack, run["id"], {"id": deployment_id}, "minilm")
+        own_redis.stop()
+        time.sleep(2)
+        own_redis.start()
+        run = _ended(stack, run["id"], 180)
+        assert run["status"] == "succeeded", run["status_message"]
+        assert run["points"] and run["points"][0]["summary"]["counted"]["requests"] > 0
+        assert ready_at(3) and len(containers()) == 1
+        assert http.post(url + "stop/", timeout=30).status_code == 202
+        wait_for(lambda: _status(deployment_id) == "stopped", 120, "the stop")
+        assert containers() == []
+    finally:
+        for leftover in engine.containers.list(all=True, filters={"label": f"gantry.host={stack.host_name}"}):
+            leftover.remove(force=True)
+        engine.close()

@@ -211,57 +211,6 @@ def test_a_new_generation_reaches_a_running_container_even_with_new_folders(
             leftover.remove(force=True)
 
 
-def test_a_generation_whose_new_container_fails_rolls_back_to_a_running_one(
-    stack: Stack, minilm_path: Path, image: str, engine, tmp_path: Path
-):
-    """A generation that needs a new container (a checkpoint in a new folder) and
-    fails to load in it: the previous generation is put back in a container of
-    its own, serving again, and the failed generation says why."""
-    import shutil
-
-    broken = tmp_path / "broken"
-    shutil.copytree(minilm_path, broken)
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    http = stack.session()
-    stack.register_models(minilm_path, minilm="embedding")
-    stack.register_models(broken, broken="embedding")
-    created = http.post(
-        f"{stack.web_url}/api/deployments/",
-        json={
-            "name": "back",
-            "host": stack.host_name,
-            "runtime": "docker",
-            "image": image,
-            "models": [{"model": "minilm"}],
-        },
-        timeout=30,
-    ).json()
-    url = f"{stack.web_url}/api/deployments/{created['id']}/"
-    try:
-        with _socket(stack, created["id"]) as socket:
-            http.post(url + "start/", timeout=30)
-            _wait_for_status(socket, "ready", timeout_s=300)
-            first = Deployment.objects.get(pk=created["id"]).runtime_handle
-            changed = http.put(url + "models/", json={"models": [{"model": "minilm"}, {"model": "broken"}]}, timeout=30)
-            assert changed.status_code == 202, changed.text
-            seen = _wait_for_status(socket, "ready", timeout_s=300)
-        assert "failed" not in [e["to_status"] for e in seen]
-        deployment = Deployment.objects.get(pk=created["id"])
-        assert deployment.generation == 1 and deployment.runtime_handle not in ("", first)
-        rollback = Event.objects.get(deployment=deployment, kind="deployment.rollback")
-        assert "generation 2 failed" in rollback.message and "tritonserver" in rollback.message
-        revisions = http.get(url + "revisions/", timeout=30).json()["results"]
-        assert [(r["generation"], r["status"]) for r in revisions] == [(1, "current"), (2, "failed")]
-        [container] = [c for c in _containers(engine, stack) if c.status == "running"]
-        assert str(broken.resolve()) not in {m["Source"] for m in container.attrs["Mounts"]}
-        embedded = http.post(url + "embed/", json={"texts": ["a"]}, timeout=60)
-        assert embedded.status_code == 200, embedded.text
-        _stop(stack, created["id"])
-    finally:
-        for leftover in _containers(engine, stack):
-            leftover.remove(force=True)
-
-
 def test_a_container_log_docker_cannot_read_is_an_error_that_names_the_cause(image: str, engine, tmp_path: Path):
     """A container whose logging driver keeps nothing: reading its log says so
     (for the timeline, a failure's tail and a build's log) instead of an empty log."""

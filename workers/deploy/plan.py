@@ -217,6 +217,7 @@ def triton_client(deployment: Deployment) -> TritonClient:
         f"{settings.GANTRY_HOST_ADDRESS}:{deployment.http_port}",
         deployment.admin_secret,
         load_timeout_s=settings.GANTRY_TRITON_READY_TIMEOUT,
+        network_timeout_s=settings.GANTRY_TRITON_REQUEST_TIMEOUT,
     )
 
 
