@@ -5,6 +5,7 @@ the test Redis. Everything started here is stopped by process id."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import shutil
@@ -41,16 +42,44 @@ def _ephemeral_range() -> tuple[int, int]:
     return int(low), int(high)
 
 
+# Ports handed out in this run, across the suite's processes: a lock file per port,
+# held by the process it went to until that process exits.
+PORT_LOCKS = Path(tempfile.gettempdir()) / "gantry-test-ports"
+_held_ports: list = []
+
+
 def free_ports(count: int = 1) -> int:
     """The first of ``count`` consecutive ports nothing listens on, below the
     ephemeral range: client sockets take ephemeral ports at any moment, so a
-    server port picked there can be taken before the server binds it."""
+    server port picked there can be taken before the server binds it.
+
+    Each is also reserved for this process until it exits: a port handed out
+    but not bound yet (a deployment's Triton range) or free for a moment (a
+    Redis a test restarts) is never handed to another test of the run."""
     low, _ = _ephemeral_range()
     for _ in range(200):
         base = random.randrange(10000, low - count)
-        if not busy_ports("127.0.0.1", list(range(base, base + count))):
+        ports = list(range(base, base + count))
+        if not busy_ports("127.0.0.1", ports) and _reserve(ports):
             return base
     raise RuntimeError(f"no {count} free consecutive ports below {low}")
+
+
+def _reserve(ports: list[int]) -> bool:
+    PORT_LOCKS.mkdir(exist_ok=True)
+    taken = []
+    for port in ports:
+        handle = open(PORT_LOCKS / str(port), "a")  # noqa: SIM115 - held until this process exits
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            for other in taken:
+                other.close()
+            return False
+        taken.append(handle)
+    _held_ports.extend(taken)
+    return True
 
 
 def free_port() -> int:
