@@ -1,20 +1,25 @@
 # One image for the control plane (web, beat) and the GPU-host worker.
 # The worker also needs the host's GPUs (see docker-compose.yml) and runs
 # tritonserver from the nvidia-pytriton wheel as a local process.
+# The bases are build arguments: where no registry is reachable, build from
+# images made locally (e.g. --build-arg PYTHON_BASE=<a Debian image with Python 3.11 and pip>).
+ARG NODE_BASE=node:20-bookworm-slim
+ARG PYTHON_BASE=python:3.11-slim-bookworm
+
 # The pages' chart library, from package-lock.json.
-FROM node:20-bookworm-slim AS frontend
+FROM ${NODE_BASE} AS frontend
 WORKDIR /src
 COPY package.json package-lock.json ./
 RUN npm ci --omit=dev --no-audit --no-fund
 
 # The library that keeps Triton's admin secret off its command line
 # (workers/triton/secret.py), built here: the image has no compiler.
-FROM python:3.11-slim-bookworm AS secretlib
+FROM ${PYTHON_BASE} AS secretlib
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 COPY workers/triton/argv_secret.c /src/
 RUN gcc -shared -fPIC -O2 -o "/src/gantry-argv-secret-$(sha256sum /src/argv_secret.c | cut -c1-12).so" /src/argv_secret.c -ldl
 
-FROM python:3.11-slim-bookworm
+FROM ${PYTHON_BASE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 GANTRY_DATA_DIR=/var/lib/gantry
 WORKDIR /app
@@ -29,10 +34,15 @@ COPY --from=secretlib /src/gantry-argv-secret-*.so workers/triton/
 COPY playground playground
 COPY loadtests loadtests
 RUN pip install --no-cache-dir -c requirements.lock ".[worker]"
+# The load generator, in an environment of its own (a GPU host's worker runs load tests).
+COPY aiperf.lock ./
+COPY scripts/ensure-aiperf.sh scripts/
+RUN PYTHON=python scripts/ensure-aiperf.sh /opt/aiperf
+ENV GANTRY_AIPERF=/opt/aiperf/bin/aiperf
 COPY manage.py ./
 COPY templates templates
 COPY static static
 COPY --from=frontend /src/node_modules/uplot/dist/uPlot.iife.min.js /src/node_modules/uplot/dist/uPlot.min.css static/vendor/
 RUN SECRET_KEY=collectstatic-only python manage.py collectstatic --noinput
 EXPOSE 8000
-CMD ["python", "manage.py", "gantry_serve", "web", "--bind", "0.0.0.0", "--port", "8000"]
+CMD ["gantry", "web", "--bind", "0.0.0.0", "--port", "8000"]

@@ -89,6 +89,7 @@ def _beat(args: argparse.Namespace) -> int:
     from controlplane.celery import beat_argv
 
     schedule = settings.GANTRY_DATA_DIR / "celerybeat-schedule"
+    schedule.parent.mkdir(parents=True, exist_ok=True)
     return _exec(beat_argv(sys.executable, schedule), f"gantry beat: the control plane's periodic work, {schedule}")
 
 
