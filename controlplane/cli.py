@@ -143,6 +143,50 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if any(f.state == MISSING for f in findings) else 0
 
 
+UNIT_WHAT = {
+    "web": "web server (pages, REST API, gateway)",
+    "live": "live server (websockets)",
+    "worker": "GPU-host worker",
+    "beat": "periodic work",
+}
+
+
+def systemd_unit(command: str, *, executable: str, env_file: str, user: str) -> str:
+    """A systemd unit that runs ``gantry <command>`` and starts it again whenever
+    it exits; settings come from ``env_file`` (KEY=value lines)."""
+    return f"""[Unit]
+Description=Gantry {UNIT_WHAT[command]}
+After=network-online.target docker.service
+Wants=network-online.target
+
+[Service]
+Type=simple
+User={user}
+EnvironmentFile={env_file}
+ExecStart={executable} {command}
+Restart=always
+RestartSec=2
+# SIGTERM to gantry alone (it passes it on: a worker's Celery workers finish
+# their tasks first), then SIGKILL to whatever is left after the timeout.
+KillMode=mixed
+TimeoutStopSec=60
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def _unit(args: argparse.Namespace) -> int:
+    text = systemd_unit(args.what, executable=str(Path(sys.argv[0]).resolve()), env_file=args.env_file, user=args.user)
+    if args.write is None:
+        sys.stdout.write(text)
+        return 0
+    path = Path(args.write) / f"gantry-{args.what}.service"
+    path.write_text(text)
+    _say(f"wrote {path}: systemctl daemon-reload && systemctl enable --now gantry-{args.what}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="gantry", description="Gantry: Triton deployments from a web control plane.")
     top.add_argument("--version", action="version", version=f"gantry {version()}")
@@ -174,12 +218,19 @@ def parser() -> argparse.ArgumentParser:
     token.add_argument("--days", type=int, default=90, help="days until it expires; 0: never")
     token.set_defaults(run=_token)
     commands.add_parser("check", help="what this host lacks, each with its fix").set_defaults(run=_check)
+    unit = commands.add_parser("unit", help="a systemd unit that keeps one of these running")
+    unit.add_argument("what", choices=sorted(UNIT_WHAT))
+    unit.add_argument("--env-file", default="/etc/gantry/gantry.env", help="its settings, KEY=value lines")
+    unit.add_argument("--user", default="gantry", help="who it runs as (a worker's user needs Docker)")
+    unit.add_argument("--write", metavar="DIR", help="write gantry-<what>.service there instead of printing it")
+    unit.set_defaults(run=_unit)
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    _environment(make_secret=args.command == "demo")
+    if args.command != "unit":
+        _environment(make_secret=args.command == "demo")
     return args.run(args)
 
 

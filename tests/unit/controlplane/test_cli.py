@@ -94,3 +94,20 @@ def _pings(client: redis.Redis) -> bool:
         return bool(client.ping())
     except redis.RedisError:
         return False
+
+
+@pytest.mark.parametrize("what", ["worker", "web", "live", "beat"])
+def test_the_systemd_unit_restarts_gantry_always_and_systemd_accepts_it(tmp_path: Path, what: str):
+    made = _run({}, "unit", what, "--env-file", "/etc/gantry/gantry.env", "--user", "root", "--write", str(tmp_path))
+    assert made.returncode == 0, made.stderr
+    unit = tmp_path / f"gantry-{what}.service"
+    assert f"systemctl enable --now gantry-{what}" in made.stdout
+    lines = unit.read_text().splitlines()
+    assert f"ExecStart={GANTRY} {what}" in lines
+    assert {"Restart=always", "RestartSec=2", "EnvironmentFile=/etc/gantry/gantry.env", "KillMode=mixed"} <= set(lines)
+    analyze = shutil.which("systemd-analyze")
+    if analyze:  # systemd's own reading of it, where systemd is installed
+        (tmp_path / "gantry.env").write_text("GANTRY_HOST_NAME=gpu-01\n")
+        unit.write_text(unit.read_text().replace("/etc/gantry/gantry.env", str(tmp_path / "gantry.env")))
+        verified = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+        assert verified.returncode == 0, verified.stderr
