@@ -19,7 +19,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv frontend aiperf demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-gpu
+.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-gpu
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ frontend:
 # The load generator (AIPerf, pinned by aiperf.lock) in its own environment, .aiperf/.
 aiperf:
 	scripts/ensure-aiperf.sh
+
+# The manual as a site (docs/ into var/site/; mkdocs-material in .docs/, pinned by
+# docs.lock): any warning fails it, a broken link or anchor included.
+docs:
+	scripts/ensure-docs.sh
+	NO_MKDOCS_2_WARNING=1 .docs/bin/mkdocs build --strict
 
 demo: venv frontend aiperf
 	scripts/ensure-packages.sh redis-server gcc
@@ -98,7 +104,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: venv lint frontend aiperf
+test: venv lint frontend aiperf docs
 	scripts/ensure-services.sh
 	scripts/ensure-packages.sh chromium gcc docker-compose
 	scripts/ensure-docker.sh

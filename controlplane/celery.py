@@ -1,7 +1,7 @@
 """The Celery application shared by the control plane and the GPU-host workers.
 
 Work for a host travels on its two queues (deployments.queues); the worker on
-that host consumes only those (workers.hostworker; README: adding a GPU host).
+that host consumes only those (workers.hostworker; docs/gpu-hosts.md).
 """
 
 import os

@@ -1,5 +1,5 @@
 """`gantry`: one command for every Gantry process and chore (``pip install .``
-puts it on PATH). Settings come from the environment (README: configuration).
+puts it on PATH). Settings come from the environment (docs/configuration.md).
 
 Where neither SECRET_KEY nor SECRET_KEY_FILE is set, the key in
 ``<GANTRY_DATA_DIR>/secret_key`` is used if it is there: ``gantry demo`` writes

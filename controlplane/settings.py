@@ -1,4 +1,4 @@
-"""Gantry settings: the one place that reads the environment (see README)."""
+"""Gantry settings: the one place that reads the environment (docs/configuration.md lists every variable)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 health checks, no database open to the network or with a default password,
 an image that holds every package Gantry installs, and files docker-compose
 itself accepts. (No image can be pulled here, so the files are checked, not
-run: see the README.)"""
+run: see docs/install.md.)"""
 
 from __future__ import annotations
 

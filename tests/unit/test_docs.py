@@ -1,0 +1,45 @@
+"""The manual cannot drift from the code: every variable the settings read is
+in docs/configuration.md and every one listed there is read somewhere; the
+README stays short and its links lead to pages that exist. (make docs builds
+the site with broken links failing it.)"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGURATION = ROOT / "docs" / "configuration.md"
+
+
+def _listed() -> set[str]:
+    """Every variable named in the first column of the configuration tables."""
+    cells = re.findall(r"^\| ([^|]+) \|", CONFIGURATION.read_text(), flags=re.MULTILINE)
+    return {name for cell in cells for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", cell)}
+
+
+def _read_by_settings() -> set[str]:
+    return set(re.findall(r'env_\w+\(\s*"([A-Z][A-Z0-9_]+)"', (ROOT / "controlplane" / "settings.py").read_text()))
+
+
+def test_every_setting_is_documented_and_every_documented_variable_is_read():
+    listed = _listed()
+    assert _read_by_settings() - listed == set(), "read by controlplane/settings.py, missing from the manual"
+    code = "\n".join(
+        path.read_text(errors="replace")
+        for pattern in ("**/*.py", "**/*.sh", "Makefile", "*.yml")
+        for path in ROOT.glob(pattern)
+        if not any(part.startswith(".") or part in ("node_modules", "var") for part in path.relative_to(ROOT).parts)
+        and path.resolve() != Path(__file__).resolve()
+    )
+    stale = {name for name in listed if name not in code}
+    assert stale == set(), "listed in the manual but read nowhere"
+
+
+def test_the_readme_is_short_and_its_links_lead_somewhere():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    assert links, "the README links to the manual"
+    missing = [link for link in links if not link.startswith("http") and not (ROOT / link).exists()]
+    assert missing == []
