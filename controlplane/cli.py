@@ -59,10 +59,12 @@ def _exec(argv: list[str], where: str) -> int:
 
 
 def _web_or_live(args: argparse.Namespace) -> int:
-    extra = ["--workers", str(args.workers)] if getattr(args, "workers", None) else []
-    return _manage(
-        "gantry_serve", args.command, "--bind", args.bind, *(["--port", str(args.port)] * bool(args.port)), *extra
-    )
+    argv = ["gantry_serve", args.command, "--bind", args.bind]
+    if args.port:
+        argv += ["--port", str(args.port)]
+    if getattr(args, "workers", None):
+        argv += ["--workers", str(args.workers)]
+    return _manage(*argv)
 
 
 def _worker(args: argparse.Namespace) -> int:
