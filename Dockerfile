@@ -15,7 +15,7 @@ RUN npm ci --omit=dev --no-audit --no-fund
 # The library that keeps Triton's admin secret off its command line
 # (workers/triton/secret.py), built here: the image has no compiler.
 FROM ${PYTHON_BASE} AS secretlib
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+RUN command -v gcc || (apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*)
 COPY workers/triton/argv_secret.c /src/
 RUN gcc -shared -fPIC -O2 -o "/src/gantry-argv-secret-$(sha256sum /src/argv_secret.c | cut -c1-12).so" /src/argv_secret.c -ldl
 
@@ -23,7 +23,18 @@ FROM ${PYTHON_BASE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 GANTRY_DATA_DIR=/var/lib/gantry
 WORKDIR /app
+# Gantry's dependencies first, in a layer of their own that a change of code
+# does not rebuild (wheels/: wheels to prefer over the index, e.g. a CPU torch).
 COPY pyproject.toml requirements.lock ./
+COPY wheels/ /wheels/
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['worker']))" > /tmp/requirements.txt \
+ && pip install --no-cache-dir --find-links /wheels -c requirements.lock -r /tmp/requirements.txt
+# The load generator, in an environment of its own (a GPU host's worker runs load tests).
+COPY aiperf.lock ./
+COPY scripts/ensure-aiperf.sh scripts/
+RUN PYTHON=python scripts/ensure-aiperf.sh /opt/aiperf
+ENV GANTRY_AIPERF=/opt/aiperf/bin/aiperf
 COPY controlplane controlplane
 COPY common common
 COPY access access
@@ -33,12 +44,7 @@ COPY workers workers
 COPY --from=secretlib /src/gantry-argv-secret-*.so workers/triton/
 COPY playground playground
 COPY loadtests loadtests
-RUN pip install --no-cache-dir -c requirements.lock ".[worker]"
-# The load generator, in an environment of its own (a GPU host's worker runs load tests).
-COPY aiperf.lock ./
-COPY scripts/ensure-aiperf.sh scripts/
-RUN PYTHON=python scripts/ensure-aiperf.sh /opt/aiperf
-ENV GANTRY_AIPERF=/opt/aiperf/bin/aiperf
+RUN pip install --no-cache-dir --no-deps .
 COPY manage.py ./
 COPY templates templates
 COPY static static

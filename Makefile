@@ -110,7 +110,9 @@ test: venv lint frontend aiperf docs
 	scripts/ensure-docker.sh
 	scripts/build-triton-test-image.sh $(PY) > .triton-test-image
 	tests/fixtures/build-builder-image.sh $(PY) $$(cat .triton-test-image) 0.16.0 > .builder-test-image
+	scripts/build-product-image.sh > .product-test-image
 	GANTRY_TEST_TRITON_IMAGE=$$(cat .triton-test-image) GANTRY_TEST_BUILDER_IMAGE=$$(cat .builder-test-image) \
+	  GANTRY_TEST_PRODUCT_IMAGE=$$(cat .product-test-image) \
 	  $(TEST_ENV) $(PY) -m pytest -p tests.parallel -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:

@@ -13,7 +13,8 @@ signalling the group stops all of it. A SIGTERM or SIGINT here is passed on to
 both as a warm shutdown. If either worker exits, the other is stopped and this
 process exits with the first one's status, so whatever supervises the worker
 (systemd, compose, the demo) restarts a whole one. Each worker dies with this
-process (PR_SET_PDEATHSIG), even if it is killed outright.
+process (PR_SET_PDEATHSIG), even if it is killed outright. As a container's
+PID 1 it reaps the orphans the container's processes leave.
 
 Usage: python -m workers.hostworker <host-name> [celery worker options...]
 """
@@ -98,7 +99,7 @@ def run(host_name: str, extra: list[str]) -> int:
     for number in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(number, stop)
 
-    pid, status = _wait_any()
+    pid, status = _wait_for_one_of(workers)
     first = os.waitstatus_to_exitcode(status)
     name = workers.pop(pid)
     if not stopping:
@@ -119,12 +120,14 @@ def run(host_name: str, extra: list[str]) -> int:
     return first if first > 0 else (0 if stopping else 1)
 
 
-def _wait_any() -> tuple[int, int]:
+def _wait_for_one_of(workers: dict[int, str]) -> tuple[int, int]:
+    """Until one of ``workers`` exits. As a container's PID 1 this process also
+    inherits every orphan (a stopped tritonserver's stubs): those are reaped
+    here, as an init must, and otherwise ignored."""
     while True:
-        try:
-            return os.wait()
-        except InterruptedError:
-            continue
+        pid, status = os.wait()
+        if pid in workers:
+            return pid, status
 
 
 def _signal(pid: int, number: int) -> None:
