@@ -1,0 +1,69 @@
+"""Plain-ASGI answers for the inference doors that bypass Django (the lean
+generate path, the OpenAI gateway): reading a body, answering JSON, and
+streaming server-sent events that stop, and cancel the model's request, when
+the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(receive: Any) -> bytes | None:
+    """The request body, or None if the client went away first. BodyTooLarge past MAX_BODY_BYTES."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge(f"the body must be at most {MAX_BODY_BYTES // (1024 * 1024)} MiB")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def send_json(send: Any, status: int, body: Any, headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
+    await send({"type": "http.response.start", "status": status, "headers": [*JSON_HEADERS, *headers]})
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
+
+async def stream_events(send: Any, receive: Any, events: AsyncIterator[bytes | str]) -> None:
+    """Send ``events`` as a server-sent event stream as they come. A client that
+    goes away stops the stream; closing ``events`` closes Triton's connection,
+    and Triton cancels the request (the model stops generating)."""
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+
+    async def pump() -> None:
+        async for event in events:
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": event if isinstance(event, bytes) else event.encode(),
+                    "more_body": True,
+                }
+            )
+        await send({"type": "http.response.body", "body": b""})
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    streaming, watching = asyncio.create_task(pump()), asyncio.create_task(disconnected())
+    await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (streaming, watching):
+        task.cancel()
+    await asyncio.gather(streaming, watching, return_exceptions=True)
+    await events.aclose()  # type: ignore[attr-defined]

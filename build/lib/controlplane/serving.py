@@ -1,0 +1,97 @@
+"""How Gantry's two servers run, in one place (the demo, the tests, the
+benchmarks and docker-compose.yml all start them from here).
+
+- web: pages, REST API, admin, the generate action and the OpenAI gateway,
+  on gunicorn with several uvicorn worker processes. A slow request (a
+  10 000-row page, a long generation) holds one worker's loop or thread, not
+  the whole server.
+- live: the websockets (Channels) on their own daphne process, so a busy web
+  tier cannot delay the live updates.
+
+Behind one address, a proxy routes /ws/ to live; without one, the browser
+reaches live on GANTRY_LIVE_PORT of the same host.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+
+from uvicorn_worker import UvicornWorker
+
+# Collect the youngest objects every 50 000 allocations instead of 700, and
+# the older generations as rarely as before relative to it.
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
+class HttpWorker(UvicornWorker):
+    """A gunicorn worker running uvicorn for HTTP only: websockets go to live,
+    and Django's ASGI handler has no lifespan protocol."""
+
+    CONFIG_KWARGS = {"loop": "uvloop", "http": "httptools", "ws": "none", "lifespan": "off"}
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        settle_heap()
+
+
+def settle_heap() -> None:
+    """Keep the garbage collector off what the process loaded once (Django, its
+    URL resolver and models: most of the heap), and run it less often.
+
+    A 50-row page allocates tens of thousands of short-lived objects; with
+    Python's default thresholds that set off collections that walked the whole
+    heap in the middle of requests, and the pages' p99 latency was 2-3x what it
+    is with this (docs/performance.md). Cycles are still collected.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
+def web_workers() -> int:
+    """GANTRY_WEB_WORKERS, else one web process per core, 2 to 8.
+
+    Each process serves its sync requests on a thread pool, so a slow request
+    holds a thread, not the process; twice as many processes as cores only
+    time-sliced the same cores, for a p99 twice as high (docs/performance.md)."""
+    return int(os.environ.get("GANTRY_WEB_WORKERS") or min(8, max(2, os.cpu_count() or 1)))
+
+
+def web_argv(python: str, *, bind: str, port: int, workers: int | None = None) -> list[str]:
+    """The web server's command line (``workers`` processes, else web_workers()).
+
+    Each process listens on a socket of its own (``--reuse-port``), and the
+    kernel spreads new connections over them. On one shared socket, the process
+    that woke first took every connection waiting: at times all of a client's
+    keep-alive connections landed on one of two processes, which then served
+    half as much. SO_REUSEPORT also lets another server of the same user bind
+    the port: port_taken() says whether one is there before a command starts.
+    """
+    return [
+        python, "-m", "gunicorn", "controlplane.asgi:http_application",
+        "--worker-class", "controlplane.serving.HttpWorker", "--workers", str(workers or web_workers()),
+        "--bind", f"{bind}:{port}", "--reuse-port", "--access-logfile", "-",
+        # A streamed generation may be silent for long: uvicorn workers heartbeat
+        # on their own, so this only catches a worker that is truly stuck.
+        "--timeout", "120", "--graceful-timeout", "30",
+    ]  # fmt: skip
+
+
+def port_taken(bind: str, port: int) -> bool:
+    """Whether something listens on ``bind``:``port`` already (a plain bind
+    fails there, even where a server shares it by SO_REUSEPORT)."""
+    family, kind, proto, _, address = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections do not count
+        try:
+            probe.bind(address)
+        except OSError:
+            return True
+    return False
+
+
+def live_argv(python: str, *, bind: str, port: int) -> list[str]:
+    """The live (websocket) server's command line."""
+    return [python, "-m", "daphne", "-b", bind, "-p", str(port), "controlplane.asgi:websocket_application"]

@@ -1,0 +1,322 @@
+"""Gantry settings: the one place that reads the environment (docs/configuration.md lists every variable)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from controlplane.env import (
+    env_bool,
+    env_float,
+    env_image_versions,
+    env_int,
+    env_list,
+    env_port_range,
+    env_str,
+    env_ulimits,
+)
+from controlplane.version import version
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+DEBUG = env_bool("DEBUG", False)
+_DEV_SECRET = "gantry-insecure-development-key-do-not-use-in-production"
+SECRET_KEY = env_str("SECRET_KEY", _DEV_SECRET if DEBUG else None)
+if not DEBUG and SECRET_KEY == _DEV_SECRET:
+    raise ImproperlyConfigured("SECRET_KEY: the development key is refused when DEBUG is off")
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+# --- Transport security ---------------------------------------------------
+# Secure by default: HTTPS only (redirect, HSTS, secure cookies), so that with
+# DEBUG off and nothing else set `manage.py check --deploy` finds nothing. A
+# plain-HTTP setup (the demo, the tests, a laptop) opts out explicitly with
+# GANTRY_PLAIN_HTTP=1. Behind a TLS-terminating proxy, GANTRY_TRUST_PROXY_TLS=1
+# trusts its X-Forwarded-Proto header.
+GANTRY_PLAIN_HTTP = env_bool("GANTRY_PLAIN_HTTP", False)
+_https = not GANTRY_PLAIN_HTTP
+SECURE_SSL_REDIRECT = _https
+SESSION_COOKIE_SECURE = _https
+CSRF_COOKIE_SECURE = _https
+SECURE_HSTS_SECONDS = env_int("GANTRY_HSTS_SECONDS", 31_536_000 if _https else 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("GANTRY_HSTS_INCLUDE_SUBDOMAINS", True)
+SECURE_HSTS_PRELOAD = env_bool("GANTRY_HSTS_PRELOAD", True)
+if env_bool("GANTRY_TRUST_PROXY_TLS", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# Health and metrics checks from the host itself need no redirect.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+SESSION_COOKIE_HTTPONLY = True
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+
+# --- Abuse limits ---------------------------------------------------------
+# REST API requests per signed-in user and per anonymous address ("<n>/<second|minute|hour|day>", or "off").
+GANTRY_API_THROTTLE = env_str("GANTRY_API_THROTTLE", "1200/minute")
+GANTRY_API_THROTTLE_ANON = env_str("GANTRY_API_THROTTLE_ANON", "120/minute")
+# Failed sign-ins per username and address before the form refuses for GANTRY_LOGIN_LOCKOUT_S.
+GANTRY_LOGIN_ATTEMPTS = env_int("GANTRY_LOGIN_ATTEMPTS", 5, minimum=1)
+GANTRY_LOGIN_LOCKOUT_S = env_int("GANTRY_LOGIN_LOCKOUT_S", 900, minimum=1)
+
+GANTRY_DATA_DIR = Path(env_str("GANTRY_DATA_DIR", str(BASE_DIR / "var"))).resolve()
+# PostgreSQL connections come from a pool per process (psycopg_pool): a
+# request borrows one and gives it back, so web and live processes reuse
+# connections without each thread holding its own (DATABASE_CONN_MAX_AGE>0
+# under ASGI opened one per thread until PostgreSQL refused more clients).
+# The ASGI servers turn it on (controlplane.asgi); elsewhere it stays off: a
+# Celery worker forks after start-up, and a pool's threads do not survive a fork.
+DATABASE_POOL_SIZE = env_int("DATABASE_POOL_SIZE", 0, minimum=0, maximum=200)
+DATABASES = {
+    "default": dj_database_url.parse(
+        env_str("DATABASE_URL", f"sqlite:///{GANTRY_DATA_DIR / 'gantry.sqlite3'}"),
+        conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 0, minimum=0),
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # The demo's worker and web server write concurrently: wait for the lock.
+    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+    # Take the write lock when a transaction begins: a deferred one that tries to
+    # write after another process wrote fails at once with "database is locked",
+    # whatever the timeout (seen from the demo's outbox sender).
+    DATABASES["default"]["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
+    # Readers never wait for a writer's commit (the gateway's reads beside the
+    # worker's and the usage flush's writes).
+    DATABASES["default"]["OPTIONS"]["init_command"] = "PRAGMA journal_mode=WAL"
+elif DATABASE_POOL_SIZE:
+    if DATABASES["default"]["CONN_MAX_AGE"]:
+        raise ImproperlyConfigured("DATABASE_CONN_MAX_AGE: must be 0 with a pool (DATABASE_POOL_SIZE=0 turns it off)")
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": 1,
+        "max_size": DATABASE_POOL_SIZE,
+        "timeout": env_int("DATABASE_POOL_TIMEOUT", 10, minimum=1),
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+# Where the browser reaches the live (websocket) server: empty for the pages'
+# own address (a proxy routes /ws/ there), or a port on the same host.
+GANTRY_LIVE_PORT = env_str("GANTRY_LIVE_PORT", "")
+if GANTRY_LIVE_PORT and not (GANTRY_LIVE_PORT.isdigit() and 1 <= int(GANTRY_LIVE_PORT) <= 65535):
+    raise ImproperlyConfigured("GANTRY_LIVE_PORT: must be a port number (1-65535) or empty")
+
+# --- Gantry's own ---------------------------------------------------------
+# The name this process's host is known by; a worker listens on gpu.<name>.
+GANTRY_HOST_NAME = env_str("GANTRY_HOST_NAME", socket.gethostname().split(".")[0])
+# The address Triton servers on this host bind to and clients use to reach them.
+GANTRY_HOST_ADDRESS = env_str("GANTRY_HOST_ADDRESS", "127.0.0.1")
+GANTRY_HEARTBEAT_INTERVAL = env_int("GANTRY_HEARTBEAT_INTERVAL", 10, minimum=1, maximum=3600)
+GANTRY_HOST_OFFLINE_AFTER_BEATS = env_int("GANTRY_HOST_OFFLINE_AFTER_BEATS", 3, minimum=1)
+GANTRY_TRITON_READY_TIMEOUT = env_int("GANTRY_TRITON_READY_TIMEOUT", 900, minimum=5)
+# The host worker's wait on any call to its Triton servers but a model load or
+# unload, which may take as long as GANTRY_TRITON_READY_TIMEOUT.
+GANTRY_TRITON_REQUEST_TIMEOUT = env_int("GANTRY_TRITON_REQUEST_TIMEOUT", 60, minimum=1, maximum=3600)
+GANTRY_TRITON_PORT_RANGE = env_port_range("GANTRY_TRITON_PORT_RANGE", (18000, 18999))
+# Triton images the docker runtime may start (exact references, e.g. repo/name:tag).
+GANTRY_ALLOWED_IMAGES = env_list("GANTRY_ALLOWED_IMAGES", [])
+# ulimits of Triton containers: NVIDIA's recommendation by default (unlimited
+# locked memory, 64 MiB stack). A host that forbids raising memlock drops it here.
+GANTRY_DOCKER_ULIMITS = env_ulimits("GANTRY_DOCKER_ULIMITS", [("memlock", -1, -1), ("stack", 67108864, 67108864)])
+GANTRY_METRICS_RETENTION_HOURS = env_int("GANTRY_METRICS_RETENTION_HOURS", 24, minimum=1)
+GANTRY_GPU_RELEASE_TIMEOUT = env_int("GANTRY_GPU_RELEASE_TIMEOUT", 60, minimum=1)
+GANTRY_CRASH_RESTART_LIMIT = env_int("GANTRY_CRASH_RESTART_LIMIT", 3, minimum=0)
+GANTRY_GPU_MEMORY_HEADROOM = env_float("GANTRY_GPU_MEMORY_HEADROOM", 0.95, minimum=0.1, maximum=1.0)
+# The CUDA context each server process on a GPU holds beyond its memory share
+# (measured on an H100: 584 MiB for tritonserver, about 700 for a python stub).
+GANTRY_GPU_PROCESS_RESERVE_MIB = env_int("GANTRY_GPU_PROCESS_RESERVE_MIB", 768, minimum=0, maximum=65536)
+# Checkpoints may only be registered from under these folders (a worker
+# mounts or reads nothing else). Empty means the data dir's models/ only.
+GANTRY_MODEL_ROOTS = [Path(p).resolve() for p in env_list("GANTRY_MODEL_ROOTS", [str(GANTRY_DATA_DIR / "models")])]
+# Engine builds. Builder images are allow-listed with the TensorRT-LLM version
+# they carry (image=version): that version picks the command-line table.
+GANTRY_BUILDER_IMAGES = env_image_versions("GANTRY_BUILDER_IMAGES", {})
+GANTRY_BUILD_TIME_LIMIT = env_int("GANTRY_BUILD_TIME_LIMIT", 7200, minimum=60)
+GANTRY_BUILD_TIME_LIMIT_MAX = env_int("GANTRY_BUILD_TIME_LIMIT_MAX", 86400, minimum=GANTRY_BUILD_TIME_LIMIT)
+GANTRY_BUILD_LOG_LINES = env_int("GANTRY_BUILD_LOG_LINES", 5000, minimum=100)
+# A running build whose worker has not reported for this long is failed by the sweeper.
+GANTRY_BUILD_STALE_AFTER = env_int("GANTRY_BUILD_STALE_AFTER", 120, minimum=30)
+# Native builds: the python that has tensorrt_llm installed, and its examples folder.
+GANTRY_TRTLLM_PYTHON = env_str("GANTRY_TRTLLM_PYTHON", "")
+# Load tests: AIPerf in its own environment on each GPU host (scripts/ensure-aiperf.sh),
+# and the address that host's worker reaches the gateway at.
+GANTRY_AIPERF = env_str("GANTRY_AIPERF", str(BASE_DIR / ".aiperf" / "bin" / "aiperf"))
+GANTRY_GATEWAY_URL = env_str("GANTRY_GATEWAY_URL", "http://127.0.0.1:8000").rstrip("/")
+GANTRY_TRTLLM_EXAMPLES_DIR = env_str("GANTRY_TRTLLM_EXAMPLES_DIR", "")
+
+INSTALLED_APPS = [
+    "daphne",
+    "access.apps.GantryAdminConfig",  # the admin, for the admin role only
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "channels",
+    "controlplane",
+    "access",
+    "deployments",
+    "playground",
+    "gateway",
+    "loadtests",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "controlplane.middleware.StaticFiles",  # WhiteNoise, able to stay async
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "controlplane.urls"
+ASGI_APPLICATION = "controlplane.asgi.application"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+                "access.context.role",
+                "controlplane.context.live",
+            ]
+        },
+    }
+]
+
+AUTHENTICATION_BACKENDS = [
+    "django.contrib.auth.backends.ModelBackend",
+    "access.admin_site.AdminGroupBackend",
+]
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "dashboard"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = GANTRY_DATA_DIR / "static"
+WHITENOISE_USE_FINDERS = True
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        # First, so that a request without credentials is a 401 that names the scheme.
+        "access.auth.PersonalTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "EXCEPTION_HANDLER": "deployments.api.base.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "deployments.api.schema.GantrySchema",
+    # Bodies are JSON objects: nested specs and lists have no honest form encoding.
+    "DEFAULT_PARSER_CLASSES": ["controlplane.parsers.JSONParser"],
+    "DEFAULT_RENDERER_CLASSES": [
+        "deployments.api.renderers.JSONRenderer",
+        "rest_framework.renderers.BrowsableAPIRenderer",
+    ],
+    "DEFAULT_THROTTLE_CLASSES": ["access.throttles.PerUser", "access.throttles.PerAddress"],
+}
+
+# Throttle counters and sign-in failures live in Redis, so every web process
+# counts together; they fail open (an outage must not lock everyone out).
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    "shared": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "gantry",
+        "OPTIONS": {"socket_connect_timeout": 0.5, "socket_timeout": 0.5},
+    },
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Gantry API",
+    "DESCRIPTION": "Register checkpoints, build TensorRT-LLM engines, and deploy and operate "
+    "multi-model Triton servers on GPU hosts. The OpenAI-compatible gateway (/v1) is documented "
+    "by OpenAI's own reference; this schema covers /api/.",
+    "VERSION": version(),
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["deployments.permissions.CanView"],
+    "SCHEMA_PATH_PREFIX": "/api/",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "deployments.api.schema.refuse_unknown_fields",
+    ],
+    "ENUM_NAME_OVERRIDES": {
+        "BuildStatusEnum": "deployments.models.BuildStatus",
+        "DeploymentStatusEnum": "deployments.models.DeploymentStatus",
+        "RevisionStatusEnum": "deployments.models.RevisionStatus",
+        "ModelKindEnum": "deployments.models.ModelKind",
+        "PlacementDtypeEnum": "deployments.models.Dtype",
+        "MetricKindEnum": "deployments.models.MetricSample.Kind",
+        "PluginEnum": "deployments.trtllm.PLUGIN_CHOICES",
+    },
+}
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        # capacity: messages a socket may fall behind by before the layer drops
+        # them (silently; the browser sees the gap in the numbers and re-reads).
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": "gantry:channels", "capacity": 1000},
+    }
+}
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_IGNORE_RESULT = True
+# GPU work is long and not evenly sized: take one message at a time, and
+# acknowledge late so a message whose worker died is delivered again; tasks
+# re-check the database row, so a redelivery never repeats finished work.
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600, minimum=60)}
+CELERY_TASK_SOFT_TIME_LIMIT = GANTRY_TRITON_READY_TIMEOUT + 120
+CELERY_TASK_TIME_LIMIT = GANTRY_TRITON_READY_TIMEOUT + 180
+
+CELERY_BEAT_SCHEDULE = {
+    "sweep-hosts": {
+        "task": "deployments.tasks.sweep_hosts",
+        "schedule": float(GANTRY_HEARTBEAT_INTERVAL),
+        "options": {"queue": "control", "expires": float(GANTRY_HEARTBEAT_INTERVAL)},
+    },
+    "reap-load-tests": {
+        "task": "loadtests.tasks.reap_runs",
+        "schedule": 30.0,
+        "options": {"queue": "control", "expires": 30.0},
+    },
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO").upper()},
+    "loggers": {"daphne": {"level": "WARNING"}, "django.channels.server": {"level": "WARNING"}},
+}

@@ -1,0 +1,34 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.contrib.auth.decorators import login_required
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
+
+from access.views import LoginView, tokens_page
+from controlplane.health import healthz
+from gateway.views import gateway_page
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("login/", LoginView.as_view(), name="login"),
+    path("healthz", healthz, name="healthz"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    # The docs are pages: a signed-out visitor is sent to sign in (the schema itself answers 401).
+    path("api/docs/", login_required(SpectacularSwaggerView.as_view(url_name="api-schema")), name="api-docs"),
+    path("api/redoc/", login_required(SpectacularRedocView.as_view(url_name="api-schema")), name="api-redoc"),
+    path("api/", include("deployments.api.urls")),
+    path("api/", include("playground.urls")),
+    path("api/", include("gateway.urls")),
+    path("api/", include("access.urls")),
+    path("api/", include("loadtests.urls")),
+    path("gateway/", gateway_page, name="gateway"),
+    path("tokens/", tokens_page, name="tokens"),
+    path("", include("loadtests.web_urls")),
+    path("", include("deployments.web.urls")),
+]
+
+handler400 = "controlplane.errors.bad_request"
+handler403 = "controlplane.errors.forbidden"
+handler404 = "controlplane.errors.not_found"
+handler500 = "controlplane.errors.server_error"

@@ -1,0 +1,510 @@
+"""/api/deployments/: create, read, change (a new generation), start and stop
+deployments, and read their revisions, events, GPU plan, server log and metrics."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+from django.db.models import QuerySet
+from django.utils import timezone
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
+from rest_framework.generics import get_object_or_404
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from access.idempotency import idempotent
+from deployments import selectors, states
+from deployments.api.base import StrictModelSerializer, StrictSerializer, require_empty_body, validated
+from deployments.api.lists import CursorPage, ListEndpoint
+from deployments.api.timeline import Events, LogLines
+from deployments.models import (
+    Deployment,
+    DeploymentModel,
+    DeploymentRevision,
+    DeploymentStatus,
+    DesiredState,
+    Event,
+    LogLine,
+    MetricSample,
+    Runtime,
+    slug_validator,
+)
+from deployments.permissions import ReadOrOperate
+from deployments.services import deployments, telemetry
+from deployments.services.deployments import ServerSpec
+from deployments.services.placements import MAX_BATCH_SIZE, PLACEMENT_FIELDS, PlacementSpec
+
+
+class PlacementOut(serializers.ModelSerializer):
+    model = serializers.CharField(source="registered_model.name")
+    kind = serializers.CharField(source="registered_model.kind")
+
+    class Meta:
+        model = DeploymentModel
+        fields = [
+            "triton_name",
+            "model",
+            "kind",
+            "backend",
+            "engine_build",
+            "max_batch_size",
+            "preferred_batch_sizes",
+            "max_queue_delay_us",
+            "priority_levels",
+            "default_priority_level",
+            "queue_timeout_us",
+            "max_queue_size",
+            "timeout_action",
+            "instance_count",
+            "instance_kind",
+            "gpu_ids",
+            "gpu_memory_fraction",
+            "dtype",
+            "max_seq_len",
+            "batch_scheduler_policy",
+            "decoupled",
+            "max_num_sequences",
+            "kv_cache_free_gpu_mem_fraction",
+            "max_tokens_in_paged_kv_cache",
+            "enable_kv_cache_reuse",
+            "decoding_mode",
+            "kv_cache_tokens",
+            "ready",
+        ]
+
+
+class DeploymentOut(serializers.ModelSerializer):
+    host = serializers.CharField(source="host.name")
+    host_online = serializers.BooleanField(source="host.is_online")
+    shown_status = serializers.CharField()
+    models = PlacementOut(source="placements", many=True)
+    actions = serializers.SerializerMethodField(help_text="what may be asked of it now: start, stop, change")
+
+    class Meta:
+        model = Deployment
+        fields = [
+            "id",
+            "name",
+            "host",
+            "runtime",
+            "image",
+            "http_port",
+            "grpc_port",
+            "metrics_port",
+            "shm_size_mib",
+            "log_verbose",
+            "desired_state",
+            "status",
+            "shown_status",
+            "host_online",
+            "status_message",
+            "status_changed_at",
+            "generation",
+            "models",
+            "actions",
+            "created_at",
+        ]
+
+    def get_actions(self, deployment: Deployment) -> dict[str, bool]:
+        return states.deployment_actions(deployment.status)
+
+
+class PlacementIn(StrictModelSerializer):
+    """One model of a deployment. Fields, defaults and bounds come from
+    DeploymentModel; unset fields take the model's defaults (PlacementSpec)."""
+
+    model = serializers.CharField(max_length=63, help_text="a registered model's name")
+    preferred_batch_sizes = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=MAX_BATCH_SIZE), max_length=16, required=False
+    )
+    gpu_ids = serializers.ListField(
+        child=serializers.IntegerField(min_value=0, max_value=63), max_length=64, required=False
+    )
+    engine_build = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+    llm_api = serializers.BooleanField(required=False)
+
+    class Meta:
+        model = DeploymentModel
+        fields = list(PLACEMENT_FIELDS)
+        extra_kwargs = {
+            "triton_name": {"required": False, "allow_blank": True},
+            **{name: {"required": False} for name in PLACEMENT_FIELDS if name not in ("model", "triton_name")},
+        }
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        # Model-level validation (unique constraints over the deployment) is the service's job.
+        return attrs
+
+
+class PortsIn(StrictSerializer):
+    http = serializers.IntegerField(min_value=1024, max_value=65535)
+    grpc = serializers.IntegerField(min_value=1024, max_value=65535)
+    metrics = serializers.IntegerField(min_value=1024, max_value=65535)
+
+
+class ServerIn(StrictModelSerializer):
+    """A deployment's tritonserver settings; bounds and defaults are Deployment's."""
+
+    class Meta:
+        model = Deployment
+        fields = ["shm_size_mib", "log_verbose"]
+        extra_kwargs = {"shm_size_mib": {"required": False}, "log_verbose": {"required": False}}
+
+
+class DeploymentIn(StrictSerializer):
+    name = serializers.CharField(max_length=63, validators=[slug_validator])
+    host = serializers.CharField(max_length=63)
+    runtime = serializers.ChoiceField(choices=Runtime.choices, default=Runtime.PROCESS)
+    image = serializers.CharField(max_length=255, required=False, default="", allow_blank=True)
+    ports = PortsIn(required=False)
+    # ServerIn's fields (Deployment's bounds), re-instantiated for this serializer.
+    shm_size_mib = copy.deepcopy(ServerIn().fields["shm_size_mib"])
+    log_verbose = copy.deepcopy(ServerIn().fields["log_verbose"])
+    models = PlacementIn(many=True, allow_empty=False)
+
+
+class DeploymentQuery(StrictSerializer):
+    host = serializers.CharField(max_length=63, required=False)
+    status = serializers.ChoiceField(choices=DeploymentStatus.choices, required=False)
+    desired_state = serializers.ChoiceField(choices=DesiredState.choices, required=False)
+    runtime = serializers.ChoiceField(choices=Runtime.choices, required=False)
+    name = serializers.CharField(max_length=63, required=False, help_text="names containing this")
+
+
+def _creation(data: dict[str, Any]) -> dict[str, Any]:
+    """deployment_create's (and deployment_preflight's) arguments from a checked DeploymentIn body."""
+    ports = data.get("ports")
+    return {
+        "name": data["name"],
+        "host_name": data["host"],
+        "runtime": data["runtime"],
+        "image": data["image"],
+        "ports": (ports["http"], ports["grpc"], ports["metrics"]) if ports else None,
+        "placements": placement_specs(data["models"]),
+        "server": server_spec(data),
+    }
+
+
+def server_spec(data: dict[str, Any], current: Deployment | None = None) -> ServerSpec:
+    """The server settings a body asks for; unset ones keep ``current``'s (or the defaults)."""
+    base = ServerSpec() if current is None else ServerSpec(shm_size_mib=current.shm_size_mib,
+                                                             log_verbose=current.log_verbose)  # fmt: skip
+    return replace(base, **{name: data[name] for name in ("shm_size_mib", "log_verbose") if name in data})
+
+
+class DeploymentList(ListEndpoint):
+    """GET /api/deployments/ (by name); POST a new deployment (stopped until started)."""
+
+    permission_classes = [ReadOrOperate]
+    serializer_class = DeploymentOut
+    query_class = DeploymentQuery
+    ordering_fields = ("name", "created_at", "status_changed_at", "id")
+    ordering = "name"
+
+    def get_queryset(self) -> QuerySet[Deployment]:
+        return selectors.deployment_list()
+
+    def filter_rows(self, rows: QuerySet[Deployment], query: dict[str, Any]) -> QuerySet[Deployment]:
+        lookups = {"host": "host__name", "status": "status", "desired_state": "desired_state", "runtime": "runtime"}
+        rows = rows.filter(**{lookups[k]: v for k, v in query.items() if k in lookups})
+        return rows.filter(name__contains=query["name"]) if "name" in query else rows
+
+    @idempotent()
+    @extend_schema(request=DeploymentIn, responses={201: DeploymentOut})
+    def post(self, request: Request) -> Response:
+        deployment = deployments.deployment_create(**_creation(validated(DeploymentIn, request)), user=request.user)
+        deployment = selectors.deployment_list().get(pk=deployment.pk)
+        return Response(DeploymentOut(deployment).data, status=status.HTTP_201_CREATED)
+
+
+class DeploymentDetail(APIView):
+    """GET one deployment; DELETE it (only at rest and with no gateway alias on it;
+    its name and ports are free again, its timeline stays)."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, pk: int) -> Response:
+        deployments.deployment_delete(deployment_id=pk, user=request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(responses=DeploymentOut)
+    def get(self, request: Request, pk: int) -> Response:
+        return Response(DeploymentOut(get_object_or_404(selectors.deployment_list(), pk=pk)).data)
+
+    @extend_schema(request=ServerIn, responses={202: DeploymentOut})
+    def patch(self, request: Request, pk: int) -> Response:
+        """The server's settings (shm_size_mib, log_verbose): taken at the next start, or
+        now by a restart when it runs."""
+        data = validated(ServerIn, request)
+        current = get_object_or_404(Deployment, pk=pk)
+        deployments.deployment_configure(deployment_id=pk, server=server_spec(data, current), user=request.user)
+        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+
+
+class ModelsIn(StrictSerializer):
+    models = PlacementIn(many=True, allow_empty=False)
+
+
+def placement_specs(items: list[dict[str, Any]]) -> list[PlacementSpec]:
+    return [PlacementSpec.from_fields(item) for item in items]
+
+
+class DeploymentModels(APIView):
+    """PUT /api/deployments/<id>/models/ {"models": [...]}: a new generation (202 when applied in place)."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(request=ModelsIn, responses={202: DeploymentOut})
+    def put(self, request: Request, pk: int) -> Response:
+        data = validated(ModelsIn, request)
+        deployments.deployment_change(deployment_id=pk, placements=placement_specs(data["models"]), user=request.user)
+        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+
+
+class RevisionOut(serializers.ModelSerializer):
+    models = serializers.JSONField(source="spec", help_text="the placements of this generation")
+
+    class Meta:
+        model = DeploymentRevision
+        fields = ["generation", "status", "message", "models", "created_at"]
+
+
+class DeploymentRevisions(ListEndpoint):
+    """GET /api/deployments/<id>/revisions/: every generation, oldest first."""
+
+    permission_classes = [ReadOrOperate]
+    serializer_class = RevisionOut
+    ordering_fields = ("generation",)
+    ordering = "generation"
+
+    def get_queryset(self) -> QuerySet[DeploymentRevision]:
+        return DeploymentRevision.objects.filter(deployment=get_object_or_404(Deployment, pk=self.kwargs["pk"]))
+
+
+class DeploymentStart(APIView):
+    """POST /api/deployments/<id>/start/ (no body): its host launches it."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(request=None, responses={202: DeploymentOut})
+    def post(self, request: Request, pk: int) -> Response:
+        require_empty_body(request)
+        deployments.deployment_start(deployment_id=pk, user=request.user)
+        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+
+
+class DeploymentRestart(APIView):
+    """POST /api/deployments/<id>/restart/ (no body): stop its server and start it
+    again (a failed one is started)."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(request=None, responses={202: DeploymentOut})
+    def post(self, request: Request, pk: int) -> Response:
+        require_empty_body(request)
+        deployments.deployment_restart(deployment_id=pk, user=request.user)
+        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+
+
+class RollbackIn(StrictSerializer):
+    generation = serializers.IntegerField(min_value=1, help_text="an earlier generation (see revisions)")
+
+
+class DeploymentRollback(APIView):
+    """POST /api/deployments/<id>/rollback/ {"generation": N}: a new generation
+    with generation N's models, applied like any change."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(request=RollbackIn, responses={202: DeploymentOut})
+    def post(self, request: Request, pk: int) -> Response:
+        data = validated(RollbackIn, request)
+        deployments.deployment_roll_back_to(deployment_id=pk, generation=data["generation"], user=request.user)
+        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+
+
+class DeploymentStop(APIView):
+    """POST /api/deployments/<id>/stop/ (no body): its host stops its server."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(request=None, responses={202: DeploymentOut})
+    def post(self, request: Request, pk: int) -> Response:
+        require_empty_body(request)
+        deployments.deployment_stop(deployment_id=pk, user=request.user)
+        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+
+
+class DeploymentEvents(Events):
+    """GET /api/deployments/<id>/events/: the deployment's timeline, newest first."""
+
+    def get_queryset(self) -> QuerySet[Event]:
+        deployment = get_object_or_404(Deployment.objects.only("pk"), pk=self.kwargs["pk"])
+        return selectors.event_rows().filter(deployment=deployment)
+
+
+class PlannedModelOut(serializers.Serializer):
+    deployment = serializers.CharField()
+    deployment_id = serializers.IntegerField(allow_null=True, help_text="null: the unsaved one a preflight checks")
+    deployment_status = serializers.CharField()
+    own = serializers.BooleanField(help_text="placed by the deployment asked about (else by another on the host)")
+    triton_name = serializers.CharField()
+    backend = serializers.CharField()
+    fraction = serializers.FloatField()
+    instances = serializers.IntegerField()
+    share = serializers.FloatField(help_text="the fraction times the instances that each cap themselves at it")
+    bytes = serializers.IntegerField()
+    processes = serializers.IntegerField(help_text="server processes it adds on this GPU")
+    nvml_budget_bytes = serializers.IntegerField(help_text="the most NVML may show them hold: share and contexts")
+    engine_bytes = serializers.IntegerField(required=False, allow_null=True)
+    weights_bytes = serializers.IntegerField(required=False, allow_null=True)
+    kv_cache_tokens = serializers.IntegerField(required=False, allow_null=True)
+    kv_cache_bytes = serializers.IntegerField(required=False, allow_null=True)
+    activation_bytes = serializers.IntegerField(required=False, allow_null=True)
+
+
+class GpuPlanOut(serializers.Serializer):
+    gpu = serializers.IntegerField()
+    name = serializers.CharField()
+    uuid = serializers.CharField()
+    memory_total_bytes = serializers.IntegerField()
+    models = PlannedModelOut(many=True)
+    fraction = serializers.FloatField(help_text="the sum of the models' shares on this GPU")
+    headroom = serializers.FloatField()
+    within_headroom = serializers.BooleanField()
+    processes = serializers.IntegerField(help_text="server processes on this GPU, tritonserver's included")
+    process_reserve_bytes = serializers.IntegerField(help_text="the CUDA context each is planned to hold")
+    contexts_fit = serializers.BooleanField(help_text="whether what the shares leave holds those contexts")
+    problems = serializers.ListField(child=serializers.CharField())
+
+
+class DeploymentPlan(APIView):
+    """GET /api/deployments/<id>/plan/: GPU memory per model per GPU, against the headroom limit."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(responses=GpuPlanOut(many=True))
+    def get(self, request: Request, pk: int) -> Response:
+        return Response(selectors.deployment_plan(get_object_or_404(selectors.deployment_list(), pk=pk)))
+
+
+class DeploymentPreflightIn(DeploymentIn):
+    name = serializers.CharField(
+        max_length=63, validators=[slug_validator], required=False, default="", allow_blank=True,
+        help_text="checked against existing deployments when given",
+    )  # fmt: skip
+    replaces = serializers.IntegerField(
+        required=False, min_value=1, help_text="a deployment whose models these would replace (a change): "
+        "the host's plan leaves its current ones out",
+    )  # fmt: skip
+
+
+class DeploymentPreflightOut(serializers.Serializer):
+    valid = serializers.BooleanField(help_text="true when POST /api/deployments/ with this body would create it")
+    errors = serializers.DictField(
+        child=serializers.ListField(child=serializers.CharField()),
+        help_text="each broken rule by field, as a 400 of the create would name it (models[i].field)",
+    )
+    plan = GpuPlanOut(many=True, help_text="the host's GPU plan with the placements that passed")
+    warnings = serializers.ListField(
+        child=serializers.CharField(), help_text="what the host's other deployments would make a start refuse"
+    )
+
+
+class DeploymentPreflight(APIView):
+    """POST /api/deployments/preflight/: what creating this deployment would say,
+    with nothing written: every broken rule by field, and the GPU plan (each
+    model's share of each GPU against the headroom, an engine's KV-cache
+    tokens). The deploy form asks it as it is filled in."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(request=DeploymentPreflightIn, responses={200: DeploymentPreflightOut})
+    def post(self, request: Request) -> Response:
+        data = validated(DeploymentPreflightIn, request)
+        return Response(
+            deployments.deployment_preflight(**_creation(data), replaces=data.get("replaces"), user=request.user)
+        )
+
+
+class RatesQuery(StrictSerializer):
+    minutes = serializers.IntegerField(min_value=1, max_value=60, default=10, help_text="how far back (default 10)")
+
+
+class RatePointOut(serializers.Serializer):
+    at = serializers.DateTimeField()
+    request_rate = serializers.FloatField(help_text="requests per second, all the deployment's models together")
+
+
+class DeploymentRatesOut(serializers.Serializer):
+    deployment = serializers.IntegerField()
+    points = RatePointOut(many=True)
+
+
+class DeploymentRates(APIView):
+    """GET /api/deployments/rates/?minutes=10: each deployment's requests per second
+    over the last minutes, oldest first (the dashboard's sparklines)."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(parameters=[RatesQuery], responses=DeploymentRatesOut(many=True))
+    def get(self, request: Request) -> Response:
+        query = RatesQuery(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        rates = telemetry.request_rates(minutes=query.validated_data["minutes"])
+        return Response(
+            [
+                {"deployment": deployment_id, "points": [{"at": at, "request_rate": rate} for at, rate in points]}
+                for deployment_id, points in sorted(rates.items())
+            ]
+        )
+
+
+class DeploymentLog(LogLines):
+    """GET /api/deployments/<id>/log/: the Triton server's log, newest lines first
+    (``?ordering=id`` for oldest first; ``after`` follows it)."""
+
+    def get_queryset(self) -> QuerySet[LogLine]:
+        return LogLine.objects.filter(deployment=get_object_or_404(Deployment, pk=self.kwargs["pk"]))
+
+
+class MetricOut(serializers.ModelSerializer):
+    class Meta:
+        model = MetricSample
+        fields = ["id", "at", "kind", "subject", "values"]
+
+
+class MetricQuery(StrictSerializer):
+    minutes = serializers.IntegerField(
+        min_value=1, max_value=7 * 24 * 60, required=False, default=15, help_text="how far back (default 15)"
+    )
+    kind = serializers.ChoiceField(choices=MetricSample.Kind.choices, required=False)
+    subject = serializers.CharField(max_length=128, required=False, help_text="a Triton model name, or a GPU uuid")
+    after = serializers.IntegerField(min_value=0, required=False, help_text="only samples with a greater id")
+
+
+class DeploymentMetrics(ListEndpoint):
+    """GET /api/deployments/<id>/metrics/: the samples of the last ``minutes``, oldest first, a cursor page."""
+
+    permission_classes = [ReadOrOperate]
+    serializer_class = MetricOut
+    pagination_class = CursorPage
+    query_class = MetricQuery
+    ordering_fields = ("id",)
+    ordering = "id"
+
+    def get_queryset(self) -> QuerySet[MetricSample]:
+        return MetricSample.objects.filter(deployment=get_object_or_404(Deployment, pk=self.kwargs["pk"]))
+
+    def filter_rows(self, rows: QuerySet[MetricSample], query: dict[str, Any]) -> QuerySet[MetricSample]:
+        rows = rows.filter(at__gte=timezone.now() - timedelta(minutes=query["minutes"]))
+        for field in ("kind", "subject"):
+            if field in query:
+                rows = rows.filter(**{field: query[field]})
+        return rows.filter(id__gt=query["after"]) if "after" in query else rows

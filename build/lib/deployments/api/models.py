@@ -1,0 +1,121 @@
+"""/api/models/: register a checkpoint on a host, and read what its inspection found."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import QuerySet
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
+from rest_framework.generics import get_object_or_404
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from access.idempotency import idempotent
+from deployments import selectors
+from deployments.api.base import StrictSerializer, validated
+from deployments.api.lists import ListEndpoint
+from deployments.models import Inspection, ModelKind, RegisteredModel, slug_validator
+from deployments.permissions import ReadOrOperate
+from deployments.services import registered_models
+
+
+class ModelOut(serializers.ModelSerializer):
+    host = serializers.CharField(source="host.name", default=None)
+    has_chat_template = serializers.SerializerMethodField(help_text="whether chat messages can be sent to it")
+
+    def get_has_chat_template(self, model: RegisteredModel) -> bool:
+        return bool(model.chat_template)
+
+    class Meta:
+        model = RegisteredModel
+        fields = [
+            "id",
+            "name",
+            "kind",
+            "path",
+            "hub_id",
+            "revision",
+            "architecture",
+            "host",
+            "inspection",
+            "inspection_message",
+            "model_type",
+            "parameter_count",
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+            "torch_dtype",
+            "size_bytes",
+            "tokenizer_files",
+            "fingerprint",
+            "trust_remote_code",
+            "has_chat_template",
+            "special_tokens",
+            "notice",
+            "created_at",
+        ]
+
+
+class ModelIn(StrictSerializer):
+    name = serializers.CharField(max_length=63, validators=[slug_validator])
+    kind = serializers.ChoiceField(choices=ModelKind.choices)
+    host = serializers.CharField(max_length=63, help_text="the GPU host that holds the checkpoint")
+    path = serializers.CharField(max_length=1024)
+    hub_id = serializers.CharField(max_length=255, required=False, default="", allow_blank=True)
+    revision = serializers.CharField(max_length=64, required=False, default="", allow_blank=True)
+    trust_remote_code = serializers.BooleanField(
+        default=False, help_text="let the checkpoint's own Python code (auto_map) run on the host"
+    )
+
+
+class ModelQuery(StrictSerializer):
+    kind = serializers.ChoiceField(choices=ModelKind.choices, required=False)
+    host = serializers.CharField(max_length=63, required=False)
+    inspection = serializers.ChoiceField(choices=Inspection.choices, required=False)
+    name = serializers.CharField(max_length=63, required=False, help_text="names containing this")
+
+
+class ModelList(ListEndpoint):
+    """GET /api/models/ (by name); POST registers a checkpoint and queues its inspection."""
+
+    permission_classes = [ReadOrOperate]
+    serializer_class = ModelOut
+    query_class = ModelQuery
+    ordering_fields = ("name", "created_at", "id")
+    ordering = "name"
+
+    def get_queryset(self) -> QuerySet[RegisteredModel]:
+        return selectors.model_list()
+
+    def filter_rows(self, rows: QuerySet[RegisteredModel], query: dict[str, Any]) -> QuerySet[RegisteredModel]:
+        lookups = {"kind": "kind", "host": "host__name", "inspection": "inspection"}
+        rows = rows.filter(**{lookups[k]: v for k, v in query.items() if k in lookups})
+        return rows.filter(name__contains=query["name"]) if "name" in query else rows
+
+    @idempotent()
+    @extend_schema(request=ModelIn, responses={201: ModelOut})
+    def post(self, request: Request) -> Response:
+        data = validated(ModelIn, request)
+        model = registered_models.model_register(user=request.user, **data)
+        return Response(ModelOut(model).data, status=status.HTTP_201_CREATED)
+
+
+class ModelDetail(APIView):
+    """GET one model; DELETE unregisters it (refused while builds or deployments use it)."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, pk: int) -> Response:
+        registered_models.model_delete(model_id=pk, user=request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(responses=ModelOut)
+    def get(self, request: Request, pk: int) -> Response:
+        return Response(ModelOut(get_object_or_404(selectors.model_list(), pk=pk)).data)

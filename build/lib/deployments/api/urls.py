@@ -1,0 +1,31 @@
+from django.urls import path
+
+from deployments.api import builds, deployments, hosts, models, timeline
+
+urlpatterns = [
+    path("hosts/", hosts.HostList.as_view(), name="api-hosts"),
+    path("hosts/<str:name>/", hosts.HostDetail.as_view(), name="api-host"),
+    path("models/", models.ModelList.as_view(), name="api-models"),
+    path("models/<int:pk>/", models.ModelDetail.as_view(), name="api-model"),
+    path("builds/", builds.BuildList.as_view(), name="api-builds"),
+    path("builds/preflight/", builds.BuildPreflight.as_view(), name="api-build-preflight"),
+    path("builds/<int:pk>/", builds.BuildDetail.as_view(), name="api-build"),
+    path("builds/<int:pk>/cancel/", builds.BuildCancel.as_view(), name="api-build-cancel"),
+    path("builds/<int:pk>/log/", builds.BuildLog.as_view(), name="api-build-log"),
+    path("builds/<int:pk>/events/", builds.BuildEvents.as_view(), name="api-build-events"),
+    path("events/", timeline.EventList.as_view(), name="api-events"),
+    path("deployments/", deployments.DeploymentList.as_view(), name="api-deployments"),
+    path("deployments/rates/", deployments.DeploymentRates.as_view(), name="api-deployment-rates"),
+    path("deployments/preflight/", deployments.DeploymentPreflight.as_view(), name="api-deployment-preflight"),
+    path("deployments/<int:pk>/", deployments.DeploymentDetail.as_view(), name="api-deployment"),
+    path("deployments/<int:pk>/start/", deployments.DeploymentStart.as_view(), name="api-deployment-start"),
+    path("deployments/<int:pk>/stop/", deployments.DeploymentStop.as_view(), name="api-deployment-stop"),
+    path("deployments/<int:pk>/restart/", deployments.DeploymentRestart.as_view(), name="api-deployment-restart"),
+    path("deployments/<int:pk>/rollback/", deployments.DeploymentRollback.as_view(), name="api-deployment-rollback"),
+    path("deployments/<int:pk>/events/", deployments.DeploymentEvents.as_view(), name="api-deployment-events"),
+    path("deployments/<int:pk>/metrics/", deployments.DeploymentMetrics.as_view(), name="api-deployment-metrics"),
+    path("deployments/<int:pk>/models/", deployments.DeploymentModels.as_view(), name="api-deployment-models"),
+    path("deployments/<int:pk>/revisions/", deployments.DeploymentRevisions.as_view(), name="api-deployment-revisions"),
+    path("deployments/<int:pk>/log/", deployments.DeploymentLog.as_view(), name="api-deployment-log"),
+    path("deployments/<int:pk>/plan/", deployments.DeploymentPlan.as_view(), name="api-deployment-plan"),
+]

@@ -1,0 +1,53 @@
+"""One websocket consumer: authenticate in connect(), check the object exists,
+join its group, say where the group's numbering stands (a "hello"), and
+forward what services publish. Read-only: the browser acts through the REST
+API. With the hello, a page can tell a message lost right after it connected
+from one published before (deployments.events numbers them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from deployments import events
+from deployments.models import Deployment, EngineBuild
+from deployments.permissions import can_view
+
+TOPICS = {"deployment": (Deployment, events.deployment_group), "build": (EngineBuild, events.build_group)}
+
+
+class LiveConsumer(AsyncJsonWebsocketConsumer):
+    group: str = ""
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if not can_view(user):
+            await self.close(code=4401)
+            return
+        kwargs = self.scope["url_route"]["kwargs"]
+        if kwargs["topic"] == "dashboard":
+            self.group = events.DASHBOARD_GROUP
+        else:
+            model, group_of = TOPICS[kwargs["topic"]]
+            if not await database_sync_to_async(model.objects.filter(pk=kwargs["pk"]).exists)():
+                await self.close(code=4404)
+                return
+            self.group = group_of(kwargs["pk"])
+        await self.channel_layer.group_add(self.group, self.channel_name)
+        await self.accept()
+        # Read after joining: every later number reaches this socket, or shows as a gap.
+        seq = await events.current_seq(self.channel_layer.connection(0), self.group)
+        await self.send_json({"type": "hello", "group": self.group, "seq": seq})
+
+    async def disconnect(self, code: int) -> None:
+        if self.group:
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        # Nothing to receive: commands go through the REST API.
+        await self.send_json({"type": "error", "detail": "this socket is read-only; use the REST API"})
+
+    async def gantry_message(self, message: dict[str, Any]) -> None:
+        await self.send_json(message["payload"])

@@ -1,0 +1,56 @@
+"""Where work for a GPU host travels: its two queues, and the name of every task
+Gantry sends. Sending goes through deployments.outbox (this module imports no
+models, so deployments.models can name a host's queue).
+
+A host has a control queue (launch, stop, apply, inspect, forget: seconds to
+minutes) and a jobs queue (engine builds and load tests: up to hours), each
+consumed by its own Celery worker with its own slots (workers.hostworker), so
+control work never waits behind a long job.
+"""
+
+from __future__ import annotations
+
+# Task names: the worker registers them in workers.tasks under these names.
+LAUNCH_DEPLOYMENT = "workers.tasks.launch_deployment"
+STOP_DEPLOYMENT = "workers.tasks.stop_deployment"
+APPLY_GENERATION = "workers.tasks.apply_generation"
+INSPECT_MODEL = "workers.tasks.inspect_model"
+RUN_BUILD = "workers.tasks.run_build"
+# Remove what a deleted deployment or build left on its host's disk.
+FORGET_DEPLOYMENT = "workers.tasks.forget_deployment"
+FORGET_BUILD = "workers.tasks.forget_build"
+# Run a load test of a deployed model from its host (loadtests).
+RUN_LOADTEST = "workers.tasks.run_loadtest"
+# The control plane's periodic work (its beat runs it on queue "control", see settings).
+SWEEP_HOSTS = "deployments.tasks.sweep_hosts"
+
+
+# The long jobs: they travel on the host's jobs queue.
+JOB_TASKS = frozenset({RUN_BUILD, RUN_LOADTEST})
+_PREFIX = "gpu."
+_JOBS_SUFFIX = ".jobs"
+
+
+def host_queue(host_name: str) -> str:
+    """The control queue of a GPU host (its control worker consumes it, and nothing else does)."""
+    return f"{_PREFIX}{host_name}"
+
+
+def jobs_queue(host_name: str) -> str:
+    """The jobs queue of a GPU host (its jobs worker consumes it, and nothing else does)."""
+    return f"{_PREFIX}{host_name}{_JOBS_SUFFIX}"
+
+
+def queue_for(task_name: str, host_name: str) -> str:
+    """The queue ``task_name`` travels on to ``host_name``."""
+    return jobs_queue(host_name) if task_name in JOB_TASKS else host_queue(host_name)
+
+
+def host_queues(host_name: str) -> tuple[str, str]:
+    """Both queues of a GPU host."""
+    return host_queue(host_name), jobs_queue(host_name)
+
+
+def host_of(queue: str) -> str:
+    """The host a queue of ``host_queues`` belongs to."""
+    return queue.removeprefix(_PREFIX).removesuffix(_JOBS_SUFFIX)

@@ -1,0 +1,110 @@
+"""What running servers report: metric samples (kept for the retention window)
+and server log lines (the newest few kept), stored in one statement each and
+pushed to the deployment's page."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.utils import timezone
+
+from deployments import events
+from deployments.models import BuildLogLine, DeploymentModel, LogLine, MetricSample
+
+
+def metrics_record(
+    *,
+    deployment_id: int,
+    models: dict[str, dict[str, float]],
+    gpus: dict[str, dict[str, float]],
+) -> None:
+    """Store one scrape's figures, prune samples past the retention window, and
+    push the figures to the deployment's page."""
+    now = timezone.now()
+    MetricSample.objects.bulk_create(
+        [
+            *(
+                MetricSample(deployment_id=deployment_id, at=now, kind="model", subject=k, values=v)
+                for k, v in models.items()
+            ),
+            *(
+                MetricSample(deployment_id=deployment_id, at=now, kind="gpu", subject=k, values=v)
+                for k, v in gpus.items()
+            ),
+        ]
+    )
+    cutoff = now - timedelta(hours=settings.GANTRY_METRICS_RETENTION_HOURS)
+    MetricSample.objects.filter(deployment_id=deployment_id, at__lt=cutoff).delete()
+    events.publish(
+        events.deployment_group(deployment_id),
+        {"type": "metrics", "deployment": deployment_id, "at": now.isoformat(), "models": models, "gpus": gpus},
+    )
+    # The dashboard's sparkline: the deployment's requests per second, all models together.
+    events.publish(
+        events.DASHBOARD_GROUP,
+        {"type": "rate", "deployment": deployment_id, "at": now.isoformat(), "request_rate": request_rate(models)},
+    )
+
+
+def request_rate(models: dict[str, dict[str, float]]) -> float:
+    """A deployment's requests per second: its models' rates summed (a first scrape has none)."""
+    return round(sum(values.get("request_rate", 0.0) for values in models.values()), 4)
+
+
+def request_rates(*, minutes: int) -> dict[int, list[tuple[str, float]]]:
+    """Per deployment, its requests per second over the last ``minutes`` (oldest first)."""
+    since = timezone.now() - timedelta(minutes=minutes)
+    rows = (
+        MetricSample.objects.filter(kind="model", at__gte=since)
+        .order_by("deployment_id", "at")
+        .values_list("deployment_id", "at", "values")
+    )
+    rates: dict[int, dict[str, float]] = {}
+    for deployment_id, at, values in rows:
+        series = rates.setdefault(deployment_id, {})
+        key = at.isoformat()
+        series[key] = round(series.get(key, 0.0) + values.get("request_rate", 0.0), 4)
+    return {deployment_id: list(series.items()) for deployment_id, series in rates.items()}
+
+
+def placements_readiness(*, deployment_id: int, models: dict[str, bool]) -> dict[str, bool]:
+    """Record what Triton says of each placed model (by Triton name; an engine's
+    helper models are not placements and are left out), writing only what
+    changed, and push every placement's readiness to the deployment's page (each
+    beat: a page that re-read a moment too early is right again within one).
+    Returns the changes."""
+    placed = dict(DeploymentModel.objects.filter(deployment_id=deployment_id).values_list("triton_name", "ready"))
+    now = {name: models[name] for name in placed if name in models}
+    changed = {name: ready for name, ready in now.items() if placed[name] != ready}
+    for value in (True, False):
+        names = [name for name, ready in changed.items() if ready is value]
+        if names:
+            DeploymentModel.objects.filter(deployment_id=deployment_id, triton_name__in=names).update(ready=value)
+    if now:
+        events.publish(
+            events.deployment_group(deployment_id), {"type": "models", "deployment": deployment_id, "ready": now}
+        )
+    return changed
+
+
+# How many log lines a deployment keeps; older ones are deleted as new ones arrive.
+LOG_LINES_KEPT = 1000
+
+
+def log_lines_append(*, deployment_id: int, lines: list[str]) -> None:
+    """Store a batch of server log lines (one insert), trim to the newest LOG_LINES_KEPT, and push them."""
+    if not lines:
+        return
+    append_newest_lines(LogLine, keep=LOG_LINES_KEPT, lines=lines, deployment_id=deployment_id)
+    events.publish(events.deployment_group(deployment_id), {"type": "log", "deployment": deployment_id, "lines": lines})
+
+
+def append_newest_lines(
+    model: type[LogLine] | type[BuildLogLine], *, keep: int, lines: list[str], **owner: int
+) -> None:
+    """Insert ``lines`` for ``owner`` in one statement and delete all but its newest ``keep``."""
+    model.objects.bulk_create(model(**owner, line=line[:4000]) for line in lines)
+    oldest_kept = model.objects.filter(**owner).order_by("-id").values_list("id", flat=True)[keep:].first()
+    if oldest_kept is not None:
+        model.objects.filter(**owner, id__lte=oldest_kept).delete()

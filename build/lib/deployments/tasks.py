@@ -1,0 +1,18 @@
+"""Control-plane periodic tasks, run by the beat worker on queue "control"."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from deployments import outbox, queues
+from deployments.services import builds, hosts
+
+
+@shared_task(name=queues.SWEEP_HOSTS)
+def sweep_hosts() -> list[str]:
+    """Hosts that missed their beats go offline; builds whose worker went quiet
+    fail; tasks left in the outbox by a broker outage are sent (for hosts whose
+    agent is down too, so they are queued for its return)."""
+    builds.builds_reap()
+    outbox.relay()
+    return hosts.hosts_sweep()

@@ -1,0 +1,101 @@
+"""The browser's server-side forms. Build settings come from the build spec's
+defaults, so the form, the API and the model agree on every bound; the deploy
+form is drawn by static/deploy-form.js from DeploymentModel's bounds
+(views.deploy_form_options)."""
+
+from __future__ import annotations
+
+from django import forms
+
+from deployments import build_spec, selectors, trtllm
+from deployments.errors import GantryError, ValidationFailed
+from deployments.models import DB_INT_MAX, BuildStatus, ModelKind, slug_validator
+
+
+class RegisterForm(forms.Form):
+    """Register a checkpoint folder on a host; the rules are model_register's."""
+
+    name = forms.CharField(max_length=63, validators=[slug_validator], help_text=slug_validator.message)
+    kind = forms.ChoiceField(choices=ModelKind.choices)
+    host = forms.ChoiceField(help_text="the GPU host whose disk holds the checkpoint")
+    path = forms.CharField(
+        max_length=1024, help_text="a HuggingFace-format folder on that host, under GANTRY_MODEL_ROOTS"
+    )
+    hub_id = forms.CharField(max_length=255, required=False, label="Hub id", help_text="where it came from (optional)")
+    revision = forms.CharField(max_length=64, required=False, help_text="the hub revision (optional)")
+    trust_remote_code = forms.BooleanField(
+        required=False,
+        label="Allow its remote code",
+        help_text="let the checkpoint's own Python code (auto_map) run on the host during inspection and serving",
+    )
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.fields["host"].choices = [(h.name, h.name) for h in selectors.host_list()]
+
+
+class BuildFilterForm(forms.Form):
+    """The builds page's filters (the API's /api/builds/ takes the same)."""
+
+    model = forms.CharField(max_length=63, required=False)
+    status = forms.ChoiceField(choices=[("", "any"), *BuildStatus.choices], required=False)
+    host = forms.CharField(max_length=63, required=False)
+    before = forms.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, widget=forms.HiddenInput)
+
+
+class EventFilterForm(forms.Form):
+    """The events page's filters (the API's /api/events/ takes the same)."""
+
+    kind = forms.CharField(max_length=64, required=False, help_text="exact, or a prefix ending in '.'")
+    actor = forms.CharField(max_length=150, required=False, label="User")
+    host = forms.CharField(max_length=63, required=False)
+    deployment = forms.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, label="Deployment id")
+    build = forms.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, label="Build id")
+    model = forms.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, label="Model id")
+    before = forms.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, widget=forms.HiddenInput)
+
+
+class BuildForm(forms.Form):
+    """The build request of the model page; the rules are deployments.build_spec's."""
+
+    host = forms.ChoiceField()
+    image = forms.ChoiceField(label="Builder image", help_text="allow-listed, present on the host")
+    dtype = forms.ChoiceField(choices=[(d, d) for d in trtllm.DTYPES])
+    quantization = forms.ChoiceField(choices=[(q, q) for q in trtllm.QUANTIZATIONS])
+    gemm_plugin = forms.ChoiceField(choices=[(c, c) for c in trtllm.PLUGIN_CHOICES])
+    gpt_attention_plugin = forms.ChoiceField(choices=[(c, c) for c in trtllm.PLUGIN_CHOICES])
+    paged_context_fmha = forms.BooleanField(required=False, initial=True)
+    max_batch_size = forms.IntegerField(min_value=1, max_value=4096, initial=build_spec.DEFAULTS["max_batch_size"])
+    max_input_len = forms.IntegerField(min_value=1, initial=build_spec.DEFAULTS["max_input_len"])
+    max_seq_len = forms.IntegerField(min_value=1, initial=build_spec.DEFAULTS["max_seq_len"])
+    max_num_tokens = forms.IntegerField(min_value=1, initial=build_spec.DEFAULTS["max_num_tokens"])
+    tp_size = forms.IntegerField(min_value=1, max_value=64, initial=1)
+    pp_size = forms.IntegerField(min_value=1, max_value=64, initial=1)
+    workers = forms.IntegerField(min_value=1, max_value=64, initial=1)
+    allow_seq_len_over_max_positions = forms.BooleanField(required=False, label="Allow max_seq_len over max positions")
+    force = forms.BooleanField(required=False, label="Rebuild even if an identical engine exists")
+
+    SPEC_FIELDS = (
+        "dtype", "quantization", "gemm_plugin", "gpt_attention_plugin", "paged_context_fmha", "max_batch_size",
+        "max_input_len", "max_seq_len", "max_num_tokens", "tp_size", "pp_size", "workers",
+        "allow_seq_len_over_max_positions",
+    )  # fmt: skip
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        hosts = list(selectors.host_list())
+        self.fields["host"].choices = [(h.name, f"{h.name} ({h.gpus.count()} GPU)") for h in hosts]
+        images = sorted({image for h in hosts for image in build_spec.builder_choices(h)})
+        self.fields["image"].choices = [(i, i) for i in images]
+
+
+def show_refusal(form: forms.Form, exc: GantryError, *, within: str = "") -> None:
+    """A service's refusal, shown on the form: each rule beside its field where the
+    form has it (a form whose fields are those of the API's ``within`` object, e.g.
+    a build's ``spec``, finds ``spec.max_seq_len`` at ``max_seq_len``)."""
+    if isinstance(exc, ValidationFailed):
+        for path, errors in exc.errors.items():
+            field = path.removeprefix(f"{within}.") if within else path
+            form.add_error(field if field in form.fields else None, " ".join(errors))
+    else:
+        form.add_error(None, str(exc))

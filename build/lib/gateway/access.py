@@ -1,0 +1,181 @@
+"""Who calls the gateway and what their model name points at, read from the
+database and kept a second per process, so a busy gateway does not read the
+database per request: a revoked key, or a moved alias, takes effect within
+that second."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db import InterfaceError, OperationalError, close_old_connections
+from django.utils import timezone
+
+from access.models import secret_digest
+from access.services import TOKEN_PREFIX
+from common.words import a
+from controlplane.ttl_cache import TtlCache
+from deployments.models import DeploymentModel, DeploymentStatus, ModelKind
+from gateway.errors import GatewayError, model_not_found, not_ready
+from gateway.models import Alias, ApiKey
+from gateway.services import KEY_PREFIX
+from playground.generation import route_of
+
+CACHE_S = 1.0
+_SERVING = {DeploymentStatus.READY, DeploymentStatus.DEGRADED}
+
+
+@dataclass(frozen=True)
+class Caller:
+    key_id: int
+    all_aliases: bool
+    aliases: frozenset[str]
+    expires_at: dt.datetime | None
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+
+    def may_use(self, alias: str) -> bool:
+        return self.all_aliases or alias in self.aliases
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where an alias's requests go now."""
+
+    alias: str
+    kind: str
+    deployment: str
+    status: str
+    url: str
+    triton_name: str
+    max_batch_size: int
+    route: dict[str, Any] | None  # an llm's generation route (playground.generation)
+
+    def require_ready(self) -> None:
+        if self.status not in _SERVING:
+            raise not_ready(self.alias, f"deployment {self.deployment} is {self.status}")
+
+
+_callers, _targets = TtlCache(CACHE_S), TtlCache(CACHE_S)
+# The errors of a database that cannot be reached (restarting, say): keys and routes
+# read before it went away keep serving, as they were read; anything else is a 503.
+DATABASE_AWAY = (OperationalError, InterfaceError)
+
+
+def db(fn: Any) -> Any:
+    """``fn`` (database reads) as a coroutine, on a connection that is checked before
+    and released after, as Django's request cycle would (this path bypasses it)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        close_old_connections()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            close_old_connections()
+
+    return sync_to_async(run)
+
+
+def _invalid_key(message: str) -> GatewayError:
+    return GatewayError(401, message, code="invalid_api_key")
+
+
+def _read_caller(digest: str) -> Caller | GatewayError:
+    key = ApiKey.objects.select_related("owner").filter(digest=digest).first()
+    if key is None:
+        return _invalid_key(
+            "Incorrect API key provided. Create one on Gantry's gateway page or with POST /api/gateway/keys/."
+        )
+    if key.revoked_at is not None:
+        return _invalid_key(f"API key {key.prefix}… was revoked at {key.revoked_at:%Y-%m-%d %H:%M:%S} UTC.")
+    if not key.owner.is_active:
+        return _invalid_key(f"API key {key.prefix}… belongs to a deactivated user.")
+    return Caller(
+        key_id=key.pk,
+        all_aliases=key.all_aliases,
+        aliases=frozenset(key.aliases.values_list("name", flat=True)),
+        expires_at=key.expires_at,
+        requests_per_minute=key.requests_per_minute,
+        tokens_per_minute=key.tokens_per_minute,
+    )
+
+
+async def authenticate(headers: list[tuple[bytes, bytes]]) -> Caller:
+    """The caller of an ``Authorization: Bearer <key>`` header, or a 401."""
+    header = next((value for name, value in headers if name == b"authorization"), b"")
+    if not header.startswith(b"Bearer ") or not header[7:].strip():
+        raise _invalid_key("Send your API key as 'Authorization: Bearer <key>'.")
+    secret = header[7:].strip().decode("latin-1")
+    if secret.startswith(TOKEN_PREFIX):
+        raise _invalid_key(
+            f"This is a REST API token ({TOKEN_PREFIX}…): /v1 takes gateway keys ({KEY_PREFIX}…). Create one on "
+            "Gantry's gateway page or with POST /api/gateway/keys/."
+        )
+    digest = secret_digest(secret)
+    found = await _callers.fetch(digest, lambda: db(_read_caller)(digest), DATABASE_AWAY)
+    if isinstance(found, GatewayError):
+        raise found
+    if found.expires_at is not None and found.expires_at <= timezone.now():
+        raise _invalid_key(f"This API key expired at {found.expires_at:%Y-%m-%d %H:%M:%S} UTC.")
+    return found
+
+
+def _read_target(alias: str) -> Target | None:
+    row = Alias.objects.select_related("deployment__host").filter(name=alias).first()
+    if row is None:
+        return None
+    deployment = row.deployment
+    placement = (
+        DeploymentModel.objects.select_related("deployment__host", "registered_model")
+        .filter(deployment=deployment, triton_name=row.triton_name)
+        .first()
+    )
+    if placement is None:
+        return Target(
+            alias=alias, kind="", deployment=deployment.name, status=f"no longer serving {row.triton_name!r}",
+            url="", triton_name=row.triton_name, max_batch_size=1, route=None,
+        )  # fmt: skip
+    kind = placement.registered_model.kind
+    return Target(
+        alias=alias,
+        kind=kind,
+        deployment=deployment.name,
+        status=deployment.status,
+        url=f"{deployment.host.address}:{deployment.http_port}",
+        triton_name=placement.triton_name,
+        max_batch_size=placement.max_batch_size,
+        route=route_of(placement) if kind == ModelKind.LLM else None,
+    )
+
+
+async def resolve(caller: Caller, alias: Any, kind: str, endpoint: str) -> Target:
+    """What ``alias`` points at, if the caller may use it and it is a ``kind`` model."""
+    if not isinstance(alias, str) or not alias:
+        raise GatewayError(400, "model: required (a model name from GET /v1/models)", param="model")
+    if not caller.may_use(alias):
+        raise model_not_found(alias)
+    target = await _targets.fetch(alias, lambda: db(_read_target)(alias), DATABASE_AWAY)
+    if not target:
+        raise model_not_found(alias)
+    if target.kind and target.kind != kind:
+        raise GatewayError(
+            400,
+            f"model {alias!r} is {a(target.kind)} model; {endpoint} needs {a(kind)} model",
+            param="model",
+            code="model_not_supported",
+        )
+    target.require_ready()
+    return target
+
+
+def visible_aliases(caller: Caller) -> list[dict[str, Any]]:
+    """The aliases the caller may use, as /v1/models lists them."""
+    rows = Alias.objects.order_by("name")
+    if not caller.all_aliases:
+        rows = rows.filter(name__in=caller.aliases)
+    return [
+        {"id": name, "object": "model", "created": int(created.timestamp()), "owned_by": "gantry"}
+        for name, created in rows.values_list("name", "created_at")
+    ]

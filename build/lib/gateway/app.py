@@ -1,0 +1,344 @@
+"""The OpenAI-compatible gateway: ``/v1/...`` answered on the ASGI server
+itself (no Django request path), asynchronously end to end.
+
+- GET  /v1/models, /v1/models/<alias>
+- POST /v1/chat/completions, /v1/completions   (an llm alias; ``stream`` as server-sent events)
+- POST /v1/embeddings                          (an embedding alias; float or base64)
+- POST /v1/rerank                              (a reranker alias; query + documents -> results)
+
+Every request carries ``Authorization: Bearer <gateway key>``; the key's scope
+says which aliases it may name. Errors are OpenAI's shape (gateway.errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+
+from common import jsonbody
+from controlplane.asgi_io import BodyTooLarge, read_body, send_json, stream_events
+from deployments.errors import GantryError
+from deployments.models import ModelKind
+from gateway import schemas
+from gateway.access import DATABASE_AWAY, Caller, Target, authenticate, db, resolve, visible_aliases
+from gateway.errors import GatewayError, database_away, from_gantry
+from gateway.metering import admit, charge, usage
+from playground.generation import Outcome, Piece, Sampling, generate, prepare_generation
+from workers.triton.client import infer_async
+
+PREFIX = "/v1/"
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 1024  # chat has none in OpenAI's API (up to the context): this, within the context
+
+
+class GatewayRouter:
+    """ASGI: ``/v1/...`` to the gateway, the rest to ``inner``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and (scope["path"].startswith(PREFIX) or scope["path"] == "/v1"):
+            await handle(scope, receive, send)
+        else:
+            await self.inner(scope, receive, send)
+
+
+async def handle(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    path, method = scope["path"], scope["method"]
+    try:
+        if path.startswith("/v1/models"):
+            if method != "GET":
+                raise GatewayError(405, f"{method} is not allowed on {path}; use GET", code="method_not_allowed")
+            await _models(await authenticate(scope["headers"]), path, send)
+            return
+        handler = _POST.get(path)
+        if handler is None:
+            raise GatewayError(404, f"Unknown endpoint {method} {path}.", code="unknown_url")
+        if method != "POST":
+            raise GatewayError(405, f"{method} is not allowed on {path}; use POST", code="method_not_allowed")
+        caller = await authenticate(scope["headers"])
+        raw = await read_body(receive)
+        if raw is None:
+            return
+        try:
+            body = jsonbody.loads(raw)
+        except jsonbody.InvalidJson as exc:
+            raise GatewayError(400, f"the body {exc}", code="invalid_json") from exc
+        await handler(caller, body, receive, send)
+    except BodyTooLarge as exc:
+        await send_json(send, 413, GatewayError(413, str(exc)).body())
+    except GatewayError as exc:
+        await send_json(send, exc.status, exc.body(), exc.headers())
+    except DATABASE_AWAY:
+        away = database_away()
+        await send_json(send, away.status, away.body(), away.headers())
+
+
+# --- /v1/models ------------------------------------------------------------------------
+
+
+async def _models(caller: Caller, path: str, send: Any) -> None:
+    listed = await db(visible_aliases)(caller)
+    if path in ("/v1/models", "/v1/models/"):
+        await send_json(send, 200, {"object": "list", "data": listed})
+        return
+    name = path[len("/v1/models/") :]
+    found = next((m for m in listed if m["id"] == name), None)
+    if found is None:
+        raise GatewayError(404, f"The model {name!r} does not exist or you do not have access to it.",
+                           param="model", code="model_not_found")  # fmt: skip
+    await send_json(send, 200, found)
+
+
+# --- chat and completions --------------------------------------------------------------
+
+
+async def _chat(caller: Caller, body: Any, receive: Any, send: Any) -> None:
+    await _generation(caller, schemas.parse(schemas.ChatIn, body), receive, send, chat=True)
+
+
+async def _completions(caller: Caller, body: Any, receive: Any, send: Any) -> None:
+    await _generation(caller, schemas.parse(schemas.CompletionIn, body), receive, send, chat=False)
+
+
+async def _generation(caller: Caller, data: dict[str, Any], receive: Any, send: Any, *, chat: bool) -> None:
+    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+    target = await resolve(caller, data["model"], ModelKind.LLM, endpoint)
+    await admit(caller)
+    context = target.route["context"] or 0
+    default = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS
+    sampling = Sampling(
+        max_tokens=data.get("max_tokens") or (min(default, context // 2) if context else default),
+        temperature=data.get("temperature"),
+        top_p=data.get("top_p"),
+        seed=data.get("seed"),
+        stop=tuple(data.get("stop", ())),
+    )
+    try:
+        prepared = prepare_generation(
+            deployment_id=0,  # unused: the route is given
+            prompt=None if chat else data["prompt"][0],
+            messages=[dict(m) for m in data["messages"]] if chat else None,
+            sampling=sampling,
+            route=target.route,
+        )
+    except GantryError as exc:
+        raise from_gantry(exc, alias=target.alias) from exc
+    shape = _Shape(chat=chat, alias=target.alias, notice=prepared.notice)
+    outcome = Outcome()
+    prompt_param = "messages" if chat else "prompt"
+    if data["stream"]:
+        # The first piece before the stream's headers: a refusal (a prompt beyond the
+        # context, a model not ready) is an HTTP error, as OpenAI's, not an event.
+        pieces = generate(prepared, stream=True, outcome=outcome)
+        try:
+            first = await anext(pieces, None)
+        except GantryError as exc:
+            _count(caller, target.alias, prompt=0, completion=0, failed=True)
+            raise from_gantry(exc, alias=target.alias, prompt_param=prompt_param) from exc
+        include_usage = data.get("stream_options", {}).get("include_usage", False)
+        events = _stream(caller, target, _resumed(first, pieces), outcome, shape, include_usage=include_usage)
+        await stream_events(send, receive, events)
+        return
+    try:
+        text = "".join([piece.text async for piece in generate(prepared, stream=False, outcome=outcome)])
+    except GantryError as exc:
+        _count(caller, target.alias, prompt=0, completion=outcome.completion_tokens, failed=True)
+        raise from_gantry(exc, alias=target.alias, prompt_param=prompt_param) from exc
+    _count(caller, target.alias, prompt=outcome.prompt_tokens or 0, completion=outcome.completion_tokens, failed=False)
+    await send_json(send, 200, shape.whole(text, outcome))
+
+
+class _Shape:
+    """OpenAI's chat.completion / text_completion objects and their stream chunks."""
+
+    def __init__(self, *, chat: bool, alias: str, notice: str) -> None:
+        self.chat, self.alias, self.notice = chat, alias, notice
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.alias, "choices": choices}
+        if self.notice:
+            body["notice"] = self.notice  # e.g. an untrained checkpoint: its text is noise
+        return body
+
+    def whole(self, text: str, outcome: Outcome) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = outcome.finish_reason
+        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
+        return {**body, "usage": _usage(outcome)}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk with stream_options.include_usage: no choices, the usage."""
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text is not None and not first:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+
+def _usage(outcome: Outcome) -> dict[str, int]:
+    prompt = outcome.prompt_tokens or 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": prompt + outcome.completion_tokens,
+    }
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+async def _resumed(first: Piece | None, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    """``first`` (already read), then the rest; closing this closes the rest (and Triton's request)."""
+    try:
+        if first is not None:
+            yield first
+        async for piece in rest:
+            yield piece
+    finally:
+        await rest.aclose()
+
+
+async def _stream(
+    caller: Caller,
+    target: Target,
+    pieces: AsyncIterator[Piece],
+    outcome: Outcome,
+    shape: _Shape,
+    *,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    failed = False
+    try:
+        if shape.chat:
+            yield _sse(_with_usage(shape.chunk(None, first=True), include_usage))
+        async for piece in pieces:
+            yield _sse(_with_usage(shape.chunk(piece.text), include_usage))
+        yield _sse(_with_usage(shape.chunk(None if shape.chat else "", outcome.finish_reason), include_usage))
+        if include_usage:
+            yield _sse({**shape.usage_chunk(), "usage": _usage(outcome)})
+        yield b"data: [DONE]\n\n"
+    except GantryError as exc:
+        failed = True
+        yield _sse(from_gantry(exc, alias=target.alias).body())
+    finally:  # also when the client went away: Triton's request ends, and what was generated counts
+        await pieces.aclose()
+        _count(
+            caller, target.alias, prompt=outcome.prompt_tokens or 0, completion=outcome.completion_tokens, failed=failed
+        )
+
+
+def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+    # With include_usage, OpenAI sends "usage": null on every chunk before the last.
+    return {**chunk, "usage": None} if include_usage else chunk
+
+
+_charges: set[asyncio.Task] = set()
+
+
+def _count(caller: Caller, alias: str, *, prompt: int, completion: int, failed: bool) -> None:
+    """Count a request (finished, failed or abandoned) in the key's usage and its token limit."""
+    usage.count(caller.key_id, alias, prompt=prompt, completion=completion, failed=failed)
+    if prompt + completion:
+        task = asyncio.get_running_loop().create_task(charge(caller, prompt + completion))
+        _charges.add(task)
+        task.add_done_callback(_charges.discard)
+
+
+# --- embeddings and rerank -------------------------------------------------------------
+
+
+async def _embeddings(caller: Caller, body: Any, receive: Any, send: Any) -> None:
+    data = schemas.parse(schemas.EmbeddingIn, body)
+    target = await resolve(caller, data["model"], ModelKind.EMBEDDING, "/v1/embeddings")
+    await admit(caller)
+    texts, step = data["input"], target.max_batch_size
+    # Triton refuses a batch above the model's max_batch_size: send batches that fit, at once.
+    batches = [np.array([[t] for t in texts[i : i + step]], dtype=object) for i in range(0, len(texts), step)]
+    outputs = await _infer(caller, target, [{"TEXT": batch} for batch in batches])
+    vectors = np.concatenate([o["EMBEDDING"] for o in outputs]).astype("<f4", copy=False)
+    tokens = sum(int(o["NUM_TOKENS"].sum()) for o in outputs if "NUM_TOKENS" in o)
+    _count(caller, target.alias, prompt=tokens, completion=0, failed=False)
+    if data["encoding_format"] == "base64":
+        encoded = [base64.b64encode(row.tobytes()).decode("ascii") for row in vectors]
+    else:
+        encoded = vectors.tolist()
+    await send_json(
+        send,
+        200,
+        {
+            "object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
+            "model": target.alias,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        },
+    )
+
+
+async def _rerank(caller: Caller, body: Any, receive: Any, send: Any) -> None:
+    data = schemas.parse(schemas.RerankIn, body)
+    target = await resolve(caller, data["model"], ModelKind.RERANKER, "/v1/rerank")
+    await admit(caller)
+    documents = data["documents"]
+    inputs = {
+        "QUERY": np.array([[data["query"]]], dtype=object),
+        "PASSAGES": np.array([documents], dtype=object),
+    }
+    (output,) = await _infer(caller, target, [inputs])
+    scores = output["SCORES"].reshape(-1)
+    tokens = int(output["NUM_TOKENS"].sum()) if "NUM_TOKENS" in output else 0
+    _count(caller, target.alias, prompt=tokens, completion=0, failed=False)
+    order = np.argsort(-scores, kind="stable")[: data.get("top_n") or len(documents)]
+    results = []
+    for index in order:
+        result: dict[str, Any] = {"index": int(index), "relevance_score": float(scores[index])}
+        if data["return_documents"]:
+            result["document"] = {"text": documents[index]}
+        results.append(result)
+    await send_json(
+        send,
+        200,
+        {
+            "id": f"rerank-{uuid.uuid4().hex}",
+            "object": "list",
+            "model": target.alias,
+            "results": results,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        },
+    )
+
+
+async def _infer(caller: Caller, target: Target, requests: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    try:
+        return list(await asyncio.gather(*(infer_async(target.url, target.triton_name, r) for r in requests)))
+    except GantryError as exc:
+        _count(caller, target.alias, prompt=0, completion=0, failed=True)
+        raise from_gantry(exc, alias=target.alias) from exc
+
+
+_POST = {
+    "/v1/chat/completions": _chat,
+    "/v1/completions": _completions,
+    "/v1/embeddings": _embeddings,
+    "/v1/rerank": _rerank,
+}

@@ -1,0 +1,422 @@
+"""Load tests as people and workers ask for them: start one (checked, one at a
+time per deployment, confirmed when real clients use the deployment), cancel
+it, the worker's writes while it runs (claim, progress, each step's figures,
+finish), and the reaper for runs whose worker went quiet.
+
+A run's status moves only through ``run_transition`` (the table is
+loadtests.models.ALLOWED); each move is on the deployment's timeline.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from common.version import gantry_version
+from deployments import events, outbox, queues, trtllm
+from deployments.errors import ConfirmationRequired, InvalidTransition, NotFound, ValidationFailed
+from deployments.models import Deployment, DeploymentModel, DeploymentStatus
+from deployments.permissions import require_operator
+from gateway import services as gateway
+from gateway.models import Alias, ApiKey
+from loadtests import workload as workloads
+from loadtests.models import ACTIVE, ALLOWED, LoadPoint, LoadTest, RunStatus
+
+# The gateway keys a run makes for itself are named so; they are not "real clients".
+KEY_NAME_PREFIX = "load test "
+# A running run whose worker has not reported for this long is failed by the reaper.
+STALE_AFTER_S = 120
+
+
+def run_transition(*, run_id: int, to: str, source: str, message: str = "", actor: Any = None) -> LoadTest:
+    """Move run ``run_id`` to ``to`` if the table allows it from where it is (a
+    compare-and-swap), and put it on its deployment's timeline."""
+    deployment_id = LoadTest.objects.filter(pk=run_id).values_list("deployment_id", flat=True).first()
+    with transaction.atomic():
+        # The deployment's row first, as run_create locks them: a move takes the run
+        # out of (or into) the one-active-run index, which a concurrent create waits
+        # on while holding the deployment; the other order deadlocks.
+        deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+        run = LoadTest.objects.select_for_update().filter(pk=run_id).first()
+        if run is None:
+            raise NotFound(f"load test {run_id} does not exist")
+        if to not in ALLOWED.get(run.status, frozenset()):
+            raise InvalidTransition(f"load test {run_id} is {run.status}; it cannot become {to}")
+        previous = run.status
+        run.status, run.status_message = to, message
+        now = timezone.now()
+        if to == RunStatus.RUNNING:
+            run.started_at = run.heartbeat_at = now
+        if to not in ACTIVE:
+            run.finished_at = now
+        run.save(update_fields=["status", "status_message", "started_at", "heartbeat_at", "finished_at"])
+        events.record(
+            kind=f"loadtest.{to}",
+            source=source,
+            actor=actor,
+            deployment=deployment,
+            from_status=previous,
+            to_status=to,
+            message=message or f"load test {run.pk} of {run.alias} is {to}",
+            data={"load_test": run.pk, "alias": run.alias},
+        )
+        transaction.on_commit(lambda: _publish(run))
+    return run
+
+
+def _publish(run: LoadTest) -> None:
+    if run.deployment_id is not None:
+        events.publish(events.deployment_group(run.deployment_id), run_payload(run))
+
+
+def run_payload(run: LoadTest) -> dict[str, Any]:
+    """What a page is told when a run moves or reports progress."""
+    return {
+        "type": "loadtest",
+        "id": run.pk,
+        "status": run.status,
+        "status_message": run.status_message,
+        "progress": run.progress,
+    }
+
+
+def production_keys(alias: Alias) -> list[ApiKey]:
+    """The live gateway keys, other than load tests' own, that may use ``alias``."""
+    now = timezone.now()
+    return list(
+        ApiKey.objects.filter(revoked_at__isnull=True)
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        .filter(Q(all_aliases=True) | Q(aliases=alias))
+        .exclude(name__startswith=KEY_NAME_PREFIX)
+        .distinct()
+        .order_by("name")
+    )
+
+
+def run_create(
+    *, deployment_id: int, alias: str, spec: dict[str, Any], confirm: bool = False, user: Any = None
+) -> LoadTest:
+    """Ask the deployment's host to load-test ``alias`` (one of this deployment's
+    gateway model names) with the workload ``spec``. Refused by field when the
+    spec does not fit the model; refused while another run is active; refused
+    with code confirmation_required, until ``confirm``, when live gateway keys
+    other than load tests' may use the alias (their requests would slow)."""
+    require_operator(user)
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().select_related("host").filter(pk=deployment_id).first()
+        if deployment is None:
+            raise NotFound(f"deployment {deployment_id} does not exist")
+        target = Alias.objects.filter(name=alias, deployment=deployment).first()
+        if target is None:
+            names = sorted(deployment.aliases.values_list("name", flat=True))
+            hint = f"its aliases: {', '.join(names)}" if names else "it has none: add one on the gateway page"
+            raise ValidationFailed({"model": f"no gateway alias {alias!r} points at {deployment.name} ({hint})"})
+        placement = deployment.placements.select_related("registered_model", "engine_build")
+        placement = placement.filter(triton_name=target.triton_name)
+        placement = placement.first()
+        if placement is None:
+            raise ValidationFailed({"model": f"{deployment.name} no longer serves {target.triton_name}"})
+        checked = _checked(placement.registered_model.kind, spec)
+        if checked["native"]:
+            refusal = native_refusal(deployment, placement)
+            if refusal:
+                raise ValidationFailed({"workload.native": refusal})
+        if deployment.status != DeploymentStatus.READY:
+            raise InvalidTransition(f"{deployment.name} is {deployment.status}; a load test needs it ready")
+        keys = production_keys(target)
+        if keys and not confirm:
+            names = ", ".join(key.name for key in keys[:5]) + (" ..." if len(keys) > 5 else "")
+            raise ConfirmationRequired(
+                f"{len(keys)} live gateway key(s) may use {alias} ({names}): their requests will slow "
+                "while this runs; send confirm: true to go ahead"
+            )
+        try:
+            with transaction.atomic():
+                run = LoadTest.objects.create(
+                    deployment=deployment,
+                    deployment_name=deployment.name,
+                    alias=alias,
+                    triton_name=placement.triton_name,
+                    kind=placement.registered_model.kind,
+                    workload=checked,
+                    context=context_of(deployment, placement.triton_name),
+                    created_by=events.signed_in(user),
+                )
+        except IntegrityError:
+            active = LoadTest.objects.filter(deployment=deployment, status__in=ACTIVE).first()
+            raise InvalidTransition(
+                f"load test {active.pk if active else '?'} is still {active.status if active else 'active'} on "
+                f"{deployment.name}: one run at a time per deployment"
+            ) from None
+        events.record(
+            kind="loadtest.queued",
+            source=events.source_of(user),
+            actor=user,
+            deployment=deployment,
+            to_status=RunStatus.QUEUED,
+            message=f"load test {run.pk} of {alias} asked for ({_describe(checked)})",
+            data={"load_test": run.pk, "alias": alias, "confirmed": bool(keys)},
+        )
+        outbox.enqueue_on_commit(queues.RUN_LOADTEST, host_name=deployment.host.name, args=[run.pk])
+    return run
+
+
+def run_redrive(*, run_id: int, source: str, message: str) -> bool:
+    """Send a queued run's task again (its first may have been lost inside a broker
+    that restarted); False when the run is no longer queued or a task still waits
+    in the outbox. A duplicate is harmless: only one worker claims the run."""
+    with transaction.atomic():
+        run = LoadTest.objects.select_related("deployment__host").select_for_update(of=("self",)).filter(pk=run_id)
+        run = run.first()
+        if run is None or run.status != RunStatus.QUEUED:
+            return False
+        return outbox.redrive(
+            queues.RUN_LOADTEST,
+            host_name=run.deployment.host.name,
+            args=[run.pk],
+            source=source,
+            message=f"load test {run.pk}: {message}",
+            deployment=run.deployment,
+        )
+
+
+def _checked(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The workload checked for the model's kind, its refusals named as the API's
+    own are (``workload.levels``), so a form shows each beside its field."""
+    try:
+        return workloads.check(kind, spec)
+    except ValidationFailed as failed:
+        raise failed.under("workload", keep=("model",)) from None
+
+
+def native_refusal(deployment: Deployment, placement: DeploymentModel) -> str:
+    """Why trtllm-bench cannot measure ``placement``'s engine on the deployment's
+    host ('' if it can): it measures TensorRT-LLM engines, with the host's own
+    TensorRT-LLM (GANTRY_TRTLLM_PYTHON), at the version that built the engine
+    (an engine runs only there), and only releases whose trtllm-bench reports JSON."""
+    build = placement.engine_build
+    if build is None:
+        return (
+            f"{placement.triton_name} is served by {placement.backend}, not from a TensorRT-LLM engine build: "
+            "trtllm-bench measures engines"
+        )
+    host = deployment.host
+    if build.host_id != host.pk:
+        return f"engine build {build.pk} is on another host than {host.name}"
+    release = trtllm.release_for(build.trtllm_version)
+    if release is None:
+        return f"TensorRT-LLM {build.trtllm_version or '(unknown)'} of engine build {build.pk} is not in Gantry's table"
+    refusal = trtllm.bench_refusal(release)
+    if refusal:
+        return refusal
+    installed = (host.builders or {}).get("native", "")
+    if installed != build.trtllm_version:
+        has = f"TensorRT-LLM {installed}" if installed else "no TensorRT-LLM (set GANTRY_TRTLLM_PYTHON there)"
+        return (
+            f"trtllm-bench runs with the host's own TensorRT-LLM: {host.name} has {has}, and engine build "
+            f"{build.pk} was built with {build.trtllm_version} (an engine runs only with its own version)"
+        )
+    return ""
+
+
+def _describe(workload: dict[str, Any]) -> str:
+    levels = ", ".join(f"{level:g}" for level in workload["levels"])
+    bound = f"{workload['duration_s']} s" if workload["duration_s"] else f"{workload['request_count']} requests"
+    return f"{workload['mode']} {levels}, {bound} each"
+
+
+def context_of(deployment: Deployment, triton_name: str) -> dict[str, Any]:
+    """What a run measures against, as it is now: the deployment's generation,
+    runtime and image, every model placed beside the one under test (each with
+    its engine build), the host's GPUs and driver, and Gantry's version."""
+    host = deployment.host
+    placements = []
+    for p in deployment.placements.select_related("registered_model", "engine_build").order_by("triton_name"):
+        build = p.engine_build
+        placements.append(
+            {
+                "triton_name": p.triton_name,
+                "under_test": p.triton_name == triton_name,
+                "model": p.registered_model.name,
+                "kind": p.registered_model.kind,
+                "fingerprint": p.registered_model.fingerprint,
+                "untrained": bool(p.registered_model.notice),
+                "backend": p.backend,
+                "max_batch_size": p.max_batch_size,
+                "preferred_batch_sizes": p.preferred_batch_sizes,
+                "max_queue_delay_us": p.max_queue_delay_us,
+                "instance_count": p.instance_count,
+                "instance_kind": p.instance_kind,
+                "gpu_ids": p.gpu_ids,
+                "gpu_memory_fraction": p.gpu_memory_fraction,
+                "batch_scheduler_policy": p.batch_scheduler_policy,
+                "kv_cache_tokens": p.kv_cache_tokens,
+                "build": None
+                if build is None
+                else {
+                    "id": build.pk,
+                    "cache_key": build.cache_key,
+                    "spec": build.spec,
+                    "trtllm_version": build.trtllm_version,
+                    "builder_image": build.builder_image,
+                    "image_digest": build.image_digest,
+                    "gpu_name": build.gpu_name,
+                },
+            }
+        )
+    return {
+        "deployment": {
+            "id": deployment.pk,
+            "name": deployment.name,
+            "generation": deployment.generation,
+            "runtime": deployment.runtime,
+            "image": deployment.image,
+        },
+        "host": {
+            "name": host.name,
+            "driver_version": host.driver_version,
+            "cuda_version": host.cuda_version,
+            "gpus": [
+                {"index": g.index, "name": g.name, "uuid": g.uuid, "memory_total_bytes": g.memory_total_bytes}
+                for g in host.gpus.order_by("index")
+            ],
+        },
+        "placements": placements,
+        "gantry_version": gantry_version(),
+    }
+
+
+def run_cancel(*, run_id: int, user: Any = None) -> LoadTest:
+    """A queued run is cancelled at once; a running one is asked to stop (its
+    worker stops the load generator and keeps the steps it finished)."""
+    require_operator(user)
+    run = LoadTest.objects.filter(pk=run_id).first()
+    if run is None:
+        raise NotFound(f"load test {run_id} does not exist")
+    source = events.source_of(user)
+    if run.status == RunStatus.QUEUED:
+        return run_transition(run_id=run_id, to=RunStatus.CANCELLED, source=source, actor=user,
+                              message="cancelled before it started")  # fmt: skip
+    if run.status == RunStatus.RUNNING:
+        return run_transition(run_id=run_id, to=RunStatus.CANCELLING, source=source, actor=user,
+                              message="cancel requested")  # fmt: skip
+    raise InvalidTransition(f"load test {run_id} is {run.status}; only a queued or running one can be cancelled")
+
+
+def run_delete(*, run_id: int, user: Any = None) -> None:
+    """Forget a finished run and its figures (refused while it is active)."""
+    require_operator(user)
+    with transaction.atomic():
+        run = LoadTest.objects.select_for_update().filter(pk=run_id).first()
+        if run is None:
+            raise NotFound(f"load test {run_id} does not exist")
+        if run.status in ACTIVE:
+            raise InvalidTransition(f"load test {run_id} is {run.status}; cancel it before deleting it")
+        run.delete()
+
+
+# --- the worker's writes ------------------------------------------------------
+
+
+def run_claim(*, run_id: int, source: str) -> LoadTest | None:
+    """The worker takes a queued run (None when it is no longer queued: cancelled
+    meanwhile, or a second delivery of the same task)."""
+    try:
+        return run_transition(run_id=run_id, to=RunStatus.RUNNING, source=source, message="load generator starting")
+    except (InvalidTransition, NotFound):
+        return None
+
+
+def run_report(*, run_id: int, progress: dict[str, Any], log_tail: str | None = None) -> str:
+    """The worker's heartbeat: the step under way, the generator's last lines;
+    returns the run's status now (cancelling means stop)."""
+    fields: dict[str, Any] = {"progress": progress, "heartbeat_at": timezone.now()}
+    if log_tail is not None:
+        fields["log_tail"] = log_tail
+    LoadTest.objects.filter(pk=run_id).update(**fields)
+    run = LoadTest.objects.get(pk=run_id)
+    _publish(run)
+    return run.status
+
+
+def run_keys_revoke(*, run_id: int) -> None:
+    """Revoke the gateway key a run made for itself (when it ends, or its worker died)."""
+    for key_id in ApiKey.objects.filter(name=f"{KEY_NAME_PREFIX}{run_id}", revoked_at__isnull=True).values_list(
+        "pk", flat=True
+    ):
+        gateway.key_revoke(key_id=key_id)
+
+
+def run_note_load_generator(*, run_id: int, name: str, version: str) -> None:
+    """Record which load generator (and version) the worker runs."""
+    run = LoadTest.objects.get(pk=run_id)
+    run.context = {**run.context, "load_generator": {"name": name, "version": version}}
+    run.save(update_fields=["context"])
+
+
+def point_save(
+    *,
+    run_id: int,
+    target: str,
+    level: float,
+    complete: bool,
+    summary: dict[str, Any],
+    records: list[dict[str, Any]],
+    server: dict[str, Any],
+    started_at: dt.datetime,
+    finished_at: dt.datetime,
+) -> LoadPoint:
+    """Keep one step's figures (a step run again replaces its earlier figures)."""
+    point, _ = LoadPoint.objects.update_or_create(
+        run_id=run_id,
+        target=target,
+        level=level,
+        defaults={
+            "complete": complete,
+            "summary": summary,
+            "records": records,
+            "server": server,
+            "started_at": started_at,
+            "finished_at": finished_at,
+        },
+    )
+    return point
+
+
+def run_finish(*, run_id: int, status: str, message: str, source: str) -> LoadTest | None:
+    """End a run as succeeded, failed or cancelled (from queued, running or
+    cancelling); None when it had already ended."""
+    run = LoadTest.objects.filter(pk=run_id).first()
+    if run is None or run.status not in ACTIVE:
+        return None
+    if status == RunStatus.SUCCEEDED and run.status == RunStatus.CANCELLING:
+        status = RunStatus.CANCELLED  # it finished as the cancel arrived
+    try:
+        return run_transition(run_id=run_id, to=status, source=source, message=message)
+    except InvalidTransition:
+        return None
+
+
+def runs_reap(*, stale_after_s: int = STALE_AFTER_S) -> int:
+    """Fail runs whose worker stopped reporting (killed, or its host went away):
+    the steps they finished are kept. Returns how many were failed."""
+    cutoff = timezone.now() - dt.timedelta(seconds=stale_after_s)
+    stale = LoadTest.objects.filter(status__in=[RunStatus.RUNNING, RunStatus.CANCELLING], heartbeat_at__lt=cutoff)
+    failed = 0
+    for run in stale:
+        try:
+            run_transition(
+                run_id=run.pk,
+                to=RunStatus.FAILED,
+                source="system",
+                message=f"the worker stopped reporting for over {stale_after_s} s (restarted or killed); "
+                "the steps it finished are kept",
+            )
+            failed += 1
+        except InvalidTransition:
+            continue
+    return failed

@@ -1,0 +1,13 @@
+"""The control plane's periodic work for load tests (beat, queue "control")."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from loadtests import services
+
+
+@shared_task(name="loadtests.tasks.reap_runs")
+def reap_runs() -> int:
+    """Fail runs whose worker stopped reporting."""
+    return services.runs_reap()

@@ -1,0 +1,62 @@
+"""The lean path for token-authenticated generate requests.
+
+Django's request path (handler, middleware chain, request object) costs
+milliseconds per request on a busy host, which a streamed generation pays
+before its first token (docs/performance.md). Automation authenticates with an
+``Authorization: Bearer`` header and needs none of that chain (no session, no
+CSRF, no messages), so ``InferenceRouter`` answers ``POST
+/api/deployments/<id>/generate/`` with such a header itself, through the same
+``playground.api.generate_answer`` as the Django view: the same validation,
+checks, errors and stream. Everything else, browser sessions included, goes on
+to Django unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from access.services import bearer_secret
+from controlplane.asgi_io import BodyTooLarge, read_body, send_json, stream_events
+from deployments.api.base import problem
+from playground.api import _token_may_view, _token_may_view_cached, generate_answer
+
+GENERATE = re.compile(r"^/api/deployments/(\d+)/generate/$")
+
+
+def _token(scope: dict[str, Any]) -> str | None:
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            return bearer_secret(value.decode("latin-1"))
+    return None
+
+
+class InferenceRouter:
+    """ASGI: token-authenticated generate requests here, the rest to ``inner`` (Django)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            match = GENERATE.match(scope["path"])
+            token = _token(scope) if match else None
+            if token is not None:
+                await _generate(int(match[1]), token, receive, send)
+                return
+        await self.inner(scope, receive, send)
+
+
+async def _generate(pk: int, token: str, receive: Any, send: Any) -> None:
+    try:
+        raw = await read_body(receive)
+    except BodyTooLarge as exc:
+        await send_json(send, 413, problem(413, "too_large", str(exc)))
+        return
+    if raw is None:
+        return
+    answer = await generate_answer(pk, raw, lambda: _token_may_view(token), lambda: _token_may_view_cached(token))
+    if answer.events is None:
+        await send_json(send, answer.status, answer.body)
+        return
+    await stream_events(send, receive, answer.events)

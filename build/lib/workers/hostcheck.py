@@ -1,0 +1,188 @@
+"""`gantry check`: what this machine lacks to be a Gantry GPU host, each with
+its fix. Every check asks the real thing (the database, Redis, the Docker
+engine, NVML, the images, the toolchain, the ports) and none changes anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.conf import settings
+
+OK, WARN, MISSING = "ok", "warn", "missing"
+
+
+@dataclass(frozen=True)
+class Finding:
+    what: str
+    state: str  # OK, WARN (works without it, with less) or MISSING (needed)
+    detail: str
+    fix: str = ""
+
+
+def _database() -> Finding:
+    from django.db import connection
+
+    try:
+        connection.ensure_connection()
+    except Exception as exc:  # noqa: BLE001 - any failure is the finding
+        return Finding(
+            "database",
+            MISSING,
+            f"{type(exc).__name__}: {exc}".strip()[:300],
+            "set DATABASE_URL to the control plane's PostgreSQL (postgres://user:password@host:5432/gantry)",
+        )
+    return Finding("database", OK, f"{connection.vendor} at {connection.settings_dict.get('HOST') or 'a local file'}")
+
+
+def _redis() -> Finding:
+    import redis
+
+    client = redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=2, socket_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        return Finding("Redis", MISSING, str(exc)[:300], "set REDIS_URL to the control plane's Redis")
+    finally:
+        client.close()
+    return Finding("Redis", OK, settings.REDIS_URL.rsplit("@", 1)[-1])
+
+
+def _docker() -> Finding:
+    try:
+        import docker
+    except ImportError:
+        return Finding("Docker", WARN, "the docker package is not installed", "pip install 'gantry[worker]'")
+    try:
+        client = docker.from_env(timeout=5)
+        version = client.version().get("Version", "?")
+        client.close()
+    except Exception as exc:  # noqa: BLE001 - any failure is the finding
+        return Finding(
+            "Docker",
+            WARN,
+            f"the engine does not answer ({str(exc)[:200]})",
+            "install Docker and let this user reach it (the docker group); without it only the process "
+            "runtime serves models, and engines cannot be built here",
+        )
+    return Finding("Docker", OK, f"engine {version}")
+
+
+def _nvml() -> Finding:
+    from workers import nvml
+
+    inventory = nvml.read_inventory()
+    if inventory.error:
+        return Finding(
+            "NVML",
+            WARN,
+            inventory.error,
+            "install the NVIDIA driver; without GPUs, models run on the CPU",
+        )
+    if not inventory.gpus:
+        return Finding("NVML", WARN, "no GPUs", "models on this host run on the CPU")
+    names = ", ".join(f"{gpu.index}: {gpu.name}" for gpu in inventory.gpus)
+    return Finding("NVML", OK, f"driver {inventory.driver_version}, GPUs {names}")
+
+
+def _images() -> Finding:
+    images = list(dict.fromkeys([*settings.GANTRY_ALLOWED_IMAGES, *settings.GANTRY_BUILDER_IMAGES]))
+    if not images:
+        return Finding("Triton images", OK, "none allowed (GANTRY_ALLOWED_IMAGES is empty): the process runtime only")
+    from deployments.errors import GantryError
+    from workers.runtimes.docker import image_digests
+
+    try:
+        present = image_digests(images)
+    except GantryError as exc:
+        return Finding("Triton images", WARN, str(exc), "start the Docker engine")
+    absent = [image for image in images if image not in present]
+    if absent:
+        return Finding(
+            "Triton images",
+            MISSING,
+            f"not on this host: {', '.join(absent)}",
+            f"docker pull {absent[0]} (and each other one) on this host",
+        )
+    return Finding("Triton images", OK, ", ".join(images))
+
+
+def _tritonserver() -> Finding:
+    from deployments.errors import PermanentError
+    from workers.runtimes.process import triton_binary
+
+    try:
+        binary = triton_binary()
+    except PermanentError as exc:
+        return Finding("tritonserver", WARN, str(exc), "pip install 'gantry[worker]' for the process runtime")
+    return Finding("tritonserver", OK, str(binary))
+
+
+def _compiler() -> Finding:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return Finding(
+            "C compiler",
+            MISSING,
+            "no cc or gcc on PATH",
+            "install gcc (Debian: apt-get install gcc): Triton servers load a library Gantry compiles",
+        )
+    return Finding("C compiler", OK, compiler)
+
+
+def _aiperf() -> Finding:
+    executable = Path(settings.GANTRY_AIPERF)
+    if not os.access(executable, os.X_OK):
+        return Finding(
+            "AIPerf",
+            WARN,
+            f"{executable} is not there",
+            "scripts/ensure-aiperf.sh (or set GANTRY_AIPERF): load tests need it",
+        )
+    return Finding("AIPerf", OK, str(executable))
+
+
+def _ports() -> Finding:
+    from workers.runtimes.base import busy_ports
+
+    low, high = settings.GANTRY_TRITON_PORT_RANGE
+    busy = busy_ports(settings.GANTRY_HOST_ADDRESS, list(range(low, high + 1)))
+    free = high - low + 1 - len(busy)
+    if free < 3:
+        return Finding(
+            "Triton ports",
+            MISSING,
+            f"{free} of {low}-{high} free on {settings.GANTRY_HOST_ADDRESS}",
+            "set GANTRY_TRITON_PORT_RANGE to a free range (three ports per deployment)",
+        )
+    return Finding(
+        "Triton ports", OK, f"{free} of {low}-{high} free: {free // 3} deployments on {settings.GANTRY_HOST_ADDRESS}"
+    )
+
+
+CHECKS: list[Callable[[], Finding]] = [
+    _database,
+    _redis,
+    _docker,
+    _nvml,
+    _images,
+    _tritonserver,
+    _compiler,
+    _aiperf,
+    _ports,
+]
+
+
+def run_checks() -> list[Finding]:
+    """Every check, in order; one that raises is itself a finding."""
+    found = []
+    for check in CHECKS:
+        try:
+            found.append(check())
+        except Exception as exc:  # noqa: BLE001 - the report must go on
+            found.append(Finding(check.__name__.strip("_"), MISSING, f"{type(exc).__name__}: {exc}"[:300]))
+    return found

@@ -1,0 +1,663 @@
+"""Runs load tests on the deployment's host with AIPerf, the one module that
+knows it: the configuration it reads, the process, and the files it writes.
+
+AIPerf lives in its own virtual environment (``GANTRY_AIPERF``, made by
+scripts/ensure-aiperf.sh) so its pins never meet Gantry's. Each step of a run
+(one load level against one target) is one AIPerf process, given a JSON
+configuration (its v2 YAML schema; JSON is YAML). The run's gateway key
+reaches AIPerf through the environment, referenced from the configuration as
+``${GANTRY_LOADTEST_KEY}``, never on a command line. While a step runs the
+worker watches, each second: a cancel, the deployment leaving ready, the
+step's time bound. Triton's own metrics are sampled beside it. A run's native
+ceiling steps run trtllm-bench the same way (workers.native_bench reads and
+writes its files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.utils import timezone
+
+from deployments import trtllm
+from deployments.errors import TransientError
+from deployments.models import Deployment, DeploymentModel, DeploymentStatus, ModelKind
+from gateway import services as gateway
+from loadtests import services
+from loadtests import workload as workloads
+from loadtests.models import LoadTest, RunStatus
+from workers import native_bench, nvml, processes
+from workers.build.executors import NativeExecutor
+from workers.jobs import JobFailed, run_job, source
+from workers.triton import metrics
+
+log = logging.getLogger(__name__)
+
+KEY_ENV = "GANTRY_LOADTEST_KEY"
+# A running load test on this host not heartbeated for this long belongs to a worker
+# that died (a live one reports every second): the agent stops what it left.
+ORPHAN_AFTER_S = 20
+# AIPerf starts a dozen processes and loads the tokenizer before the first request.
+STARTUP_ALLOWANCE_S = 120
+# Requests still open when a timed step ends get this long to finish.
+GRACE_S = 30
+SAMPLE_EVERY_S = 2.0
+# Per-request records kept per step (the figures cover every request).
+MAX_RECORDS = 5000
+
+
+def aiperf_executable() -> Path:
+    return Path(settings.GANTRY_AIPERF)
+
+
+def aiperf_version() -> str:
+    """The installed AIPerf's version, or raise with how to install it."""
+    executable = aiperf_executable()
+    if not executable.exists():
+        raise JobFailed(
+            f"AIPerf is not installed on {settings.GANTRY_HOST_NAME} (GANTRY_AIPERF={executable}): "
+            "run scripts/ensure-aiperf.sh there"
+        )
+    completed = subprocess.run(  # noqa: S603 - a fixed executable
+        [str(executable), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=processes.child_environment(),
+    )
+    return completed.stdout.strip().splitlines()[-1] if completed.returncode == 0 and completed.stdout else "unknown"
+
+
+@dataclass(frozen=True)
+class Step:
+    target: str  # gateway | triton
+    level: float
+    index: int
+    total: int
+
+
+def config_for(
+    run: LoadTest, step: Step, *, gateway_url: str, triton_url: str, tokenizer: str, artifacts: Path
+) -> dict[str, Any]:
+    """AIPerf's configuration for one step of ``run``."""
+    w = run.workload
+    llm = run.kind == ModelKind.LLM
+    if step.target == "gateway":
+        endpoint: dict[str, Any] = {
+            "url": gateway_url,
+            "type": {"llm": w["endpoint"], "embedding": "embeddings", "reranker": "cohere_rankings"}[run.kind],
+            "apiKey": "${" + KEY_ENV + "}",
+            "streaming": w["streaming"],
+            # The gateway reports usage: count tokens as the server did (its chat template included).
+            "useServerTokenCount": llm,
+        }
+        if run.kind == ModelKind.RERANKER:
+            endpoint["path"] = "/v1/rerank"
+        model = run.alias
+    else:
+        # Triton's own generate endpoint, the ensemble interface every LLM route serves.
+        endpoint = {
+            "url": triton_url,
+            "type": "template",
+            "path": f"/v2/models/{run.triton_name}/generate_stream",
+            "streaming": True,  # it answers in server-sent events, one event when not streaming
+            "template": {
+                "body": '{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens }}, '
+                f'"stream": {json.dumps(w["streaming"])}}}',
+                "responseField": "text_output",
+            },
+        }
+        model = run.triton_name
+    endpoint["timeout"] = float(workloads.STEP_LIMIT_S)
+    phases: list[dict[str, Any]] = []
+    if w["warmup_requests"]:
+        phases.append({"name": "warmup", "type": "concurrency", "excludeFromResults": True,
+                       "requests": w["warmup_requests"], "concurrency": 1})  # fmt: skip
+    profiling: dict[str, Any] = {"name": "profiling"}
+    if w["mode"] == "concurrency":
+        profiling.update(type="concurrency", concurrency=int(step.level))
+    else:
+        profiling.update(type="poisson", rate=step.level)
+    if w["duration_s"]:
+        profiling.update(duration=w["duration_s"], gracePeriod=GRACE_S)
+    else:
+        profiling["requests"] = w["request_count"]
+    phases.append(profiling)
+    config: dict[str, Any] = {
+        "schemaVersion": "2.0",
+        "randomSeed": w["seed"],
+        "benchmark": {
+            "model": model,
+            "endpoint": endpoint,
+            "tokenizer": {"name": tokenizer},
+            "dataset": _dataset(run),
+            "phases": phases,
+            "artifacts": {"dir": str(artifacts), "summary": ["json"], "records": ["jsonl"]},
+        },
+    }
+    slos = {
+        {"time_to_first_token_ms": "time_to_first_token", "inter_token_latency_ms": "inter_token_latency",
+         "request_latency_ms": "request_latency"}[name]: value
+        for name, value in w["thresholds"].items()
+    }  # fmt: skip
+    if slos:
+        config["benchmark"]["slos"] = slos
+    return config
+
+
+def _dataset(run: LoadTest) -> dict[str, Any]:
+    w = run.workload
+    if w.get("dataset"):
+        records = [{"text": text} for text in w["dataset"]]
+        if run.kind == ModelKind.LLM:
+            for record in records:
+                record["output_length"] = w["output_tokens"]
+        return {"type": "file", "format": "single_turn", "records": records}
+    prompts: dict[str, Any] = {"isl": w["input_tokens"]}
+    dataset: dict[str, Any] = {"type": "synthetic", "entries": 200, "prompts": prompts}
+    if run.kind == ModelKind.LLM:
+        prompts["osl"] = w["output_tokens"]
+    elif run.kind == ModelKind.EMBEDDING:
+        prompts["batchSize"] = w["batch_size"]
+    else:
+        dataset["rankings"] = {"passages": w["passages"], "passageTokens": w["input_tokens"], "queryTokens": 16}
+    return dataset
+
+
+# --- what AIPerf wrote ----------------------------------------------------------
+
+# The figures kept from AIPerf's summary, by its metric names.
+_DISTRIBUTIONS = (
+    "request_latency",
+    "time_to_first_token",
+    "inter_token_latency",
+    "output_token_throughput_per_user",
+    "input_sequence_length",
+    "output_sequence_length",
+)
+_TOTALS = (
+    "request_throughput",
+    "output_token_throughput",
+    "total_token_throughput",
+    "request_count",
+    "error_request_count",
+    "good_request_count",
+    "goodput",
+    "benchmark_duration",
+)
+
+
+def summary_of(export: dict[str, Any]) -> dict[str, Any]:
+    """The step's figures from ``profile_export_aiperf.json``: totals, and p50/p90/p99
+    and mean of each latency; goodput when thresholds were given; the errors."""
+    summary: dict[str, Any] = {}
+    for name in _TOTALS:
+        if isinstance(export.get(name), dict) and export[name].get("avg") is not None:
+            summary[name] = export[name]["avg"]
+    for name in _DISTRIBUTIONS:
+        metric = export.get(name)
+        if isinstance(metric, dict) and metric.get("avg") is not None:
+            summary[name] = {key: metric.get(key) for key in ("avg", "p50", "p90", "p99", "min", "max")}
+            summary[name]["unit"] = metric.get("unit")
+    summary["errors"] = [_error(entry) for entry in export.get("error_summary") or []]
+    summary["was_cancelled"] = bool(export.get("was_cancelled"))
+    return summary
+
+
+def _error(entry: dict[str, Any]) -> dict[str, Any]:
+    details = entry.get("error_details") or {}
+    return {"code": details.get("code"), "message": str(details.get("message", ""))[:300], "count": entry.get("count")}
+
+
+def records_of(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Compact per-request records from ``profile_export.jsonl`` (start offset,
+    latency, first token, mean inter-token, tokens, error), and figures counted
+    from them (requests, errors, by status code)."""
+    rows: list[dict[str, Any]] = []
+    counted = {"requests": 0, "errors": 0, "by_code": {}}
+    if not path.exists():
+        return rows, counted
+    first: int | None = None
+    with path.open() as handle:
+        for line in handle:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            meta, values = entry.get("metadata") or {}, entry.get("metrics") or {}
+            start = meta.get("request_start_ns")
+            first = start if first is None else min(first, start or first)
+            error = entry.get("error")
+            counted["requests"] += 1
+            if error:
+                counted["errors"] += 1
+                code = str(error.get("code"))
+                counted["by_code"][code] = counted["by_code"].get(code, 0) + 1
+            if len(rows) < MAX_RECORDS:
+                rows.append(
+                    {
+                        "start_ns": start,
+                        "latency_ms": _value(values, "request_latency"),
+                        "ttft_ms": _value(values, "time_to_first_token"),
+                        "itl_ms": _value(values, "inter_token_latency"),
+                        "input_tokens": _value(values, "input_sequence_length"),
+                        "output_tokens": _value(values, "output_sequence_length"),
+                        "error": None if not error else f"{error.get('code')} {error.get('type', '')}".strip(),
+                    }
+                )
+    for row in rows:
+        start = row.pop("start_ns")
+        row["t_ms"] = round((start - first) / 1e6, 3) if start is not None and first is not None else None
+    return rows, counted
+
+
+def _value(values: dict[str, Any], name: str) -> float | None:
+    found = values.get(name)
+    value = found.get("value") if isinstance(found, dict) else None
+    return round(value, 3) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+# --- Triton's side of the step ---------------------------------------------------
+
+
+@dataclass
+class ServerSampler:
+    """Triton's metrics over one step: counters at its start and end, gauges
+    (GPU utilization and memory, TensorRT-LLM's KV-cache blocks) each sample."""
+
+    url: str
+    first: metrics.Scrape | None = None
+    last: metrics.Scrape | None = None
+    gauges: list[metrics.Scrape] = field(default_factory=list)
+    next_at: float = 0.0
+
+    def sample(self, *, force: bool = False) -> None:
+        if not force and time.monotonic() < self.next_at:
+            return
+        self.next_at = time.monotonic() + SAMPLE_EVERY_S
+        try:
+            scrape = metrics.scrape(self.url)
+        except TransientError:
+            return
+        self.first = self.first or scrape
+        self.last = scrape
+        self.gauges.append(scrape)
+
+    def summary(self) -> dict[str, Any]:
+        if self.first is None or self.last is None:
+            return {"samples": 0}
+        models = {}
+        for name, end in self.last.models.items():
+            start = self.first.models.get(name, metrics.ModelCounters())
+            requests = end.success - start.success
+            models[name] = {
+                "requests": requests,
+                "failures": end.failure - start.failure,
+                "queue_ms": round((end.queue_us - start.queue_us) / requests / 1000, 3) if requests else None,
+                "compute_ms": round((end.compute_us - start.compute_us) / requests / 1000, 3) if requests else None,
+            }
+        gpus: dict[str, dict[str, float]] = {}
+        for uuid in self.last.gpus:
+            seen = [s.gpus[uuid] for s in self.gauges if uuid in s.gpus]
+            utilization = [g.get("utilization", 0.0) for g in seen]
+            gpus[uuid] = {
+                "utilization_mean": round(sum(utilization) / len(utilization), 4),
+                "utilization_max": max(utilization),
+                "memory_used_max_bytes": max(g.get("memory_used_bytes", 0.0) for g in seen),
+                "memory_total_bytes": seen[-1].get("memory_total_bytes", 0.0),
+            }
+        found: dict[str, Any] = {"samples": len(self.gauges), "models": models, "gpus": gpus}
+        kv = [s.kv_cache_blocks for s in self.gauges if s.kv_cache_blocks]
+        if kv:
+            found["kv_cache_blocks"] = {
+                "used_max": max(k.get("used", 0.0) for k in kv),
+                "max": kv[-1].get("max"),
+                "free_min": min(k.get("free", 0.0) for k in kv),
+            }
+        return found
+
+
+# --- after a worker died ----------------------------------------------------------
+
+
+def run_folder(run_id: int) -> Path:
+    """Where a run's steps keep AIPerf's configuration, output and log on this host."""
+    return Path(settings.GANTRY_DATA_DIR) / "loadtests" / str(run_id)
+
+
+def reconcile_runs() -> None:
+    """Stop what a dead worker left on this host: for each load test still marked
+    running here whose heartbeat stopped, its AIPerf (if it still runs: it has a
+    process group of its own, so it outlives a SIGKILLed worker) and the run's
+    gateway key; the run fails, keeping the steps it finished."""
+    cutoff = timezone.now() - dt.timedelta(seconds=ORPHAN_AFTER_S)
+    orphans = LoadTest.objects.filter(
+        deployment__host__name=settings.GANTRY_HOST_NAME,
+        status__in=[RunStatus.RUNNING, RunStatus.CANCELLING],
+        heartbeat_at__lt=cutoff,
+    )
+    for run in orphans:
+        # AIPerf sets its process title, which hides its command line and environment:
+        # it is this run's by its working directory (a reused pid is never signalled),
+        # whether or not its pid was recorded before the worker died.
+        groups = set()
+        for pid in processes.working_in(run_folder(run.pk)):
+            with contextlib.suppress(ProcessLookupError):
+                groups.add(os.getpgid(pid))
+        for pgid in groups:  # the generator and its workers: one group each
+            processes.terminate_group(pgid, grace_s=10.0)
+        services.run_keys_revoke(run_id=run.pk)
+        services.run_finish(
+            run_id=run.pk,
+            status=RunStatus.FAILED,
+            message=f"the worker running this load test on {settings.GANTRY_HOST_NAME} stopped (killed or "
+            "restarted); its load generator was stopped; the steps it finished are kept",
+            source=source(),
+        )
+
+
+# --- one run ---------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    """The step was stopped: ``status`` is how the run ends, ``reason`` why."""
+
+    def __init__(self, status: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+def run(run_id: int) -> None:
+    """Run load test ``run_id`` (a task delivered twice finds it no longer queued)."""
+    run_job(
+        "load test",
+        lambda: _claim_and_run(run_id),
+        fail=lambda reason, *, status, details: services.run_finish(
+            run_id=run_id, status=status or RunStatus.FAILED, message=reason, source=source()
+        ),
+    )
+
+
+def _claim_and_run(run_id: int) -> None:
+    claimed = services.run_claim(run_id=run_id, source=source())
+    if claimed is not None:
+        _run(claimed)
+
+
+def _run(run: LoadTest) -> None:
+    version = aiperf_version()
+    services.run_note_load_generator(run_id=run.pk, name="aiperf", version=version)
+    deployment = Deployment.objects.select_related("host").get(pk=run.deployment_id)
+    placement = deployment.placements.select_related("registered_model", "engine_build").get(
+        triton_name=run.triton_name
+    )
+    owner = run.created_by
+    if owner is None:
+        raise JobFailed("the user who asked for this load test no longer exists")
+    plan = workloads.steps(run.workload)
+    bound_s = len(plan) * _step_limit_s(run.workload)
+    key = gateway.key_create(
+        name=f"{services.KEY_NAME_PREFIX}{run.pk}",
+        user=owner,
+        alias_names=[run.alias],
+        expires_at=timezone.now() + dt.timedelta(seconds=bound_s + 300),
+    )
+    workdir = run_folder(run.pk)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    triton = f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.http_port}"
+    try:
+        for index, (target, level) in enumerate(plan):
+            step = Step(target=target, level=level, index=index, total=len(plan))
+            try:
+                if target == "native":
+                    _native_step(run, step, deployment=deployment, placement=placement,
+                                 workdir=workdir / f"{index}-{target}")  # fmt: skip
+                else:
+                    _step(run, step, key=key.secret, deployment=deployment, triton_url=triton,
+                          tokenizer=placement.registered_model.path, workdir=workdir / f"{index}-{target}")  # fmt: skip
+            except _Stop as stop:
+                services.run_finish(run_id=run.pk, status=stop.status, message=stop.reason, source=source())
+                return
+    finally:
+        services.run_keys_revoke(run_id=run.pk)
+    done = len(plan)
+    services.run_finish(run_id=run.pk, status=RunStatus.SUCCEEDED,
+                        message=f"{done} step(s) measured", source=source())  # fmt: skip
+
+
+def _step_limit_s(workload: dict[str, Any]) -> int:
+    load = workload["duration_s"] + GRACE_S if workload["duration_s"] else workloads.STEP_LIMIT_S
+    return load + STARTUP_ALLOWANCE_S
+
+
+def _step(
+    run: LoadTest, step: Step, *, key: str, deployment: Deployment, triton_url: str, tokenizer: str, workdir: Path
+) -> None:
+    workdir.mkdir(parents=True)
+    artifacts = workdir / "artifacts"
+    config = config_for(run, step, gateway_url=settings.GANTRY_GATEWAY_URL, triton_url=triton_url,
+                        tokenizer=tokenizer, artifacts=artifacts)  # fmt: skip
+    config_path = workdir / "aiperf.json"
+    config_path.write_text(json.dumps(config, indent=1))
+    env = processes.child_environment({KEY_ENV: key, "HF_HUB_DISABLE_TELEMETRY": "1"})
+    # The tokenizer is a checkpoint folder on this host. AIPerf's offline mode
+    # looks only in the hub cache and refuses a folder, so it must stay off.
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.pop(name, None)
+    argv = [str(aiperf_executable()), "profile", "--config", str(config_path), "--ui", "none",
+            "--no-gpu-telemetry", "--no-server-metrics"]  # fmt: skip
+    ran = _generate(run, step, argv, env=env, log_path=workdir / "aiperf.log", deployment=deployment)
+    stop, tail = ran.stop, ran.tail
+    services.run_report(run_id=run.pk, progress={"step": step.index + 1, "steps": step.total, "target": step.target,
+                                                 "level": step.level, "state": "reading results"},
+                        log_tail=_tail(ran.log_path, tail))  # fmt: skip
+    export_path = artifacts / "profile_export_aiperf.json"
+    export = json.loads(export_path.read_text()) if export_path.exists() else None
+    records, counted = records_of(artifacts / "profile_export.jsonl")
+    if export is None and not records:
+        if stop is not None:
+            raise stop
+        raise JobFailed(
+            f"AIPerf ended with exit code {ran.returncode} before measuring step {step.index + 1}: "
+            + (_last_error(tail) or "see the run's log"),
+            log_tail="\n".join(tail),
+        )
+    summary = summary_of(export) if export is not None else {}
+    summary["counted"] = counted
+    services.point_save(
+        run_id=run.pk,
+        target=step.target,
+        level=step.level,
+        complete=stop is None and export is not None and not summary.get("was_cancelled"),
+        summary=summary,
+        records=records,
+        server=ran.sampler.summary(),
+        started_at=ran.started_at,
+        finished_at=timezone.now(),
+    )
+    if stop is not None:
+        raise stop
+    if counted["requests"] and counted["errors"] == counted["requests"]:
+        raise JobFailed(f"every request of step {step.index + 1} failed: " + _codes(counted))
+
+
+def _native_step(
+    run: LoadTest, step: Step, *, deployment: Deployment, placement: DeploymentModel, workdir: Path
+) -> None:
+    """One level of the native ceiling: trtllm-bench on the deployment's own
+    engine with the run's workload, no server in between. It runs with the
+    host's TensorRT-LLM (the version that built the engine) on the placement's
+    GPUs, beside the running deployment, so the GPUs must have room for it."""
+    refusal = services.native_refusal(deployment, placement)
+    if refusal:
+        raise JobFailed(f"native ceiling: {refusal}")
+    build = placement.engine_build
+    release = trtllm.release_for(build.trtllm_version)
+    short = native_bench.memory_refusal(nvml.read_inventory(), placement.gpu_ids, build.engine_size_bytes,
+                                        build.world_size)  # fmt: skip
+    if short:
+        raise JobFailed(f"native ceiling at concurrency {step.level:g}: {short}")
+    w = run.workload
+    model = placement.registered_model
+    if not w.get("dataset") and not model.vocab_size:
+        raise JobFailed(f"native ceiling: {model.name}'s inspection found no vocab_size for synthetic token ids")
+    workdir.mkdir(parents=True)
+    dataset = workdir / "dataset.jsonl"
+    native_bench.write_dataset(dataset, w, vocab_size=model.vocab_size or 0,
+                               entries=w["request_count"] + w["warmup_requests"])  # fmt: skip
+    report = workdir / "report.json"
+    bench = trtllm.BenchRun(
+        model_name=model.name, checkpoint=Path(model.path), engine=Path(build.output_dir),
+        dataset=dataset, report=report, workspace=workdir, requests=w["request_count"],
+        concurrency=int(step.level), streaming=w["streaming"], warmup=w["warmup_requests"],
+        kv_cache_fraction=native_bench.KV_CACHE_FRACTION, tp_size=build.tp_size, pp_size=build.pp_size,
+    )  # fmt: skip
+    argv = trtllm.compose_bench(bench, release, NativeExecutor().toolchain(release))
+    env = processes.child_environment(
+        {
+            "CUDA_VISIBLE_DEVICES": ",".join(map(str, placement.gpu_ids)),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    ran = _generate(run, step, argv, env=env, log_path=workdir / "trtllm-bench.log", deployment=deployment)
+    # trtllm-bench writes no report when interrupted: nothing of a stopped step is kept.
+    if ran.stop is not None:
+        raise ran.stop
+    if not report.exists():
+        raise JobFailed(
+            f"trtllm-bench ended with exit code {ran.returncode} before writing its report (step "
+            f"{step.index + 1}): " + (ran.tail[-1] if ran.tail else "see the run's log"),
+            log_tail="\n".join(ran.tail),
+        )
+    summary = native_bench.summary_of(json.loads(report.read_text()))
+    summary["counted"] = {"requests": summary.get("request_count", 0), "errors": 0, "by_code": {}}
+    services.point_save(run_id=run.pk, target=step.target, level=step.level, complete=True, summary=summary,
+                        records=[], server=ran.sampler.summary(), started_at=ran.started_at,
+                        finished_at=timezone.now())  # fmt: skip
+
+
+@dataclass
+class _Ran:
+    """A step's load generator, run to its end: how it ended and what was seen."""
+
+    returncode: int | None
+    stop: _Stop | None
+    sampler: ServerSampler
+    tail: deque[str]
+    log_path: Path
+    started_at: dt.datetime
+
+
+def _generate(
+    run: LoadTest, step: Step, argv: list[str], *, env: dict[str, str], log_path: Path, deployment: Deployment
+) -> _Ran:
+    """Run one step's load generator (in the folder of ``log_path``, its output
+    there) to its end under _watch, with Triton sampled before, during and after."""
+    sampler = ServerSampler(url=f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.metrics_port}/metrics")
+    sampler.sample(force=True)
+    started_at = timezone.now()
+    tail: deque[str] = deque(maxlen=40)
+    with log_path.open("wb") as out:
+        process = processes.start_group(argv, env=env, cwd=log_path.parent, stdout=out)
+        stop = _watch(run, step, process, deployment=deployment, sampler=sampler, log_path=log_path, tail=tail,
+                      limit_s=_step_limit_s(run.workload))  # fmt: skip
+    sampler.sample(force=True)
+    return _Ran(process.returncode, stop, sampler, tail, log_path, started_at)
+
+
+def _watch(
+    run: LoadTest,
+    step: Step,
+    process: subprocess.Popen,
+    *,
+    deployment: Deployment,
+    sampler: ServerSampler,
+    log_path: Path,
+    tail: deque[str],
+    limit_s: int,
+) -> _Stop | None:
+    """Watch a step's process to its end, each second: report progress, sample
+    Triton, and stop it on a cancel, the deployment leaving ready, or the
+    step's time bound."""
+    began = time.monotonic()
+    stop: _Stop | None = None
+
+    def progress(elapsed: float) -> dict[str, Any]:
+        return {"step": step.index + 1, "steps": step.total, "target": step.target, "pid": process.pid,
+                "level": step.level, "elapsed_s": round(elapsed), "limit_s": limit_s}  # fmt: skip
+
+    services.run_report(run_id=run.pk, progress=progress(0))  # its pid on the run at once
+    try:
+        while process.poll() is None:
+            time.sleep(1.0)
+            sampler.sample()
+            elapsed = time.monotonic() - began
+            status = services.run_report(run_id=run.pk, progress=progress(elapsed), log_tail=_tail(log_path, tail))
+            current = Deployment.objects.filter(pk=deployment.pk).values_list("status", flat=True).first()
+            if status == RunStatus.CANCELLING:
+                stop = _Stop(RunStatus.CANCELLED, "cancelled; the steps finished before are kept")
+            elif current != DeploymentStatus.READY:
+                stop = _Stop(
+                    RunStatus.FAILED,
+                    f"{deployment.name} left ready ({current or 'deleted'}) during step {step.index + 1} of "
+                    f"{step.total}; what was measured is kept",
+                )
+            elif elapsed > limit_s:
+                stop = _Stop(RunStatus.FAILED, f"step {step.index + 1} ran past its {limit_s} s bound")
+            if stop is not None:
+                # SIGINT first: AIPerf then writes what it measured so far (trtllm-bench stops cleanly).
+                processes.terminate_group(process.pid, grace_s=20.0, first_signal=signal.SIGINT)
+                break
+    finally:
+        if process.poll() is None:
+            processes.terminate_group(process.pid, grace_s=5.0)
+        process.wait()
+    return stop
+
+
+def _codes(counted: dict[str, Any]) -> str:
+    return ", ".join(f"{n} x {code}" for code, n in sorted(counted["by_code"].items()))
+
+
+def _tail(path: Path, tail: deque[str]) -> str:
+    """The log's last lines (kept across calls in ``tail``)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "\n".join(tail)
+    tail.clear()
+    tail.extend(line for line in text.splitlines()[-40:] if line.strip())
+    return "\n".join(tail)
+
+
+def _last_error(tail: deque[str]) -> str:
+    """AIPerf's first stated reason (its exit box wraps it over several lines)."""
+    lines = [line.strip("│ ╭╰─\t") for line in tail]
+    for i, line in enumerate(lines):
+        if line.startswith("Reason:"):
+            reason = [line.removeprefix("Reason:").strip()]
+            for more in lines[i + 1 :]:
+                if not more or more.split(":", 1)[0] in ("Cause", "Service", "Operation", "Error") or more[0] == "•":
+                    break
+                reason.append(more)
+            return " ".join(reason)[:400]
+    errors = [line for line in lines if "ERROR" in line or "Error" in line]
+    return errors[-1][:400] if errors else ""

@@ -1,0 +1,450 @@
+"""The docker runtime, Gantry's one home for the Docker SDK: one container per
+deployment, from an allow-listed Triton image.
+
+Containers use host networking (each deployment has its own three ports), a
+large shared-memory segment and unlimited locked memory as NVIDIA recommends,
+(GANTRY_DOCKER_ULIMITS), the model repository and checkpoints mounted read-only at the same paths, GPUs
+by device request, and labels naming the host, the deployment and its
+generation, so a restarted agent finds them again. Never privileged: the
+server runs as the host agent's own user, with no capabilities and no way to
+gain any, as the process runtime's server does (see server_user).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.types import DeviceRequest, Mount, Ulimit
+
+from deployments.errors import PermanentError, TransientError
+from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec, ServerExit
+from workers.triton import secret
+from workers.triton.secret import SecretFiles
+from workers.triton.server import STOP_GRACE_S, server_command, server_settings
+
+log = logging.getLogger(__name__)
+
+LABEL_HOST = "gantry.host"
+LABEL_DEPLOYMENT = "gantry.deployment"
+LABEL_GENERATION = "gantry.generation"
+# A build container's /dev/shm: Docker's 64 MB default is far too small for MPI ranks.
+BUILD_SHM_SIZE = "2g"
+
+
+@dataclass(frozen=True)
+class Container:
+    id: str
+    name: str
+    deployment_id: int
+    generation: int
+    running: bool
+
+
+def container_name(spec: LaunchSpec) -> str:
+    return f"gantry-deployment-{spec.deployment_id}"
+
+
+def run_options(spec: LaunchSpec, host_name: str, secret_files: SecretFiles | None = None) -> dict:
+    """Everything ``containers.run`` gets, for review and tests: no free-form flags.
+    ``secret_files``: how the admin secret reaches the server (workers.triton.secret):
+    the library is mounted read-only at its host path; the rule file lies in the
+    deployment's folder, mounted already."""
+    # The deployment's folder, not the repository in it: a new generation's
+    # repository is written beside the old one and renamed into place, which a
+    # mount of the repository folder itself would never see.
+    folder = spec.repository.parent
+    mounts = [Mount(target=str(folder), source=str(folder), type="bind", read_only=True)]
+    mounts += [Mount(target=str(path), source=str(path), type="bind", read_only=True) for path in spec.read_only_mounts]
+    environment = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HOME": "/tmp", **spec.extra_env}
+    if secret_files is not None:
+        library = str(secret_files.library)
+        mounts.append(Mount(target=library, source=library, type="bind", read_only=True))
+        environment.update(secret_files.environment(spec.extra_env.get("LD_PRELOAD", "")))
+    options = {
+        "image": spec.image,
+        "command": server_command(spec),
+        "name": container_name(spec),
+        "labels": {
+            LABEL_HOST: host_name,
+            LABEL_DEPLOYMENT: str(spec.deployment_id),
+            LABEL_GENERATION: str(spec.generation),
+        },
+        "network_mode": "host",
+        # Docker's 64 MB default is far too small for the python backend and MPI ranks.
+        "shm_size": f"{spec.shm_size_mib}m",
+        "ulimits": [Ulimit(name=name, soft=soft, hard=hard) for name, soft, hard in spec.ulimits],
+        "mounts": mounts,
+        # HOME: the agent's user has none in the image, and libraries cache under it.
+        "environment": environment,
+        "user": server_user(),
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
+        "privileged": False,
+        "detach": True,
+    }
+    if spec.gpu_ids:
+        options["device_requests"] = device_requests(spec.gpu_ids)
+    return options
+
+
+def server_user() -> str:
+    """The container's uid:gid: the host agent's own, which can read the
+    admin rule file (mode 0600) in the deployment's folder. A model load may
+    carry code. As root in the container that code would hold
+    Docker's default capabilities on the host's network (raw sockets: reading
+    and forging the host's traffic) and own the container's files. As the
+    agent's user, with none, it reads what the agent reads (the repository the
+    agent wrote, the checkpoints it inspected) and writes only /tmp and shared
+    memory."""
+    return f"{os.getuid()}:{os.getgid()}"
+
+
+def _client() -> docker.DockerClient:
+    try:
+        return docker.from_env(timeout=30)
+    except DockerException as exc:
+        raise TransientError(f"Docker engine unreachable: {exc}") from exc
+
+
+class DockerRuntime:
+    """The Runtime interface over the Docker engine of this host."""
+
+    def __init__(self, host_name: str, data_dir: Path) -> None:
+        self.host_name = host_name
+        self.data_dir = data_dir
+
+    def start(self, spec: LaunchSpec) -> str:
+        secret_files = secret.prepare(spec.admin_secret, spec.repository.parent, self.data_dir)
+        client = _client()
+        try:
+            for attempt in range(5):
+                # A container of this name left by an earlier attempt is ours: replace it.
+                _remove_and_wait(client, container_name(spec))
+                try:
+                    container = client.containers.run(**run_options(spec, self.host_name, secret_files))
+                    break
+                except APIError as exc:
+                    # Docker may still be removing the old container of this name.
+                    if exc.status_code != 409 or attempt == 4:
+                        raise
+                    time.sleep(1)
+        except ImageNotFound as exc:
+            raise PermanentError(f"image {spec.image} is not on this host: pull or build it first") from exc
+        except APIError as exc:
+            if exc.is_client_error():
+                raise PermanentError(f"Docker refused the container: {exc.explanation}") from exc
+            raise TransientError(f"Docker failed to start the container: {exc.explanation}") from exc
+        finally:
+            client.close()
+        log.info("started container %s for deployment %s", container.short_id, spec.deployment_id)
+        return container.id
+
+    def _get(self, handle: str):  # noqa: ANN202 - docker's Container
+        client = _client()
+        try:
+            return client.containers.get(handle)
+        except NotFound:
+            return None
+        except APIError as exc:
+            raise TransientError(f"Docker: {exc.explanation}") from exc
+        finally:
+            client.close()
+
+    def is_running(self, handle: str, spec: LaunchSpec) -> bool:
+        if not handle:
+            return False
+        container = self._get(handle)
+        return container is not None and container.status == "running"
+
+    def stop(self, handle: str, spec: LaunchSpec | None = None, *, grace_s: int = STOP_GRACE_S) -> None:
+        """Stop and remove the container; returns once it is gone."""
+        container = self._get(handle) if handle else None
+        if container is None:
+            return
+        client = _client()
+        try:
+            container.stop(timeout=grace_s)
+        except NotFound:
+            return
+        except APIError as exc:
+            if exc.status_code != 409:  # 409: it is being removed already
+                raise TransientError(f"Docker could not stop {container.short_id}: {exc.explanation}") from exc
+        try:
+            _remove_and_wait(client, container.id)
+        finally:
+            client.close()
+
+    def log_tail(self, handle: str, spec: LaunchSpec, lines: int = 20) -> str:
+        container = self._get(handle) if handle else None
+        if container is None:
+            return ""
+        try:
+            return container.logs(tail=lines).decode("utf-8", errors="replace")
+        except APIError as exc:
+            return f"(Docker could not read the container's log: {exc.explanation})"
+
+    def read_log(self, handle: str, spec: LaunchSpec, cursor: float | None) -> tuple[list[str], float]:
+        container = self._get(handle) if handle else None
+        now = time.time()
+        if container is None:
+            return [], cursor or now
+        try:
+            raw = container.logs(since=cursor, until=now) if cursor is not None else container.logs(tail=50)
+        except APIError as exc:
+            raise TransientError(
+                f"Docker could not read the log of container {handle[:12]}: {exc.explanation}"
+            ) from exc
+        return raw.decode("utf-8", errors="replace").splitlines()[-MAX_LOG_LINES:], now
+
+    def pids(self, handle: str, spec: LaunchSpec | None = None) -> list[int]:
+        container = self._get(handle) if handle else None
+        if container is None or container.status != "running":
+            return []
+        try:
+            top = container.top(ps_args="-eo pid")
+        except APIError:
+            return []
+        return [int(row[0]) for row in top.get("Processes") or [] if row and str(row[0]).isdigit()]
+
+    def stop_leftovers(self, spec: LaunchSpec) -> list[str]:
+        container = self._get(container_name(spec))  # Docker finds a container by its name too
+        if container is None:
+            return []
+        self.stop(container.id, spec)
+        return [container.id]
+
+    def exit_of(self, handle: str, spec: LaunchSpec) -> ServerExit:
+        """From the stopped container's state (kept until reconcile removes it)."""
+        container = self._get(handle) if handle else None
+        if container is None:
+            return ServerExit(None, unknown_why="its container is gone")
+        state = container.attrs.get("State") or {}
+        code = state.get("ExitCode")
+        # Docker reports a signal death as 128 + the signal number.
+        returncode = -(code - 128) if isinstance(code, int) and 128 < code < 160 else code
+        return ServerExit(returncode, oom_killed=bool(state.get("OOMKilled")))
+
+    def server_changes(self, handle: str, spec: LaunchSpec) -> list[str]:
+        """Why the running container cannot take ``spec`` in place: folders it was not
+        started with, other GPUs (Docker numbers a container's GPUs from 0, so a
+        move leaves every config the same), another shared-memory size, or other
+        server arguments."""
+        container = self._get(handle) if handle else None
+        if container is None:
+            return []
+        changes = []
+        mounted = {m.get("Source", "") for m in container.attrs.get("Mounts") or []}
+        missing = sorted(str(p) for p in spec.read_only_mounts if str(p) not in mounted)
+        if missing:
+            changes.append(f"it reads {', '.join(missing)}, which the container was not started with")
+        host_config = container.attrs.get("HostConfig") or {}
+        requested = sorted(int(i) for r in host_config.get("DeviceRequests") or [] for i in r.get("DeviceIDs") or [])
+        if requested != sorted(spec.gpu_ids):
+            changes.append(f"it runs on GPUs {sorted(spec.gpu_ids)}, the container on {requested}")
+        if int(host_config.get("ShmSize") or 0) != spec.shm_size_mib * 2**20:
+            changes.append(f"its shared memory is {spec.shm_size_mib} MiB")
+        running = server_settings((container.attrs.get("Config") or {}).get("Cmd") or [])
+        if running != server_settings(server_command(spec)):
+            changes.append("its server arguments differ")
+        return changes
+
+    def containers(self) -> list[Container]:
+        """Every deployment container Gantry started on this host, running or not."""
+        client = _client()
+        try:
+            # Deployment containers only: build containers carry the host label too.
+            labels = [f"{LABEL_HOST}={self.host_name}", LABEL_DEPLOYMENT]
+            found = client.containers.list(all=True, filters={"label": labels})
+        except APIError as exc:
+            raise TransientError(f"Docker: {exc.explanation}") from exc
+        finally:
+            client.close()
+        return [
+            Container(
+                id=c.id,
+                name=c.name,
+                deployment_id=int(c.labels.get(LABEL_DEPLOYMENT, "0")),
+                generation=int(c.labels.get(LABEL_GENERATION, "0")),
+                running=c.status == "running",
+            )
+            for c in found
+        ]
+
+
+# --- engine builds ---------------------------------------------------------------
+
+LABEL_BUILD = "gantry.build"
+
+
+@dataclass(frozen=True)
+class BuildContainerSpec:
+    """One build step in the builder image: its argv, GPUs and mounts (same path inside as outside)."""
+
+    build_id: int
+    step: int
+    image: str
+    argv: list[str]
+    gpu_ids: tuple[int, ...]
+    read_only: tuple[str, ...]
+    read_write: tuple[str, ...]
+    ulimits: tuple[tuple[str, int, int], ...]
+    env: dict[str, str]
+
+
+def build_run_options(spec: BuildContainerSpec, host_name: str) -> dict:
+    """Everything ``containers.run`` gets for a build step: GPUs by device request,
+    NVIDIA's shm size and ulimits, the checkpoint read-only, the work folders
+    read-write, labels tying the container to its build. As the agent's user with
+    no capabilities, as a serving container (server_user): the conversion runs
+    the checkpoint's code, and the files it writes are the agent's to remove."""
+    mounts = [Mount(target=p, source=p, type="bind", read_only=True) for p in spec.read_only]
+    mounts += [Mount(target=p, source=p, type="bind", read_only=False) for p in spec.read_write]
+    options = {
+        "image": spec.image,
+        "command": spec.argv,
+        "name": f"gantry-build-{spec.build_id}-{spec.step}",
+        "labels": {LABEL_HOST: host_name, LABEL_BUILD: str(spec.build_id)},
+        "network_mode": "host",
+        "shm_size": BUILD_SHM_SIZE,
+        "ulimits": [Ulimit(name=name, soft=soft, hard=hard) for name, soft, hard in spec.ulimits],
+        "mounts": mounts,
+        # HOME: the agent's user has none in the image, and the toolchain caches under it.
+        "environment": {"HOME": "/tmp", **spec.env},
+        "user": server_user(),
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
+        "privileged": False,
+        "detach": True,
+    }
+    if spec.gpu_ids:
+        options["device_requests"] = device_requests(spec.gpu_ids)
+    return options
+
+
+def device_requests(gpu_ids: tuple[int, ...]) -> list[DeviceRequest]:
+    """The GPUs a container gets (``--gpus '"device=0,1"'``)."""
+    return [DeviceRequest(device_ids=[str(i) for i in gpu_ids], capabilities=[["gpu"]])]
+
+
+class BuildContainer:
+    """A running build step: lines stream from its output, the exit code when done."""
+
+    def __init__(self, spec: BuildContainerSpec, host_name: str) -> None:
+        client = _client()
+        try:
+            _remove_and_wait(client, build_run_options(spec, host_name)["name"])
+            self._container = client.containers.run(**build_run_options(spec, host_name))
+        except ImageNotFound as exc:
+            raise PermanentError(f"builder image {spec.image} is not on this host") from exc
+        except APIError as exc:
+            raise PermanentError(f"Docker refused the build container: {exc.explanation}") from exc
+        finally:
+            client.close()
+        self.handle = self._container.id
+
+    def stream(self):  # noqa: ANN201 - an iterator of output lines, until the container exits
+        client = _client()
+        try:
+            pending = b""
+            for chunk in client.containers.get(self.handle).logs(stream=True, follow=True):
+                pending += chunk
+                *complete, pending = pending.split(b"\n")
+                for raw in complete:
+                    yield raw.decode("utf-8", errors="replace").rstrip("\r")
+            if pending:
+                yield pending.decode("utf-8", errors="replace")
+        except NotFound:
+            return  # removed (a cancel): its end is told elsewhere
+        except APIError as exc:
+            # The build goes on (its exit code decides); what it prints from here is not seen.
+            yield f"[gantry] Docker stopped streaming this build's log: {exc.explanation}; later lines are missing"
+        finally:
+            client.close()
+
+    def exit_code(self) -> int | None:
+        try:
+            self._container.reload()
+        except NotFound:
+            return -9
+        except APIError:
+            return None
+        if self._container.status in ("exited", "dead"):
+            return int(self._container.attrs.get("State", {}).get("ExitCode", -1))
+        return None
+
+    def kill(self) -> None:
+        remove_container(self.handle)
+
+    def remove(self) -> None:
+        remove_container(self.handle)
+
+
+def remove_container(handle: str) -> None:
+    client = _client()
+    try:
+        _remove_and_wait(client, handle)
+    finally:
+        client.close()
+
+
+def _remove_and_wait(client: docker.DockerClient, handle: str, timeout_s: float = 30) -> None:
+    """Remove the container ``handle`` (an id or a name) and return once it is gone.
+    Docker answers 409 while another removal of it is under way (a reconcile pass,
+    a duplicate task): that removal is waited for rather than reported as a failure."""
+    try:
+        client.containers.get(handle).remove(force=True)
+        return
+    except NotFound:
+        return
+    except APIError as exc:
+        if exc.status_code != 409:
+            raise TransientError(f"Docker could not remove {handle[:12]}: {exc.explanation}") from exc
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            client.containers.get(handle)
+        except NotFound:
+            return
+        time.sleep(0.2)
+    raise TransientError(f"Docker was still removing {handle[:12]} after {timeout_s:.0f}s")
+
+
+def build_containers(host_name: str) -> dict[str, int]:
+    """Build containers Gantry started on this host: container id -> build id."""
+    client = _client()
+    try:
+        found = client.containers.list(all=True, filters={"label": [f"{LABEL_HOST}={host_name}", LABEL_BUILD]})
+    except APIError as exc:
+        raise TransientError(f"Docker: {exc.explanation}") from exc
+    finally:
+        client.close()
+    return {c.id: int(c.labels.get(LABEL_BUILD, "0")) for c in found}
+
+
+def image_digests(images: list[str]) -> dict[str, str]:
+    """The digest of each of ``images`` present on this host (the repo digest where
+    it was pulled, else the local image id); absent images are left out.
+    TransientError, saying why, when the Docker engine cannot be asked."""
+    if not images:
+        return {}
+    client = _client()
+    digests = {}
+    try:
+        for image in images:
+            try:
+                found = client.images.get(image)
+            except (NotFound, ImageNotFound):
+                continue
+            repo_digests = found.attrs.get("RepoDigests") or []
+            digests[image] = repo_digests[0].rpartition("@")[2] if repo_digests else found.id
+    except DockerException as exc:
+        raise TransientError(f"Docker engine error while listing images: {exc}") from exc
+    finally:
+        client.close()
+    return digests

@@ -1,0 +1,80 @@
+"""Celery tasks run by the worker on each GPU host. Thin: they take ids and
+call one function; the database row decides whether there is work to do, and
+the one job runner (workers.jobs) turns a failure into the row's failed state."""
+
+from __future__ import annotations
+
+from celery import shared_task
+from django.conf import settings
+
+from deployments import queues
+from deployments.services import hosts, registered_models
+from workers import (
+    agent,  # noqa: F401 - importing agent connects it to worker start
+    loadtest,
+)
+from workers.build import run
+from workers.deploy import lifecycle
+from workers.jobs import run_job, source
+
+
+@shared_task(name=queues.LAUNCH_DEPLOYMENT)
+def launch_deployment(deployment_id: int) -> None:
+    lifecycle.launch(deployment_id)
+
+
+@shared_task(name=queues.STOP_DEPLOYMENT)
+def stop_deployment(deployment_id: int) -> None:
+    lifecycle.stop(deployment_id)
+
+
+@shared_task(name=queues.FORGET_DEPLOYMENT)
+def forget_deployment(deployment_id: int, name: str) -> None:
+    what = f"removing the files of deleted deployment {name}"
+    run_job(what, lambda: lifecycle.forget(deployment_id, name), fail=_on_host_timeline)
+
+
+@shared_task(name=queues.FORGET_BUILD)
+def forget_build(build_id: int) -> None:
+    run_job(f"removing the files of deleted build {build_id}", lambda: run.forget(build_id), fail=_on_host_timeline)
+
+
+def _on_host_timeline(reason: str, *, status: str | None, details: dict) -> None:
+    """A job whose row is gone (a deleted deployment or build) fails on its host's timeline."""
+    hosts.record_host_event(
+        host_name=settings.GANTRY_HOST_NAME, kind="host.cleanup_failed", source=source(), message=reason
+    )
+
+
+@shared_task(name=queues.APPLY_GENERATION)
+def apply_generation(deployment_id: int, generation: int) -> None:
+    lifecycle.apply_generation(deployment_id, generation)
+
+
+@shared_task(name=queues.INSPECT_MODEL)
+def inspect_model(model_id: int) -> None:
+    inspect(model_id)
+
+
+def inspect(model_id: int) -> None:
+    """Inspect a registered checkpoint on this host; a checkpoint that cannot be
+    read leaves the model failed with the reason."""
+    run_job(
+        "inspection",
+        lambda: registered_models.model_inspect(model_id=model_id, source=source()),
+        fail=lambda reason, *, status, details: registered_models.model_inspection_failed(
+            model_id=model_id, reason=reason, source=source()
+        ),
+    )
+
+
+# A build enforces its own time limit (and may run for hours): no Celery limit.
+@shared_task(name=queues.RUN_BUILD, soft_time_limit=None, time_limit=None)
+def run_build(build_id: int) -> None:
+    run.run_build(build_id)
+
+
+# A load test bounds each of its steps itself (loadtests.workload): no Celery limit.
+@shared_task(name=queues.RUN_LOADTEST, soft_time_limit=None, time_limit=None)
+def run_loadtest(run_id: int) -> None:
+    loadtest.run(run_id)
