@@ -1,9 +1,0 @@
-from django.urls import path
-
-from loadtests import views
-
-urlpatterns = [
-    path("loadtests/", views.loadtest_list, name="loadtests"),
-    path("loadtests/compare/", views.loadtest_compare, name="loadtest-compare"),
-    path("loadtests/<int:pk>/", views.loadtest_detail, name="loadtest"),
-]
