@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from controlplane.version import version
+from common.version import gantry_version
 
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
@@ -191,7 +191,7 @@ def _unit(args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="gantry", description="Gantry: Triton deployments from a web control plane.")
-    top.add_argument("--version", action="version", version=f"gantry {version()}")
+    top.add_argument("--version", action="version", version=f"gantry {gantry_version()}")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, what in (("web", "pages, REST API, admin, gateway"), ("live", "the websockets")):
         server = commands.add_parser(name, help=f"run the {name} server ({what})")

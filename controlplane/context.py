@@ -5,8 +5,8 @@ from __future__ import annotations
 from django.conf import settings
 from django.http import HttpRequest
 
-from controlplane.version import version
+from common.version import gantry_version
 
 
 def live(request: HttpRequest) -> dict[str, str]:
-    return {"live_port": settings.GANTRY_LIVE_PORT, "gantry_version": version()}
+    return {"live_port": settings.GANTRY_LIVE_PORT, "gantry_version": gantry_version()}

@@ -8,6 +8,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from common.version import gantry_version
 from controlplane.env import (
     env_bool,
     env_float,
@@ -18,7 +19,6 @@ from controlplane.env import (
     env_str,
     env_ulimits,
 )
-from controlplane.version import version
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -252,7 +252,7 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Register checkpoints, build TensorRT-LLM engines, and deploy and operate "
     "multi-model Triton servers on GPU hosts. The OpenAI-compatible gateway (/v1) is documented "
     "by OpenAI's own reference; this schema covers /api/.",
-    "VERSION": version(),
+    "VERSION": gantry_version(),
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["deployments.permissions.CanView"],
     "SCHEMA_PATH_PREFIX": "/api/",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from controlplane.cli import version
+from common.version import gantry_version
 from tests.integration.conftest import free_ports, wait_for
 
 GANTRY = Path(sys.executable).with_name("gantry")
@@ -29,8 +29,8 @@ def _run(env: dict[str, str], *argv: str, timeout_s: float = 120) -> subprocess.
 def test_pip_install_gives_a_gantry_command_that_says_its_version():
     assert GANTRY.exists(), "pip install . did not install the gantry console script"
     shown = _run({}, "--version")
-    assert shown.returncode == 0 and shown.stdout.strip() == f"gantry {version()}"
-    assert f'version = "{version()}"' in (ROOT / "pyproject.toml").read_text()
+    assert shown.returncode == 0 and shown.stdout.strip() == f"gantry {gantry_version()}"
+    assert f'version = "{gantry_version()}"' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_the_token_recipe_works_beside_a_demos_data_folder_with_nothing_exported(tmp_path: Path):
