@@ -86,6 +86,15 @@ def free_port() -> int:
     return free_ports(1)
 
 
+def built_image(variable: str) -> str:
+    """The tag of an image make test built, from ``variable``; the test fails
+    (never skips) when it is not set."""
+    tag = os.environ.get(variable, "")
+    if not tag:
+        pytest.fail(f"{variable} is not set: run the suite with make test, which builds the image")
+    return tag
+
+
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2):  # noqa: ANN001
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

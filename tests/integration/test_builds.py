@@ -22,7 +22,7 @@ from deployments.models import BuildLogLine, BuildStatus, EngineBuild
 from deployments.queues import jobs_queue
 from tests.factories import LLAMA, write_checkpoint
 from tests.fixtures.trtllm_tree import lay_out
-from tests.integration.conftest import ROOT, RedisServer, Stack, make_stack, wait_for
+from tests.integration.conftest import ROOT, RedisServer, Stack, built_image, make_stack, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -36,10 +36,7 @@ STANDIN_GPUS = [
 
 @pytest.fixture
 def builder_image() -> str:
-    tag = os.environ.get("GANTRY_TEST_BUILDER_IMAGE", "")
-    if not tag:
-        pytest.fail("GANTRY_TEST_BUILDER_IMAGE is not set: run the suite with make test, which builds the image")
-    return tag
+    return built_image("GANTRY_TEST_BUILDER_IMAGE")
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ wants removed."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import docker
@@ -13,7 +12,7 @@ import pytest
 import requests
 
 from deployments.models import Deployment, Event
-from tests.integration.conftest import Stack, wait_for
+from tests.integration.conftest import Stack, built_image, wait_for
 from tests.integration.test_end_to_end import _socket, _stop, _wait_for_status
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -21,10 +20,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 @pytest.fixture
 def image() -> str:
-    tag = os.environ.get("GANTRY_TEST_TRITON_IMAGE", "")
-    if not tag:
-        pytest.fail("GANTRY_TEST_TRITON_IMAGE is not set: run the suite with make test, which builds the image")
-    return tag
+    return built_image("GANTRY_TEST_TRITON_IMAGE")
 
 
 @pytest.fixture

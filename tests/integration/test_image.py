@@ -6,7 +6,6 @@ by make test (scripts/build-product-image.sh) from local bases."""
 
 from __future__ import annotations
 
-import os
 import sys
 import uuid
 from pathlib import Path
@@ -18,17 +17,14 @@ from django.conf import settings
 
 from access.services import token_create
 from deployments.models import GpuHost
-from tests.integration.conftest import _other_sessions, free_port, free_ports, healthz_answers, wait_for
+from tests.integration.conftest import _other_sessions, built_image, free_port, free_ports, healthz_answers, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
 def product_image() -> str:
-    tag = os.environ.get("GANTRY_TEST_PRODUCT_IMAGE", "")
-    if not tag:
-        pytest.fail("GANTRY_TEST_PRODUCT_IMAGE is not set: run the suite with make test, which builds the image")
-    return tag
+    return built_image("GANTRY_TEST_PRODUCT_IMAGE")
 
 
 def test_web_live_and_a_worker_from_the_image_serve_a_deployment_through_v1(
