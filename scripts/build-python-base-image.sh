@@ -11,24 +11,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 node=$(command -v node) || { echo "node is not installed (make frontend installs it)" >&2; exit 1; }
 npm_dir=$(cd "$(dirname "$(readlink -f "$(command -v npm)")")/.." && pwd)
-tag="gantry/python-base:$( (cat scripts/build-python-base-image.sh /etc/ssl/certs/ca-certificates.crt; "$node" --version) | sha256sum | cut -c1-12)"
+tag="gantry/python-base:$( (cat scripts/build-python-base-image.sh scripts/debootstrap-bookworm.sh /etc/ssl/certs/ca-certificates.crt; "$node" --version) | sha256sum | cut -c1-12)"
 if docker image inspect "$tag" >/dev/null 2>&1; then
   echo "$tag"; exit 0
 fi
-command -v debootstrap >/dev/null || {
-  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq >&2
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq debootstrap >/dev/null
-}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 root="$work/rootfs"
-mirror=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
-[ -n "$mirror" ] || mirror=$(awk '/^deb /{print $2; exit}' /etc/apt/sources.list)
-echo "debootstrap bookworm from $mirror" >&2
-debootstrap --variant=minbase \
-  --include=python3,python3-venv,libpython3.11,ca-certificates,gcc,libc6-dev,g++ \
-  bookworm "$root" "$mirror" >"$work/debootstrap.log" 2>&1 || { tail -20 "$work/debootstrap.log" >&2; exit 1; }
+scripts/debootstrap-bookworm.sh "$root" python3,python3-venv,libpython3.11,ca-certificates,gcc,libc6-dev,g++
 chroot "$root" python3 -m venv /opt/python >&2
 install -m 0755 "$(readlink -f "$node")" "$root/usr/local/bin/node"
 mkdir -p "$root/usr/local/lib/node_modules"

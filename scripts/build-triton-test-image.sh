@@ -10,25 +10,15 @@ set -euo pipefail
 PY=${1:?usage: $0 PYTHON}
 cd "$(dirname "$0")/.."
 model_deps='^(torch|transformers|sentence-transformers|tokenizers|safetensors|huggingface[_-]hub|numpy|nvidia-pytriton)=='
-inputs=$( (cat scripts/build-triton-test-image.sh; grep -E "$model_deps" requirements.lock) | sha256sum | cut -c1-12)
+inputs=$( (cat scripts/build-triton-test-image.sh scripts/debootstrap-bookworm.sh; grep -E "$model_deps" requirements.lock) | sha256sum | cut -c1-12)
 tag="gantry/tritonserver-test:$inputs"
 if docker image inspect "$tag" >/dev/null 2>&1; then
   echo "$tag"; exit 0
 fi
-command -v debootstrap >/dev/null || {
-  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq >&2
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq debootstrap >/dev/null
-}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 root="$work/rootfs"
-# The Debian mirror this machine already uses.
-mirror=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
-[ -n "$mirror" ] || mirror=$(awk '/^deb /{print $2; exit}' /etc/apt/sources.list)
-echo "debootstrap bookworm from $mirror" >&2
-debootstrap --variant=minbase --include=python3,python3-numpy,libpython3.11 bookworm "$root" "$mirror" >"$work/debootstrap.log" 2>&1 \
-  || { tail -20 "$work/debootstrap.log" >&2; exit 1; }
+scripts/debootstrap-bookworm.sh "$root" python3,python3-numpy,libpython3.11
 dist=$("$PY" -c 'import pytriton, pathlib; print(pathlib.Path(pytriton.__file__).parent / "tritonserver")')
 mkdir -p "$root/opt/tritonserver/lib"
 cp -a "$dist/bin" "$dist/backends" "$dist/caches" "$root/opt/tritonserver/"
