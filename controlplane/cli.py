@@ -133,8 +133,11 @@ def _check(args: argparse.Namespace) -> int:
     import django
 
     django.setup()
-    from workers.hostcheck import MISSING, OK, run_checks
+    from workers.hostcheck import MISSING, OK, install_missing, run_checks
 
+    if args.install:
+        for line in install_missing():
+            _say(f"install {line}")
     findings = run_checks()
     width = max(len(f.what) for f in findings)
     for finding in findings:
@@ -143,6 +146,55 @@ def _check(args: argparse.Namespace) -> int:
         if finding.fix:
             _say(f"{'':7} {'':<{width}}  fix: {finding.fix}")
     return 1 if any(f.state == MISSING for f in findings) else 0
+
+
+def _join_token(args: argparse.Namespace) -> int:
+    import django
+
+    django.setup()
+    from deployments.api.hosts import join_command
+    from deployments.services.host_join import host_join_token_create
+
+    made = host_join_token_create(user=None, host_name=args.host or "", minutes=args.minutes)
+    _say(f"a one-time join token, valid until {made.row.expires_at:%Y-%m-%d %H:%M} UTC; on the GPU host run:")
+    _say(join_command(args.url.rstrip("/"), made.secret, made.row.host_name))
+    return 0
+
+
+def _join(args: argparse.Namespace) -> int:
+    from workers import hostjoin
+
+    name = args.name or os.environ.get("GANTRY_HOST_NAME") or socket_name()
+    address = args.address or hostjoin.default_address()
+    try:
+        joined = hostjoin.request_join(args.url, args.token, name=name, address=address)
+        values = hostjoin.env_lines(
+            joined, name=name, address=address, data_dir=Path(args.data_dir), model_roots=args.model_roots
+        )
+    except hostjoin.JoinRefused as exc:
+        sys.stderr.write(f"gantry join: {exc}\n")
+        return 2
+    env_file = Path(args.config_dir) / hostjoin.ENV_FILE_NAME
+    hostjoin.write_env_file(env_file, values)
+    hostjoin.prepare_data_dir(Path(args.data_dir), args.user)
+    _say(f"joined as {joined['host']}: its own credentials and settings are in {env_file} (mode 0600)")
+    checked = hostjoin.check_and_install(env_file)
+    unit_path = Path(args.unit_dir) / "gantry-worker.service"
+    unit_path.parent.mkdir(parents=True, exist_ok=True)
+    executable = str(Path(sys.argv[0]).resolve()) if Path(sys.argv[0]).name == "gantry" else "gantry"
+    unit_path.write_text(systemd_unit("worker", executable=executable, env_file=str(env_file), user=args.user))
+    _say(f"wrote {unit_path}")
+    if checked != 0:
+        _say("the worker is not started: fix what gantry check says is MISSING, then start it")
+        return 1
+    _say(hostjoin.start_unit(unit_path) if args.start else f"not started (--no-start): {unit_path}")
+    return 0
+
+
+def socket_name() -> str:
+    import socket
+
+    return socket.gethostname().split(".")[0].lower()
 
 
 UNIT_WHAT = {
@@ -219,7 +271,28 @@ def parser() -> argparse.ArgumentParser:
     token.add_argument("--name", default="command line", help="what the token is for")
     token.add_argument("--days", type=int, default=90, help="days until it expires; 0: never")
     token.set_defaults(run=_token)
-    commands.add_parser("check", help="what this host lacks, each with its fix").set_defaults(run=_check)
+    check = commands.add_parser("check", help="what this host lacks, each with its fix")
+    check.add_argument("--install", action="store_true", help="first pull the allowed images and install AIPerf")
+    check.set_defaults(run=_check)
+    join_token = commands.add_parser("join-token", help="a one-time token with which a GPU host joins (admins)")
+    join_token.add_argument("--host", help="the host it is for (default: any name)")
+    join_token.add_argument("--minutes", type=int, default=60, help="minutes until it expires (default 60)")
+    join_token.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="where GPU hosts reach this web server (put in the command)"
+    )
+    join_token.set_defaults(run=_join_token)
+    join = commands.add_parser("join", help="join this GPU host to a control plane, in one step")
+    join.add_argument("url", help="the control plane's web address")
+    join.add_argument("token", help="the join token (gantry join-token on the control plane)")
+    join.add_argument("--name", help="this host's name (default: GANTRY_HOST_NAME, else the short host name)")
+    join.add_argument("--address", help="where clients reach its Triton servers (default: the outgoing address)")
+    join.add_argument("--data-dir", default="/var/lib/gantry", help="its data folder (GANTRY_DATA_DIR)")
+    join.add_argument("--model-roots", default="", help="folders checkpoints may be registered from (comma-separated)")
+    join.add_argument("--config-dir", default="/etc/gantry", help="where gantry.env is written")
+    join.add_argument("--unit-dir", default="/etc/systemd/system", help="where gantry-worker.service is written")
+    join.add_argument("--user", default="gantry", help="who the worker runs as (needs Docker for the docker runtime)")
+    join.add_argument("--no-start", dest="start", action="store_false", help="write everything, start nothing")
+    join.set_defaults(run=_join)
     unit = commands.add_parser("unit", help="a systemd unit that keeps one of these running")
     unit.add_argument("what", choices=sorted(UNIT_WHAT))
     unit.add_argument("--env-file", default="/etc/gantry/gantry.env", help="its settings, KEY=value lines")
@@ -231,7 +304,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.command != "unit":
+    if args.command not in ("unit", "join"):  # the host has no settings before it joins
         _environment(make_secret=args.command == "demo")
     return args.run(args)
 

@@ -144,6 +144,11 @@ GANTRY_TRTLLM_PYTHON = env_str("GANTRY_TRTLLM_PYTHON", "")
 GANTRY_AIPERF = env_str("GANTRY_AIPERF", str(BASE_DIR / ".aiperf" / "bin" / "aiperf"))
 GANTRY_GATEWAY_URL = env_str("GANTRY_GATEWAY_URL", "http://127.0.0.1:8000").rstrip("/")
 GANTRY_TRTLLM_EXAMPLES_DIR = env_str("GANTRY_TRTLLM_EXAMPLES_DIR", "")
+# Where joining GPU hosts reach PostgreSQL and Redis (`gantry join`), when that
+# differs from this process's DATABASE_URL / REDIS_URL (a private address, say);
+# the user and password in them are replaced by each host's own.
+GANTRY_JOIN_DATABASE_URL = env_str("GANTRY_JOIN_DATABASE_URL", "")
+GANTRY_JOIN_REDIS_URL = env_str("GANTRY_JOIN_REDIS_URL", "")
 
 INSTALLED_APPS = [
     "daphne",
@@ -304,6 +309,12 @@ CELERY_BEAT_SCHEDULE = {
         "task": "deployments.tasks.sweep_hosts",
         "schedule": float(GANTRY_HEARTBEAT_INTERVAL),
         "options": {"queue": "control", "expires": float(GANTRY_HEARTBEAT_INTERVAL)},
+    },
+    # Joined hosts' database grants and Redis users, given again after a migration or a Redis restart.
+    "sync-host-access": {
+        "task": "deployments.tasks.sync_host_access",
+        "schedule": 30.0,
+        "options": {"queue": "control", "expires": 30.0},
     },
     "reap-load-tests": {
         "task": "loadtests.tasks.reap_runs",

@@ -11,6 +11,8 @@ from deployments.models import (
     Event,
     Gpu,
     GpuHost,
+    HostCredential,
+    HostJoinToken,
     OutboxMessage,
     RegisteredModel,
 )
@@ -42,6 +44,21 @@ class GpuHostAdmin(ReadOnlyAdmin):
     list_display = ["name", "address", "last_heartbeat", "driver_version", "cuda_version"]
     search_fields = ["name", "address"]
     inlines = [GpuInline]
+
+
+@admin.register(HostCredential)
+class HostCredentialAdmin(ReadOnlyAdmin):
+    """Who may connect as which host (revoke through the API or `gantry`; passwords are not kept)."""
+
+    list_display = ["host", "database_role", "redis_user", "created_at", "revoked_at"]
+    list_filter = ["revoked_at"]
+    exclude = ["redis_password_sha256"]
+
+
+@admin.register(HostJoinToken)
+class HostJoinTokenAdmin(ReadOnlyAdmin):
+    list_display = ["host_name", "created_by", "created_at", "expires_at", "used_at", "used_by_host"]
+    exclude = ["token_sha256"]
 
 
 @admin.register(RegisteredModel)

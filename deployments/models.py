@@ -77,6 +77,52 @@ class GpuHost(models.Model):
         return jobs_queue(self.name)
 
 
+class HostJoinToken(models.Model):
+    """A one-time secret with which one GPU host joins (``gantry join``); only its hash is kept."""
+
+    token_sha256 = models.CharField(max_length=64, unique=True)
+    host_name = models.CharField(
+        max_length=63, blank=True, validators=[slug_validator], help_text="The host it is for; empty: any name."
+    )
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    used_at = models.DateTimeField(null=True, blank=True)
+    used_by_host = models.CharField(max_length=63, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"join token for {self.host_name or 'any host'} ({'used' if self.used_at else 'unused'})"
+
+
+class HostCredential(models.Model):
+    """The database role and Redis user one joined host connects with, instead of
+    the control plane's own. Their passwords are not kept: PostgreSQL keeps its
+    own hash, and Redis is given the SHA-256 kept here again after a restart."""
+
+    host = models.ForeignKey(GpuHost, on_delete=models.CASCADE, related_name="credentials")
+    database_role = models.CharField(max_length=63, unique=True)
+    redis_user = models.CharField(max_length=128, unique=True)
+    redis_password_sha256 = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["host"], condition=models.Q(revoked_at=None), name="host_credential_one_active"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.host.name}: {self.database_role}{' (revoked)' if self.revoked_at else ''}"
+
+
 class Gpu(models.Model):
     host = models.ForeignKey(GpuHost, on_delete=models.CASCADE, related_name="gpus")
     index = models.PositiveSmallIntegerField()

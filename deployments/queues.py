@@ -23,6 +23,7 @@ FORGET_BUILD = "workers.tasks.forget_build"
 RUN_LOADTEST = "workers.tasks.run_loadtest"
 # The control plane's periodic work (its beat runs it on queue "control", see settings).
 SWEEP_HOSTS = "deployments.tasks.sweep_hosts"
+SYNC_HOST_ACCESS = "deployments.tasks.sync_host_access"
 
 
 # The long jobs: they travel on the host's jobs queue.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from celery import shared_task
 
 from deployments import outbox, queues
-from deployments.services import builds, hosts
+from deployments.services import builds, host_join, hosts
 
 
 @shared_task(name=queues.SWEEP_HOSTS)
@@ -16,3 +16,9 @@ def sweep_hosts() -> list[str]:
     builds.builds_reap()
     outbox.relay()
     return hosts.hosts_sweep()
+
+
+@shared_task(name=queues.SYNC_HOST_ACCESS)
+def sync_host_access() -> int:
+    """Joined hosts' database grants and Redis users match what the database holds."""
+    return host_join.host_access_sync()

@@ -1,6 +1,8 @@
 """`gantry check`: what this machine lacks to be a Gantry GPU host, each with
 its fix. Every check asks the real thing (the database, Redis, the Docker
 engine, NVML, the images, the toolchain, the ports) and none changes anything.
+`gantry check --install` first installs what Gantry can install itself (the
+allow-listed images, AIPerf); ``gantry join`` runs it.
 """
 
 from __future__ import annotations
@@ -175,6 +177,46 @@ CHECKS: list[Callable[[], Finding]] = [
     _aiperf,
     _ports,
 ]
+
+
+def _install_images() -> list[str]:
+    images = list(dict.fromkeys([*settings.GANTRY_ALLOWED_IMAGES, *settings.GANTRY_BUILDER_IMAGES]))
+    if not images:
+        return []
+    from deployments.errors import GantryError
+    from workers.runtimes.docker import image_digests, image_pull
+
+    try:
+        absent = [image for image in images if image not in image_digests(images)]
+    except GantryError as exc:
+        return [f"images not pulled ({', '.join(images)}): {exc}"]
+    done = []
+    for image in absent:
+        try:
+            image_pull(image)
+            done.append(f"pulled {image}")
+        except GantryError as exc:
+            done.append(str(exc))
+    return done
+
+
+def _install_aiperf() -> list[str]:
+    executable = Path(settings.GANTRY_AIPERF)
+    script = settings.BASE_DIR / "scripts" / "ensure-aiperf.sh"
+    if os.access(executable, os.X_OK) or not script.exists() or executable.parent.name != "bin":
+        return []
+    import subprocess
+
+    done = subprocess.run(["bash", str(script), str(executable.parent.parent)], capture_output=True, text=True)
+    if done.returncode != 0:
+        return [f"AIPerf not installed: {(done.stderr or done.stdout).strip()[-300:]}"]
+    return [f"installed AIPerf in {executable.parent.parent}"]
+
+
+def install_missing() -> list[str]:
+    """Install what is missing and Gantry can install: the allow-listed Triton and
+    builder images (docker pull) and AIPerf (scripts/ensure-aiperf.sh). What was done, or why not."""
+    return [*_install_images(), *_install_aiperf()]
 
 
 def run_checks() -> list[Finding]:

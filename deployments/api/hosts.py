@@ -1,4 +1,4 @@
-"""GET /api/hosts/ and /api/hosts/<name>/: GPU hosts and their GPUs."""
+"""GET /api/hosts/ and /api/hosts/<name>/: GPU hosts and their GPUs; joining hosts and revoking them."""
 
 from __future__ import annotations
 
@@ -6,14 +6,17 @@ from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.generics import get_object_or_404
+from rest_framework.permissions import AllowAny, BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from deployments import selectors
+from deployments.api.base import StrictSerializer, require_empty_body, validated
 from deployments.api.lists import ListEndpoint
 from deployments.models import Gpu, GpuHost
-from deployments.permissions import ReadOrOperate
+from deployments.permissions import ReadOrOperate, can_admin
+from deployments.services import host_join
 
 
 class GpuOut(serializers.ModelSerializer):
@@ -72,3 +75,108 @@ class HostDetail(APIView):
     @extend_schema(responses=HostOut)
     def get(self, request: Request, name: str) -> Response:
         return Response(HostOut(get_object_or_404(selectors.host_list(), name=name)).data)
+
+
+class Admins(BasePermission):
+    message = host_join.ADMIN_REQUIRED
+
+    def has_permission(self, request, view) -> bool:  # noqa: ANN001
+        return can_admin(request.user)
+
+
+class JoinTokenIn(StrictSerializer):
+    host = serializers.CharField(
+        required=False, allow_blank=True, max_length=63, help_text="The host it is for; empty or absent: any name."
+    )
+    expires_in_minutes = serializers.IntegerField(
+        required=False, default=60, min_value=1, max_value=host_join.JOIN_TOKEN_MINUTES_MAX
+    )
+
+
+class JoinTokenOut(serializers.Serializer):
+    token = serializers.CharField(help_text="Shown once: only its hash is kept.")
+    host = serializers.CharField()
+    expires_at = serializers.DateTimeField()
+    command = serializers.CharField(help_text="What to run on the GPU host.")
+
+
+class HostJoinTokens(APIView):
+    """POST /api/hosts/join-tokens/: a one-time token with which a GPU host joins (admins)."""
+
+    permission_classes = [Admins]
+
+    @extend_schema(request=JoinTokenIn, responses={201: JoinTokenOut})
+    def post(self, request: Request) -> Response:
+        body = validated(JoinTokenIn, request)
+        made = host_join.host_join_token_create(
+            user=request.user, host_name=body.get("host", ""), minutes=body["expires_in_minutes"]
+        )
+        base = request.build_absolute_uri("/").rstrip("/")
+        out = {
+            "token": made.secret,
+            "host": made.row.host_name,
+            "expires_at": made.row.expires_at,
+            "command": join_command(base, made.secret, made.row.host_name),
+        }
+        return Response(JoinTokenOut(out).data, status=201)
+
+
+def join_command(base: str, secret: str, host_name: str) -> str:
+    """The command line a GPU host joins with."""
+    return f"gantry join {base} {secret}" + (f" --name {host_name}" if host_name else "")
+
+
+class JoinIn(StrictSerializer):
+    token = serializers.CharField(max_length=128)
+    name = serializers.CharField(max_length=63, help_text="The host's name; its queues are gpu.<name>.")
+    address = serializers.CharField(
+        required=False, allow_blank=True, max_length=255, help_text="Where clients reach its Triton servers."
+    )
+
+
+class JoinedOut(serializers.Serializer):
+    host = serializers.CharField()
+    database_url = serializers.CharField(help_text="PostgreSQL with the host's own role.")
+    redis_url = serializers.CharField(help_text="Redis with the host's own ACL user.")
+    settings = serializers.DictField(child=serializers.CharField(allow_blank=True))
+
+
+class HostJoin(APIView):
+    """POST /api/hosts/join/: a GPU host trades its join token for its own credentials.
+    The token is the authentication: no session, no personal token."""
+
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+
+    @extend_schema(request=JoinIn, responses={201: JoinedOut}, auth=[])
+    def post(self, request: Request) -> Response:
+        body = validated(JoinIn, request)
+        joined = host_join.host_join(
+            token=body["token"],
+            name=body["name"],
+            address=body.get("address", ""),
+            gateway_url=request.build_absolute_uri("/").rstrip("/"),
+        )
+        out = {
+            "host": joined.host.name,
+            "database_url": joined.database_url,
+            "redis_url": joined.redis_url,
+            "settings": joined.settings,
+        }
+        return Response(JoinedOut(out).data, status=201)
+
+
+class RevokedOut(serializers.Serializer):
+    revoked = serializers.IntegerField(help_text="Credentials revoked (0: it had none).")
+
+
+class HostRevoke(APIView):
+    """POST /api/hosts/<name>/revoke/: the host's database role and Redis user are
+    removed and its connections closed (admins). It joins again with a new token."""
+
+    permission_classes = [Admins]
+
+    @extend_schema(request=None, responses=RevokedOut)
+    def post(self, request: Request, name: str) -> Response:
+        require_empty_body(request)
+        return Response({"revoked": host_join.host_credentials_revoke(user=request.user, host_name=name)})

@@ -16,6 +16,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,14 +166,16 @@ class RedisServer:
     data_dir: Path
     process: subprocess.Popen | None = None
     bind: tuple[str, ...] = ("127.0.0.1",)
+    password: str = ""  # the default user's; empty: none
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         argv = ["redis-server", "--port", str(self.port), "--bind", *self.bind, "--save", "", "--appendonly", "no"]
         argv += ["--protected-mode", "no"]  # reached from the test's own network namespaces too
+        argv += ["--requirepass", self.password] if self.password else []
         self.process = _spawn([*argv, "--dir", str(self.data_dir)], dict(os.environ), self.data_dir / "redis.log")
         wait_for(self._answers, 10, f"redis-server on port {self.port}")
 
@@ -182,7 +185,7 @@ class RedisServer:
             self.process = None
 
     def _answers(self) -> bool:
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5, retry=None)
+        client = redis.Redis(port=self.port, password=self.password or None, socket_connect_timeout=0.5, retry=None)
         try:
             return bool(client.ping())
         except redis.RedisError:
@@ -217,6 +220,7 @@ class PostgresServer:
     port: int
     root: Path
     listen: tuple[str, ...] = ("127.0.0.1",)
+    namespace_auth: str = "trust"  # how the test's network namespaces sign in (scram-sha-256: by password)
 
     @property
     def url(self) -> str:
@@ -233,7 +237,7 @@ class PostgresServer:
             shutil.chown(self.root, "postgres")
         self._run("initdb", "-D", str(self.root / "data"), "-U", "postgres", "--auth=trust", "--no-sync")
         with open(self.root / "data" / "pg_hba.conf", "a") as hba:
-            hba.write("host all all 10.77.0.0/16 trust\n")  # the test's own network namespaces
+            hba.write(f"host all all 10.77.0.0/16 {self.namespace_auth}\n")  # the test's own network namespaces
         self.start()
         self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "gantry")
 
@@ -250,11 +254,11 @@ def own_postgres() -> Iterator[PostgresServer]:
     yield from run_postgres()
 
 
-def run_postgres(listen: tuple[str, ...] = ("127.0.0.1",)) -> Iterator[PostgresServer]:
+def run_postgres(listen: tuple[str, ...] = ("127.0.0.1",), namespace_auth: str = "trust") -> Iterator[PostgresServer]:
     # Not under tmp_path: pytest's folder is private to this user, and the server runs as postgres.
     parent = Path(tempfile.mkdtemp(prefix="gantry-test-pg-"))
     parent.chmod(0o755)
-    server = PostgresServer(port=free_port(), root=parent / "cluster", listen=listen)
+    server = PostgresServer(port=free_port(), root=parent / "cluster", listen=listen, namespace_auth=namespace_auth)
     server.init()
     try:
         yield server
@@ -451,3 +455,40 @@ def clean_up(data_dirs: list[Path], logs: Path) -> None:
             process.stop(handle, repository)
     for log in sorted(logs.iterdir()):
         sys.stderr.write(f"--- {log.name} (last lines) ---\n" + log.read_text(errors="replace")[-3000:] + "\n")
+
+
+@dataclass
+class Namespace:
+    name: str
+    address: str  # the host's own address, inside the namespace
+    gateway: str  # this machine's end of the veth pair: where PostgreSQL and Redis answer
+
+
+def _ip(*argv: str) -> None:
+    subprocess.run(["ip", *argv], check=True, capture_output=True, timeout=30)
+
+
+@contextmanager
+def namespaces(count: int) -> Iterator[list[Namespace]]:
+    if os.geteuid() != 0:
+        pytest.fail("network namespaces need root (make test runs as root, as CI does)")
+    tag = uuid.uuid4().hex[:6]
+    subnet = random.randrange(1, 60) * 4
+    made: list[Namespace] = []
+    try:
+        for n in range(count):
+            name, outside, inside = f"gantry-{tag}-{n}", f"gv{tag}{n}o", f"gv{tag}{n}i"
+            gateway, address = f"10.77.{subnet + n}.1", f"10.77.{subnet + n}.2"
+            _ip("netns", "add", name)
+            made.append(Namespace(name, address, gateway))
+            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+            _ip("link", "set", inside, "netns", name)
+            _ip("addr", "add", f"{gateway}/30", "dev", outside)
+            _ip("link", "set", outside, "up")
+            _ip("-n", name, "addr", "add", f"{address}/30", "dev", inside)
+            _ip("-n", name, "link", "set", inside, "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+        yield made
+    finally:
+        for namespace in made:  # its end of the veth pair goes with it, and so does ours
+            subprocess.run(["ip", "netns", "del", namespace.name], capture_output=True, timeout=30)

@@ -7,14 +7,9 @@ dead host's deployment shows unknown, and converges when its worker returns."""
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,6 +18,7 @@ import requests
 from controlplane.celery import host_worker_argv
 from controlplane.serving import live_argv, web_argv
 from tests.integration.conftest import (
+    Namespace,
     RedisServer,
     _spawn,
     bootstrap,
@@ -30,6 +26,7 @@ from tests.integration.conftest import (
     free_port,
     free_ports,
     healthz_answers,
+    namespaces,
     run_postgres,
     stop_process,
     wait_for,
@@ -37,43 +34,6 @@ from tests.integration.conftest import (
 from workers.runtimes import process
 
 pytestmark = [pytest.mark.integration]
-
-
-@dataclass
-class Namespace:
-    name: str
-    address: str  # the host's own address, inside the namespace
-    gateway: str  # this machine's end of the veth pair: where PostgreSQL and Redis answer
-
-
-def _ip(*argv: str) -> None:
-    subprocess.run(["ip", *argv], check=True, capture_output=True, timeout=30)
-
-
-@contextmanager
-def namespaces(count: int) -> Iterator[list[Namespace]]:
-    if os.geteuid() != 0:
-        pytest.fail("network namespaces need root (make test runs as root, as CI does)")
-    tag = uuid.uuid4().hex[:6]
-    subnet = random.randrange(1, 60) * 4
-    made: list[Namespace] = []
-    try:
-        for n in range(count):
-            name, outside, inside = f"gantry-{tag}-{n}", f"gv{tag}{n}o", f"gv{tag}{n}i"
-            gateway, address = f"10.77.{subnet + n}.1", f"10.77.{subnet + n}.2"
-            _ip("netns", "add", name)
-            made.append(Namespace(name, address, gateway))
-            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
-            _ip("link", "set", inside, "netns", name)
-            _ip("addr", "add", f"{gateway}/30", "dev", outside)
-            _ip("link", "set", outside, "up")
-            _ip("-n", name, "addr", "add", f"{address}/30", "dev", inside)
-            _ip("-n", name, "link", "set", inside, "up")
-            _ip("-n", name, "link", "set", "lo", "up")
-        yield made
-    finally:
-        for namespace in made:  # its end of the veth pair goes with it, and so does ours
-            subprocess.run(["ip", "netns", "del", namespace.name], capture_output=True, timeout=30)
 
 
 def test_two_hosts_serve_apart_and_one_losing_its_worker_leaves_the_other_serving(

@@ -448,3 +448,14 @@ def image_digests(images: list[str]) -> dict[str, str]:
     finally:
         client.close()
     return digests
+
+
+def image_pull(image: str) -> None:
+    """Pull ``image`` onto this host (``gantry check --install``); PermanentError saying why it could not."""
+    client = docker.from_env(timeout=3600)
+    try:
+        client.images.pull(image)
+    except DockerException as exc:
+        raise PermanentError(f"docker pull {image} failed: {exc}") from exc
+    finally:
+        client.close()

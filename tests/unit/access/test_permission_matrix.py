@@ -35,6 +35,10 @@ VIEWER_WRITES = {
     ("POST", "/api/deployments/{id}/rerank/"),
     ("POST", "/api/deployments/{id}/generate/"),
 }
+# Joining and revoking GPU hosts hands out database access: admins only.
+ADMIN_ONLY = {("POST", "/api/hosts/join-tokens/"), ("POST", "/api/hosts/{name}/revoke/")}
+# A host joining has no account: its one-time join token, in the body, is the credential.
+BODY_TOKEN = {("POST", "/api/hosts/join/")}
 # Beside the schema: the generate action streams, so it is a plain async view.
 EXTRA_OPERATIONS = [("POST", "/api/deployments/{id}/generate/")]
 
@@ -97,8 +101,12 @@ def test_every_api_operation_answers_each_role_by_the_same_rule(role, world):  #
         url = _concrete(path, world["ids"])
         response = getattr(client, method.lower())(url, {} if method != "GET" else None, format="json")
         code = response.status_code
-        if role == "anonymous":
+        if (method, path) in BODY_TOKEN:
+            expected_ok = code == 400 and "token" in response.json()["errors"]  # no token, whoever asks
+        elif role == "anonymous":
             expected_ok = code == 401
+        elif (method, path) in ADMIN_ONLY and role != "admin":
+            expected_ok = code == 403
         elif role == "viewer" and method != "GET" and (method, path) not in VIEWER_WRITES:
             expected_ok = code == 403
         else:

@@ -67,6 +67,20 @@ def test_check_names_what_the_host_lacks_with_each_fix(tmp_path: Path):
     assert "fix: scripts/ensure-aiperf.sh" in report.stdout
 
 
+def test_check_install_says_why_an_image_could_not_be_pulled(tmp_path: Path):
+    env = {"SECRET_KEY": "x", "GANTRY_DATA_DIR": str(tmp_path), "GANTRY_ALLOWED_IMAGES": "gantry/no-such-image:1"}
+    report = _run(env, "check", "--install")
+    assert "install " in report.stdout and "gantry/no-such-image:1" in report.stdout, report.stdout
+
+
+def test_join_with_nothing_configured_says_why_it_could_not_join(tmp_path: Path):
+    (port,) = [free_ports(1)]
+    unreachable = _run({}, "join", f"http://127.0.0.1:{port}", "gj-x", "--config-dir", str(tmp_path), "--no-start")
+    assert unreachable.returncode == 2
+    assert f"cannot reach the control plane at http://127.0.0.1:{port}" in unreachable.stderr
+    assert not (tmp_path / "gantry.env").exists()  # nothing half-written
+
+
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="make test installs redis-server")
 def test_the_demo_refuses_a_redis_it_did_not_start(tmp_path: Path):
     """Nothing in REDIS_URL: the demo's own Redis is on its web port + 2, and one

@@ -1,0 +1,144 @@
+"""`gantry join URL TOKEN`: a GPU host joins the control plane in one step.
+
+It trades the join token (made by an admin: ``gantry join-token`` or
+``POST /api/hosts/join-tokens/``) for a database role and a Redis user of its
+own, writes them with the host's settings to an environment file (mode 0600),
+installs what it can (``gantry check --install``), writes the systemd unit and
+starts it. Nothing here needs Django's settings: the host has none before it
+joins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+ENV_FILE_NAME = "gantry.env"
+
+
+class JoinRefused(Exception):
+    """The control plane refused the join, or could not be reached; the message says why."""
+
+
+def request_join(url: str, token: str, *, name: str, address: str, timeout_s: float = 30) -> dict:
+    """POST the token to ``<url>/api/hosts/join/``; the control plane's answer."""
+    body = json.dumps({"token": token, "name": name, "address": address}).encode()
+    request = urllib.request.Request(
+        f"{url.rstrip('/')}/api/hosts/join/",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", "Accept": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 - the admin's URL
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            detail = json.loads(exc.read()).get("detail", "")
+        except (ValueError, AttributeError):
+            detail = ""
+        raise JoinRefused(f"the control plane refused (HTTP {exc.code}): {detail or exc.reason}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise JoinRefused(f"cannot reach the control plane at {url}: {getattr(exc, 'reason', exc)}") from None
+
+
+def env_lines(joined: dict, *, name: str, address: str, data_dir: Path, model_roots: str) -> dict[str, str]:
+    """The host's settings: its own credentials and secret key, its name and
+    address, and the settings it shares with the control plane."""
+    values = {
+        "GANTRY_HOST_NAME": name,
+        "GANTRY_HOST_ADDRESS": address,
+        "DATABASE_URL": joined["database_url"],
+        "REDIS_URL": joined["redis_url"],
+        # Its own: the control plane's key never leaves it, and a worker signs nothing.
+        "SECRET_KEY": secrets.token_urlsafe(48),
+        "GANTRY_DATA_DIR": str(data_dir),
+        "GANTRY_MODEL_ROOTS": model_roots or str(data_dir / "models"),
+    }
+    values.update({key: value for key, value in joined.get("settings", {}).items() if value})
+    for key, value in values.items():
+        if any(c.isspace() for c in value) or '"' in value or "\\" in value:
+            raise JoinRefused(f"{key}: {value!r} cannot be written to an environment file (spaces or quotes)")
+    return values
+
+
+def write_env_file(path: Path, values: dict[str, str]) -> None:
+    """KEY=value lines, as systemd's EnvironmentFile reads them; mode 0600 from
+    the start (the file holds passwords), replaced in one rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = f"# Written by gantry join at {stamp}: this host's own credentials. Keep it private.\n"
+    text += "".join(f"{key}={value}\n" for key, value in values.items())
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(partial, path)
+
+
+def prepare_data_dir(path: Path, user: str) -> None:
+    """The data folder (and its models/), owned by the worker's user when run as root."""
+    (path / "models").mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return
+    import pwd
+
+    try:
+        owner = pwd.getpwnam(user)
+    except KeyError:
+        return  # the unit names a user that does not exist yet; systemd will say so
+    for folder in (path, path / "models"):
+        os.chown(folder, owner.pw_uid, owner.pw_gid)
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """The KEY=value lines of an environment file (comments and blank lines skipped)."""
+    values = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            values[key.strip()] = value.strip()
+    return values
+
+
+def default_address() -> str:
+    """This host's address on the route to the outside (where clients would reach it)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: nothing is sent, it only picks the route
+        return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        probe.close()
+
+
+def check_and_install(env_file: Path) -> int:
+    """``gantry check --install`` under the new settings (and the allow-listed
+    part of this environment: nothing else join was started with); its exit code."""
+    from workers.processes import child_environment
+
+    env = child_environment(read_env_file(env_file))
+    return subprocess.run([sys.executable, "-m", "controlplane.cli", "check", "--install"], env=env).returncode
+
+
+def start_unit(unit_path: Path) -> str:
+    """Enable and start the unit when systemd runs here; otherwise say how."""
+    unit = unit_path.name
+    if shutil.which("systemctl") is None or not Path("/run/systemd/system").is_dir():
+        return f"systemd is not running here: start the worker with `gantry worker` and its settings from {unit_path}"
+    for argv in (["systemctl", "daemon-reload"], ["systemctl", "enable", "--now", unit]):
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode != 0:
+            return f"{' '.join(argv)} failed: {done.stderr.strip()}"
+    return f"started {unit}: systemctl status {unit}, journalctl -u {unit}"
