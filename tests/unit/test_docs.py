@@ -43,3 +43,15 @@ def test_the_readme_is_short_and_its_links_lead_somewhere():
     assert links, "the README links to the manual"
     missing = [link for link in links if not link.startswith("http") and not (ROOT / link).exists()]
     assert missing == []
+
+
+def test_every_code_block_is_run_by_the_recipe_test_or_says_why_not():
+    from tests.recipes import LANGUAGES, all_blocks
+
+    found = all_blocks()
+    unknown = [b.where for b in found if b.language not in (*LANGUAGES, "text", "yaml", "json", "ini", "console")]
+    assert unknown == [], "a block in a language the recipe test cannot run: make it sh or python, or text"
+    runnable = [b for b in found if b.language in LANGUAGES and not b.not_run]
+    assert len(runnable) >= 6, [b.where for b in runnable]
+    vague = [b.where for b in found if b.not_run and len(b.not_run) < 20]
+    assert vague == [], "a block that is not run says why, in words"
