@@ -22,13 +22,24 @@ from controlplane.env import (
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
-DEBUG = env_bool("DEBUG", False)
+DEBUG = env_bool("DEBUG", False, help="Django's debug mode: never in production")
 _DEV_SECRET = "gantry-insecure-development-key-do-not-use-in-production"
-SECRET_KEY = env_str("SECRET_KEY", _DEV_SECRET if DEBUG else None)
+SECRET_KEY = env_str(
+    "SECRET_KEY",
+    _DEV_SECRET if DEBUG else None,
+    help="Django's signing key (sessions, CSRF); or SECRET_KEY_FILE, a file holding it",
+    shown="required unless `DEBUG` (`gantry demo` writes `var/secret_key`)",
+)
 if not DEBUG and SECRET_KEY == _DEV_SECRET:
     raise ImproperlyConfigured("SECRET_KEY: the development key is refused when DEBUG is off")
-ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
-CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+ALLOWED_HOSTS = env_list(
+    "ALLOWED_HOSTS",
+    ["localhost", "127.0.0.1", "[::1]"],
+    help="host names the web server answers to (also the websocket origin check)",
+)
+CSRF_TRUSTED_ORIGINS = env_list(
+    "CSRF_TRUSTED_ORIGINS", [], help="origins allowed to POST forms, e.g. `https://gantry.example.org` behind a proxy"
+)
 
 # --- Transport security ---------------------------------------------------
 # Secure by default: HTTPS only (redirect, HSTS, secure cookies), so that with
@@ -36,15 +47,31 @@ CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 # plain-HTTP setup (the demo, the tests, a laptop) opts out explicitly with
 # GANTRY_PLAIN_HTTP=1. Behind a TLS-terminating proxy, GANTRY_TRUST_PROXY_TLS=1
 # trusts its X-Forwarded-Proto header.
-GANTRY_PLAIN_HTTP = env_bool("GANTRY_PLAIN_HTTP", False)
+GANTRY_PLAIN_HTTP = env_bool(
+    "GANTRY_PLAIN_HTTP",
+    False,
+    help=(
+        "serve plain HTTP: no redirect to HTTPS, no HSTS, cookies without `Secure`. Off by default, so "
+        "that with `DEBUG` off and nothing else set `manage.py check --deploy` reports nothing"
+    ),
+    shown="`0` (`make demo` and `make test` set `1`)",
+)
 _https = not GANTRY_PLAIN_HTTP
 SECURE_SSL_REDIRECT = _https
 SESSION_COOKIE_SECURE = _https
 CSRF_COOKIE_SECURE = _https
-SECURE_HSTS_SECONDS = env_int("GANTRY_HSTS_SECONDS", 31_536_000 if _https else 0, minimum=0)
-SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("GANTRY_HSTS_INCLUDE_SUBDOMAINS", True)
-SECURE_HSTS_PRELOAD = env_bool("GANTRY_HSTS_PRELOAD", True)
-if env_bool("GANTRY_TRUST_PROXY_TLS", False):
+SECURE_HSTS_SECONDS = env_int(
+    "GANTRY_HSTS_SECONDS",
+    31_536_000 if _https else 0,
+    minimum=0,
+    help="the `Strict-Transport-Security` max-age over HTTPS",
+    shown="`31536000` (`0` with `GANTRY_PLAIN_HTTP`)",
+)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("GANTRY_HSTS_INCLUDE_SUBDOMAINS", True, help="HSTS's `includeSubDomains`")
+SECURE_HSTS_PRELOAD = env_bool("GANTRY_HSTS_PRELOAD", True, help="HSTS's `preload`")
+if env_bool(
+    "GANTRY_TRUST_PROXY_TLS", False, help="behind a TLS-terminating proxy: trust its `X-Forwarded-Proto: https`"
+):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 # Health and metrics checks from the host itself need no redirect.
 SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
@@ -55,24 +82,73 @@ SECURE_REFERRER_POLICY = "same-origin"
 
 # --- Abuse limits ---------------------------------------------------------
 # REST API requests per signed-in user and per anonymous address ("<n>/<second|minute|hour|day>", or "off").
-GANTRY_API_THROTTLE = env_str("GANTRY_API_THROTTLE", "1200/minute")
-GANTRY_API_THROTTLE_ANON = env_str("GANTRY_API_THROTTLE_ANON", "120/minute")
+GANTRY_API_THROTTLE = env_str(
+    "GANTRY_API_THROTTLE",
+    "1200/minute",
+    help=(
+        "REST API requests per signed-in user (`<n>/second|minute|hour|day`, or `off`); over it, 429 with"
+        " `Retry-After`. Counted in Redis across processes; not limited while Redis is down"
+    ),
+)
+GANTRY_API_THROTTLE_ANON = env_str(
+    "GANTRY_API_THROTTLE_ANON", "120/minute", help="REST API requests per anonymous address, as `GANTRY_API_THROTTLE`"
+)
 # Failed sign-ins per username and address before the form refuses for GANTRY_LOGIN_LOCKOUT_S.
-GANTRY_LOGIN_ATTEMPTS = env_int("GANTRY_LOGIN_ATTEMPTS", 5, minimum=1)
-GANTRY_LOGIN_LOCKOUT_S = env_int("GANTRY_LOGIN_LOCKOUT_S", 900, minimum=1)
+GANTRY_LOGIN_ATTEMPTS = env_int(
+    "GANTRY_LOGIN_ATTEMPTS",
+    5,
+    minimum=1,
+    help="failed sign-ins for one user name from one address before the sign-in form (also the admin's) refuses",
+)
+GANTRY_LOGIN_LOCKOUT_S = env_int(
+    "GANTRY_LOGIN_LOCKOUT_S",
+    900,
+    minimum=1,
+    help="seconds the sign-in form refuses after `GANTRY_LOGIN_ATTEMPTS` failures",
+)
 
-GANTRY_DATA_DIR = Path(env_str("GANTRY_DATA_DIR", str(BASE_DIR / "var"))).resolve()
+GANTRY_DATA_DIR = Path(
+    env_str(
+        "GANTRY_DATA_DIR",
+        str(BASE_DIR / "var"),
+        help="model repositories, Triton logs, the demo's database and secret key",
+        shown="`var` in the checkout",
+    )
+).resolve()
 # PostgreSQL connections come from a pool per process (psycopg_pool): a
 # request borrows one and gives it back, so web and live processes reuse
 # connections without each thread holding its own (DATABASE_CONN_MAX_AGE>0
 # under ASGI opened one per thread until PostgreSQL refused more clients).
 # The ASGI servers turn it on (controlplane.asgi); elsewhere it stays off: a
 # Celery worker forks after start-up, and a pool's threads do not survive a fork.
-DATABASE_POOL_SIZE = env_int("DATABASE_POOL_SIZE", 0, minimum=0, maximum=200)
+DATABASE_POOL_TIMEOUT = env_int(
+    "DATABASE_POOL_TIMEOUT", 10, minimum=1, help="seconds a request waits for a pooled connection"
+)
+DATABASE_POOL_SIZE = env_int(
+    "DATABASE_POOL_SIZE",
+    0,
+    minimum=0,
+    maximum=200,
+    help=(
+        "PostgreSQL connections each server process borrows from its own pool (also the threads a web "
+        "process runs pages and API calls on); `0`: no pool"
+    ),
+    shown="`4` in the web and live servers, `0` elsewhere",
+)
 DATABASES = {
     "default": dj_database_url.parse(
-        env_str("DATABASE_URL", f"sqlite:///{GANTRY_DATA_DIR / 'gantry.sqlite3'}"),
-        conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 0, minimum=0),
+        env_str(
+            "DATABASE_URL",
+            f"sqlite:///{GANTRY_DATA_DIR / 'gantry.sqlite3'}",
+            help="the database: PostgreSQL (`postgres://user:pass@host:5432/db`) for anything but the demo",
+            shown="`sqlite:///` in `GANTRY_DATA_DIR`",
+        ),
+        conn_max_age=env_int(
+            "DATABASE_CONN_MAX_AGE",
+            0,
+            minimum=0,
+            help="seconds to keep database connections open (must stay 0 with a pool)",
+        ),
     )
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
@@ -91,64 +167,215 @@ elif DATABASE_POOL_SIZE:
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
         "min_size": 1,
         "max_size": DATABASE_POOL_SIZE,
-        "timeout": env_int("DATABASE_POOL_TIMEOUT", 10, minimum=1),
+        "timeout": DATABASE_POOL_TIMEOUT,
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = env_str(
+    "REDIS_URL", "redis://127.0.0.1:6379/0", help="Redis: the Celery broker, the channel layer, throttle counters"
+)
 # Where the browser reaches the live (websocket) server: empty for the pages'
 # own address (a proxy routes /ws/ there), or a port on the same host.
-GANTRY_LIVE_PORT = env_str("GANTRY_LIVE_PORT", "")
+GANTRY_LIVE_PORT = env_str(
+    "GANTRY_LIVE_PORT",
+    "",
+    help=(
+        "where the browser reaches the live server: empty when a proxy routes `/ws/` of the pages' own "
+        "address to it, or a port of the same host"
+    ),
+    shown="empty (`make demo`: web port + 1; compose: `8001`)",
+)
 if GANTRY_LIVE_PORT and not (GANTRY_LIVE_PORT.isdigit() and 1 <= int(GANTRY_LIVE_PORT) <= 65535):
     raise ImproperlyConfigured("GANTRY_LIVE_PORT: must be a port number (1-65535) or empty")
 
 # --- Gantry's own ---------------------------------------------------------
 # The name this process's host is known by; a worker listens on gpu.<name>.
-GANTRY_HOST_NAME = env_str("GANTRY_HOST_NAME", socket.gethostname().split(".")[0])
+GANTRY_HOST_NAME = env_str(
+    "GANTRY_HOST_NAME",
+    socket.gethostname().split(".")[0],
+    help=(
+        "the host a worker serves; it listens on queues `gpu.<name>` (control) and `gpu.<name>.jobs` "
+        "(builds, load tests)"
+    ),
+    shown="this machine's short host name",
+)
 # The address Triton servers on this host bind to and clients use to reach them.
-GANTRY_HOST_ADDRESS = env_str("GANTRY_HOST_ADDRESS", "127.0.0.1")
-GANTRY_HEARTBEAT_INTERVAL = env_int("GANTRY_HEARTBEAT_INTERVAL", 10, minimum=1, maximum=3600)
-GANTRY_HOST_OFFLINE_AFTER_BEATS = env_int("GANTRY_HOST_OFFLINE_AFTER_BEATS", 3, minimum=1)
-GANTRY_TRITON_READY_TIMEOUT = env_int("GANTRY_TRITON_READY_TIMEOUT", 900, minimum=5)
+GANTRY_HOST_ADDRESS = env_str(
+    "GANTRY_HOST_ADDRESS",
+    "127.0.0.1",
+    help="the address Triton servers on this host bind to, and the web side uses to reach them",
+)
+GANTRY_HEARTBEAT_INTERVAL = env_int(
+    "GANTRY_HEARTBEAT_INTERVAL",
+    10,
+    minimum=1,
+    maximum=3600,
+    help="seconds between host-agent beats (and reconcile passes)",
+)
+GANTRY_HOST_OFFLINE_AFTER_BEATS = env_int(
+    "GANTRY_HOST_OFFLINE_AFTER_BEATS", 3, minimum=1, help="missed beats after which a host is shown offline"
+)
+GANTRY_TRITON_READY_TIMEOUT = env_int(
+    "GANTRY_TRITON_READY_TIMEOUT",
+    900,
+    minimum=5,
+    help="seconds a launch waits for the server and every model to be ready (and a model load or unload may take)",
+)
 # The host worker's wait on any call to its Triton servers but a model load or
 # unload, which may take as long as GANTRY_TRITON_READY_TIMEOUT.
-GANTRY_TRITON_REQUEST_TIMEOUT = env_int("GANTRY_TRITON_REQUEST_TIMEOUT", 60, minimum=1, maximum=3600)
-GANTRY_TRITON_PORT_RANGE = env_port_range("GANTRY_TRITON_PORT_RANGE", (18000, 18999))
+GANTRY_TRITON_REQUEST_TIMEOUT = env_int(
+    "GANTRY_TRITON_REQUEST_TIMEOUT",
+    60,
+    minimum=1,
+    maximum=3600,
+    help="seconds the host's worker waits on any other call to its Triton servers",
+)
+GANTRY_TRITON_PORT_RANGE = env_port_range(
+    "GANTRY_TRITON_PORT_RANGE",
+    (18000, 18999),
+    help="ports handed to deployments, three each (HTTP, gRPC, metrics) per host",
+)
 # Triton images the docker runtime may start (exact references, e.g. repo/name:tag).
-GANTRY_ALLOWED_IMAGES = env_list("GANTRY_ALLOWED_IMAGES", [])
+GANTRY_ALLOWED_IMAGES = env_list(
+    "GANTRY_ALLOWED_IMAGES",
+    [],
+    help="Triton images the docker runtime may start (exact references); nothing else is ever run",
+)
 # ulimits of Triton containers: NVIDIA's recommendation by default (unlimited
 # locked memory, 64 MiB stack). A host that forbids raising memlock drops it here.
-GANTRY_DOCKER_ULIMITS = env_ulimits("GANTRY_DOCKER_ULIMITS", [("memlock", -1, -1), ("stack", 67108864, 67108864)])
-GANTRY_METRICS_RETENTION_HOURS = env_int("GANTRY_METRICS_RETENTION_HOURS", 24, minimum=1)
-GANTRY_GPU_RELEASE_TIMEOUT = env_int("GANTRY_GPU_RELEASE_TIMEOUT", 60, minimum=1)
-GANTRY_CRASH_RESTART_LIMIT = env_int("GANTRY_CRASH_RESTART_LIMIT", 3, minimum=0)
-GANTRY_GPU_MEMORY_HEADROOM = env_float("GANTRY_GPU_MEMORY_HEADROOM", 0.95, minimum=0.1, maximum=1.0)
+GANTRY_DOCKER_ULIMITS = env_ulimits(
+    "GANTRY_DOCKER_ULIMITS",
+    [("memlock", -1, -1), ("stack", 67108864, 67108864)],
+    help=(
+        "ulimits of Triton containers; NVIDIA's recommendation by default (a host that forbids raising "
+        "memlock drops it here)"
+    ),
+)
+GANTRY_METRICS_RETENTION_HOURS = env_int(
+    "GANTRY_METRICS_RETENTION_HOURS", 24, minimum=1, help="how long metric samples are kept"
+)
+GANTRY_GPU_RELEASE_TIMEOUT = env_int(
+    "GANTRY_GPU_RELEASE_TIMEOUT",
+    60,
+    minimum=1,
+    help=(
+        "seconds a stop waits for NVML to show the server's processes released their GPU memory; a "
+        "deployment still holding memory then is marked failed, not stopped"
+    ),
+)
+GANTRY_CRASH_RESTART_LIMIT = env_int(
+    "GANTRY_CRASH_RESTART_LIMIT", 3, minimum=0, help="automatic restarts of a crashed server within 10 minutes"
+)
+GANTRY_GPU_MEMORY_HEADROOM = env_float(
+    "GANTRY_GPU_MEMORY_HEADROOM",
+    0.95,
+    minimum=0.1,
+    maximum=1.0,
+    help=(
+        "the most the GPU memory shares (fraction x instances) of all deployments' models on one GPU may "
+        "add up to; a start or change past it is refused, naming the deployments already there"
+    ),
+)
 # The CUDA context each server process on a GPU holds beyond its memory share
 # (measured on an H100: 584 MiB for tritonserver, about 700 for a python stub).
-GANTRY_GPU_PROCESS_RESERVE_MIB = env_int("GANTRY_GPU_PROCESS_RESERVE_MIB", 768, minimum=0, maximum=65536)
+GANTRY_GPU_PROCESS_RESERVE_MIB = env_int(
+    "GANTRY_GPU_PROCESS_RESERVE_MIB",
+    768,
+    minimum=0,
+    maximum=65536,
+    help=(
+        "what the GPU plan counts for each server process's CUDA context beside the fractions (measured "
+        "on an H100: 584 MiB for tritonserver, about 700 for a python stub)"
+    ),
+)
 # Checkpoints may only be registered from under these folders (a worker
 # mounts or reads nothing else). Empty means the data dir's models/ only.
-GANTRY_MODEL_ROOTS = [Path(p).resolve() for p in env_list("GANTRY_MODEL_ROOTS", [str(GANTRY_DATA_DIR / "models")])]
+GANTRY_MODEL_ROOTS = [
+    Path(p).resolve()
+    for p in env_list(
+        "GANTRY_MODEL_ROOTS",
+        [str(GANTRY_DATA_DIR / "models")],
+        help=(
+            "folders checkpoints may be registered from; a worker reads nothing else (the demo adds the "
+            "MiniLM package folder)"
+        ),
+        shown="`$GANTRY_DATA_DIR/models`",
+    )
+]
 # Engine builds. Builder images are allow-listed with the TensorRT-LLM version
 # they carry (image=version): that version picks the command-line table.
-GANTRY_BUILDER_IMAGES = env_image_versions("GANTRY_BUILDER_IMAGES", {})
-GANTRY_BUILD_TIME_LIMIT = env_int("GANTRY_BUILD_TIME_LIMIT", 7200, minimum=60)
-GANTRY_BUILD_TIME_LIMIT_MAX = env_int("GANTRY_BUILD_TIME_LIMIT_MAX", 86400, minimum=GANTRY_BUILD_TIME_LIMIT)
-GANTRY_BUILD_LOG_LINES = env_int("GANTRY_BUILD_LOG_LINES", 5000, minimum=100)
+GANTRY_BUILDER_IMAGES = env_image_versions(
+    "GANTRY_BUILDER_IMAGES",
+    {},
+    help=(
+        "the builder images builds may use, each with the TensorRT-LLM version it carries (an engine is "
+        "served from the image it was built in, so list serving images here too)"
+    ),
+)
+GANTRY_BUILD_TIME_LIMIT = env_int(
+    "GANTRY_BUILD_TIME_LIMIT",
+    7200,
+    minimum=60,
+    help="a build's default time limit in seconds (a request may ask up to `GANTRY_BUILD_TIME_LIMIT_MAX`)",
+)
+GANTRY_BUILD_TIME_LIMIT_MAX = env_int(
+    "GANTRY_BUILD_TIME_LIMIT_MAX",
+    86400,
+    minimum=GANTRY_BUILD_TIME_LIMIT,
+    help="the longest time limit a build request may ask for, in seconds",
+)
+GANTRY_BUILD_LOG_LINES = env_int("GANTRY_BUILD_LOG_LINES", 5000, minimum=100, help="build output lines kept per build")
 # A running build whose worker has not reported for this long is failed by the sweeper.
-GANTRY_BUILD_STALE_AFTER = env_int("GANTRY_BUILD_STALE_AFTER", 120, minimum=30)
+GANTRY_BUILD_STALE_AFTER = env_int(
+    "GANTRY_BUILD_STALE_AFTER",
+    120,
+    minimum=30,
+    help="seconds without a heartbeat after which the sweeper fails a running build",
+)
 # Native builds: the python that has tensorrt_llm installed, and its examples folder.
-GANTRY_TRTLLM_PYTHON = env_str("GANTRY_TRTLLM_PYTHON", "")
+GANTRY_TRTLLM_PYTHON = env_str(
+    "GANTRY_TRTLLM_PYTHON",
+    "",
+    help=(
+        "native builds and load tests' native ceiling: the python with tensorrt_llm installed (its "
+        "`trtllm-bench` beside it)"
+    ),
+)
 # Load tests: AIPerf in its own environment on each GPU host (scripts/ensure-aiperf.sh),
 # and the address that host's worker reaches the gateway at.
-GANTRY_AIPERF = env_str("GANTRY_AIPERF", str(BASE_DIR / ".aiperf" / "bin" / "aiperf"))
-GANTRY_GATEWAY_URL = env_str("GANTRY_GATEWAY_URL", "http://127.0.0.1:8000").rstrip("/")
-GANTRY_TRTLLM_EXAMPLES_DIR = env_str("GANTRY_TRTLLM_EXAMPLES_DIR", "")
+GANTRY_AIPERF = env_str(
+    "GANTRY_AIPERF",
+    str(BASE_DIR / ".aiperf" / "bin" / "aiperf"),
+    help="the load generator a host's worker runs (`scripts/ensure-aiperf.sh [folder]` installs it)",
+    shown="`.aiperf/bin/aiperf` in the checkout",
+)
+GANTRY_GATEWAY_URL = env_str(
+    "GANTRY_GATEWAY_URL",
+    "http://127.0.0.1:8000",
+    help="where a host's worker reaches the gateway for load tests",
+    shown="`http://127.0.0.1:8000` (`make demo`: its own web port)",
+).rstrip("/")
+GANTRY_TRTLLM_EXAMPLES_DIR = env_str(
+    "GANTRY_TRTLLM_EXAMPLES_DIR", "", help="native builds: TensorRT-LLM's `examples` folder"
+)
 # Where joining GPU hosts reach PostgreSQL and Redis (`gantry join`), when that
 # differs from this process's DATABASE_URL / REDIS_URL (a private address, say);
 # the user and password in them are replaced by each host's own.
-GANTRY_JOIN_DATABASE_URL = env_str("GANTRY_JOIN_DATABASE_URL", "")
-GANTRY_JOIN_REDIS_URL = env_str("GANTRY_JOIN_REDIS_URL", "")
+GANTRY_JOIN_DATABASE_URL = env_str(
+    "GANTRY_JOIN_DATABASE_URL",
+    "",
+    help=(
+        "where joining GPU hosts reach PostgreSQL (`gantry join`), when it differs from the web side's; "
+        "the user and password are replaced by each host's own"
+    ),
+    shown="`DATABASE_URL`'s address",
+)
+GANTRY_JOIN_REDIS_URL = env_str(
+    "GANTRY_JOIN_REDIS_URL",
+    "",
+    help="where joining GPU hosts reach Redis, as `GANTRY_JOIN_DATABASE_URL`",
+    shown="`REDIS_URL`'s address",
+)
 
 INSTALLED_APPS = [
     "daphne",
@@ -300,7 +527,11 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600, minimum=60)}
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": env_int(
+        "CELERY_VISIBILITY_TIMEOUT", 3600, minimum=60, help="seconds before Redis redelivers a task whose worker died"
+    )
+}
 CELERY_TASK_SOFT_TIME_LIMIT = GANTRY_TRITON_READY_TIMEOUT + 120
 CELERY_TASK_TIME_LIMIT = GANTRY_TRITON_READY_TIMEOUT + 180
 
@@ -328,6 +559,6 @@ LOGGING = {
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO").upper()},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO", help="log level of every process").upper()},
     "loggers": {"daphne": {"level": "WARNING"}, "django.channels.server": {"level": "WARNING"}},
 }

@@ -9,6 +9,8 @@ from typing import Any
 from drf_spectacular.openapi import AutoSchema
 from rest_framework import serializers
 
+from deployments.api.base import StrictSerializer
+
 
 class ErrorOut(serializers.Serializer):
     status = serializers.IntegerField()
@@ -61,7 +63,10 @@ def refuse_unknown_fields(result: dict[str, Any], generator: Any, request: Any, 
     """Request bodies refuse fields they do not know (StrictSerializer): say so
     in the schema (``additionalProperties: false``), so a client generated from
     it, or a fuzzer, knows an extra field is an error and not ignored."""
+    inherited = " ".join((StrictSerializer.__mro__[1].__doc__ or "").split())
     for name, component in result.get("components", {}).get("schemas", {}).items():
         if name.endswith("Request") and component.get("type") == "object":
             component["additionalProperties"] = False
+        if " ".join(component.get("description", "").split()) == inherited:
+            del component["description"]  # the base class's words on itself, not the body's meaning
     return result

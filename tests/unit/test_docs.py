@@ -55,3 +55,14 @@ def test_every_code_block_is_run_by_the_recipe_test_or_says_why_not():
     assert len(runnable) >= 6, [b.where for b in runnable]
     vague = [b.where for b in found if b.not_run and len(b.not_run) < 20]
     assert vague == [], "a block that is not run says why, in words"
+
+
+def test_the_generated_pages_match_the_settings_and_the_schema():
+    """docs/configuration.md's table and docs/api-reference.md are what
+    `manage.py gantry_docs` writes from the code now."""
+    from controlplane.docs import generated
+    from controlplane.env import DECLARED
+
+    assert DECLARED and all(len(v.help) > 10 for v in DECLARED.values()), "every setting says what it means"
+    stale = [path.name for path, text in generated().items() if path.read_text() != text]
+    assert stale == [], "run DATABASE_URL=postgres://... python manage.py gantry_docs and commit the pages"
