@@ -13,10 +13,10 @@ COPY package.json package-lock.json ./
 RUN npm ci --omit=dev --no-audit --no-fund
 
 # The library that keeps Triton's admin secret off its command line
-# (workers/triton/secret.py), built here: the image has no compiler.
+# (triton_server/secret.py), built here: the image has no compiler.
 FROM ${PYTHON_BASE} AS secretlib
 RUN command -v gcc || (apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*)
-COPY workers/triton/argv_secret.c /src/
+COPY triton_server/argv_secret.c /src/
 RUN gcc -shared -fPIC -O2 -o "/src/gantry-argv-secret-$(sha256sum /src/argv_secret.c | cut -c1-12).so" /src/argv_secret.c -ldl
 
 FROM ${PYTHON_BASE}
@@ -37,11 +37,12 @@ RUN PYTHON=python scripts/ensure-aiperf.sh /opt/aiperf
 ENV GANTRY_AIPERF=/opt/aiperf/bin/aiperf
 COPY controlplane controlplane
 COPY common common
+COPY triton_server triton_server
 COPY access access
 COPY deployments deployments
 COPY gateway gateway
 COPY workers workers
-COPY --from=secretlib /src/gantry-argv-secret-*.so workers/triton/
+COPY --from=secretlib /src/gantry-argv-secret-*.so triton_server/
 COPY playground playground
 COPY loadtests loadtests
 RUN pip install --no-cache-dir --no-deps .

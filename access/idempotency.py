@@ -26,7 +26,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from access.models import IdempotentRequest
-from deployments.api.base import problem
+from common.problems import problem
 
 HEADER = "Idempotency-Key"
 KEPT_FOR = dt.timedelta(hours=24)

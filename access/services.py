@@ -13,8 +13,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from access.models import ApiToken, secret_digest
-from controlplane.ttl_cache import MISSING, TtlCache
-from deployments.errors import NotFound, PermissionDenied, ValidationFailed
+from common.errors import NotFound, PermissionDenied, ValidationFailed
+from common.ttl_cache import MISSING, TtlCache
 from deployments.events import record, source_of
 
 TOKEN_PREFIX = "gt-"

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from access import services, throttles
 from access.api import visible_tokens
-from deployments.errors import GantryError
+from common.errors import GantryError
 from deployments.web.forms import show_refusal
 
 _NEW_SECRET = "access-new-token"

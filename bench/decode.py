@@ -59,9 +59,9 @@ def _prompt(tokenizer, tokens: int, seed: int) -> str:  # noqa: ANN001
 
 
 def _repository(args, work: Path, checkpoint: Path, levels: list[int]):  # noqa: ANN001
-    from workers.runtimes.base import LaunchSpec
-    from workers.triton.config import Batching, CausalLmSpec, Instances, read_config, write_config
-    from workers.triton.repository import write_repository
+    from triton_server.config import Batching, CausalLmSpec, Instances, read_config, write_config
+    from triton_server.repository import write_repository
+    from triton_server.server import LaunchSpec
 
     instances = Instances(count=1, kind="KIND_GPU", gpus=(0,)) if args.gpu else Instances(count=1, kind="KIND_CPU")
     common = {
@@ -156,8 +156,8 @@ def main() -> int:
     work = setup_django(args.port + 10)
     import torch
 
+    from triton_server.client import TritonClient
     from workers.runtimes.process import ProcessRuntime
-    from workers.triton.client import TritonClient
     from workers.untrained import make_untrained_llm
 
     device = "cuda:0" if args.gpu else "cpu"

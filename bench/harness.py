@@ -123,9 +123,9 @@ def served(*, port: int, models: dict[str, tuple[Path, str]], placements: list[A
     from controlplane.serving import web_argv
     from deployments import states
     from deployments.services import deployments, hosts, registered_models
+    from triton_server.client import TritonClient
+    from triton_server.repository import write_repository
     from workers.deploy import plan
-    from workers.triton.client import TritonClient
-    from workers.triton.repository import write_repository
 
     host = hosts.host_heartbeat(name="bench-host", address="127.0.0.1", gpus=[])
     for name, (folder, kind) in models.items():

@@ -11,7 +11,7 @@ from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 
-from deployments.api.base import problem
+from common.problems import problem
 
 
 def _is_api(request: HttpRequest) -> bool:

@@ -10,9 +10,9 @@ from typing import Any
 
 from django.conf import settings
 
+from common.errors import ValidationFailed
 from common.words import a
 from deployments import trtllm
-from deployments.errors import ValidationFailed
 from deployments.models import GpuHost, Inspection, ModelKind, RegisteredModel
 
 MIN_TIME_LIMIT_S = 10

@@ -19,7 +19,7 @@ from jinja2 import Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from deployments.errors import ValidationFailed
+from common.errors import ValidationFailed
 
 # The roles a chat message may take (the API refuses others before any template runs).
 ROLES = ("system", "user", "assistant", "tool")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deployments.errors import ValidationFailed
+from common.errors import ValidationFailed
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # What a loader reads when a folder holds several copies: transformers prefers

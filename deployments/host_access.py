@@ -25,7 +25,7 @@ from django.conf import settings
 from django.db import connection
 from psycopg import sql
 
-from deployments.errors import PermanentError, TransientError
+from common.errors import PermanentError, TransientError
 
 REDIS_RULES = ["on", "~*", "&*", "+@all", "-@admin", "-@dangerous", "+info"]
 # Tables a host never reads: signed-in users' sessions.

@@ -523,7 +523,7 @@ class DeploymentModel(models.Model):
     def triton_models(self) -> list[str]:
         """The Triton models this placement becomes, in load order: an engine
         placement is its engine and the generate model clients call by the
-        placement's name (as workers.triton.config.TrtllmSpec.model_names)."""
+        placement's name (as triton_server.config.TrtllmSpec.model_names)."""
         if self.backend == Backend.TENSORRTLLM:
             return [f"{self.triton_name}-engine", self.triton_name]
         return [self.triton_name]

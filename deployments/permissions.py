@@ -15,7 +15,7 @@ from typing import Any
 
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 
-from deployments.errors import PermissionDenied
+from common.errors import PermissionDenied
 
 OPERATOR_GROUP = "gantry-operators"
 ADMIN_GROUP = "gantry-admins"

@@ -9,8 +9,8 @@ from typing import Any
 
 from django.db.models import Exists, OuterRef, Prefetch, Q, QuerySet
 
+from common.errors import NotFound
 from deployments import events
-from deployments.errors import NotFound
 from deployments.gpu_plan import Holder, host_plan, placement_gpus, share_of
 from deployments.models import (
     Deployment,

@@ -16,8 +16,8 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from common.errors import InvalidTransition, NotFound
 from deployments import events, selectors
-from deployments.errors import InvalidTransition, NotFound
 from deployments.models import BuildStatus as B
 from deployments.models import Deployment, DeploymentRevision, EngineBuild, RegisteredModel
 from deployments.models import DeploymentStatus as S

@@ -15,13 +15,13 @@ from django.utils import timezone
 
 from access.models import secret_digest
 from access.services import TOKEN_PREFIX
+from common.ttl_cache import TtlCache
 from common.words import a
-from controlplane.ttl_cache import TtlCache
 from deployments.models import DeploymentModel, DeploymentStatus, ModelKind
 from gateway.errors import GatewayError, model_not_found, not_ready
 from gateway.models import Alias, ApiKey
 from gateway.services import KEY_PREFIX
-from playground.generation import route_of
+from inference.generation import route_of
 
 CACHE_S = 1.0
 _SERVING = {DeploymentStatus.READY, DeploymentStatus.DEGRADED}
@@ -51,7 +51,7 @@ class Target:
     url: str
     triton_name: str
     max_batch_size: int
-    route: dict[str, Any] | None  # an llm's generation route (playground.generation)
+    route: dict[str, Any] | None  # an llm's generation route (inference.generation)
 
     def require_ready(self) -> None:
         if self.status not in _SERVING:

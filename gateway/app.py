@@ -17,21 +17,22 @@ import base64
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from common import jsonbody
-from controlplane.asgi_io import BodyTooLarge, read_body, send_json, stream_events
-from deployments.errors import GantryError
+from common.asgi_io import BodyTooLarge, read_body, send_json, stream_events
+from common.errors import GantryError
 from deployments.models import ModelKind
 from gateway import schemas
 from gateway.access import DATABASE_AWAY, Caller, Target, authenticate, db, resolve, visible_aliases
 from gateway.errors import GatewayError, database_away, from_gantry
 from gateway.metering import admit, charge, usage
-from playground.generation import Outcome, Piece, Sampling, generate, prepare_generation
-from workers.triton.client import infer_async
+from inference.embeddings import embed_async, rerank_async
+from inference.generation import Outcome, Piece, Sampling, generate, prepare_generation
 
 PREFIX = "/v1/"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -124,7 +125,6 @@ async def _generation(caller: Caller, data: dict[str, Any], receive: Any, send: 
     )
     try:
         prepared = prepare_generation(
-            deployment_id=0,  # unused: the route is given
             prompt=None if chat else data["prompt"][0],
             messages=[dict(m) for m in data["messages"]] if chat else None,
             sampling=sampling,
@@ -272,12 +272,10 @@ async def _embeddings(caller: Caller, body: Any, receive: Any, send: Any) -> Non
     data = schemas.parse(schemas.EmbeddingIn, body)
     target = await resolve(caller, data["model"], ModelKind.EMBEDDING, "/v1/embeddings")
     await admit(caller)
-    texts, step = data["input"], target.max_batch_size
-    # Triton refuses a batch above the model's max_batch_size: send batches that fit, at once.
-    batches = [np.array([[t] for t in texts[i : i + step]], dtype=object) for i in range(0, len(texts), step)]
-    outputs = await _infer(caller, target, [{"TEXT": batch} for batch in batches])
-    vectors = np.concatenate([o["EMBEDDING"] for o in outputs]).astype("<f4", copy=False)
-    tokens = sum(int(o["NUM_TOKENS"].sum()) for o in outputs if "NUM_TOKENS" in o)
+    with _failures_counted(caller, target):
+        vectors, tokens = await embed_async(
+            url=target.url, model=target.triton_name, texts=data["input"], max_batch_size=target.max_batch_size
+        )
     _count(caller, target.alias, prompt=tokens, completion=0, failed=False)
     if data["encoding_format"] == "base64":
         encoded = [base64.b64encode(row.tobytes()).decode("ascii") for row in vectors]
@@ -300,13 +298,10 @@ async def _rerank(caller: Caller, body: Any, receive: Any, send: Any) -> None:
     target = await resolve(caller, data["model"], ModelKind.RERANKER, "/v1/rerank")
     await admit(caller)
     documents = data["documents"]
-    inputs = {
-        "QUERY": np.array([[data["query"]]], dtype=object),
-        "PASSAGES": np.array([documents], dtype=object),
-    }
-    (output,) = await _infer(caller, target, [inputs])
-    scores = output["SCORES"].reshape(-1)
-    tokens = int(output["NUM_TOKENS"].sum()) if "NUM_TOKENS" in output else 0
+    with _failures_counted(caller, target):
+        scores, tokens = await rerank_async(
+            url=target.url, model=target.triton_name, query=data["query"], documents=documents
+        )
     _count(caller, target.alias, prompt=tokens, completion=0, failed=False)
     order = np.argsort(-scores, kind="stable")[: data.get("top_n") or len(documents)]
     results = []
@@ -328,9 +323,11 @@ async def _rerank(caller: Caller, body: Any, receive: Any, send: Any) -> None:
     )
 
 
-async def _infer(caller: Caller, target: Target, requests: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+@contextmanager
+def _failures_counted(caller: Caller, target: Target) -> Iterator[None]:
+    """A model's refusal or an unreachable server: counted as a failed request, answered in OpenAI's shape."""
     try:
-        return list(await asyncio.gather(*(infer_async(target.url, target.triton_name, r) for r in requests)))
+        yield
     except GantryError as exc:
         _count(caller, target.alias, prompt=0, completion=0, failed=True)
         raise from_gantry(exc, alias=target.alias) from exc

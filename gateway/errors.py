@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deployments.errors import (
+from common.errors import (
     ContextExceeded,
     GantryError,
     InvalidTransition,

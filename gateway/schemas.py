@@ -12,7 +12,7 @@ from rest_framework import serializers
 from deployments import chat_template
 from deployments.api.base import StrictSerializer
 from gateway.errors import GatewayError, bad_request
-from playground.generation import MAX_PROMPT_CHARS
+from inference.generation import MAX_PROMPT_CHARS
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per embeddings request
 MAX_INPUT_CHARS = 32_000

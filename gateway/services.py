@@ -13,8 +13,8 @@ from django.db.models import F
 from django.utils import timezone
 
 from access.models import secret_digest
+from common.errors import NotFound, ValidationFailed
 from common.words import a
-from deployments.errors import NotFound, ValidationFailed
 from deployments.events import record, source_of
 from deployments.models import Deployment, DeploymentModel
 from deployments.permissions import require_operator

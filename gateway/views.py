@@ -11,7 +11,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
 
-from deployments.errors import GantryError
+from common.errors import GantryError
 from deployments.models import DeploymentModel
 from deployments.permissions import can_operate
 from deployments.web.forms import show_refusal

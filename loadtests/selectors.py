@@ -7,7 +7,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 
-from deployments.errors import NotFound, ValidationFailed
+from common.errors import NotFound, ValidationFailed
 from loadtests.models import LoadPoint, LoadTest
 
 MAX_COMPARED = 8

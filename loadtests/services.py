@@ -1,7 +1,7 @@
 """Load tests as people and workers ask for them: start one (checked, one at a
 time per deployment, confirmed when real clients use the deployment), cancel
-it, the worker's writes while it runs (claim, progress, each step's figures,
-finish), and the reaper for runs whose worker went quiet.
+it, the worker's writes while it runs (claim, its gateway key, progress, each
+step's figures, finish), and the reaper for runs whose worker went quiet.
 
 A run's status moves only through ``run_transition`` (the table is
 loadtests.models.ALLOWED); each move is on the deployment's timeline.
@@ -16,9 +16,9 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from common.errors import ConfirmationRequired, InvalidTransition, NotFound, ValidationFailed
 from common.version import gantry_version
 from deployments import events, outbox, queues, trtllm
-from deployments.errors import ConfirmationRequired, InvalidTransition, NotFound, ValidationFailed
 from deployments.models import Deployment, DeploymentModel, DeploymentStatus
 from deployments.permissions import require_operator
 from gateway import services as gateway
@@ -53,6 +53,7 @@ def run_transition(*, run_id: int, to: str, source: str, message: str = "", acto
             run.started_at = run.heartbeat_at = now
         if to not in ACTIVE:
             run.finished_at = now
+            run_keys_revoke(run_id=run.pk)  # the run's key ends with it, wherever it ends
         run.save(update_fields=["status", "status_message", "started_at", "heartbeat_at", "finished_at"])
         events.record(
             kind=f"loadtest.{to}",
@@ -343,8 +344,24 @@ def run_report(*, run_id: int, progress: dict[str, Any], log_tail: str | None = 
     return run.status
 
 
+def run_key_issue(*, run_id: int, valid_s: int) -> str:
+    """A gateway key for the run's load generator, scoped to the run's alias and
+    valid for ``valid_s``; its secret, once. An earlier key of the run (a task
+    delivered again) is revoked. It is revoked when the run ends (run_transition)."""
+    run = LoadTest.objects.select_related("created_by").get(pk=run_id)
+    if run.created_by is None:
+        raise InvalidTransition("the user who asked for this load test no longer exists")
+    run_keys_revoke(run_id=run_id)
+    return gateway.key_create(
+        name=f"{KEY_NAME_PREFIX}{run_id}",
+        user=run.created_by,
+        alias_names=[run.alias],
+        expires_at=timezone.now() + dt.timedelta(seconds=valid_s),
+    ).secret
+
+
 def run_keys_revoke(*, run_id: int) -> None:
-    """Revoke the gateway key a run made for itself (when it ends, or its worker died)."""
+    """Revoke the gateway key a run made for itself (when it ends, however it ends)."""
     for key_id in ApiKey.objects.filter(name=f"{KEY_NAME_PREFIX}{run_id}", revoked_at__isnull=True).values_list(
         "pk", flat=True
     ):

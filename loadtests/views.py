@@ -7,7 +7,7 @@ from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
 
-from deployments.errors import NotFound, ValidationFailed
+from common.errors import NotFound, ValidationFailed
 from deployments.permissions import can_operate
 from loadtests import selectors
 

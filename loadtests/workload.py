@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.errors import ValidationFailed
 from common.words import a
-from deployments.errors import ValidationFailed
 from deployments.models import ModelKind
 
 MODES = ("concurrency", "rate")

@@ -18,13 +18,14 @@ from rest_framework.views import APIView
 
 from access.services import bearer_secret, token_user, token_user_if_known
 from common import jsonbody
-from controlplane.ttl_cache import MISSING
+from common.errors import GantryError
+from common.problems import problem
+from common.ttl_cache import MISSING
 from deployments import chat_template
-from deployments.api.base import StrictSerializer, error_body, gantry_error, json_type_errors, problem, validated
-from deployments.errors import GantryError
+from deployments.api.base import StrictSerializer, error_body, gantry_error, json_type_errors, validated
 from deployments.permissions import CanView, can_view
-from playground.generation import MAX_PROMPT_CHARS, Outcome, Sampling, cached_route, generate, prepare_generation
-from playground.services import MAX_TEXT_CHARS, MAX_TEXTS, embed_texts, rerank_passages
+from inference.embeddings import MAX_TEXT_CHARS, MAX_TEXTS, embed_texts, rerank_passages
+from inference.generation import MAX_PROMPT_CHARS, Outcome, Sampling, cached_route, generate, prepare_generation
 
 
 class EmbedIn(StrictSerializer):

@@ -17,8 +17,8 @@ import re
 from typing import Any
 
 from access.services import bearer_secret
-from controlplane.asgi_io import BodyTooLarge, read_body, send_json, stream_events
-from deployments.api.base import problem
+from common.asgi_io import BodyTooLarge, read_body, send_json, stream_events
+from common.problems import problem
 from playground.api import _token_may_view, _token_may_view_cached, generate_answer
 
 GENERATE = re.compile(r"^/api/deployments/(\d+)/generate/$")

@@ -13,7 +13,7 @@ from deployments.models import BuildStatus, Deployment, EngineBuild, GpuHost, Re
 from deployments.services import builds, deployments, hosts, registered_models
 from deployments.services.hosts import GpuReport
 from deployments.services.placements import PlacementSpec
-from workers.runtimes.base import LaunchSpec
+from triton_server.server import LaunchSpec
 
 # The builder image the unit tests allow-list, with the digest its host reports.
 IMAGE = "tritonserver:24.12-trtllm-python-py3"

@@ -23,9 +23,9 @@ from django.db import close_old_connections
 from deployments.queues import host_queue
 from deployments.services import hosts
 from workers import broker, loadtest, nvml
-from workers.build import executors
-from workers.build import reconcile as build_reconcile
 from workers.deploy import reconcile as deploy_reconcile
+from workers.engines import executors
+from workers.engines import reconcile as build_reconcile
 from workers.jobs import source
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import redis
 from django.conf import settings
 
+from common.errors import InvalidTransition
 from deployments import outbox
-from deployments.errors import InvalidTransition
 from deployments.models import BuildStatus, Deployment, EngineBuild, Inspection, RegisteredModel
 from deployments.services import builds, deployments, hosts, registered_models
 from loadtests import services as loadtest_services

@@ -95,7 +95,7 @@ def _images() -> Finding:
     images = list(dict.fromkeys([*settings.GANTRY_ALLOWED_IMAGES, *settings.GANTRY_BUILDER_IMAGES]))
     if not images:
         return Finding("Triton images", OK, "none allowed (GANTRY_ALLOWED_IMAGES is empty): the process runtime only")
-    from deployments.errors import GantryError
+    from common.errors import GantryError
     from workers.runtimes.docker import image_digests
 
     try:
@@ -114,7 +114,7 @@ def _images() -> Finding:
 
 
 def _tritonserver() -> Finding:
-    from deployments.errors import PermanentError
+    from common.errors import PermanentError
     from workers.runtimes.process import triton_binary
 
     try:
@@ -183,7 +183,7 @@ def _install_images() -> list[str]:
     images = list(dict.fromkeys([*settings.GANTRY_ALLOWED_IMAGES, *settings.GANTRY_BUILDER_IMAGES]))
     if not images:
         return []
-    from deployments.errors import GantryError
+    from common.errors import GantryError
     from workers.runtimes.docker import image_digests, image_pull
 
     try:

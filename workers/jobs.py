@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from django.conf import settings
 
-from deployments.errors import GantryError, ValidationFailed
+from common.errors import GantryError, ValidationFailed
 
 log = logging.getLogger(__name__)
 

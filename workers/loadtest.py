@@ -33,17 +33,16 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
+from common.errors import InvalidTransition, TransientError
 from deployments import trtllm
-from deployments.errors import TransientError
 from deployments.models import Deployment, DeploymentModel, DeploymentStatus, ModelKind
-from gateway import services as gateway
 from loadtests import services
 from loadtests import workload as workloads
 from loadtests.models import LoadTest, RunStatus
+from triton_server import metrics
 from workers import native_bench, nvml, processes
-from workers.build.executors import NativeExecutor
+from workers.engines.executors import NativeExecutor
 from workers.jobs import JobFailed, run_job, source
-from workers.triton import metrics
 
 log = logging.getLogger(__name__)
 
@@ -343,8 +342,8 @@ def run_folder(run_id: int) -> Path:
 def reconcile_runs() -> None:
     """Stop what a dead worker left on this host: for each load test still marked
     running here whose heartbeat stopped, its AIPerf (if it still runs: it has a
-    process group of its own, so it outlives a SIGKILLed worker) and the run's
-    gateway key; the run fails, keeping the steps it finished."""
+    process group of its own, so it outlives a SIGKILLed worker); the run fails
+    (which revokes its gateway key), keeping the steps it finished."""
     cutoff = timezone.now() - dt.timedelta(seconds=ORPHAN_AFTER_S)
     orphans = LoadTest.objects.filter(
         deployment__host__name=settings.GANTRY_HOST_NAME,
@@ -361,7 +360,6 @@ def reconcile_runs() -> None:
                 groups.add(os.getpgid(pid))
         for pgid in groups:  # the generator and its workers: one group each
             processes.terminate_group(pgid, grace_s=10.0)
-        services.run_keys_revoke(run_id=run.pk)
         services.run_finish(
             run_id=run.pk,
             status=RunStatus.FAILED,
@@ -406,36 +404,27 @@ def _run(run: LoadTest) -> None:
     placement = deployment.placements.select_related("registered_model", "engine_build").get(
         triton_name=run.triton_name
     )
-    owner = run.created_by
-    if owner is None:
-        raise JobFailed("the user who asked for this load test no longer exists")
     plan = workloads.steps(run.workload)
-    bound_s = len(plan) * _step_limit_s(run.workload)
-    key = gateway.key_create(
-        name=f"{services.KEY_NAME_PREFIX}{run.pk}",
-        user=owner,
-        alias_names=[run.alias],
-        expires_at=timezone.now() + dt.timedelta(seconds=bound_s + 300),
-    )
+    try:
+        key = services.run_key_issue(run_id=run.pk, valid_s=len(plan) * _step_limit_s(run.workload) + 300)
+    except InvalidTransition as exc:
+        raise JobFailed(str(exc)) from exc
     workdir = run_folder(run.pk)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     triton = f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.http_port}"
-    try:
-        for index, (target, level) in enumerate(plan):
-            step = Step(target=target, level=level, index=index, total=len(plan))
-            try:
-                if target == "native":
-                    _native_step(run, step, deployment=deployment, placement=placement,
-                                 workdir=workdir / f"{index}-{target}")  # fmt: skip
-                else:
-                    _step(run, step, key=key.secret, deployment=deployment, triton_url=triton,
-                          tokenizer=placement.registered_model.path, workdir=workdir / f"{index}-{target}")  # fmt: skip
-            except _Stop as stop:
-                services.run_finish(run_id=run.pk, status=stop.status, message=stop.reason, source=source())
-                return
-    finally:
-        services.run_keys_revoke(run_id=run.pk)
+    for index, (target, level) in enumerate(plan):
+        step = Step(target=target, level=level, index=index, total=len(plan))
+        try:
+            if target == "native":
+                _native_step(run, step, deployment=deployment, placement=placement,
+                             workdir=workdir / f"{index}-{target}")  # fmt: skip
+            else:
+                _step(run, step, key=key, deployment=deployment, triton_url=triton,
+                      tokenizer=placement.registered_model.path, workdir=workdir / f"{index}-{target}")  # fmt: skip
+        except _Stop as stop:
+            services.run_finish(run_id=run.pk, status=stop.status, message=stop.reason, source=source())
+            return
     done = len(plan)
     services.run_finish(run_id=run.pk, status=RunStatus.SUCCEEDED,
                         message=f"{done} step(s) measured", source=source())  # fmt: skip

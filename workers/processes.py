@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from deployments.errors import PermanentError
+from common.errors import PermanentError
 
 # What a program Gantry runs for a user (tritonserver and the model code in its
 # stubs, build steps, load generators) may see of the worker's environment. An

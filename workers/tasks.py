@@ -13,8 +13,8 @@ from workers import (
     agent,  # noqa: F401 - importing agent connects it to worker start
     loadtest,
 )
-from workers.build import run
 from workers.deploy import lifecycle
+from workers.engines import run
 from workers.jobs import run_job, source
 
 

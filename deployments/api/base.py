@@ -12,7 +12,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from deployments.errors import (
+from common.errors import (
     ConfirmationRequired,
     GantryError,
     InvalidTransition,
@@ -22,6 +22,7 @@ from deployments.errors import (
     TransientError,
     ValidationFailed,
 )
+from common.problems import problem
 from deployments.models import DB_INT_MAX
 
 # Each of Gantry's errors: its status code and machine-readable code.
@@ -35,13 +36,6 @@ _STATUS_FOR: dict[type[GantryError], tuple[int, str]] = {
     TransientError: (status.HTTP_503_SERVICE_UNAVAILABLE, "unavailable"),
     PermanentError: (status.HTTP_400_BAD_REQUEST, "refused"),
 }
-
-
-def problem(code: int, kind: str, detail: str, errors: dict[str, list[str]] | None = None) -> dict[str, Any]:
-    """The one shape of every error under /api/: the status code again, a
-    machine-readable ``code``, a ``detail`` line for people, and for bad input
-    ``errors``: each broken rule by field path (``spec.dtype``, ``models[0].gpu_ids``)."""
-    return {"status": code, "code": kind, "detail": detail, "errors": errors or {}}
 
 
 def gantry_error(exc: GantryError) -> tuple[dict[str, Any], int]:

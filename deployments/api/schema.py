@@ -1,6 +1,6 @@
 """The OpenAPI schema's view of Gantry's API (drf-spectacular): each list's
 query parameters come from its ``query_class``, and every operation lists the
-errors it can answer, in the one error shape (deployments.api.base.problem)."""
+errors it can answer, in the one error shape (common.problems.problem)."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from common.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments import build_spec, events, outbox, queues, selectors, states
-from deployments.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments.models import BuildExecutor, BuildLogLine, EngineBuild, GpuHost, RegisteredModel
 from deployments.models import BuildStatus as B
 from deployments.permissions import require_operator

@@ -15,8 +15,8 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Max, Q
 
+from common.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments import events, outbox, queues, selectors, states
-from deployments.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments.gpu_plan import Holder, host_plan, plan_problems
 from deployments.models import (
     Deployment,

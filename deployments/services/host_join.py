@@ -17,8 +17,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from common.errors import NotFound, PermissionDenied, ValidationFailed
 from deployments import events, host_access
-from deployments.errors import NotFound, PermissionDenied, ValidationFailed
 from deployments.models import GpuHost, HostCredential, HostJoinToken, slug_validator
 from deployments.permissions import can_admin
 

@@ -21,9 +21,9 @@ from typing import Any
 from django.conf import settings
 from django.core.validators import MaxValueValidator
 
+from common.errors import ValidationFailed
 from common.words import a
 from deployments import trtllm
-from deployments.errors import ValidationFailed
 from deployments.gpu_plan import (
     Holder,
     dtype_bytes,

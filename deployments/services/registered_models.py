@@ -9,10 +9,10 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
+from common.errors import InvalidTransition, NotFound, ValidationFailed
 from common.words import a
 from deployments import events, outbox, queues, states
 from deployments.checkpoints import CheckpointInfo, inspect_checkpoint, under_roots
-from deployments.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments.models import GpuHost, Inspection, ModelKind, RegisteredModel
 from deployments.permissions import require_operator
 

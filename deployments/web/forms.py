@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from django import forms
 
+from common.errors import GantryError, ValidationFailed
 from deployments import build_spec, selectors, trtllm
-from deployments.errors import GantryError, ValidationFailed
 from deployments.models import DB_INT_MAX, BuildStatus, ModelKind, slug_validator
 
 

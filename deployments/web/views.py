@@ -17,8 +17,8 @@ from django.forms import Form
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 
+from common.errors import GantryError
 from deployments import selectors
-from deployments.errors import GantryError
 from deployments.models import (
     GENERATIVE_BACKENDS,
     BuildStatus,

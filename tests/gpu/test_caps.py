@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from deployments.errors import GantryError
+from common.errors import GantryError
 from tests.factories import launch_spec
 from tests.gpu.control_plane import TOKENIZER, free_port
+from triton_server.client import TritonClient
+from triton_server.config import EMBED, Batching, CausalLmSpec, Instances, PythonModelSpec
+from triton_server.repository import write_repository
 from workers import nvml
 from workers.runtimes.process import ProcessRuntime
-from workers.triton.client import TritonClient
-from workers.triton.config import EMBED, Batching, CausalLmSpec, Instances, PythonModelSpec
-from workers.triton.repository import write_repository
 from workers.untrained import make_untrained_encoder, make_untrained_llm
 
 pytestmark = pytest.mark.gpu

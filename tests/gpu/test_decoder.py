@@ -2,14 +2,14 @@
 graphs (decode steps and prefills) are captured and replay exactly what the
 eager passes compute, and its greedy tokens match transformers' own generate
 while sequences join and leave.
-The CPU checks of the same decoder are tests/unit/workers/triton/test_decode.py."""
+The CPU checks of the same decoder are tests/unit/triton_server/test_decode.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.unit.workers.triton.test_decode import Bucketed, Request, gantry_decode, generate, llama, prompt, serve
+from tests.unit.triton_server.test_decode import Bucketed, Request, gantry_decode, generate, llama, prompt, serve
 
 pytestmark = pytest.mark.gpu
 

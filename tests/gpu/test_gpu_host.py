@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from deployments.errors import ValidationFailed
+from common.errors import ValidationFailed
 from deployments.models import BuildStatus, EngineBuild, GpuHost
 from deployments.services import deployments, hosts
 from deployments.services.placements import PlacementSpec
 from tests.factories import LLAMA, registered_model, write_checkpoint
+from triton_server.server import LaunchSpec
 from workers import nvml
 from workers.runtimes import docker as docker_engine
-from workers.runtimes.base import LaunchSpec
 
 # Not transactional: nothing is queued (there is no broker on the GPU machine), the test runs the host side itself.
 pytestmark = [pytest.mark.gpu, pytest.mark.django_db]

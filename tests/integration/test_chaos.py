@@ -272,8 +272,9 @@ def test_postgres_restarted_under_a_running_deployment_is_survived(
 def test_a_server_a_dead_worker_started_without_recording_it_is_stopped_before_a_new_launch(tmp_path: Path):
     """The state a worker SIGKILLed between starting tritonserver and recording it
     leaves: a real server nobody's row names, holding the deployment's ports."""
+    from triton_server.server import LaunchSpec
     from workers import processes
-    from workers.runtimes.base import LaunchSpec, busy_ports
+    from workers.runtimes.base import busy_ports
     from workers.runtimes.process import ProcessRuntime, _triton_dist, server_environment
 
     repository = tmp_path / "deployments" / "7-leftover" / "repository"

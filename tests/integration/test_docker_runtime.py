@@ -210,7 +210,7 @@ def test_a_new_generation_reaches_a_running_container_even_with_new_folders(
 def test_a_container_log_docker_cannot_read_is_an_error_that_names_the_cause(image: str, engine, tmp_path: Path):
     """A container whose logging driver keeps nothing: reading its log says so
     (for the timeline, a failure's tail and a build's log) instead of an empty log."""
-    from deployments.errors import TransientError
+    from common.errors import TransientError
     from tests import factories
     from workers.runtimes.docker import BuildContainer, DockerRuntime
 

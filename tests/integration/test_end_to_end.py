@@ -106,7 +106,7 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
     assert allowed.status_code == 200 and allowed.json()[0]["state"] == "READY"
     # ...and that secret is on no command line on this host, while the server's
     # model stubs inherit neither the library that put it in place nor the rule
-    # file's name (workers/triton/secret.py).
+    # file's name (triton_server/secret.py).
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         with contextlib.suppress(OSError):
             assert row.admin_secret.encode() not in cmdline.read_bytes(), cmdline

@@ -24,10 +24,10 @@ from transformers import AutoTokenizer
 
 from tests import factories
 from tests.integration.conftest import ROOT, free_ports, wait_for
+from triton_server.client import TritonClient, generate_stream
+from triton_server.config import Batching, TrtllmSpec, parse_text, to_text
+from triton_server.repository import write_repository
 from workers.runtimes.process import ProcessRuntime
-from workers.triton.client import TritonClient, generate_stream
-from workers.triton.config import Batching, TrtllmSpec, parse_text, to_text
-from workers.triton.repository import write_repository
 from workers.untrained import make_untrained_llm
 
 pytestmark = pytest.mark.integration

@@ -20,11 +20,14 @@ from typing import Any
 
 from django.conf import settings
 
+from common.errors import GantryError, InvalidTransition, PermanentError, TransientError
 from deployments import states
-from deployments.errors import GantryError, InvalidTransition, PermanentError, TransientError
 from deployments.models import Deployment
 from deployments.models import DeploymentStatus as S
 from deployments.services import builds, deployments
+from triton_server.config import CONFIG_FILE
+from triton_server.repository import ModelSpec, write_repository
+from triton_server.server import LaunchSpec
 from workers import nvml
 from workers.deploy.plan import (
     current_status,
@@ -37,9 +40,7 @@ from workers.deploy.plan import (
     triton_client,
 )
 from workers.jobs import JobFailed, run_job, source
-from workers.runtimes.base import LaunchSpec, Runtime, busy_ports
-from workers.triton.config import CONFIG_FILE
-from workers.triton.repository import ModelSpec, write_repository
+from workers.runtimes.base import Runtime, busy_ports
 
 log = logging.getLogger(__name__)
 

@@ -9,17 +9,13 @@ from pathlib import Path
 
 from django.conf import settings
 
+from common.errors import PermanentError
 from deployments import trtllm
-from deployments.errors import PermanentError
 from deployments.gpu_plan import DEFAULT_KV_CACHE_SHARE, placement_gpus, resolve_instances, transformers_max_seq_len
 from deployments.models import Backend, Deployment, DeploymentModel, ModelKind
 from deployments.models import Runtime as DeploymentRuntime
-from workers.build.verify import engine_files_problem
-from workers.runtimes.base import LaunchSpec, Runtime
-from workers.runtimes.docker import DockerRuntime
-from workers.runtimes.process import ProcessRuntime
-from workers.triton.client import TritonClient
-from workers.triton.config import (
+from triton_server.client import TritonClient
+from triton_server.config import (
     EMBED,
     LLMAPI_CONFIG_FILE,
     RERANK,
@@ -30,7 +26,12 @@ from workers.triton.config import (
     PythonModelSpec,
     TrtllmSpec,
 )
-from workers.triton.repository import ModelSpec
+from triton_server.repository import ModelSpec
+from triton_server.server import LaunchSpec
+from workers.engines.verify import engine_files_problem
+from workers.runtimes.base import Runtime
+from workers.runtimes.docker import DockerRuntime
+from workers.runtimes.process import ProcessRuntime
 
 
 @dataclass(frozen=True)

@@ -17,21 +17,21 @@ from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
 
+from common.errors import InvalidTransition, TransientError
 from deployments import states
-from deployments.errors import InvalidTransition, TransientError
 from deployments.models import Deployment, DesiredState, Event
 from deployments.models import DeploymentStatus as S
 from deployments.models import Runtime as DeploymentRuntime
 from deployments.services import deployments, hosts
+from triton_server.client import Readiness
+from triton_server.server import STOP_GRACE_S, LaunchSpec
 from workers import nvml
 from workers.deploy import telemetry
 from workers.deploy.lifecycle import failer, host_lock_held, mark_ready, roll_back
 from workers.deploy.plan import launch_spec, load, runtime_for, triton_client
 from workers.jobs import run_job, source
-from workers.runtimes.base import LaunchSpec, Runtime
+from workers.runtimes.base import Runtime
 from workers.runtimes.docker import Container, DockerRuntime
-from workers.triton.client import Readiness
-from workers.triton.server import STOP_GRACE_S
 
 log = logging.getLogger(__name__)
 

@@ -9,13 +9,14 @@ from pathlib import Path
 
 from django.conf import settings
 
-from deployments.errors import TransientError
+from common.errors import TransientError
 from deployments.models import Deployment
 from deployments.services import deployments, telemetry
+from triton_server import metrics
+from triton_server.server import LaunchSpec
 from workers import nvml
 from workers.jobs import source
-from workers.runtimes.base import LaunchSpec, Runtime
-from workers.triton import metrics
+from workers.runtimes.base import Runtime
 
 log = logging.getLogger(__name__)
 

@@ -1,48 +1,24 @@
-"""What every runtime shares: the LaunchSpec a deployment's server is started
-from, the Runtime interface, and the host's port probe.
+"""What every runtime shares: the Runtime interface, how a server ended, and the
+host's port probe.
 
-Both runtimes (runtimes.process, runtimes.docker) take the same LaunchSpec and
+Both runtimes (runtimes.process, runtimes.docker) take the same LaunchSpec
+(triton_server.server) and
 hand back an opaque handle (a process id, a container id) that Gantry stores
 on the deployment.
 """
 
 from __future__ import annotations
 
-import fcntl
 import signal
 import socket
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from triton_server.server import LaunchSpec
 from workers import processes
 
 # The most server log lines the agent ships per deployment and heartbeat.
 MAX_LOG_LINES = 500
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    deployment_id: int
-    generation: int
-    repository: Path
-    models: list[str]
-    http_port: int
-    grpc_port: int
-    metrics_port: int
-    log_path: Path
-    bind_address: str = "127.0.0.1"
-    image: str = ""  # docker only
-    gpu_ids: tuple[int, ...] = ()
-    ulimits: tuple[tuple[str, int, int], ...] = ()  # docker only: (name, soft, hard)
-    read_only_mounts: tuple[Path, ...] = ()  # docker only: folders the models read (checkpoints)
-    admin_secret: str = ""  # required by Triton's model-repository and logging APIs
-    shm_size_mib: int = 2048  # docker only: the container's /dev/shm
-    log_verbose: int = 0  # tritonserver --log-verbose
-    extra_env: dict[str, str] = field(default_factory=dict)
-    world_size: int = 1  # > 1: one MPI rank per GPU of a multi-GPU engine
-    engine_models: list[str] = field(default_factory=list)  # what ranks above 0 load
 
 
 @dataclass(frozen=True)
@@ -70,19 +46,6 @@ class ServerExit:
         if self.returncode is not None and self.returncode < 0:
             data["signal"] = -self.returncode
         return data
-
-
-def make_once(folder: Path, done: Callable[[], bool], make: Callable[[], None]) -> None:
-    """``make()`` unless ``done()``, under a file lock in ``folder``: what a host
-    prepares for its servers (the backends folder, the secret library) is made
-    once, whichever of its worker processes asks first."""
-    if done():
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done():
-            make()
 
 
 def busy_ports(address: str, ports: list[int]) -> list[int]:

@@ -22,11 +22,11 @@ import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import DeviceRequest, Mount, Ulimit
 
-from deployments.errors import PermanentError, TransientError
-from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec, ServerExit
-from workers.triton import secret
-from workers.triton.secret import SecretFiles
-from workers.triton.server import STOP_GRACE_S, server_command, server_settings
+from common.errors import PermanentError, TransientError
+from triton_server import secret
+from triton_server.secret import SecretFiles
+from triton_server.server import STOP_GRACE_S, LaunchSpec, server_command, server_settings
+from workers.runtimes.base import MAX_LOG_LINES, ServerExit
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def container_name(spec: LaunchSpec) -> str:
 
 def run_options(spec: LaunchSpec, host_name: str, secret_files: SecretFiles | None = None) -> dict:
     """Everything ``containers.run`` gets, for review and tests: no free-form flags.
-    ``secret_files``: how the admin secret reaches the server (workers.triton.secret):
+    ``secret_files``: how the admin secret reaches the server (triton_server.secret):
     the library is mounted read-only at its host path; the rule file lies in the
     deployment's folder, mounted already."""
     # The deployment's folder, not the repository in it: a new generation's

@@ -17,11 +17,12 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from deployments.errors import PermanentError, TransientError
+from common.errors import PermanentError, TransientError
+from common.once import make_once
+from triton_server import secret
+from triton_server.server import STOP_GRACE_S, LaunchSpec, server_settings, tritonserver_args
 from workers import processes
-from workers.runtimes.base import MAX_LOG_LINES, LaunchSpec, ServerExit, make_once
-from workers.triton import secret
-from workers.triton.server import STOP_GRACE_S, server_settings, tritonserver_args
+from workers.runtimes.base import MAX_LOG_LINES, ServerExit
 
 log = logging.getLogger(__name__)
 

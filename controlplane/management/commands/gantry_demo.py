@@ -36,11 +36,11 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 
 from access.services import admin_ensure
+from common.errors import GantryError
 from controlplane.celery import host_worker_argv
 from controlplane.serving import live_argv, port_taken, web_argv
 from deployments import states
 from deployments.checkpoints import UNTRAINED_NOTICE
-from deployments.errors import GantryError
 from deployments.models import Deployment, DeploymentStatus, GpuHost, Inspection, RegisteredModel
 from deployments.services import deployments, hosts, registered_models
 from deployments.services.placements import PlacementSpec

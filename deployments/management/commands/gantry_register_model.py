@@ -6,7 +6,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from deployments.errors import ValidationFailed
+from common.errors import ValidationFailed
 from deployments.models import ModelKind, RegisteredModel
 from deployments.services import registered_models
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.errors import ValidationFailed
+from common.errors import ValidationFailed
 from deployments.models import EngineBuild, GpuHost
 from deployments.services import builds
 from tests import factories
-from workers.build import executors
+from workers.engines import executors
 
 
 def request(operator, **spec):  # noqa: ANN001, ANN003, ANN201

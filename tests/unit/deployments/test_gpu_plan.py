@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.errors import InvalidTransition, ValidationFailed
 from deployments import selectors
-from deployments.errors import InvalidTransition, ValidationFailed
 from deployments.gpu_plan import transformers_needs
 from deployments.models import Deployment, DeploymentStatus, RegisteredModel
 from deployments.services import deployments

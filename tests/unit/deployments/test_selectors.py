@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.errors import NotFound
 from deployments import selectors
-from deployments.errors import NotFound
 from tests import factories
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.errors import InvalidTransition
 from deployments import states
-from deployments.errors import InvalidTransition
 from deployments.models import Deployment, Event
 from deployments.models import DeploymentStatus as S
 from deployments.services import deployments

@@ -5,7 +5,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from access.models import secret_digest
-from deployments.errors import PermissionDenied, ValidationFailed
+from common.errors import PermissionDenied, ValidationFailed
 from deployments.models import Event
 from gateway import services
 from gateway.models import ApiKey, Usage

@@ -9,7 +9,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from deployments.errors import ValidationFailed
+from common.errors import ValidationFailed
 from loadtests import selectors, services
 from loadtests.models import LoadTest
 

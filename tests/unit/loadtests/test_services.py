@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 from django.utils import timezone
 
+from common.errors import ConfirmationRequired, InvalidTransition, ValidationFailed
 from deployments import queues
-from deployments.errors import ConfirmationRequired, InvalidTransition, ValidationFailed
 from deployments.models import OutboxMessage
 from gateway import services as gateway
 from gateway.models import Alias
@@ -85,7 +85,7 @@ def test_an_alias_of_another_deployment_is_refused_by_field(ready, operator):  #
 
 
 def test_a_viewer_cannot_start_a_run(ready, viewer):  # noqa: ANN001
-    from deployments.errors import PermissionDenied
+    from common.errors import PermissionDenied
 
     with pytest.raises(PermissionDenied):
         _start(ready, viewer)

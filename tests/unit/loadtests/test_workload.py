@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.errors import ValidationFailed
+from common.errors import ValidationFailed
 from loadtests import workload
 
 

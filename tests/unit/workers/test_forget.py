@@ -6,8 +6,8 @@ from __future__ import annotations
 from deployments.models import Deployment, Event
 from deployments.services import hosts
 from workers import tasks
-from workers.build.run import work_dir
 from workers.deploy.plan import paths_for
+from workers.engines.run import work_dir
 
 
 def test_files_that_cannot_be_removed_are_on_the_hosts_timeline(db, settings, tmp_path):  # noqa: ANN001

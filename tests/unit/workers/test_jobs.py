@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from deployments.errors import PermanentError, TransientError, ValidationFailed
+from common.errors import PermanentError, TransientError, ValidationFailed
 from workers.jobs import JobFailed, run_job
 
 

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from loadtests.models import LoadTest
+from triton_server import metrics
 from workers import loadtest
-from workers.triton import metrics
 
 
 def _run(kind: str, **workload) -> LoadTest:  # noqa: ANN003

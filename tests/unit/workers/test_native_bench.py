@@ -10,7 +10,7 @@ from pathlib import Path
 from deployments import trtllm
 from deployments.services.hosts import GpuReport
 from workers import native_bench
-from workers.build.executors import NativeExecutor
+from workers.engines.executors import NativeExecutor
 from workers.nvml import Inventory
 
 WORKLOAD = {"seed": 5, "input_tokens": 12, "output_tokens": 7, "dataset": None}

@@ -11,7 +11,7 @@ from django.utils import timezone
 from deployments.models import BuildStatus, EngineBuild, Event
 from deployments.services import builds
 from tests import factories
-from workers.build import run
+from workers.engines import run
 
 
 def request(operator, **spec):  # noqa: ANN001, ANN003, ANN201

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.errors import InvalidTransition, ValidationFailed
 from deployments import states
-from deployments.errors import InvalidTransition, ValidationFailed
 from deployments.models import Deployment, DeploymentStatus, RevisionStatus
 from deployments.services import deployments
 from deployments.services.placements import PlacementSpec

@@ -13,8 +13,8 @@ import redis
 from django.contrib.auth.models import User
 from django.utils import timezone
 
+from common.errors import PermissionDenied, ValidationFailed
 from deployments import host_access
-from deployments.errors import PermissionDenied, ValidationFailed
 from deployments.models import Event, GpuHost, HostCredential, HostJoinToken
 from deployments.services import host_join
 

@@ -7,8 +7,8 @@ import re
 import pytest
 from django.utils import timezone
 
+from common.errors import ValidationFailed
 from deployments import selectors
-from deployments.errors import ValidationFailed
 from deployments.gpu_plan import kv_bytes_per_token, kv_cache_tokens
 from deployments.models import BuildStatus, EngineBuild, GpuHost, RegisteredModel
 from deployments.services import deployments

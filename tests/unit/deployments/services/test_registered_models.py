@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from deployments.errors import PermissionDenied, ValidationFailed
+from common.errors import PermissionDenied, ValidationFailed
 from deployments.models import Event, Inspection
 from deployments.services import registered_models
 from tests import factories

@@ -12,18 +12,18 @@ import json
 import pytest
 from django.utils import timezone
 
+from common.errors import ValidationFailed
 from deployments import selectors
-from deployments.errors import ValidationFailed
 from deployments.models import BuildStatus, EngineBuild, GpuHost, RegisteredModel
 from deployments.services import builds, deployments
 from deployments.services.deployments import ServerSpec
 from deployments.services.placements import PlacementSpec
 from tests import factories
+from triton_server.config import read_config
+from triton_server.repository import write_repository
+from triton_server.server import tritonserver_args
 from workers.deploy import plan
 from workers.runtimes.docker import run_options
-from workers.triton.config import read_config
-from workers.triton.repository import write_repository
-from workers.triton.server import tritonserver_args
 
 NEWER = "tritonserver:25.06-trtllm-python-py3"
 GPT_OSS_IMAGE = "tritonserver:25.10-trtllm-python-py3"

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
+from common.errors import ValidationFailed
 from deployments import selectors
-from deployments.errors import ValidationFailed
 from deployments.services import deployments
 from deployments.services.placements import PlacementSpec
 from tests import factories
+from triton_server.config import read_config
+from triton_server.repository import write_repository
 from workers.deploy import plan
-from workers.triton.config import read_config
-from workers.triton.repository import write_repository
 
 
 def _refusal(callable_) -> dict:  # noqa: ANN001

@@ -10,10 +10,10 @@ from deployments import states
 from deployments.models import Deployment, DeploymentStatus, Event, OutboxMessage
 from deployments.services import deployments, hosts
 from deployments.services.placements import PlacementSpec
+from triton_server.client import TritonClient
 from workers import processes
 from workers.deploy import lifecycle, reconcile
 from workers.runtimes.docker import Container
-from workers.triton.client import TritonClient
 
 
 def _launching_deployment(settings, minilm, operator, age_s: int) -> Deployment:

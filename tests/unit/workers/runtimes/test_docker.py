@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 from tests import factories
-from workers.runtimes.base import LaunchSpec
+from triton_server.secret import SecretFiles
+from triton_server.server import LaunchSpec
 from workers.runtimes.docker import BuildContainerSpec, build_run_options, run_options
-from workers.triton.secret import SecretFiles
 
 
 def _spec(**overrides) -> LaunchSpec:  # noqa: ANN003

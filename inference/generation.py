@@ -1,0 +1,249 @@
+"""Generating text with a ready deployment's LLM, whatever serves it (the
+transformers model, the TensorRT-LLM ensemble, the LLM API): every route takes
+the same generate interface, so this module never looks at a route's internals.
+
+``prepare_generation`` (sync: database reads) checks the request against the
+deployment and the checkpoint and renders chat messages with the checkpoint's
+template; ``generate`` (async) streams the model's pieces of text with their
+timings. The REST generate action, the browser's chat and the gateway all go
+through both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.errors import InvalidTransition, NotFound, ValidationFailed
+from common.ttl_cache import TtlCache
+from deployments import chat_template
+from deployments.gpu_plan import transformers_max_seq_len
+from deployments.models import GENERATIVE_BACKENDS, Backend, Deployment, DeploymentModel, DeploymentStatus
+from triton_server.client import generate_stream
+
+MAX_PROMPT_CHARS = 200_000
+DEFAULT_MAX_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What a caller may ask of generation; None leaves the model's default."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked request, ready for Triton."""
+
+    url: str
+    model: str  # the Triton model (the placement's name)
+    inputs: dict[str, Any]
+    max_tokens: int
+    notice: str = ""  # what the user must know about the checkpoint (e.g. untrained)
+
+
+@dataclass
+class Piece:
+    """Text the model added, and the tokens that text took."""
+
+    text: str
+    tokens: int
+
+
+@dataclass
+class Outcome:
+    """How a generation ended, for usage and the playground's figures."""
+
+    prompt_tokens: int | None = None  # None: not reported (yet)
+    completion_tokens: int = 0
+    finish_reason: str = "stop"
+    streamed: bool = True
+    started: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    ended: float | None = None
+
+    @property
+    def time_to_first_token_ms(self) -> float | None:
+        return None if self.first_token_at is None else round((self.first_token_at - self.started) * 1000, 2)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Streamed: output tokens per second after the first one arrived (the
+        decode rate). Not streamed: all of them over the whole request."""
+        if self.first_token_at is None or self.ended is None:
+            return None
+        if not self.streamed:
+            span = self.ended - self.started
+            return round(self.completion_tokens / span, 2) if span > 0 else None
+        span = self.ended - self.first_token_at
+        return round((self.completion_tokens - 1) / span, 2) if span > 0 and self.completion_tokens > 1 else None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "finish_reason": self.finish_reason,
+            "usage": {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": None if self.prompt_tokens is None else self.prompt_tokens + self.completion_tokens,
+            },
+            "time_to_first_token_ms": self.time_to_first_token_ms,
+            "duration_ms": None if self.ended is None else round((self.ended - self.started) * 1000, 2),
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+# Routes of ready LLM placements, kept a second per process so a busy door does
+# not read the database per request: a deployment stopped meanwhile answers 503
+# (its server is gone) for at most that second.
+_routes = TtlCache()
+
+
+def cached_route(deployment_id: int, model: str) -> dict[str, Any] | None:
+    """The route of a ready placement if it was read less than a second ago."""
+    return _routes.get((deployment_id, model))
+
+
+def read_route(deployment_id: int, model: str) -> dict[str, Any]:
+    """Where a deployment's LLM (named, or its first) is served and what its checkpoint
+    says, in one query; NotFound, ValidationFailed or InvalidTransition when it cannot
+    be asked now."""
+    candidates = DeploymentModel.objects.select_related("deployment__host", "registered_model", "engine_build").filter(
+        deployment_id=deployment_id, backend__in=GENERATIVE_BACKENDS
+    )
+    placement = (candidates.filter(triton_name=model) if model else candidates).order_by("triton_name").first()
+    if placement is None:
+        name = Deployment.objects.filter(pk=deployment_id).values_list("name", flat=True).first()
+        if name is None:
+            raise NotFound(f"deployment {deployment_id} does not exist")
+        raise ValidationFailed({"model": f"{name} serves no llm" + (f" named {model!r}" if model else "")})
+    deployment = placement.deployment
+    if deployment.status not in {DeploymentStatus.READY, DeploymentStatus.DEGRADED}:
+        raise InvalidTransition(f"{deployment.name} is {deployment.status}; start it and wait until it is ready")
+    return _routes.put((deployment_id, model), route_of(placement))
+
+
+def route_of(placement: DeploymentModel) -> dict[str, Any]:
+    """What generation needs of an llm placement (loaded with its deployment, host
+    and registered model): where it is served and what its checkpoint says."""
+    deployment, checkpoint = placement.deployment, placement.registered_model
+    return {
+        "url": f"{deployment.host.address}:{deployment.http_port}",
+        "triton_name": placement.triton_name,
+        "model_name": checkpoint.name,
+        "chat_template": checkpoint.chat_template,
+        "special_tokens": checkpoint.special_tokens,
+        "context": served_context(placement),
+        "notice": checkpoint.notice,
+    }
+
+
+def served_context(placement: DeploymentModel) -> int | None:
+    """The most tokens (prompt and output) one sequence of the placement may hold:
+    its engine's max_seq_len, the transformers path's planned length, or the
+    checkpoint's positions."""
+    checkpoint = placement.registered_model
+    if placement.backend == Backend.TENSORRTLLM and placement.engine_build is not None:
+        return int(placement.engine_build.spec.get("max_seq_len") or 0) or checkpoint.max_position_embeddings
+    if placement.backend == Backend.TRANSFORMERS:
+        return transformers_max_seq_len(checkpoint, placement.max_seq_len)
+    return placement.max_seq_len or checkpoint.max_position_embeddings
+
+
+def prepare_generation(
+    *,
+    deployment_id: int | None = None,
+    model: str = "",
+    prompt: str | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    sampling: Sampling,
+    route: dict[str, Any] | None = None,
+) -> Prepared:
+    """Check a generation request against the deployment and its checkpoint.
+
+    Exactly one of ``prompt`` and ``messages``; chat messages become the prompt
+    through the checkpoint's chat template. ValidationFailed names the field.
+    Give the deployment (and its model's name, or its first llm), or the
+    ``route`` a door already holds (cached_route, the gateway's alias), which
+    spares the database read.
+    """
+    if route is None:
+        if deployment_id is None:
+            raise TypeError("prepare_generation needs deployment_id or route")
+        route = read_route(deployment_id, model)
+    if (prompt is None) == (messages is None):
+        raise ValidationFailed({"prompt": "send either prompt or messages, not both and not neither"})
+    if messages is not None:
+        if not messages:
+            raise ValidationFailed({"messages": "must hold at least one message"})
+        prompt = chat_template.render(
+            route["chat_template"], messages, special_tokens=route["special_tokens"], model_name=route["model_name"]
+        )
+    if not prompt or not prompt.strip():
+        raise ValidationFailed({"prompt": "must not be empty"})
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ValidationFailed({"prompt": f"must be at most {MAX_PROMPT_CHARS} characters"})
+    context = route["context"]
+    if context and sampling.max_tokens >= context:
+        raise ValidationFailed(
+            {"max_tokens": f"must be below {context}, {route['model_name']}'s context (prompt and output together)"}
+        )
+    inputs: dict[str, Any] = {"text_input": prompt, "max_tokens": sampling.max_tokens}
+    for name, value in (
+        ("temperature", sampling.temperature),
+        ("top_p", sampling.top_p),
+        ("top_k", sampling.top_k),
+        ("random_seed", sampling.seed),
+        ("repetition_penalty", sampling.repetition_penalty),
+    ):
+        if value is not None:
+            inputs[name] = value
+    if sampling.stop:
+        inputs["stop_words"] = list(sampling.stop)
+    return Prepared(
+        url=route["url"], model=route["triton_name"], inputs=inputs, max_tokens=sampling.max_tokens,
+        notice=route["notice"],
+    )  # fmt: skip
+
+
+async def generate(prepared: Prepared, *, stream: bool, outcome: Outcome) -> AsyncIterator[Piece]:
+    """The model's pieces of text as they come; ``outcome`` is filled in as they do.
+
+    With ``stream`` off the model answers once with the whole text. Stopping the
+    iteration early (a client that went away) cancels the request in Triton.
+    """
+    outcome.streamed = stream
+    async for event in generate_stream(prepared.url, prepared.model, {**prepared.inputs, "stream": stream}):
+        text = _text(event.get("text_output"))
+        added = int(_first(event.get("num_output_tokens"), 0))
+        prompt_tokens = _first(event.get("num_input_tokens"), None)
+        if prompt_tokens is not None:
+            outcome.prompt_tokens = int(prompt_tokens)
+        outcome.completion_tokens += added
+        if (text or added) and outcome.first_token_at is None:
+            outcome.first_token_at = time.monotonic()
+        if text:
+            yield Piece(text=text, tokens=added)
+    outcome.ended = time.monotonic()
+    outcome.finish_reason = "length" if outcome.completion_tokens >= prepared.max_tokens else "stop"
+
+
+def _first(value: Any, default: Any) -> Any:
+    while isinstance(value, list):
+        if not value:
+            return default
+        value = value[0]
+    return default if value is None else value
+
+
+def _text(value: Any) -> str:
+    value = _first(value, "")
+    return value if isinstance(value, str) else str(value)

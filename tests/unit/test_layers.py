@@ -1,0 +1,123 @@
+"""The layers point one way: shared < domain < doors < project (README,
+"Architecture"). A module may import its own layer or one below; the host
+side (workers) reaches the web side only through tasks and the database, and
+the web side runs no host code. This walks every import of Gantry's own code
+and fails on one that runs back up."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SHARED, DOMAIN, DOORS, PROJECT = 0, 1, 2, 3
+# The packages of each layer; a door module inside a domain app is named by its
+# part of the path (api, web, views, ...), see _layer.
+PACKAGES = {
+    "common": SHARED,
+    "triton_server": SHARED,
+    "deployments": DOMAIN,
+    "access": DOMAIN,
+    "gateway": DOMAIN,
+    "loadtests": DOMAIN,
+    "inference": DOMAIN,
+    "playground": DOORS,
+    "workers": DOORS,
+    "controlplane": PROJECT,
+}
+DOOR_PARTS = {
+    "api",
+    "web",
+    "web_urls",
+    "schemas",
+    "views",
+    "consumers",
+    "routing",
+    "ws_auth",
+    "urls",
+    "admin",
+    "admin_site",
+    "app",
+    "tasks",
+    "management",
+    "context",
+}
+# The host side may use the domain of deployments and load tests, never a web app.
+HOST_MAY_NOT = ("gateway", "access", "playground", "inference")
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    layer = PACKAGES[parts[0]]
+    if layer == DOMAIN and DOOR_PARTS & set(parts[1:]):
+        return DOORS
+    return layer
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if "migrations" not in path.parts:
+                found[".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    return [name for name in names if name.split(".")[0] in PACKAGES]
+
+
+def _target(name: str, modules: dict[str, Path]) -> str:
+    """The module an imported name lives in (``from a.b import c`` may name a module or a name in one)."""
+    while name not in modules and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def _edges() -> list[tuple[str, str]]:
+    modules = _modules()
+    return sorted({(m, _target(name, modules)) for m, path in modules.items() for name in _imports(path)})
+
+
+def back_up() -> list[str]:
+    """Imports of a higher layer."""
+    return [f"{module} -> {target}" for module, target in _edges() if _layer(target) > _layer(module)]
+
+
+def host_to_web() -> list[str]:
+    """Host-side imports of a web app or of another app's doors."""
+    return [
+        f"{module} -> {target}"
+        for module, target in _edges()
+        if module.startswith("workers")
+        and (target.startswith(HOST_MAY_NOT) or _layer(target) == DOORS and not target.startswith("workers"))
+    ]
+
+
+def web_to_host() -> list[str]:
+    """Imports of host-side code from the web side or the shared layer (the project wires both)."""
+    return [
+        f"{module} -> {target}"
+        for module, target in _edges()
+        if target.startswith("workers") and not module.startswith(("workers", "controlplane"))
+    ]
+
+
+def test_no_import_runs_back_up():
+    assert back_up() == []
+
+
+def test_the_host_side_reaches_the_web_side_only_through_tasks_and_the_database():
+    assert host_to_web() == []
+
+
+def test_the_web_side_imports_no_host_code():
+    assert web_to_host() == []

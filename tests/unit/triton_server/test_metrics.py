@@ -1,0 +1,62 @@
+"""Triton's metrics exposition parsed and turned into rates."""
+
+from __future__ import annotations
+
+from triton_server.metrics import derive, parse
+
+EXPOSITION = """\
+# HELP nv_inference_request_success Number of successful inference requests, all batch sizes
+# TYPE nv_inference_request_success counter
+nv_inference_request_success{model="minilm",version="1"} %(success)d
+# HELP nv_inference_request_failure Number of failed inference requests, all batch sizes
+# TYPE nv_inference_request_failure counter
+nv_inference_request_failure{model="minilm",reason="REJECTED",version="1"} 0
+nv_inference_request_failure{model="minilm",reason="BACKEND",version="1"} %(failure)d
+# HELP nv_inference_count Number of inferences performed (does not include cached requests)
+# TYPE nv_inference_count counter
+nv_inference_count{model="minilm",version="1"} %(success)d
+# HELP nv_inference_queue_duration_us Cumulative inference queuing duration in microseconds
+# TYPE nv_inference_queue_duration_us counter
+nv_inference_queue_duration_us{model="minilm",version="1"} %(queue)d
+# HELP nv_inference_compute_infer_duration_us Cumulative compute inference duration in microseconds
+# TYPE nv_inference_compute_infer_duration_us counter
+nv_inference_compute_infer_duration_us{model="minilm",version="1"} %(compute)d
+# HELP nv_gpu_utilization GPU utilization rate [0.0 - 1.0)
+# TYPE nv_gpu_utilization gauge
+nv_gpu_utilization{gpu_uuid="GPU-1234"} 0.5
+# HELP nv_gpu_memory_used_bytes GPU used memory, in bytes
+# TYPE nv_gpu_memory_used_bytes gauge
+nv_gpu_memory_used_bytes{gpu_uuid="GPU-1234"} 1000
+"""
+
+
+def _scrape(at, success, failure, queue, compute):
+    return parse(EXPOSITION % {"success": success, "failure": failure, "queue": queue, "compute": compute}, at=at)
+
+
+def test_parse_sums_failure_reasons_and_reads_gpu_gauges():
+    scrape = _scrape(0, success=10, failure=3, queue=2000, compute=50000)
+    counters = scrape.models["minilm"]
+    assert (counters.success, counters.failure, counters.queue_us, counters.compute_us) == (10, 3, 2000, 50000)
+    assert scrape.gpus == {"GPU-1234": {"utilization": 0.5, "memory_used_bytes": 1000}}
+
+
+def test_derive_rates_and_mean_times_per_request():
+    before = _scrape(100.0, success=10, failure=0, queue=1000, compute=20000)
+    after = _scrape(102.0, success=30, failure=4, queue=5000, compute=60000)
+    figures = derive(before, after)["minilm"]
+    assert figures == {
+        "requests_total": 30,
+        "failures_total": 4,
+        "request_rate": 10.0,
+        "failure_rate": 2.0,
+        "queue_ms": 0.2,
+        "compute_ms": 2.0,
+    }
+
+
+def test_first_scrape_and_counter_reset_give_totals_only():
+    first = _scrape(0, success=5, failure=0, queue=0, compute=0)
+    assert derive(None, first)["minilm"] == {"requests_total": 5, "failures_total": 0}
+    restarted = _scrape(10, success=1, failure=0, queue=0, compute=0)
+    assert "request_rate" not in derive(first, restarted)["minilm"]

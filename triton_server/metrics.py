@@ -1,0 +1,98 @@
+"""Triton's Prometheus metrics (:8002/metrics), parsed with prometheus_client.
+
+``scrape`` reads the cumulative counters per model and the GPU gauges;
+``derive`` turns two scrapes into rates and mean times per request.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.errors import TransientError
+
+_MODEL_COUNTERS = {
+    "nv_inference_request_success": "success",
+    "nv_inference_request_failure": "failure",
+    "nv_inference_count": "inferences",
+    "nv_inference_queue_duration_us": "queue_us",
+    "nv_inference_compute_infer_duration_us": "compute_us",
+}
+_KV_CACHE_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"
+_GPU_GAUGES = {
+    "nv_gpu_utilization": "utilization",
+    "nv_gpu_memory_used_bytes": "memory_used_bytes",
+    "nv_gpu_memory_total_bytes": "memory_total_bytes",
+}
+
+
+@dataclass
+class ModelCounters:
+    success: float = 0.0
+    failure: float = 0.0
+    inferences: float = 0.0
+    queue_us: float = 0.0
+    compute_us: float = 0.0
+
+
+@dataclass
+class Scrape:
+    at: float
+    models: dict[str, ModelCounters] = field(default_factory=dict)
+    gpus: dict[str, dict[str, float]] = field(default_factory=dict)  # by GPU uuid
+    # TensorRT-LLM's paged KV cache, summed over its models: max, free, used blocks (where present).
+    kv_cache_blocks: dict[str, float] = field(default_factory=dict)
+
+
+def parse(text: str, *, at: float | None = None) -> Scrape:
+    """Counters summed over versions (and failure reasons) per model; gauges per GPU."""
+    result = Scrape(at=time.time() if at is None else at)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            # prometheus_client strips a counter family's _total; samples keep their own names.
+            name = sample.name.removesuffix("_total")
+            if name in _MODEL_COUNTERS and "model" in sample.labels:
+                counters = result.models.setdefault(sample.labels["model"], ModelCounters())
+                attribute = _MODEL_COUNTERS[name]
+                setattr(counters, attribute, getattr(counters, attribute) + sample.value)
+            elif name in _GPU_GAUGES and "gpu_uuid" in sample.labels:
+                result.gpus.setdefault(sample.labels["gpu_uuid"], {})[_GPU_GAUGES[name]] = sample.value
+            elif name == _KV_CACHE_BLOCKS and sample.labels.get("kv_cache_block_type") in ("max", "free", "used"):
+                kind = sample.labels["kv_cache_block_type"]
+                result.kv_cache_blocks[kind] = result.kv_cache_blocks.get(kind, 0.0) + sample.value
+    return result
+
+
+def scrape(url: str, *, timeout_s: float = 5.0) -> Scrape:
+    """Read and parse ``url`` (http://host:metrics_port/metrics)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - http URL built by Gantry
+            text = response.read().decode("utf-8", errors="replace")
+    except (urllib.error.URLError, OSError) as exc:
+        raise TransientError(f"metrics unreachable at {url}: {exc}") from exc
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise TransientError(f"metrics at {url} are not in the Prometheus text format: {exc}") from exc
+
+
+def derive(previous: Scrape | None, current: Scrape) -> dict[str, dict[str, float]]:
+    """Per model: totals, and since ``previous`` the request and failure rates
+    (per second) and the mean queue and compute time per request (ms)."""
+    derived: dict[str, dict[str, float]] = {}
+    elapsed = current.at - previous.at if previous is not None else 0.0
+    for model, now in current.models.items():
+        values = {"requests_total": now.success, "failures_total": now.failure}
+        before = previous.models.get(model) if previous is not None else None
+        if before is not None and elapsed > 0 and now.success >= before.success:
+            requests = now.success - before.success
+            values["request_rate"] = requests / elapsed
+            values["failure_rate"] = max(0.0, now.failure - before.failure) / elapsed
+            values["queue_ms"] = (now.queue_us - before.queue_us) / requests / 1000 if requests else 0.0
+            values["compute_ms"] = (now.compute_us - before.compute_us) / requests / 1000 if requests else 0.0
+        derived[model] = {key: round(value, 4) for key, value in values.items()}
+    return derived

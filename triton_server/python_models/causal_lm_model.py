@@ -1,0 +1,263 @@
+"""Triton python-backend model: text generation from a HuggingFace causal-LM
+checkpoint (whatever transformers' AutoModelForCausalLM loads from a folder).
+
+Gantry copies this file to <repository>/<model>/1/model.py, with gantry_decode.py
+and gantry_text.py beside it. Its inputs and outputs are those of the
+TensorRT-LLM route's generate model, so every door treats both alike:
+text_input and max_tokens in; optional temperature, top_p, top_k, random_seed,
+repetition_penalty, stop_words and stream; text_output out (one response per
+new piece of text when streaming, else one), with num_input_tokens and
+num_output_tokens (the tokens this response adds) so callers can count usage.
+
+The model is decoupled. execute() only queues requests; one generation thread
+runs a gantry_decode.Decoder, which batches them continuously (requests join
+and leave between decode steps) over a static KV cache and, on a GPU, CUDA
+graphs. Each request keeps its own sampling settings and random stream. A
+request whose client went away (is_cancelled, asked every few tokens) stops
+there.
+
+Its memory is bounded by what Gantry planned for it (deployments/gpu_plan.py):
+at most max_num_sequences sequences generate at once, each of at most
+max_seq_len tokens (prompt and output); their KV cache is allocated once, at
+load, inside this process's cap, so a cache too large for the placement fails
+the load rather than a request. Text is sent as it becomes certain
+(gantry_text.TextStream).
+
+Parameters (config.pbtxt): checkpoint_path, max_num_sequences, max_seq_len,
+dtype (auto: bfloat16 or float16 on a GPU, float32 on a CPU),
+trust_remote_code, and on a GPU instance gpu_memory_fraction, which caps this
+process's PyTorch allocations on that GPU.
+"""
+
+import json
+import queue
+import random
+import threading
+import time
+
+import numpy as np
+import torch
+import transformers
+import triton_python_backend_utils as pb_utils
+from gantry_decode import Decoder
+from gantry_text import TextStream
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# How long a wave waits for more requests after the first arrives (seconds):
+# concurrent clients rarely arrive in the same microsecond.
+GATHER_S = 0.002
+# Tokens between two is_cancelled() calls for one request (each is a round trip
+# to Triton's core).
+CANCEL_CHECK_EVERY = 8
+
+
+def _parameter(config, key, default):
+    value = config.get("parameters", {}).get(key, {}).get("string_value")
+    return default if value in (None, "") else value
+
+
+def _scalar(request, name, default, kind):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return default
+    value = tensor.as_numpy().reshape(-1)
+    if value.size == 0:
+        return default
+    value = value[0]
+    if kind is str:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    return kind(value)
+
+
+def _strings(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return []
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in tensor.as_numpy().reshape(-1)]
+
+
+class _Sequence:
+    """One request being generated: its prompt, settings, and what it has produced so far."""
+
+    def __init__(self, request, tokenizer, context_len):
+        self.sender = request.get_response_sender()
+        prompt = _scalar(request, "text_input", "", str)
+        self.max_tokens = _scalar(request, "max_tokens", 16, int)
+        self.temperature = _scalar(request, "temperature", 1.0, float)
+        self.top_p = _scalar(request, "top_p", 1.0, float)
+        self.top_k = _scalar(request, "top_k", 0, int)
+        self.repetition_penalty = _scalar(request, "repetition_penalty", 1.0, float)
+        self.stream = _scalar(request, "stream", False, bool)
+        self.stops = [s for s in _strings(request, "stop_words") if s]
+        seed = _scalar(request, "random_seed", None, int)
+        self.random = None if seed is None else random.Random(seed)
+        if not prompt:
+            raise ValueError("text_input is empty")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.repetition_penalty <= 0:
+            raise ValueError("temperature >= 0, 0 < top_p <= 1, top_k >= 0 and repetition_penalty > 0")
+        # Tokenized as the engine path's preprocessing does (with the tokenizer's
+        # special tokens); a chat template, if any, was applied by the caller.
+        self.prompt_ids = tokenizer.encode(prompt)
+        if not self.prompt_ids:
+            raise ValueError("text_input has no tokens")
+        if len(self.prompt_ids) + self.max_tokens > context_len:
+            # Gantry's client knows this refusal by "exceed the model's context" (triton_server/client.py).
+            raise ValueError(
+                f"the prompt's {len(self.prompt_ids)} tokens plus max_tokens {self.max_tokens} exceed "
+                f"the model's context of {context_len} tokens"
+            )
+        self.output_ids = []
+        self.counted = 0  # output tokens already reported
+        self.text = TextStream(tokenizer, self.stops)
+        self.done = False
+
+    def respond(self, text, final):
+        tensors = [
+            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("num_input_tokens", np.array([len(self.prompt_ids)], dtype=np.int32)),
+            pb_utils.Tensor("num_output_tokens", np.array([len(self.output_ids) - self.counted], dtype=np.int32)),
+        ]
+        self.counted = len(self.output_ids)
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+
+    def fail(self, message):
+        if not self.done:
+            self.done = True
+            error = pb_utils.TritonError(message)
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        checkpoint = _parameter(config, "checkpoint_path", None)
+        if checkpoint is None:
+            raise pb_utils.TritonModelException("parameter checkpoint_path is missing")
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("this model streams: its config must be decoupled")
+        max_batch = max(1, int(_parameter(config, "max_num_sequences", "8")))
+        trust = _parameter(config, "trust_remote_code", "false") == "true"
+        if args.get("model_instance_kind") == "GPU":
+            device_id = int(args["model_instance_device_id"])
+            fraction = float(_parameter(config, "gpu_memory_fraction", "0.1"))
+            torch.cuda.set_per_process_memory_fraction(fraction, device=device_id)
+            self.device = torch.device(f"cuda:{device_id}")
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        dtype = _parameter(config, "dtype", "auto")
+        if dtype == "auto":
+            if self.device.type == "cpu":
+                dtype = "float32"
+            else:
+                dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=trust)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            checkpoint, dtype=getattr(torch, dtype), trust_remote_code=trust
+        ).to(self.device)
+        self.model.eval()
+        model_config = self.model.config
+        positions = int(getattr(model_config, "max_position_embeddings", 0) or 2048)
+        self.context_len = int(_parameter(config, "max_seq_len", str(positions)))
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            eos = getattr(model_config, "eos_token_id", None)
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        pad = self.tokenizer.pad_token_id
+        pad_id = pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)
+        self.decoder = Decoder(
+            self.model, max_batch=max_batch, max_len=self.context_len, pad_id=pad_id, log=pb_utils.Logger.log_info
+        )
+        self.decoder.warm_up()
+        self.pending = queue.Queue()
+        self.stopping = threading.Event()
+        self.worker = threading.Thread(target=self._loop, name="gantry-generate", daemon=True)
+        self.worker.start()
+        pb_utils.Logger.log_info(
+            f"causal LM {checkpoint} on {self.device} as {dtype}, up to {max_batch} sequences at once, "
+            f"context {self.context_len}: {self.decoder.mode} "
+            f"(torch {torch.__version__}, transformers {transformers.__version__})"
+        )
+
+    def execute(self, requests):
+        for request in requests:
+            try:
+                self.pending.put(_Sequence(request, self.tokenizer, self.context_len))
+            except ValueError as exc:
+                sender = request.get_response_sender()
+                error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
+        return None
+
+    # --- the generation thread --------------------------------------------------------
+
+    def _take(self, block, room):
+        """Requests waiting to join, up to ``room``; waits for the first only when idle."""
+        taken = []
+        while len(taken) < room:
+            try:
+                if block and not taken:
+                    taken.append(self.pending.get(timeout=0.1))
+                    deadline = time.monotonic() + GATHER_S
+                else:
+                    wait = max(0.0, deadline - time.monotonic()) if block else 0.0
+                    taken.append(self.pending.get(timeout=wait) if wait else self.pending.get_nowait())
+            except queue.Empty:
+                break
+        return taken
+
+    def _loop(self):
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
+        decoder, waiting = self.decoder, []
+        while not self.stopping.is_set():
+            joining = []
+            try:
+                room = decoder.room
+                if room:
+                    idle = not decoder.rows and not waiting
+                    waiting += self._take(block=idle, room=room - len(waiting))
+                    joining, waiting = waiting[:room], waiting[room:]
+                    if joining:
+                        waiting = decoder.admit(joining) + waiting
+                if not decoder.rows:
+                    continue
+                for sequence, token in decoder.step():
+                    self._advance(sequence, token)
+                decoder.release([s for s in decoder.rows if s.done])
+            except Exception as exc:  # noqa: BLE001 - every request in the batch gets the error
+                pb_utils.Logger.log_error(f"generation failed: {exc}")
+                for sequence in {id(s): s for s in decoder.rows + joining}.values():
+                    sequence.fail(f"generation failed: {exc}")
+                decoder.reset()
+
+    def _advance(self, sequence, token):
+        """Record one generated token; send the text that is now certain; finish on
+        end of sequence, a stop string, max_tokens, or a client that went away."""
+        if len(sequence.output_ids) % CANCEL_CHECK_EVERY == 0 and sequence.sender.is_cancelled():
+            sequence.done = True
+            sequence.sender.send(flags=FINAL)
+            pb_utils.Logger.log_info(f"request cancelled by its client after {len(sequence.output_ids)} tokens")
+            return
+        finished = token in self.eos_ids
+        piece = ""
+        if not finished:
+            sequence.output_ids.append(token)
+            piece = sequence.text.add([token])
+        finished = finished or sequence.text.stopped or len(sequence.output_ids) >= sequence.max_tokens
+        if finished:
+            sequence.done = True
+            rest = sequence.text.finish()
+            sequence.respond(piece + rest if sequence.stream else sequence.text.text, final=True)
+        elif sequence.stream and piece:
+            sequence.respond(piece, final=False)
+
+    def finalize(self):
+        self.stopping.set()
+        self.worker.join(timeout=10)
+        self.decoder = self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,188 @@
+"""Triton python-backend model: the generate interface in front of a
+TensorRT-LLM engine (a business-logic model, as tensorrtllm_backend's
+tensorrt_llm_bls is).
+
+Gantry copies this file to <repository>/<name>/1/model.py beside the engine
+model <name>-engine (triton_server/config.py). It takes what the transformers
+model takes (text_input, max_tokens, optional temperature, top_p, top_k,
+random_seed, repetition_penalty, stop_words, stream) and answers the same
+(text_output, num_input_tokens, num_output_tokens).
+
+It tokenizes the prompt with the checkpoint's tokenizer, asks the engine for a
+stream of tokens (stop strings become its stop_words_list), and decodes them
+incrementally (gantry_text.TextStream): the whole output so far is decoded at
+each step and only the text that is certain is sent. Decoding each response's
+tokens alone, as tensorrtllm_backend's ensemble postprocessing does, drops the
+spaces SentencePiece marks on a token and splits multi-byte characters.
+
+A client that goes away ends the engine's request too (a stop request with the
+same request id, as the tensorrtllm backend takes it).
+
+Parameters (config.pbtxt): engine_model, tokenizer_dir, skip_special_tokens,
+trust_remote_code. Each request runs on a thread of its own, so concurrent
+streams reach the engine together and it batches them in flight.
+"""
+
+import json
+import threading
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from gantry_text import TextStream
+from transformers import AutoTokenizer
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# Generate-interface sampling inputs -> the engine model's inputs, with their types.
+SAMPLING = {
+    "temperature": ("temperature", np.float32),
+    "top_k": ("runtime_top_k", np.int32),
+    "top_p": ("runtime_top_p", np.float32),
+    "random_seed": ("random_seed", np.uint64),
+    "repetition_penalty": ("repetition_penalty", np.float32),
+}
+
+
+def _parameter(config, key, default):
+    value = config.get("parameters", {}).get(key, {}).get("string_value")
+    return default if value in (None, "") else value
+
+
+def _values(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy().reshape(-1)
+
+
+def _strings(values):
+    return [] if values is None else [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in values]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("this model streams: its config must be decoupled")
+        self.engine = _parameter(config, "engine_model", None)
+        if self.engine is None:
+            raise pb_utils.TritonModelException("parameter engine_model is missing")
+        trust = _parameter(config, "trust_remote_code", "false") == "true"
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            _parameter(config, "tokenizer_dir", None), trust_remote_code=trust
+        )
+        self.skip_special = _parameter(config, "skip_special_tokens", "true") == "true"
+        eos, sep = self.tokenizer.eos_token_id, self.tokenizer.sep_token_id
+        self.end_id = eos if eos is not None else (sep if sep is not None else 0)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.end_id
+
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self._serve, args=(request,), name="gantry-engine-request", daemon=True).start()
+        return None
+
+    def _serve(self, request):
+        sender = request.get_response_sender()
+        try:
+            self._generate(request, sender)
+        except Exception as exc:  # noqa: BLE001 - the client gets the reason, the model keeps serving
+            error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG if isinstance(exc, ValueError)
+                                         else pb_utils.TritonError.INTERNAL)  # fmt: skip
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
+
+    def _generate(self, request, sender):
+        prompt = _strings(_values(request, "text_input"))
+        max_tokens = _values(request, "max_tokens")
+        if not prompt or not prompt[0]:
+            raise ValueError("text_input is empty")
+        if max_tokens is None or int(max_tokens[0]) < 1:
+            raise ValueError("max_tokens must be at least 1")
+        stream = bool((_values(request, "stream") if _values(request, "stream") is not None else [False])[0])
+        stops = [s for s in _strings(_values(request, "stop_words")) if s]
+        ids = self.tokenizer.encode(prompt[0])
+        text = TextStream(self.tokenizer, stops, skip_special_tokens=self.skip_special)
+        request_id = f"gantry-{uuid.uuid4().hex}"
+        responses = pb_utils.InferenceRequest(
+            model_name=self.engine,
+            inputs=self._engine_inputs(request, ids, int(max_tokens[0]), stops),
+            requested_output_names=["output_ids", "sequence_length"],
+            request_id=request_id,
+        ).exec(decoupled=True)
+        counted = 0
+        for response in responses:
+            if sender.is_cancelled():
+                self._stop(request_id)
+                sender.send(flags=FINAL)
+                return
+            if response.has_error():
+                raise RuntimeError(response.error().message())
+            output = pb_utils.get_output_tensor_by_name(response, "output_ids")
+            if output is None:
+                continue  # the engine's empty final response
+            lengths = pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)
+            tokens = output.as_numpy().reshape(-1, output.as_numpy().shape[-1])[0][: int(lengths[0])]
+            tokens = [t for t in tokens.tolist() if t != self.end_id]
+            piece = text.add(tokens)
+            if stream and (piece or tokens):
+                sender.send(self._response(piece, len(ids), len(text.ids) - counted))
+                counted = len(text.ids)
+            if text.stopped:
+                break
+        rest = text.finish()
+        final = rest if stream else text.text
+        sender.send(self._response(final, len(ids), len(text.ids) - (counted if stream else 0)), flags=FINAL)
+
+    def _stop(self, request_id):
+        """End the engine's request for a client that went away: the tensorrtllm
+        backend cancels the request whose id a request with ``stop`` set names
+        (this python backend's BLS iterator has no cancel of its own)."""
+        inputs = [
+            pb_utils.Tensor("input_ids", np.array([[self.end_id]], dtype=np.int32)),
+            pb_utils.Tensor("input_lengths", np.array([[1]], dtype=np.int32)),
+            pb_utils.Tensor("request_output_len", np.array([[1]], dtype=np.int32)),
+            pb_utils.Tensor("stop", np.array([[True]], dtype=np.bool_)),
+        ]
+        for _ in pb_utils.InferenceRequest(
+            model_name=self.engine, inputs=inputs, requested_output_names=[], request_id=request_id
+        ).exec(decoupled=True):
+            pass
+
+    def _engine_inputs(self, request, ids, max_tokens, stops):
+        def tensor(name, value, dtype):
+            return pb_utils.Tensor(name, np.array(value, dtype=dtype))
+
+        inputs = [
+            tensor("input_ids", [ids], np.int32),
+            tensor("input_lengths", [[len(ids)]], np.int32),
+            tensor("request_output_len", [[max_tokens]], np.int32),
+            tensor("end_id", [[self.end_id]], np.int32),
+            tensor("pad_id", [[self.pad_id]], np.int32),
+            tensor("streaming", [[True]], np.bool_),
+            tensor("stop_words_list", self._stop_words(stops), np.int32),
+        ]
+        for name, (engine_name, dtype) in SAMPLING.items():
+            value = _values(request, name)
+            if value is not None and value.size:
+                inputs.append(tensor(engine_name, [[value[0]]], dtype))
+        return inputs
+
+    def _stop_words(self, stops):
+        """[1, 2, n]: flattened ids of every stop string, then each one's end offset (-1 padded)."""
+        ids, offsets = [], []
+        for word in stops:
+            ids += self.tokenizer.encode(word, add_special_tokens=False)
+            offsets.append(len(ids))
+        width = max(1, len(ids))
+        flat = np.zeros(width, dtype=np.int32)
+        flat[: len(ids)] = ids
+        ends = np.full(width, -1, dtype=np.int32)
+        ends[: len(offsets)] = offsets
+        return np.stack([flat, ends])[None]
+
+    def _response(self, text, input_tokens, output_tokens):
+        return pb_utils.InferenceResponse(
+            output_tensors=[
+                pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+                pb_utils.Tensor("num_input_tokens", np.array([input_tokens], dtype=np.int32)),
+                pb_utils.Tensor("num_output_tokens", np.array([output_tokens], dtype=np.int32)),
+            ]
+        )
