@@ -1,12 +1,14 @@
-"""Every status Gantry keeps, and the only code that changes one.
+"""The deployments app's status tables, and the only code that changes them.
 
 Four state machines live here, each a table of allowed moves: deployments,
 engine builds, checkpoint inspections and deployment revisions. A move is a
 compare-and-swap update (``filter(pk=…, status=current).update(…)``): if the
 row changed under us, or the table does not allow the move, nothing is written
 and ``InvalidTransition`` is raised. Deployment and build moves also append an
-event, published once the transaction commits. Nothing else in Gantry writes a
-status field.
+event, published once the transaction commits. Builds are a job kind
+(deployments.jobs, the shape every job shares); load tests, the other one,
+keep their table in loadtests.models and move through
+loadtests.services.run_transition. Nothing else writes a status field.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from common.errors import InvalidTransition, NotFound
-from deployments import events, selectors
+from deployments import events, jobs, selectors
 from deployments.models import BuildStatus as B
 from deployments.models import Deployment, DeploymentRevision, EngineBuild, RegisteredModel
 from deployments.models import DeploymentStatus as S
@@ -133,36 +135,40 @@ def build_actions(status: str) -> dict[str, bool]:
     return {"cancel": status in (B.PENDING, B.RUNNING)}
 
 
+def _build_moved(move: jobs.Move) -> EngineBuild:
+    build = selectors.build_get(move.job_id)
+    events.record(
+        kind="build.status",
+        source=move.source,
+        actor=move.actor,
+        build=build,
+        model=build.model,
+        from_status=move.previous,
+        to_status=move.to,
+        message=move.message,
+        data={k: v for k, v in move.fields.items() if k in ("phase", "exit_code", "hint")},
+    )
+    return build
+
+
+BUILD = jobs.register(
+    jobs.JobKind(
+        name="build",
+        model=EngineBuild,
+        allowed=BUILD_ALLOWED,
+        terminal=BUILD_TERMINAL,
+        after=_build_moved,
+        stamps=lambda to, now: {"heartbeat_at": now},
+    )
+)
+
+
 def build_transition(
     *, build_id: int, to: str, source: str, message: str = "", actor: Any = None, **fields: Any
 ) -> EngineBuild:
     """Move a build to ``to`` if ``BUILD_ALLOWED`` permits it from its current status
-    (compare-and-swap), with ``fields`` written in the same update."""
-    with transaction.atomic():
-        current = EngineBuild.objects.filter(pk=build_id).values_list("status", flat=True).first()
-        if current is None:
-            raise NotFound(f"build {build_id} does not exist")
-        if to not in BUILD_ALLOWED.get(current, frozenset()):
-            raise InvalidTransition(f"build {build_id} cannot go from {current} to {to}")
-        now = timezone.now()
-        update = {"status": to, "status_message": message, "heartbeat_at": now, **fields}
-        if to in BUILD_TERMINAL:
-            update["finished_at"] = now
-        if not EngineBuild.objects.filter(pk=build_id, status=current).update(**update):
-            raise InvalidTransition(f"build {build_id} changed while moving to {to}")
-        build = selectors.build_get(build_id)
-        events.record(
-            kind="build.status",
-            source=source,
-            actor=actor,
-            build=build,
-            model=build.model,
-            from_status=current,
-            to_status=to,
-            message=message,
-            data={k: v for k, v in fields.items() if k in ("phase", "exit_code", "hint")},
-        )
-    return build
+    (compare-and-swap, deployments.jobs), with ``fields`` written in the same update."""
+    return jobs.job_transition(BUILD, job_id=build_id, to=to, source=source, message=message, actor=actor, **fields)
 
 
 # --- checkpoint inspections -------------------------------------------------------

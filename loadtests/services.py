@@ -3,8 +3,9 @@ time per deployment, confirmed when real clients use the deployment), cancel
 it, the worker's writes while it runs (claim, its gateway key, progress, each
 step's figures, finish), and the reaper for runs whose worker went quiet.
 
-A run's status moves only through ``run_transition`` (the table is
-loadtests.models.ALLOWED); each move is on the deployment's timeline.
+A run's status moves only through ``run_transition`` (a job kind of
+deployments.jobs; the table is loadtests.models.ALLOWED); each move is on the
+deployment's timeline, and a run that ends takes its gateway key with it.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from django.utils import timezone
 
 from common.errors import ConfirmationRequired, InvalidTransition, NotFound, ValidationFailed
 from common.version import gantry_version
-from deployments import events, outbox, queues, trtllm
+from deployments import events, jobs, outbox, queues, trtllm
 from deployments.models import Deployment, DeploymentModel, DeploymentStatus
 from deployments.permissions import require_operator
-from gateway import services as gateway
+from gateway import services as gateway_services
 from gateway.models import Alias, ApiKey
 from loadtests import workload as workloads
-from loadtests.models import ACTIVE, ALLOWED, LoadPoint, LoadTest, RunStatus
+from loadtests.models import ACTIVE, ALLOWED, TERMINAL, LoadPoint, LoadTest, RunStatus
 
 # The gateway keys a run makes for itself are named so; they are not "real clients".
 KEY_NAME_PREFIX = "load test "
@@ -32,41 +33,53 @@ KEY_NAME_PREFIX = "load test "
 STALE_AFTER_S = 120
 
 
+def _lock_deployment(run_id: int) -> None:
+    # The deployment's row first, as run_create locks them: a move takes the run
+    # out of (or into) the one-active-run index, which a concurrent create waits
+    # on while holding the deployment; the other order deadlocks.
+    deployment_id = LoadTest.objects.filter(pk=run_id).values_list("deployment_id", flat=True).first()
+    Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+
+
+def _run_moved(move: jobs.Move) -> LoadTest:
+    run = LoadTest.objects.select_related("deployment").get(pk=move.job_id)
+    if move.to not in ACTIVE:
+        run_keys_revoke(run_id=run.pk)  # the run's key ends with it, wherever it ends
+    events.record(
+        kind=f"loadtest.{move.to}",
+        source=move.source,
+        actor=move.actor,
+        deployment=run.deployment,
+        from_status=move.previous,
+        to_status=move.to,
+        message=move.message or f"load test {run.pk} of {run.alias} is {move.to}",
+        data={"load_test": run.pk, "alias": run.alias},
+    )
+    transaction.on_commit(lambda: _publish(run))
+    return run
+
+
+def _run_stamps(to: str, now: dt.datetime) -> dict[str, Any]:
+    return {"started_at": now, "heartbeat_at": now} if to == RunStatus.RUNNING else {}
+
+
+LOAD_TEST = jobs.register(
+    jobs.JobKind(
+        name="load test",
+        model=LoadTest,
+        allowed=ALLOWED,
+        terminal=TERMINAL,
+        after=_run_moved,
+        stamps=_run_stamps,
+        lock_first=_lock_deployment,
+    )
+)
+
+
 def run_transition(*, run_id: int, to: str, source: str, message: str = "", actor: Any = None) -> LoadTest:
     """Move run ``run_id`` to ``to`` if the table allows it from where it is (a
-    compare-and-swap), and put it on its deployment's timeline."""
-    deployment_id = LoadTest.objects.filter(pk=run_id).values_list("deployment_id", flat=True).first()
-    with transaction.atomic():
-        # The deployment's row first, as run_create locks them: a move takes the run
-        # out of (or into) the one-active-run index, which a concurrent create waits
-        # on while holding the deployment; the other order deadlocks.
-        deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
-        run = LoadTest.objects.select_for_update().filter(pk=run_id).first()
-        if run is None:
-            raise NotFound(f"load test {run_id} does not exist")
-        if to not in ALLOWED.get(run.status, frozenset()):
-            raise InvalidTransition(f"load test {run_id} is {run.status}; it cannot become {to}")
-        previous = run.status
-        run.status, run.status_message = to, message
-        now = timezone.now()
-        if to == RunStatus.RUNNING:
-            run.started_at = run.heartbeat_at = now
-        if to not in ACTIVE:
-            run.finished_at = now
-            run_keys_revoke(run_id=run.pk)  # the run's key ends with it, wherever it ends
-        run.save(update_fields=["status", "status_message", "started_at", "heartbeat_at", "finished_at"])
-        events.record(
-            kind=f"loadtest.{to}",
-            source=source,
-            actor=actor,
-            deployment=deployment,
-            from_status=previous,
-            to_status=to,
-            message=message or f"load test {run.pk} of {run.alias} is {to}",
-            data={"load_test": run.pk, "alias": run.alias},
-        )
-        transaction.on_commit(lambda: _publish(run))
-    return run
+    compare-and-swap, deployments.jobs), and put it on its deployment's timeline."""
+    return jobs.job_transition(LOAD_TEST, job_id=run_id, to=to, source=source, message=message, actor=actor)
 
 
 def _publish(run: LoadTest) -> None:
@@ -352,7 +365,7 @@ def run_key_issue(*, run_id: int, valid_s: int) -> str:
     if run.created_by is None:
         raise InvalidTransition("the user who asked for this load test no longer exists")
     run_keys_revoke(run_id=run_id)
-    return gateway.key_create(
+    return gateway_services.key_create(
         name=f"{KEY_NAME_PREFIX}{run_id}",
         user=run.created_by,
         alias_names=[run.alias],
@@ -365,7 +378,7 @@ def run_keys_revoke(*, run_id: int) -> None:
     for key_id in ApiKey.objects.filter(name=f"{KEY_NAME_PREFIX}{run_id}", revoked_at__isnull=True).values_list(
         "pk", flat=True
     ):
-        gateway.key_revoke(key_id=key_id)
+        gateway_services.key_revoke(key_id=key_id)
 
 
 def run_note_load_generator(*, run_id: int, name: str, version: str) -> None:

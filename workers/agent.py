@@ -22,11 +22,12 @@ from django.db import close_old_connections
 
 from deployments.queues import host_queue
 from deployments.services import hosts
-from workers import broker, loadtest, nvml
+from workers import broker, nvml
 from workers.deploy import reconcile as deploy_reconcile
 from workers.engines import executors
 from workers.engines import reconcile as build_reconcile
 from workers.jobs import source
+from workers.loadtest import runs as loadtest_runs
 
 log = logging.getLogger(__name__)
 AGENT_VERSION = "0.1.0"
@@ -74,7 +75,7 @@ def beat_once() -> None:
     deploy_reconcile.reconcile_host(inventory)
     deploy_reconcile.relaunch_failed()
     build_reconcile.reconcile_builds()
-    loadtest.reconcile_runs()
+    loadtest_runs.reconcile_runs()
 
 
 def run_forever() -> None:

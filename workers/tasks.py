@@ -9,13 +9,11 @@ from django.conf import settings
 
 from deployments import queues
 from deployments.services import hosts, registered_models
-from workers import (
-    agent,  # noqa: F401 - importing agent connects it to worker start
-    loadtest,
-)
+from workers import agent  # noqa: F401 - importing agent connects it to worker start
 from workers.deploy import lifecycle
 from workers.engines import run
 from workers.jobs import run_job, source
+from workers.loadtest import runs as loadtest_runs
 
 
 @shared_task(name=queues.LAUNCH_DEPLOYMENT)
@@ -77,4 +75,4 @@ def run_build(build_id: int) -> None:
 # A load test bounds each of its steps itself (loadtests.workload): no Celery limit.
 @shared_task(name=queues.RUN_LOADTEST, soft_time_limit=None, time_limit=None)
 def run_loadtest(run_id: int) -> None:
-    loadtest.run(run_id)
+    loadtest_runs.run(run_id)

@@ -133,22 +133,23 @@ def test_a_run_left_by_a_dead_worker_has_its_load_generator_stopped_and_fails(
     import sys
 
     from gateway.models import ApiKey
-    from workers import loadtest, processes
+    from workers import processes
+    from workers.loadtest import runs
 
     settings.GANTRY_HOST_NAME, settings.GANTRY_DATA_DIR = ready.host.name, tmp_path
     run = _start(ready, operator)
     services.run_claim(run_id=run.pk, source="worker:h")
     gateway.key_create(name=f"{services.KEY_NAME_PREFIX}{run.pk}", user=operator, alias_names=["embed"])
     # What a SIGKILLed worker leaves: the generator in a group of its own, working in the run's folder.
-    folder = loadtest.run_folder(run.pk) / "0-gateway"
+    folder = runs.run_folder(run.pk) / "0-gateway"
     folder.mkdir(parents=True)
     left = processes.start_group([sys.executable, "-c", "import time; time.sleep(120)"], cwd=folder,
                                  stdout=subprocess.DEVNULL)  # fmt: skip
     LoadTest.objects.filter(pk=run.pk).update(progress={"step": 1, "pid": left.pid} if pid_recorded else {})
-    loadtest.reconcile_runs()  # heartbeated just now: still its worker's
+    runs.reconcile_runs()  # heartbeated just now: still its worker's
     assert LoadTest.objects.get(pk=run.pk).status == RunStatus.RUNNING and left.poll() is None
     LoadTest.objects.filter(pk=run.pk).update(heartbeat_at=timezone.now() - dt.timedelta(seconds=60))
-    loadtest.reconcile_runs()
+    runs.reconcile_runs()
     assert left.wait(timeout=15) is not None
     failed = LoadTest.objects.get(pk=run.pk)
     assert failed.status == RunStatus.FAILED and "stopped (killed or restarted)" in failed.status_message

@@ -1,16 +1,9 @@
-"""Runs load tests on the deployment's host with AIPerf, the one module that
-knows it: the configuration it reads, the process, and the files it writes.
-
-AIPerf lives in its own virtual environment (``GANTRY_AIPERF``, made by
-scripts/ensure-aiperf.sh) so its pins never meet Gantry's. Each step of a run
-(one load level against one target) is one AIPerf process, given a JSON
-configuration (its v2 YAML schema; JSON is YAML). The run's gateway key
-reaches AIPerf through the environment, referenced from the configuration as
-``${GANTRY_LOADTEST_KEY}``, never on a command line. While a step runs the
-worker watches, each second: a cancel, the deployment leaving ready, the
-step's time bound. Triton's own metrics are sampled beside it. A run's native
-ceiling steps run trtllm-bench the same way (workers.native_bench reads and
-writes its files).
+"""Runs load tests on the deployment's host: one AIPerf process per step (one
+load level against one target), watched each second for a cancel, the
+deployment leaving ready, or the step's time bound, with Triton's metrics
+sampled beside it. A run's native ceiling steps run trtllm-bench the same way
+(workers.native_bench reads and writes its files). After a worker died, what
+it left on this host is stopped (reconcile_runs).
 """
 
 from __future__ import annotations
@@ -18,317 +11,37 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
-import logging
-import math
 import os
 import shutil
 import signal
 import subprocess
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
 from django.utils import timezone
 
-from common.errors import InvalidTransition, TransientError
+from common.errors import InvalidTransition
 from deployments import trtllm
-from deployments.models import Deployment, DeploymentModel, DeploymentStatus, ModelKind
+from deployments.models import Deployment, DeploymentModel, DeploymentStatus
 from loadtests import services
 from loadtests import workload as workloads
 from loadtests.models import LoadTest, RunStatus
-from triton_server import metrics
 from workers import native_bench, nvml, processes
 from workers.engines.executors import NativeExecutor
 from workers.jobs import JobFailed, run_job, source
+from workers.loadtest.aiperf import GRACE_S, KEY_ENV, Step, aiperf_executable, aiperf_version, config_for, last_error
+from workers.loadtest.results import records_of, summary_of
+from workers.loadtest.sampling import ServerSampler
 
-log = logging.getLogger(__name__)
-
-KEY_ENV = "GANTRY_LOADTEST_KEY"
 # A running load test on this host not heartbeated for this long belongs to a worker
 # that died (a live one reports every second): the agent stops what it left.
 ORPHAN_AFTER_S = 20
 # AIPerf starts a dozen processes and loads the tokenizer before the first request.
 STARTUP_ALLOWANCE_S = 120
-# Requests still open when a timed step ends get this long to finish.
-GRACE_S = 30
-SAMPLE_EVERY_S = 2.0
-# Per-request records kept per step (the figures cover every request).
-MAX_RECORDS = 5000
-
-
-def aiperf_executable() -> Path:
-    return Path(settings.GANTRY_AIPERF)
-
-
-def aiperf_version() -> str:
-    """The installed AIPerf's version, or raise with how to install it."""
-    executable = aiperf_executable()
-    if not executable.exists():
-        raise JobFailed(
-            f"AIPerf is not installed on {settings.GANTRY_HOST_NAME} (GANTRY_AIPERF={executable}): "
-            "run scripts/ensure-aiperf.sh there"
-        )
-    completed = subprocess.run(  # noqa: S603 - a fixed executable
-        [str(executable), "--version"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=processes.child_environment(),
-    )
-    return completed.stdout.strip().splitlines()[-1] if completed.returncode == 0 and completed.stdout else "unknown"
-
-
-@dataclass(frozen=True)
-class Step:
-    target: str  # gateway | triton
-    level: float
-    index: int
-    total: int
-
-
-def config_for(
-    run: LoadTest, step: Step, *, gateway_url: str, triton_url: str, tokenizer: str, artifacts: Path
-) -> dict[str, Any]:
-    """AIPerf's configuration for one step of ``run``."""
-    w = run.workload
-    llm = run.kind == ModelKind.LLM
-    if step.target == "gateway":
-        endpoint: dict[str, Any] = {
-            "url": gateway_url,
-            "type": {"llm": w["endpoint"], "embedding": "embeddings", "reranker": "cohere_rankings"}[run.kind],
-            "apiKey": "${" + KEY_ENV + "}",
-            "streaming": w["streaming"],
-            # The gateway reports usage: count tokens as the server did (its chat template included).
-            "useServerTokenCount": llm,
-        }
-        if run.kind == ModelKind.RERANKER:
-            endpoint["path"] = "/v1/rerank"
-        model = run.alias
-    else:
-        # Triton's own generate endpoint, the ensemble interface every LLM route serves.
-        endpoint = {
-            "url": triton_url,
-            "type": "template",
-            "path": f"/v2/models/{run.triton_name}/generate_stream",
-            "streaming": True,  # it answers in server-sent events, one event when not streaming
-            "template": {
-                "body": '{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens }}, '
-                f'"stream": {json.dumps(w["streaming"])}}}',
-                "responseField": "text_output",
-            },
-        }
-        model = run.triton_name
-    endpoint["timeout"] = float(workloads.STEP_LIMIT_S)
-    phases: list[dict[str, Any]] = []
-    if w["warmup_requests"]:
-        phases.append({"name": "warmup", "type": "concurrency", "excludeFromResults": True,
-                       "requests": w["warmup_requests"], "concurrency": 1})  # fmt: skip
-    profiling: dict[str, Any] = {"name": "profiling"}
-    if w["mode"] == "concurrency":
-        profiling.update(type="concurrency", concurrency=int(step.level))
-    else:
-        profiling.update(type="poisson", rate=step.level)
-    if w["duration_s"]:
-        profiling.update(duration=w["duration_s"], gracePeriod=GRACE_S)
-    else:
-        profiling["requests"] = w["request_count"]
-    phases.append(profiling)
-    config: dict[str, Any] = {
-        "schemaVersion": "2.0",
-        "randomSeed": w["seed"],
-        "benchmark": {
-            "model": model,
-            "endpoint": endpoint,
-            "tokenizer": {"name": tokenizer},
-            "dataset": _dataset(run),
-            "phases": phases,
-            "artifacts": {"dir": str(artifacts), "summary": ["json"], "records": ["jsonl"]},
-        },
-    }
-    slos = {
-        {"time_to_first_token_ms": "time_to_first_token", "inter_token_latency_ms": "inter_token_latency",
-         "request_latency_ms": "request_latency"}[name]: value
-        for name, value in w["thresholds"].items()
-    }  # fmt: skip
-    if slos:
-        config["benchmark"]["slos"] = slos
-    return config
-
-
-def _dataset(run: LoadTest) -> dict[str, Any]:
-    w = run.workload
-    if w.get("dataset"):
-        records = [{"text": text} for text in w["dataset"]]
-        if run.kind == ModelKind.LLM:
-            for record in records:
-                record["output_length"] = w["output_tokens"]
-        return {"type": "file", "format": "single_turn", "records": records}
-    prompts: dict[str, Any] = {"isl": w["input_tokens"]}
-    dataset: dict[str, Any] = {"type": "synthetic", "entries": 200, "prompts": prompts}
-    if run.kind == ModelKind.LLM:
-        prompts["osl"] = w["output_tokens"]
-    elif run.kind == ModelKind.EMBEDDING:
-        prompts["batchSize"] = w["batch_size"]
-    else:
-        dataset["rankings"] = {"passages": w["passages"], "passageTokens": w["input_tokens"], "queryTokens": 16}
-    return dataset
-
-
-# --- what AIPerf wrote ----------------------------------------------------------
-
-# The figures kept from AIPerf's summary, by its metric names.
-_DISTRIBUTIONS = (
-    "request_latency",
-    "time_to_first_token",
-    "inter_token_latency",
-    "output_token_throughput_per_user",
-    "input_sequence_length",
-    "output_sequence_length",
-)
-_TOTALS = (
-    "request_throughput",
-    "output_token_throughput",
-    "total_token_throughput",
-    "request_count",
-    "error_request_count",
-    "good_request_count",
-    "goodput",
-    "benchmark_duration",
-)
-
-
-def summary_of(export: dict[str, Any]) -> dict[str, Any]:
-    """The step's figures from ``profile_export_aiperf.json``: totals, and p50/p90/p99
-    and mean of each latency; goodput when thresholds were given; the errors."""
-    summary: dict[str, Any] = {}
-    for name in _TOTALS:
-        if isinstance(export.get(name), dict) and export[name].get("avg") is not None:
-            summary[name] = export[name]["avg"]
-    for name in _DISTRIBUTIONS:
-        metric = export.get(name)
-        if isinstance(metric, dict) and metric.get("avg") is not None:
-            summary[name] = {key: metric.get(key) for key in ("avg", "p50", "p90", "p99", "min", "max")}
-            summary[name]["unit"] = metric.get("unit")
-    summary["errors"] = [_error(entry) for entry in export.get("error_summary") or []]
-    summary["was_cancelled"] = bool(export.get("was_cancelled"))
-    return summary
-
-
-def _error(entry: dict[str, Any]) -> dict[str, Any]:
-    details = entry.get("error_details") or {}
-    return {"code": details.get("code"), "message": str(details.get("message", ""))[:300], "count": entry.get("count")}
-
-
-def records_of(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Compact per-request records from ``profile_export.jsonl`` (start offset,
-    latency, first token, mean inter-token, tokens, error), and figures counted
-    from them (requests, errors, by status code)."""
-    rows: list[dict[str, Any]] = []
-    counted = {"requests": 0, "errors": 0, "by_code": {}}
-    if not path.exists():
-        return rows, counted
-    first: int | None = None
-    with path.open() as handle:
-        for line in handle:
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            meta, values = entry.get("metadata") or {}, entry.get("metrics") or {}
-            start = meta.get("request_start_ns")
-            first = start if first is None else min(first, start or first)
-            error = entry.get("error")
-            counted["requests"] += 1
-            if error:
-                counted["errors"] += 1
-                code = str(error.get("code"))
-                counted["by_code"][code] = counted["by_code"].get(code, 0) + 1
-            if len(rows) < MAX_RECORDS:
-                rows.append(
-                    {
-                        "start_ns": start,
-                        "latency_ms": _value(values, "request_latency"),
-                        "ttft_ms": _value(values, "time_to_first_token"),
-                        "itl_ms": _value(values, "inter_token_latency"),
-                        "input_tokens": _value(values, "input_sequence_length"),
-                        "output_tokens": _value(values, "output_sequence_length"),
-                        "error": None if not error else f"{error.get('code')} {error.get('type', '')}".strip(),
-                    }
-                )
-    for row in rows:
-        start = row.pop("start_ns")
-        row["t_ms"] = round((start - first) / 1e6, 3) if start is not None and first is not None else None
-    return rows, counted
-
-
-def _value(values: dict[str, Any], name: str) -> float | None:
-    found = values.get(name)
-    value = found.get("value") if isinstance(found, dict) else None
-    return round(value, 3) if isinstance(value, (int, float)) and math.isfinite(value) else None
-
-
-# --- Triton's side of the step ---------------------------------------------------
-
-
-@dataclass
-class ServerSampler:
-    """Triton's metrics over one step: counters at its start and end, gauges
-    (GPU utilization and memory, TensorRT-LLM's KV-cache blocks) each sample."""
-
-    url: str
-    first: metrics.Scrape | None = None
-    last: metrics.Scrape | None = None
-    gauges: list[metrics.Scrape] = field(default_factory=list)
-    next_at: float = 0.0
-
-    def sample(self, *, force: bool = False) -> None:
-        if not force and time.monotonic() < self.next_at:
-            return
-        self.next_at = time.monotonic() + SAMPLE_EVERY_S
-        try:
-            scrape = metrics.scrape(self.url)
-        except TransientError:
-            return
-        self.first = self.first or scrape
-        self.last = scrape
-        self.gauges.append(scrape)
-
-    def summary(self) -> dict[str, Any]:
-        if self.first is None or self.last is None:
-            return {"samples": 0}
-        models = {}
-        for name, end in self.last.models.items():
-            start = self.first.models.get(name, metrics.ModelCounters())
-            requests = end.success - start.success
-            models[name] = {
-                "requests": requests,
-                "failures": end.failure - start.failure,
-                "queue_ms": round((end.queue_us - start.queue_us) / requests / 1000, 3) if requests else None,
-                "compute_ms": round((end.compute_us - start.compute_us) / requests / 1000, 3) if requests else None,
-            }
-        gpus: dict[str, dict[str, float]] = {}
-        for uuid in self.last.gpus:
-            seen = [s.gpus[uuid] for s in self.gauges if uuid in s.gpus]
-            utilization = [g.get("utilization", 0.0) for g in seen]
-            gpus[uuid] = {
-                "utilization_mean": round(sum(utilization) / len(utilization), 4),
-                "utilization_max": max(utilization),
-                "memory_used_max_bytes": max(g.get("memory_used_bytes", 0.0) for g in seen),
-                "memory_total_bytes": seen[-1].get("memory_total_bytes", 0.0),
-            }
-        found: dict[str, Any] = {"samples": len(self.gauges), "models": models, "gpus": gpus}
-        kv = [s.kv_cache_blocks for s in self.gauges if s.kv_cache_blocks]
-        if kv:
-            found["kv_cache_blocks"] = {
-                "used_max": max(k.get("used", 0.0) for k in kv),
-                "max": kv[-1].get("max"),
-                "free_min": min(k.get("free", 0.0) for k in kv),
-            }
-        return found
 
 
 # --- after a worker died ----------------------------------------------------------
@@ -464,7 +177,7 @@ def _step(
             raise stop
         raise JobFailed(
             f"AIPerf ended with exit code {ran.returncode} before measuring step {step.index + 1}: "
-            + (_last_error(tail) or "see the run's log"),
+            + (last_error(tail) or "see the run's log"),
             log_tail="\n".join(tail),
         )
     summary = summary_of(export) if export is not None else {}
@@ -635,18 +348,3 @@ def _tail(path: Path, tail: deque[str]) -> str:
     tail.clear()
     tail.extend(line for line in text.splitlines()[-40:] if line.strip())
     return "\n".join(tail)
-
-
-def _last_error(tail: deque[str]) -> str:
-    """AIPerf's first stated reason (its exit box wraps it over several lines)."""
-    lines = [line.strip("│ ╭╰─\t") for line in tail]
-    for i, line in enumerate(lines):
-        if line.startswith("Reason:"):
-            reason = [line.removeprefix("Reason:").strip()]
-            for more in lines[i + 1 :]:
-                if not more or more.split(":", 1)[0] in ("Cause", "Service", "Operation", "Error") or more[0] == "•":
-                    break
-                reason.append(more)
-            return " ".join(reason)[:400]
-    errors = [line for line in lines if "ERROR" in line or "Error" in line]
-    return errors[-1][:400] if errors else ""

@@ -22,12 +22,13 @@ from gateway.models import Alias
 from loadtests import selectors, services
 from loadtests.models import LoadPoint, LoadTest
 from tests import factories
-from workers import loadtest, nvml
+from workers import nvml
 from workers.jobs import JobFailed
+from workers.loadtest import aiperf, runs
 
 pytestmark = pytest.mark.django_db
 
-STANDIN = Path(__file__).resolve().parents[2] / "fixtures" / "trtllm_standin.py"
+STANDIN = Path(__file__).resolve().parents[3] / "fixtures" / "trtllm_standin.py"
 ENGINE_BYTES = 2 << 30
 
 
@@ -83,8 +84,8 @@ def stack(tmp_path: Path, builder_images, operator, trt_python):  # noqa: ANN001
 
 
 def _native(run: LoadTest, deployment, placement, tmp_path: Path) -> None:  # noqa: ANN001
-    step = loadtest.Step(target="native", level=2, index=1, total=2)
-    loadtest._native_step(run, step, deployment=deployment, placement=placement, workdir=tmp_path / "native")
+    step = aiperf.Step(target="native", level=2, index=1, total=2)
+    runs._native_step(run, step, deployment=deployment, placement=placement, workdir=tmp_path / "native")
 
 
 def test_a_native_step_runs_trtllm_bench_on_the_engine_and_keeps_its_figures(stack, tmp_path, monkeypatch):  # noqa: ANN001

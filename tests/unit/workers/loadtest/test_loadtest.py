@@ -9,7 +9,7 @@ from pathlib import Path
 
 from loadtests.models import LoadTest
 from triton_server import metrics
-from workers import loadtest
+from workers.loadtest import aiperf, results, sampling
 
 
 def _run(kind: str, **workload) -> LoadTest:  # noqa: ANN003
@@ -20,8 +20,8 @@ def _run(kind: str, **workload) -> LoadTest:  # noqa: ANN003
 
 
 def _config(run: LoadTest, target: str = "gateway", level: float = 8) -> dict:
-    step = loadtest.Step(target=target, level=level, index=0, total=1)
-    return loadtest.config_for(run, step, gateway_url="http://gw:8000", triton_url="http://127.0.0.1:18000",
+    step = aiperf.Step(target=target, level=level, index=0, total=1)
+    return aiperf.config_for(run, step, gateway_url="http://gw:8000", triton_url="http://127.0.0.1:18000",
                                tokenizer="/models/tiny", artifacts=Path("/tmp/a"))["benchmark"]  # fmt: skip
 
 
@@ -51,7 +51,7 @@ def test_a_rate_step_of_fixed_duration_has_a_grace_period_and_a_warmup():
     warmup, profiling = config["phases"]
     assert warmup["excludeFromResults"] and warmup["requests"] == 3
     assert profiling == {"name": "profiling", "type": "poisson", "rate": 2.5, "duration": 30,
-                         "gracePeriod": loadtest.GRACE_S}  # fmt: skip
+                         "gracePeriod": aiperf.GRACE_S}  # fmt: skip
 
 
 def test_embedder_and_reranker_steps_use_their_endpoints_and_synthetic_inputs():
@@ -76,7 +76,7 @@ def test_the_figures_and_records_are_read_from_what_aiperf_wrote(tmp_path: Path)
         "error_summary": [{"error_details": {"code": 429, "message": "slow down"}, "count": 2}],
         "was_cancelled": True,
     }
-    summary = loadtest.summary_of(export)
+    summary = results.summary_of(export)
     assert summary["request_throughput"] == 4.5 and summary["goodput"] == 4.0
     assert summary["request_latency"]["p99"] == 300.0 and summary["was_cancelled"] is True
     assert summary["errors"] == [{"code": 429, "message": "slow down", "count": 2}]
@@ -87,7 +87,7 @@ def test_the_figures_and_records_are_read_from_what_aiperf_wrote(tmp_path: Path)
     ]  # fmt: skip
     path = tmp_path / "profile_export.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\nnot json\n")
-    records, counted = loadtest.records_of(path)
+    records, counted = results.records_of(path)
     assert counted == {"requests": 2, "errors": 1, "by_code": {"429": 1}}
     assert records[0] == {"latency_ms": 12.5, "ttft_ms": 3.0, "itl_ms": None, "input_tokens": None,
                           "output_tokens": 8, "error": None, "t_ms": 1.0}  # fmt: skip
@@ -113,7 +113,7 @@ def test_the_server_side_of_a_step_is_the_difference_of_tritons_counters():
         'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="tensorrt_llm",version="1"} 100\n',
         at=5.0,
     )
-    sampler = loadtest.ServerSampler(url="unused", first=before, last=after, gauges=[before, after])
+    sampler = sampling.ServerSampler(url="unused", first=before, last=after, gauges=[before, after])
     summary = sampler.summary()
     assert summary["models"]["tiny"] == {"requests": 4.0, "failures": 0.0, "queue_ms": 1.0, "compute_ms": 2.0}
     assert summary["gpus"]["GPU-1"]["utilization_mean"] == 0.7 and summary["gpus"]["GPU-1"]["utilization_max"] == 0.9
@@ -129,4 +129,4 @@ def test_aiperfs_reason_is_read_out_of_its_exit_box():
     ]
     from collections import deque
 
-    assert loadtest._last_error(deque(tail)) == "Failed to load tokenizer '/models/x': no tokenizer.json"
+    assert aiperf.last_error(deque(tail)) == "Failed to load tokenizer '/models/x': no tokenizer.json"
