@@ -153,7 +153,7 @@ def main() -> int:
     from deployments.models import RegisteredModel
     from deployments.permissions import OPERATOR_GROUP
     from deployments.services.placements import PlacementSpec
-    from gateway import services as gateway
+    from gateway import services as gateway_services
     from workers.untrained import make_untrained_llm
 
     checkpoint = args.checkpoint or make_untrained_llm(work / "tiny-llama")
@@ -167,8 +167,10 @@ def main() -> int:
         user = User.objects.create_user("bench")
         user.groups.add(Group.objects.get_or_create(name=OPERATOR_GROUP)[0])
         for alias, model in (("chat", "llm"), ("embedder", "minilm")):
-            gateway.alias_create(name=alias, deployment_id=stack.deployment.pk, triton_name=model, user=user)
-        args.auth = {"Authorization": f"Bearer {gateway.key_create(name='bench', user=user, all_aliases=True).secret}"}
+            gateway_services.alias_create(name=alias, deployment_id=stack.deployment.pk, triton_name=model, user=user)
+        args.auth = {
+            "Authorization": f"Bearer {gateway_services.key_create(name='bench', user=user, all_aliases=True).secret}"
+        }
         args.web, args.triton = stack.web, stack.triton
         llm = RegisteredModel.objects.get(name="llm")
         args.render = lambda text: chat_template.render(

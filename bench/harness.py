@@ -122,7 +122,8 @@ def served(*, port: int, models: dict[str, tuple[Path, str]], placements: list[A
     with the worker's own launch code, mark it ready, and run the web server as make demo does."""
     from controlplane.serving import web_argv
     from deployments import states
-    from deployments.services import deployments, hosts, registered_models
+    from deployments.services import deployments as deployment_services
+    from deployments.services import hosts, registered_models
     from triton_server.client import TritonClient
     from triton_server.repository import write_repository
     from workers.deploy import plan
@@ -131,7 +132,7 @@ def served(*, port: int, models: dict[str, tuple[Path, str]], placements: list[A
     for name, (folder, kind) in models.items():
         model = registered_models.model_register(name=name, kind=kind, path=str(folder.resolve()), host=host.name)
         registered_models.model_inspect(model_id=model.pk, source="bench")
-    deployment = deployments.deployment_create(name="bench", host_name=host.name, placements=placements)
+    deployment = deployment_services.deployment_create(name="bench", host_name=host.name, placements=placements)
     deployment = plan.load(deployment.pk)
     spec = plan.launch_spec(deployment)
     write_repository(spec.repository, plan.model_specs(deployment))

@@ -21,7 +21,8 @@ from django.conf import settings
 from common.errors import InvalidTransition
 from deployments import outbox
 from deployments.models import BuildStatus, Deployment, EngineBuild, Inspection, RegisteredModel
-from deployments.services import builds, deployments, hosts, registered_models
+from deployments.services import builds, hosts, registered_models
+from deployments.services import deployments as deployment_services
 from loadtests import services as loadtest_services
 from loadtests.models import LoadTest, RunStatus
 from workers.jobs import source
@@ -87,10 +88,10 @@ def redrive_host(*, host_name: str, source: str, reason: str) -> list[str]:
     so on the host's timeline. Returns what was sent."""
     message = f"{reason}: sending its task again"
     sent = []
-    passing = Deployment.objects.filter(host__name=host_name, status__in=list(deployments.REDRIVEN_TASKS))
+    passing = Deployment.objects.filter(host__name=host_name, status__in=list(deployment_services.REDRIVEN_TASKS))
     for deployment_id, name in passing.values_list("pk", "name"):
         try:
-            if deployments.deployment_redrive(deployment_id=deployment_id, source=source, message=message):
+            if deployment_services.deployment_redrive(deployment_id=deployment_id, source=source, message=message):
                 sent.append(f"deployment {name}")
         except InvalidTransition:
             pass  # it moved on meanwhile

@@ -35,7 +35,8 @@ from deployments.models import (
     slug_validator,
 )
 from deployments.permissions import ReadOrOperate
-from deployments.services import deployments, telemetry
+from deployments.services import deployments as deployment_services
+from deployments.services import telemetry
 from deployments.services.deployments import ServerSpec
 from deployments.services.placements import MAX_BATCH_SIZE, PLACEMENT_FIELDS, PlacementSpec
 
@@ -217,7 +218,9 @@ class DeploymentList(ListEndpoint):
     @idempotent()
     @extend_schema(request=DeploymentIn, responses={201: DeploymentOut})
     def post(self, request: Request) -> Response:
-        deployment = deployments.deployment_create(**_creation(validated(DeploymentIn, request)), user=request.user)
+        deployment = deployment_services.deployment_create(
+            **_creation(validated(DeploymentIn, request)), user=request.user
+        )
         deployment = selectors.deployment_list().get(pk=deployment.pk)
         return Response(DeploymentOut(deployment).data, status=status.HTTP_201_CREATED)
 
@@ -230,7 +233,7 @@ class DeploymentDetail(APIView):
 
     @extend_schema(responses={204: None})
     def delete(self, request: Request, pk: int) -> Response:
-        deployments.deployment_delete(deployment_id=pk, user=request.user)
+        deployment_services.deployment_delete(deployment_id=pk, user=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(responses=DeploymentOut)
@@ -243,7 +246,7 @@ class DeploymentDetail(APIView):
         now by a restart when it runs."""
         data = validated(ServerIn, request)
         current = get_object_or_404(Deployment, pk=pk)
-        deployments.deployment_configure(deployment_id=pk, server=server_spec(data, current), user=request.user)
+        deployment_services.deployment_configure(deployment_id=pk, server=server_spec(data, current), user=request.user)
         return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
 
 
@@ -263,7 +266,9 @@ class DeploymentModels(APIView):
     @extend_schema(request=ModelsIn, responses={202: DeploymentOut})
     def put(self, request: Request, pk: int) -> Response:
         data = validated(ModelsIn, request)
-        deployments.deployment_change(deployment_id=pk, placements=placement_specs(data["models"]), user=request.user)
+        deployment_services.deployment_change(
+            deployment_id=pk, placements=placement_specs(data["models"]), user=request.user
+        )
         return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
 
 
@@ -295,7 +300,7 @@ class DeploymentStart(APIView):
     @extend_schema(request=None, responses={202: DeploymentOut})
     def post(self, request: Request, pk: int) -> Response:
         require_empty_body(request)
-        deployments.deployment_start(deployment_id=pk, user=request.user)
+        deployment_services.deployment_start(deployment_id=pk, user=request.user)
         return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
 
 
@@ -308,7 +313,7 @@ class DeploymentRestart(APIView):
     @extend_schema(request=None, responses={202: DeploymentOut})
     def post(self, request: Request, pk: int) -> Response:
         require_empty_body(request)
-        deployments.deployment_restart(deployment_id=pk, user=request.user)
+        deployment_services.deployment_restart(deployment_id=pk, user=request.user)
         return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
 
 
@@ -325,7 +330,7 @@ class DeploymentRollback(APIView):
     @extend_schema(request=RollbackIn, responses={202: DeploymentOut})
     def post(self, request: Request, pk: int) -> Response:
         data = validated(RollbackIn, request)
-        deployments.deployment_roll_back_to(deployment_id=pk, generation=data["generation"], user=request.user)
+        deployment_services.deployment_roll_back_to(deployment_id=pk, generation=data["generation"], user=request.user)
         return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
 
 
@@ -337,7 +342,7 @@ class DeploymentStop(APIView):
     @extend_schema(request=None, responses={202: DeploymentOut})
     def post(self, request: Request, pk: int) -> Response:
         require_empty_body(request)
-        deployments.deployment_stop(deployment_id=pk, user=request.user)
+        deployment_services.deployment_stop(deployment_id=pk, user=request.user)
         return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
 
 
@@ -429,7 +434,9 @@ class DeploymentPreflight(APIView):
     def post(self, request: Request) -> Response:
         data = validated(DeploymentPreflightIn, request)
         return Response(
-            deployments.deployment_preflight(**_creation(data), replaces=data.get("replaces"), user=request.user)
+            deployment_services.deployment_preflight(
+                **_creation(data), replaces=data.get("replaces"), user=request.user
+            )
         )
 
 

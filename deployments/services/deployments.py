@@ -4,6 +4,10 @@
 
 Status changes go through deployments.states; work for the host is enqueued
 through deployments.queues once the change is committed.
+
+Over 450 lines on purpose: every write that locks a deployment is here, so
+the one lock order (the host's row, then the deployment's) and the GPU-plan
+check under it can be read in one place.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ models, apply a new generation in place (rolling back if it fails), and stop it.
 
 Each job runs under workers.jobs.run_job, which turns a failure into the
 deployment's failed state with its reason. Every status change goes through
-deployments.states; every step re-reads the row, so a task delivered twice, or
+deployment_services.states; every step re-reads the row, so a task delivered twice, or
 one racing a stop, ends in the state the database asks for.
 """
 
@@ -24,7 +24,8 @@ from common.errors import GantryError, InvalidTransition, PermanentError, Transi
 from deployments import states
 from deployments.models import Deployment
 from deployments.models import DeploymentStatus as S
-from deployments.services import builds, deployments
+from deployments.services import builds
+from deployments.services import deployments as deployment_services
 from triton_server.config import CONFIG_FILE
 from triton_server.repository import ModelSpec, write_repository
 from triton_server.server import LaunchSpec
@@ -50,7 +51,7 @@ def failer(deployment_id: int, only_from: frozenset[str]):  # noqa: ANN201 - a w
     log tail), if the deployment is still in one of ``only_from``."""
 
     def fail(reason: str, *, status: str | None, details: dict[str, Any]) -> None:
-        deployments.deployment_fail(
+        deployment_services.deployment_fail(
             deployment_id=deployment_id,
             reason=reason,
             source=source(),
@@ -133,7 +134,7 @@ def _start_server(deployment_id: int) -> tuple[Deployment, Runtime, str, LaunchS
         runtime.stop(deployment.runtime_handle, spec)
     leftovers = runtime.stop_leftovers(spec)
     if leftovers:
-        deployments.record_deployment_event(
+        deployment_services.record_deployment_event(
             deployment_id=deployment_id,
             kind="deployment.leftover_stopped",
             source=source(),
@@ -272,7 +273,7 @@ def _apply_generation_once(deployment_id: int, generation: int) -> None:
     except GantryError as exc:
         roll_back(deployment, generation, str(exc))
         return
-    deployments.record_deployment_event(
+    deployment_services.record_deployment_event(
         deployment_id=deployment.pk,
         kind="deployment.generation_applied",
         source=source(),
@@ -292,7 +293,7 @@ def _restart_for_generation(
     new one for the generation (the old one stops first, so the ports are free).
     If the new one does not come up, the previous generation is put back and
     started again the same way."""
-    deployments.record_deployment_event(
+    deployment_services.record_deployment_event(
         deployment_id=deployment.pk,
         kind="deployment.generation_restart",
         source=source(),
@@ -310,7 +311,7 @@ def _restart_for_generation(
 def _replace_server(deployment: Deployment, runtime: Runtime, spec: LaunchSpec, *, what: str) -> None:
     write_repository(spec.repository, model_specs(deployment))
     handle = runtime.start(spec)
-    if not deployments.deployment_server_replaced(deployment_id=deployment.pk, runtime_handle=handle):
+    if not deployment_services.deployment_server_replaced(deployment_id=deployment.pk, runtime_handle=handle):
         runtime.stop(handle, spec)  # stopped meanwhile: the stop task owns the deployment now
         return
     _await_ready(deployment, runtime, handle, spec, status=S.UPDATING, what=what)
@@ -320,7 +321,7 @@ def _restart_previous(deployment: Deployment, generation: int, failed: JobFailed
     """The new server of ``generation`` failed and is stopped: put the previous
     generation back and start its server; JobFailed when even that fails."""
     try:
-        restored = deployments.deployment_rollback(
+        restored = deployment_services.deployment_rollback(
             deployment_id=deployment.pk, failed_generation=generation, reason=failed.reason, source=source()
         )
         _replace_server(
@@ -340,7 +341,7 @@ def roll_back(deployment: Deployment, generation: int, reason: str) -> None:
     """Put the generation before ``generation`` back, in the database and in the
     running server; JobFailed when even that fails."""
     try:
-        deployments.deployment_rollback(
+        deployment_services.deployment_rollback(
             deployment_id=deployment.pk, failed_generation=generation, reason=reason, source=source()
         )
         restored = load(deployment.pk)
@@ -364,7 +365,7 @@ def _stop(deployment_id: int) -> None:
         stopped = _stop_server(deployment_id)
     if stopped:
         # A restart stops with "running" still desired: start it again.
-        deployments.deployment_start_after_stop(deployment_id=deployment_id, source=source())
+        deployment_services.deployment_start_after_stop(deployment_id=deployment_id, source=source())
 
 
 def _stop_server(deployment_id: int) -> bool:

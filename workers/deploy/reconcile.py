@@ -22,7 +22,8 @@ from deployments import states
 from deployments.models import Deployment, DesiredState, Event
 from deployments.models import DeploymentStatus as S
 from deployments.models import Runtime as DeploymentRuntime
-from deployments.services import deployments, hosts
+from deployments.services import deployments as deployment_services
+from deployments.services import hosts
 from triton_server.client import Readiness
 from triton_server.server import STOP_GRACE_S, LaunchSpec
 from workers import nvml
@@ -85,7 +86,9 @@ def relaunch_failed() -> None:
         restarts = _recent_crash_restarts(deployment)
         if restarts < settings.GANTRY_CRASH_RESTART_LIMIT:
             with contextlib.suppress(InvalidTransition):
-                deployments.deployment_relaunch(deployment_id=deployment.pk, source=source(), attempt=restarts + 1)
+                deployment_services.deployment_relaunch(
+                    deployment_id=deployment.pk, source=source(), attempt=restarts + 1
+                )
 
 
 def watch_crashes() -> None:
@@ -149,7 +152,7 @@ def adopt_servers() -> None:
     for deployment in active:
         if not runtime_for(deployment).is_running(deployment.runtime_handle, launch_spec(deployment)):
             continue  # gone meanwhile: reconcile reports the crash
-        deployments.record_deployment_event(
+        deployment_services.record_deployment_event(
             deployment_id=deployment.pk,
             kind="deployment.adopted",
             source=source(),
@@ -211,7 +214,7 @@ def _redrive(deployment: Deployment) -> None:
     if Event.objects.filter(deployment=deployment, kind="task.redriven", created_at__gte=since).exists():
         return
     try:
-        deployments.deployment_redrive(
+        deployment_services.deployment_redrive(
             deployment_id=deployment.pk,
             source=source(),
             message=f"still {deployment.status} after {stall:.0f}s: its task was lost; sending it again",
@@ -238,7 +241,7 @@ def _check_loading(deployment: Deployment, runtime: Runtime, spec: LaunchSpec, n
         elif (now - deployment.status_changed_at).total_seconds() > settings.GANTRY_TRITON_READY_TIMEOUT:
             tail = runtime.log_tail(deployment.runtime_handle, spec)
             runtime.stop(deployment.runtime_handle, spec)
-            deployments.deployment_fail(
+            deployment_services.deployment_fail(
                 deployment_id=deployment.pk,
                 reason=f"tritonserver not ready after {settings.GANTRY_TRITON_READY_TIMEOUT}s",
                 source=source(),
@@ -254,7 +257,7 @@ def _handle_crash(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) ->
     ended = runtime.exit_of(deployment.runtime_handle, spec)
     # A crashed container is kept until now for its logs and exit state; remove it before any restart.
     runtime.stop(deployment.runtime_handle, spec)
-    deployments.deployment_fail(
+    deployment_services.deployment_fail(
         deployment_id=deployment.pk,
         reason=f"tritonserver exited unexpectedly: {ended.describe()}",
         source=source(),
@@ -266,7 +269,7 @@ def _handle_crash(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) ->
         return
     restarts = _recent_crash_restarts(deployment)
     if restarts >= settings.GANTRY_CRASH_RESTART_LIMIT:
-        deployments.record_deployment_event(
+        deployment_services.record_deployment_event(
             deployment_id=deployment.pk,
             kind="deployment.crash_loop",
             source=source(),
@@ -275,7 +278,7 @@ def _handle_crash(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) ->
         )
         return
     try:
-        deployments.deployment_relaunch(deployment_id=deployment.pk, source=source(), attempt=restarts + 1)
+        deployment_services.deployment_relaunch(deployment_id=deployment.pk, source=source(), attempt=restarts + 1)
     except InvalidTransition:
         pass
 

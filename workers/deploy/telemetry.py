@@ -11,7 +11,8 @@ from django.conf import settings
 
 from common.errors import TransientError
 from deployments.models import Deployment
-from deployments.services import deployments, telemetry
+from deployments.services import deployments as deployment_services
+from deployments.services import telemetry
 from triton_server import metrics
 from triton_server.server import LaunchSpec
 from workers import nvml
@@ -40,7 +41,7 @@ def ship_log(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) -> None
     except TransientError as exc:
         if _log_unreadable.get(deployment.pk) != deployment.runtime_handle:
             _log_unreadable[deployment.pk] = deployment.runtime_handle
-            deployments.record_deployment_event(
+            deployment_services.record_deployment_event(
                 deployment_id=deployment.pk,
                 kind="deployment.log_unreadable",
                 source=source(),

@@ -42,7 +42,8 @@ from controlplane.serving import live_argv, port_taken, web_argv
 from deployments import states
 from deployments.checkpoints import UNTRAINED_NOTICE
 from deployments.models import Deployment, DeploymentStatus, GpuHost, Inspection, RegisteredModel
-from deployments.services import deployments, hosts, registered_models
+from deployments.services import deployments as deployment_services
+from deployments.services import hosts, registered_models
 from deployments.services.placements import PlacementSpec
 from gateway.models import Alias
 from gateway.services import alias_create
@@ -258,7 +259,7 @@ class Command(BaseCommand):
         stack = Deployment.objects.filter(name=DEMO_STACK).first()
         if stack is None:
             try:
-                stack = deployments.deployment_create(
+                stack = deployment_services.deployment_create(
                     name=DEMO_STACK,
                     host_name=settings.GANTRY_HOST_NAME,
                     placements=[
@@ -271,7 +272,7 @@ class Command(BaseCommand):
         # Before the start: SQLite takes one writer at a time, and the launch is one.
         self._ensure_aliases(stack)
         if stack.status in states.AT_REST:
-            deployments.deployment_start(deployment_id=stack.pk)
+            deployment_services.deployment_start(deployment_id=stack.pk)
             self.stdout.write(f"starting {DEMO_STACK}: {', '.join(DEMO_FRACTIONS)}")
         return stack
 
@@ -344,7 +345,7 @@ class Command(BaseCommand):
         for deployment in active():
             if deployment.status != DeploymentStatus.STOPPING:
                 try:
-                    deployments.deployment_stop(deployment_id=deployment.pk)
+                    deployment_services.deployment_stop(deployment_id=deployment.pk)
                 except GantryError:
                     continue
             self.stdout.write(f"stopping deployment {deployment.name}…")
