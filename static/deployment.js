@@ -1,0 +1,412 @@
+// A deployment's page: status, actions, models, revisions, timeline, server log and
+// metrics followed live, and its playgrounds (chat, embed, rerank).
+"use strict";
+
+(() => {
+  const { api, csrfToken, eventRow, live, logView, newestLast, setStatus, text } = Gantry;
+
+  // What changed from one generation's models to the next: added, removed, and each changed setting.
+  function differences(before, after) {
+    const byName = (models) => Object.fromEntries(models.map((m) => [m.triton_name, m]));
+    const old = byName(before || []);
+    const now = byName(after);
+    const lines = [];
+    for (const name of Object.keys(now)) {
+      if (!(name in old)) { lines.push(`+ ${name}`); continue; }
+      for (const key of Object.keys(now[name])) {
+        const a = JSON.stringify(old[name][key]);
+        const b = JSON.stringify(now[name][key]);
+        if (a !== b) lines.push(`${name}.${key}: ${a} → ${b}`);
+      }
+    }
+    for (const name of Object.keys(old)) if (!(name in now)) lines.push(`− ${name}`);
+    return lines;
+  }
+
+  function renderRevisions(body, revisions, current, canOperate, rollBack) {
+    body.replaceChildren(...revisions.slice().reverse().map((revision, i, newestFirst) => {
+      const previous = newestFirst[i + 1];
+      const row = document.createElement("tr");
+      const changed = previous ? differences(previous.models, revision.models) : ["first generation"];
+      const state = revision.generation === current ? `${revision.status} (serving)` : revision.status;
+      row.append(text("td", String(revision.generation)), text("td", state),
+                 text("td", new Date(revision.created_at).toLocaleString()),
+                 text("td", revision.models.map((m) => m.triton_name).join(", ")));
+      const what = document.createElement("td");
+      what.append(...changed.map((line) => text("div", line)));
+      if (revision.message) what.append(text("div", revision.message, "muted"));
+      row.append(what);
+      const cell = document.createElement("td");
+      if (canOperate) {
+        const button = text("button", "Roll back to this", "secondary");
+        button.type = "button";
+        button.dataset.generation = revision.generation;
+        button.dataset.current = revision.generation === current ? "1" : "";
+        button.addEventListener("click", () => rollBack(revision.generation));
+        cell.append(button);
+      }
+      row.append(cell);
+      return row;
+    }));
+  }
+
+  function deploymentPage(id) {
+    const badge = document.querySelector("#deployment [data-status]");
+    const message = document.getElementById("status-message");
+    const desired = document.getElementById("desired");
+    const events = document.getElementById("events");
+    const indicator = document.getElementById("live-indicator");
+    const actionError = document.getElementById("action-error");
+    const serverLog = document.getElementById("server-log");
+
+    const serverLines = logView(serverLog, 500);
+    const appendLog = (lines) => serverLines.append(lines);
+
+    // The server says which actions the deployment allows now; the page keeps no state table.
+    let allowed = {};
+    function enableActions(actions) {
+      allowed = actions;
+      for (const action of ["start", "stop", "restart", "delete"]) {
+        const button = document.getElementById(action);
+        if (button) button.disabled = !actions[action];
+      }
+      for (const button of document.querySelectorAll("#revisions button[data-generation]")) {
+        button.disabled = !actions.rollback || button.dataset.current === "1";
+      }
+    }
+    function showError(error) {
+      actionError.textContent = error.message;
+      actionError.hidden = false;
+    }
+    async function loadRevisions(current) {
+      const page = await api("GET", `/api/deployments/${id}/revisions/?limit=500`);
+      renderRevisions(document.getElementById("revisions"), page.results, current, canOperate, async (generation) => {
+        actionError.hidden = true;
+        try {
+          render(await api("POST", `/api/deployments/${id}/rollback/`, { generation }));
+        } catch (error) {
+          showError(error);
+        }
+      });
+      enableActions(allowed);
+    }
+    const canOperate = Boolean(document.getElementById("start"));
+    let shownGeneration = null;
+    // The playgrounds answer only from a ready server: say so instead of failing on a press.
+    function enablePlaygrounds(status) {
+      const ready = status === "ready";
+      for (const button of document.querySelectorAll("#chat-send, #embed, #rerank")) {
+        if (!button.dataset.busy) button.disabled = !ready;
+      }
+      for (const note of document.querySelectorAll("[data-playground-note]")) {
+        note.hidden = ready;
+        note.textContent = `The deployment is ${status}: this playground answers once it is ready.`;
+      }
+    }
+    // Each model's readiness as Triton last said it, while the server runs.
+    const readiness = {};
+    function showReadiness(status) {
+      const running = ["ready", "degraded", "updating"].includes(status);
+      for (const badge of document.querySelectorAll("[data-model-ready]")) {
+        const ready = readiness[badge.dataset.modelReady];
+        badge.hidden = !running;
+        const words = ready === true ? "ready" : ready === false ? "not ready" : "checking";
+        badge.textContent = words;
+        badge.className = `status model-ready status-${ready === true ? "ready" : ready === false ? "failed" : "pending"}`;
+      }
+    }
+    function render(deployment) {
+      for (const model of deployment.models) readiness[model.triton_name] = model.ready;
+      showReadiness(deployment.shown_status);
+      enableActions(deployment.actions);
+      enablePlaygrounds(deployment.shown_status);
+      setStatus(badge, deployment.shown_status);
+      message.textContent = deployment.status_message;
+      desired.textContent = deployment.desired_state;
+      if (deployment.generation !== shownGeneration) {
+        shownGeneration = deployment.generation;
+        loadRevisions(deployment.generation);
+      }
+    }
+    function addEvent(event) {
+      if (!events.querySelector(`[data-event-id="${event.id}"]`)) events.prepend(eventRow(event));
+    }
+    async function refresh() {
+      render(await api("GET", `/api/deployments/${id}/`));
+      events.replaceChildren();
+      (await api("GET", `/api/deployments/${id}/events/`)).results.reverse().forEach(addEvent);
+      const latest = {};
+      const samples = await api("GET", `/api/deployments/${id}/metrics/?minutes=5&kind=model&ordering=-id&limit=100`);
+      for (const sample of samples.results) latest[sample.subject] ??= sample;
+      serverLines.clear();
+      appendLog(newestLast(await api("GET", `/api/deployments/${id}/log/?limit=200`)));
+      const at = Object.values(latest).map((s) => s.at).sort().pop();
+      if (at) renderMetrics(at, Object.fromEntries(Object.entries(latest).map(([k, s]) => [k, s.values])));
+      if (charts) await charts.load();
+    }
+    const chartBox = document.getElementById("charts");
+    const charts = chartBox && window.uPlot ? Gantry.metricCharts(chartBox, id) : null;
+    live(`/ws/deployments/${id}/`, {
+      indicator,
+      resync: async (why) => {
+        await refresh(why);
+        document.dispatchEvent(new CustomEvent("gantry:resync"));
+      },
+      onMessage: async (event) => {
+        if (event.type === "metrics") {
+          renderMetrics(event.at, event.models);
+          if (charts) charts.push(event);
+        }
+        if (event.type === "log") appendLog(event.lines);
+        if (event.type === "models") {
+          Object.assign(readiness, event.ready);
+          showReadiness(badge.textContent);
+        }
+        if (event.type === "host") render(await api("GET", `/api/deployments/${id}/`));  // its host went or came back
+        // Load tests of this deployment follow its group; their section listens (static/loadtests.js).
+        if (event.type === "loadtest") document.dispatchEvent(new CustomEvent("gantry:loadtest", { detail: event }));
+        if (event.type !== "event") return;
+        addEvent(event);
+        if (event.to_status) {
+          setStatus(badge, event.to_status);
+          enablePlaygrounds(event.to_status);
+          showReadiness(event.to_status);
+          message.textContent = event.message;
+          render(await api("GET", `/api/deployments/${id}/`));
+        } else if (event.kind === "deployment.changed" || event.kind === "deployment.rollback") {
+          render(await api("GET", `/api/deployments/${id}/`));  // a new generation: its revisions
+        }
+      },
+    });
+    for (const action of ["start", "stop", "restart"]) {
+      const button = document.getElementById(action);
+      if (!button) continue;
+      button.addEventListener("click", async () => {
+        actionError.hidden = true;
+        try {
+          render(await api("POST", `/api/deployments/${id}/${action}/`));
+        } catch (error) {
+          showError(error);
+        }
+      });
+    }
+    const deleteButton = document.getElementById("delete");
+    if (deleteButton) {
+      deleteButton.addEventListener("click", async () => {
+        if (!confirm(`Delete ${deleteButton.dataset.name}? Its timeline stays; its ports and name are freed.`)) return;
+        actionError.hidden = true;
+        try {
+          await api("DELETE", `/api/deployments/${id}/`);
+          location.assign("/");
+        } catch (error) {
+          showError(error);
+        }
+      });
+    }
+    const embedButton = document.getElementById("embed");
+    if (embedButton) embedButton.addEventListener("click", () => embed(id, embedButton.dataset.model));
+    const rerankButton = document.getElementById("rerank");
+    if (rerankButton) rerankButton.addEventListener("click", () => rerank(id, rerankButton.dataset.model));
+    if (document.getElementById("chat")) chat(id);
+  }
+
+  // Server-sent events from a fetch body: calls onEvent with each "data:" JSON object.
+  async function readEvents(response, onEvent) {
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += decoder.decode(value, { stream: true });
+      let end;
+      while ((end = buffer.indexOf("\n\n")) !== -1) {
+        const block = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        for (const line of block.split("\n")) {
+          if (line.startsWith("data:")) onEvent(JSON.parse(line.slice(5)));
+        }
+      }
+    }
+  }
+
+  // The LLM chat: messages stream in; Stop aborts the request, which closes the
+  // connection, and Gantry's generate action cancels it inside Triton.
+  function chat(id) {
+    const section = document.getElementById("chat");
+    const model = section.dataset.model;
+    const log = document.getElementById("chat-log");
+    const input = document.getElementById("chat-input");
+    const send = document.getElementById("chat-send");
+    const stop = document.getElementById("chat-stop");
+    const figures = document.getElementById("chat-figures");
+    const error = document.getElementById("chat-error");
+    const hasTemplate = send.dataset.template === "1";
+    const history = [];
+    let controller = null;
+
+    function turn(role, content) {
+      const element = text("div", content, `turn ${role}`);
+      element.dataset.role = role;
+      log.append(element);
+      log.scrollTop = log.scrollHeight;
+      return element;
+    }
+
+    async function ask() {
+      const content = input.value.trim();
+      if (!content) return;
+      error.hidden = true;
+      figures.textContent = "";
+      history.push({ role: "user", content });
+      turn("user", content);
+      input.value = "";
+      const answer = turn("assistant", "");
+      const body = {
+        model,
+        stream: true,
+        max_tokens: Number(document.getElementById("chat-max-tokens").value),
+        temperature: Number(document.getElementById("chat-temperature").value),
+        top_p: Number(document.getElementById("chat-top-p").value),
+      };
+      if (hasTemplate) body.messages = history.slice();
+      else body.prompt = content;
+      controller = new AbortController();
+      send.disabled = true;
+      send.dataset.busy = "1";
+      stop.disabled = false;
+      const started = performance.now();
+      let firstAt = null;
+      let tokens = 0;
+      try {
+        const response = await fetch(`/api/deployments/${id}/generate/`, {
+          method: "POST",
+          credentials: "same-origin",
+          headers: { "Content-Type": "application/json", "X-CSRFToken": csrfToken() },
+          body: JSON.stringify(body),
+          signal: controller.signal,
+        });
+        if (!response.ok) {
+          const data = await response.json().catch(() => ({}));
+          throw new Error(data.detail || `${response.status} ${response.statusText}`);
+        }
+        await readEvents(response, (event) => {
+          if (event.error) throw new Error(event.error);
+          if (event.text) {
+            if (firstAt === null) firstAt = performance.now();
+            tokens += event.tokens || 0;
+            answer.textContent += event.text;
+            log.scrollTop = log.scrollHeight;
+          }
+          if (event.done) {
+            const rate = event.tokens_per_s === null ? "–" : event.tokens_per_s.toFixed(1);
+            figures.textContent = `time to first token ${event.time_to_first_token_ms} ms · ${rate} tokens/s · ` +
+              `${event.usage.completion_tokens} tokens (${event.finish_reason})`;
+          }
+        });
+        history.push({ role: "assistant", content: answer.textContent });
+      } catch (err) {
+        if (err.name === "AbortError") {
+          const seconds = firstAt === null ? 0 : (performance.now() - firstAt) / 1000;
+          figures.textContent = `stopped after ${tokens} tokens` +
+            (firstAt === null ? "" : ` · time to first token ${(firstAt - started).toFixed(0)} ms` +
+              (seconds > 0 && tokens > 1 ? ` · ${((tokens - 1) / seconds).toFixed(1)} tokens/s` : ""));
+          answer.dataset.stopped = "true";
+          history.push({ role: "assistant", content: answer.textContent });
+        } else {
+          error.textContent = err.message;
+          error.hidden = false;
+          history.pop();
+        }
+      } finally {
+        controller = null;
+        delete send.dataset.busy;
+        send.disabled = document.querySelector("#deployment [data-status]").textContent !== "ready";
+        stop.disabled = true;
+      }
+    }
+
+    send.addEventListener("click", ask);
+    stop.addEventListener("click", () => controller && controller.abort());
+    input.addEventListener("keydown", (event) => {
+      if (event.key === "Enter" && !event.shiftKey) {
+        event.preventDefault();
+        ask();
+      }
+    });
+  }
+
+  function renderMetrics(at, models) {
+    const body = document.getElementById("metrics");
+    const format = (value, digits) => (value === undefined ? "–" : Number(value).toFixed(digits));
+    const memory = (value) => (value === undefined ? "–" : `${(value / 2 ** 30).toFixed(2)} GiB`);
+    body.replaceChildren(...Object.entries(models).map(([name, m]) => {
+      const row = document.createElement("tr");
+      row.append(text("td", name), text("td", format(m.request_rate, 2)), text("td", format(m.failure_rate, 2)),
+                 text("td", format(m.queue_ms, 2)), text("td", format(m.compute_ms, 2)),
+                 text("td", format(m.requests_total, 0)), text("td", format(m.failures_total, 0)),
+                 text("td", memory(m.gpu_memory_bytes)));
+      return row;
+    }));
+    // Beside each model's plan: what NVML sees its processes hold now, against the plan.
+    for (const cell of document.querySelectorAll("[data-memory-for]")) {
+      const used = (models[cell.dataset.memoryFor] || {}).gpu_memory_bytes;
+      cell.textContent = memory(used);
+      cell.classList.toggle("error", used !== undefined && cell.dataset.budget !== undefined
+                            && used > Number(cell.dataset.budget));
+    }
+    document.getElementById("metrics-at").textContent = new Date(at).toLocaleTimeString();
+  }
+
+  async function rerank(id, model) {
+    const error = document.getElementById("rerank-error");
+    const result = document.getElementById("rerank-result");
+    const query = document.getElementById("query").value.trim();
+    const passages = document.getElementById("passages").value.split("\n").map((t) => t.trim()).filter(Boolean);
+    error.hidden = true;
+    result.replaceChildren();
+    try {
+      const data = await api("POST", `/api/deployments/${id}/rerank/`, { query, passages, model });
+      const list = document.createElement("ol");
+      data.order.forEach((i) => list.append(text("li", `${data.scores[i].toFixed(4)}  ${passages[i]}`)));
+      result.append(text("p", `model ${data.model}, best first`), list);
+    } catch (err) {
+      error.textContent = err.message;
+      error.hidden = false;
+    }
+  }
+
+  async function embed(id, model) {
+    const error = document.getElementById("embed-error");
+    const result = document.getElementById("embed-result");
+    const texts = document.getElementById("texts").value.split("\n").map((t) => t.trim()).filter(Boolean);
+    error.hidden = true;
+    result.replaceChildren();
+    try {
+      const data = await api("POST", `/api/deployments/${id}/embed/`, { texts, model });
+      const list = document.createElement("ol");
+      data.embeddings.forEach((vector, i) => {
+        const preview = vector.slice(0, 6).map((x) => x.toFixed(4)).join(", ");
+        list.append(text("li", `${texts[i]} → [${preview}, …] (${vector.length} numbers)`));
+      });
+      const table = document.createElement("table");
+      table.className = "similarity";
+      const head = document.createElement("tr");
+      head.append(text("th", "cosine"));
+      texts.forEach((_, j) => head.append(text("th", `#${j + 1}`)));
+      table.append(head);
+      data.similarity.forEach((row, i) => {
+        const tr = document.createElement("tr");
+        tr.append(text("th", `#${i + 1}`));
+        row.forEach((value) => tr.append(text("td", value.toFixed(3))));
+        table.append(tr);
+      });
+      result.append(text("p", `model ${data.model}, ${data.embeddings[0].length} dimensions`), list, table);
+    } catch (err) {
+      error.textContent = err.message;
+      error.hidden = false;
+    }
+  }
+
+  Gantry.deploymentPage = deploymentPage;
+})();
