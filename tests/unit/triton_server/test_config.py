@@ -132,7 +132,7 @@ def test_no_queue_policy_unless_asked():
     assert config.dynamic_batching.priority_levels == 0
 
 
-SEEDS = Path(__file__).resolve().parents[5] / "shared" / "seeds"
+SEEDS = Path(__file__).resolve().parents[4] / "shared" / "seeds"
 
 
 def _seed_config(seed: str, start: str, end: str, substitutions: dict[str, str]) -> mc.ModelConfig:
