@@ -8,8 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 
 # Test files run on TEST_WORKERS processes at once (pytest-xdist; 0: one after
 # another), each with its own PostgreSQL database and Redis database number
-# (tests/parallel.py). A file stays on one process: the docker runtime names
-# containers by deployment id, which each process's database starts at 1.
+# (tests/parallel.py). A file stays on one process (pytest-xdist's loadfile).
 TEST_WORKERS ?= 2
 
 # Tests use their own PostgreSQL database and Redis database number.

@@ -46,8 +46,11 @@ class Container:
     running: bool
 
 
-def container_name(spec: LaunchSpec) -> str:
-    return f"gantry-deployment-{spec.deployment_id}"
+def container_name(spec: LaunchSpec, host_name: str) -> str:
+    """The deployment's container on this host: named by the host too, since two
+    hosts' workers (or two control planes' tests) may share one Docker engine, and
+    each database counts deployments from 1."""
+    return f"gantry-{host_name}-deployment-{spec.deployment_id}"
 
 
 def run_options(spec: LaunchSpec, host_name: str, secret_files: SecretFiles | None = None) -> dict:
@@ -69,7 +72,7 @@ def run_options(spec: LaunchSpec, host_name: str, secret_files: SecretFiles | No
     options = {
         "image": spec.image,
         "command": server_command(spec),
-        "name": container_name(spec),
+        "name": container_name(spec, host_name),
         "labels": {
             LABEL_HOST: host_name,
             LABEL_DEPLOYMENT: str(spec.deployment_id),
@@ -125,7 +128,7 @@ class DockerRuntime:
         try:
             for attempt in range(5):
                 # A container of this name left by an earlier attempt is ours: replace it.
-                _remove_and_wait(client, container_name(spec))
+                _remove_and_wait(client, container_name(spec, self.host_name))
                 try:
                     container = client.containers.run(**run_options(spec, self.host_name, secret_files))
                     break
@@ -213,7 +216,7 @@ class DockerRuntime:
         return [int(row[0]) for row in top.get("Processes") or [] if row and str(row[0]).isdigit()]
 
     def stop_leftovers(self, spec: LaunchSpec) -> list[str]:
-        container = self._get(container_name(spec))  # Docker finds a container by its name too
+        container = self._get(container_name(spec, self.host_name))  # Docker finds a container by its name too
         if container is None:
             return []
         self.stop(container.id, spec)

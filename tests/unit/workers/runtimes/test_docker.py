@@ -35,7 +35,9 @@ def test_container_is_host_networked_labelled_and_read_only():
     assert options["security_opt"] == ["no-new-privileges"]
     assert options["environment"]["HOME"] == "/tmp"
     assert options["labels"] == {"gantry.host": "gpu-01", "gantry.deployment": "7", "gantry.generation": "3"}
-    assert options["name"] == "gantry-deployment-7"
+    assert options["name"] == "gantry-gpu-01-deployment-7"
+    # Another host's worker on the same engine (or another test process) names its deployment 7 apart.
+    assert run_options(_spec(), host_name="gpu-02")["name"] != options["name"]
     assert options["shm_size"] == "2048m"
     assert {(u["Name"], u["Soft"], u["Hard"]) for u in options["ulimits"]} == {
         ("memlock", -1, -1),
