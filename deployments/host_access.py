@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import Any
 
 import redis
 from django.conf import settings
 from django.db import connection
-from psycopg import sql
 
 from common.errors import PermanentError, TransientError
 
@@ -71,7 +71,8 @@ def _require_postgresql() -> None:
         )
 
 
-def _execute(statement: sql.Composable) -> None:
+def _execute(statement: Any) -> None:
+    """Run a psycopg.sql statement, saying what PostgreSQL refused."""
     import psycopg
 
     try:
@@ -91,6 +92,8 @@ def database_grants_ensure() -> None:
     """The group role exists and may use every table of Gantry's schema but the
     withheld ones, now and for tables later migrations make."""
     _require_postgresql()
+    from psycopg import sql  # PostgreSQL only: a demo on SQLite may lack the driver
+
     group = sql.Identifier(group_role())
     database = sql.Identifier(connection.settings_dict["NAME"])
     rows, sequences = "SELECT, INSERT, UPDATE, DELETE", "USAGE, SELECT"
@@ -111,7 +114,9 @@ def database_grants_ensure() -> None:
 
 def database_role_create(role: str, password: str) -> None:
     """A login role with ``password``, a member of the group role and nothing else."""
-    database_grants_ensure()
+    database_grants_ensure()  # first: it refuses SQLite by name
+    from psycopg import sql
+
     _execute(
         sql.SQL("CREATE ROLE {} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION PASSWORD {}").format(
             sql.Identifier(role), sql.Literal(password)
@@ -123,6 +128,8 @@ def database_role_create(role: str, password: str) -> None:
 def database_role_drop(role: str) -> None:
     """End the role's sessions, then remove it (a role already gone is fine)."""
     _require_postgresql()
+    from psycopg import sql
+
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [role])
     _execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))

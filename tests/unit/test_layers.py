@@ -121,3 +121,20 @@ def test_the_host_side_reaches_the_web_side_only_through_tasks_and_the_database(
 
 def test_the_web_side_imports_no_host_code():
     assert web_to_host() == []
+
+
+def test_a_demo_on_sqlite_loads_every_door_without_the_postgresql_driver(tmp_path: Path):
+    """Only PostgreSQL's own paths (host joins) import psycopg: the GPU suite's
+    control plane runs on SQLite where the driver is not installed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['psycopg'] = None\n"  # importing it now raises ImportError
+        "import django; django.setup()\n"
+        "import controlplane.urls, controlplane.asgi, workers.tasks, deployments.tasks\n"
+    )
+    env = {"DJANGO_SETTINGS_MODULE": "controlplane.settings", "SECRET_KEY": "x", "GANTRY_DATA_DIR": str(tmp_path),
+           "PATH": "/usr/bin:/bin"}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
