@@ -171,18 +171,25 @@ def python_model_config(spec: PythonModelSpec) -> mc.ModelConfig:
     return config
 
 
+def _generate_interface(name: str, batching: Batching, instances: Instances) -> mc.ModelConfig:
+    """A decoupled python model with the generate interface (GENERATE_INPUTS ->
+    GENERATE_OUTPUTS), its batching and its instances."""
+    config = mc.ModelConfig(name=name, backend="python")
+    config.model_transaction_policy.decoupled = True
+    for input_name, data_type, dims in GENERATE_INPUTS:
+        _input(config, input_name, data_type, dims, optional=input_name not in GENERATE_REQUIRED)
+    for output_name, data_type, dims in GENERATE_OUTPUTS:
+        _tensor(config.output, output_name, data_type, dims)
+    _apply_batching(config, batching)
+    _apply_instances(config, instances)
+    return config
+
+
 def causal_lm_config(spec: CausalLmSpec) -> mc.ModelConfig:
     """Decoupled (it streams), with Triton's dynamic batcher handing concurrent
     requests to execute() together; the model batches them into one forward pass
     per token."""
-    config = mc.ModelConfig(name=spec.name, backend="python")
-    config.model_transaction_policy.decoupled = True
-    for name, data_type, dims in GENERATE_INPUTS:
-        _input(config, name, data_type, dims, optional=name not in GENERATE_REQUIRED)
-    for name, data_type, dims in GENERATE_OUTPUTS:
-        _tensor(config.output, name, data_type, dims)
-    _apply_batching(config, spec.batching)
-    _apply_instances(config, spec.instances)
+    config = _generate_interface(spec.name, spec.batching, spec.instances)
     _parameters(
         config,
         {
@@ -340,14 +347,7 @@ def engine_generate_config(spec: TrtllmSpec) -> mc.ModelConfig:
     """The generate interface (GENERATE_INPUTS -> GENERATE_OUTPUTS) in front of the
     engine: a decoupled python model that calls it (BLS) and streams its text.
     Clients queue here, so the placement's queue policy applies here too."""
-    config = mc.ModelConfig(name=spec.name, backend="python")
-    config.model_transaction_policy.decoupled = True
-    for name, data_type, dims in GENERATE_INPUTS:
-        _input(config, name, data_type, dims, optional=name not in GENERATE_REQUIRED)
-    for name, data_type, dims in GENERATE_OUTPUTS:
-        _tensor(config.output, name, data_type, dims)
-    _apply_batching(config, spec.batching)
-    _apply_instances(config, Instances(count=1, kind="KIND_CPU"))
+    config = _generate_interface(spec.name, spec.batching, Instances(count=1, kind="KIND_CPU"))
     _parameters(
         config,
         {
