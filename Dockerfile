@@ -38,6 +38,7 @@ ENV GANTRY_AIPERF=/opt/aiperf/bin/aiperf
 COPY controlplane controlplane
 COPY common common
 COPY triton_server triton_server
+COPY inference inference
 COPY access access
 COPY deployments deployments
 COPY gateway gateway

@@ -68,6 +68,23 @@ def test_every_app_gantry_installs_is_packaged_and_copied_into_the_image():
     assert ours <= copied, "not copied into the image by the Dockerfile"
 
 
+def test_every_package_of_gantrys_code_is_packaged_copied_and_in_the_build_context():
+    """Not only apps: a top-level package the code imports (triton_server and
+    inference were missed once) must be installed, copied and sent to Docker."""
+    packages = {
+        path.parent.name
+        for path in ROOT.glob("*/__init__.py")
+        if path.parent.name not in ("tests", "bench") and not path.parent.name.startswith(".")
+    }
+    includes = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = set(re.findall(r"^COPY (\w+) \1$", (ROOT / "Dockerfile").read_text(), flags=re.MULTILINE))
+    sent = {line[1:] for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    assert {"common", "triton_server", "inference", "workers"} <= packages
+    assert packages - {pattern.rstrip("*") for pattern in includes} == set(), "missing from pyproject's packages"
+    assert packages - copied == set(), "not copied into the image by the Dockerfile"
+    assert packages - sent == set(), "left out of the build context by .dockerignore"
+
+
 @pytest.mark.parametrize("overrides", [[], ["docker-compose.gpu.yml"], ["docker-compose.docker.yml"]])
 def test_docker_compose_itself_accepts_the_files(overrides: list[str]):
     """Validated by docker-compose (Debian's, which make test installs), with the
