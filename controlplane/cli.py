@@ -166,6 +166,10 @@ def _join(args: argparse.Namespace) -> int:
 
     name = args.name or os.environ.get("GANTRY_HOST_NAME") or socket_name()
     address = args.address or hostjoin.default_address()
+    refusal = "" if args.allow_http else hostjoin.plain_http_refusal(args.url)
+    if refusal:
+        sys.stderr.write(f"gantry join: {refusal}\n")
+        return 2
     try:
         joined = hostjoin.request_join(args.url, args.token, name=name, address=address)
         values = hostjoin.env_lines(
@@ -292,6 +296,7 @@ def parser() -> argparse.ArgumentParser:
     join.add_argument("--unit-dir", default="/etc/systemd/system", help="where gantry-worker.service is written")
     join.add_argument("--user", default="gantry", help="who the worker runs as (needs Docker for the docker runtime)")
     join.add_argument("--no-start", dest="start", action="store_false", help="write everything, start nothing")
+    join.add_argument("--allow-http", action="store_true", help="join over plain HTTP (a network you trust)")
     join.set_defaults(run=_join)
     unit = commands.add_parser("unit", help="a systemd unit that keeps one of these running")
     unit.add_argument("what", choices=sorted(UNIT_WHAT))

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,6 +28,23 @@ ENV_FILE_NAME = "gantry.env"
 
 class JoinRefused(Exception):
     """The control plane refused the join, or could not be reached; the message says why."""
+
+
+def plain_http_refusal(url: str) -> str:
+    """Why joining over ``url`` is refused, or "": the token goes out and the
+    host's database and Redis passwords come back, so plain HTTP is only for
+    this machine itself unless the admin says the network is trusted."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "https":
+        return ""
+    if parts.scheme != "http" or not parts.hostname:
+        return f"{url}: the control plane's address must be an https:// (or http://) URL"
+    if parts.hostname in ("localhost", "127.0.0.1", "::1") or parts.hostname.startswith("127."):
+        return ""
+    return (
+        f"{url} is plain HTTP: the join token and this host's database and Redis passwords would cross the "
+        "network in clear; use https://, or --allow-http on a network you trust"
+    )
 
 
 def request_join(url: str, token: str, *, name: str, address: str, timeout_s: float = 30) -> dict:

@@ -90,7 +90,9 @@ def test_a_host_joins_with_one_command_serves_with_its_own_credentials_and_is_cu
                     env={**BARE, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=300,
                 )  # fmt: skip
 
-            options = ["--address", ns.address, "--data-dir", str(host_dir), "--no-start"]
+            refused = join(*command[1:], "--no-start")  # the token and passwords would cross in clear
+            assert refused.returncode == 2 and "plain HTTP" in refused.stderr and "--allow-http" in refused.stderr
+            options = ["--address", ns.address, "--data-dir", str(host_dir), "--no-start", "--allow-http"]
             options += ["--model-roots", str(minilm_path.parent)]
             options += ["--config-dir", str(tmp_path / "etc"), "--unit-dir", str(tmp_path / "units")]
             joined = join(*command[1:], *options)

@@ -73,6 +73,14 @@ def test_check_install_says_why_an_image_could_not_be_pulled(tmp_path: Path):
     assert "install " in report.stdout and "gantry/no-such-image:1" in report.stdout, report.stdout
 
 
+def test_join_refuses_plain_http_across_the_network_unless_allowed(tmp_path: Path):
+    refused = _run({}, "join", "http://10.0.0.5:8000", "gj-x", "--config-dir", str(tmp_path), "--no-start")
+    assert refused.returncode == 2 and "plain HTTP" in refused.stderr
+    assert not (tmp_path / "gantry.env").exists()
+    allowed = _run({}, "join", "http://127.0.0.1:1", "gj-x", "--config-dir", str(tmp_path), "--no-start")
+    assert "plain HTTP" not in allowed.stderr  # this machine itself: refused only because nothing answers
+
+
 def test_join_with_nothing_configured_says_why_it_could_not_join(tmp_path: Path):
     (port,) = [free_ports(1)]
     unreachable = _run({}, "join", f"http://127.0.0.1:{port}", "gj-x", "--config-dir", str(tmp_path), "--no-start")
