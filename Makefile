@@ -8,10 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 
 # Test files run on TEST_WORKERS processes at once (pytest-xdist; 0: one after
 # another), each with its own PostgreSQL database and Redis database number
-# (tests/parallel.py). A file stays on one process (pytest-xdist's loadfile),
-# and files go out in collection order: the end-to-end files (tests/integration,
-# few tests of a minute or more each) first, the many short unit files last to
-# fill the tail. xdist's default order (most tests first) left the long files for last.
+# (tests/parallel.py). A file stays on one process (pytest-xdist's loadfile).
 TEST_WORKERS ?= 2
 
 # Tests use their own PostgreSQL database and Redis database number.
@@ -115,7 +112,7 @@ test: venv lint frontend aiperf docs
 	scripts/build-product-image.sh > .product-test-image
 	GANTRY_TEST_TRITON_IMAGE=$$(cat .triton-test-image) GANTRY_TEST_BUILDER_IMAGE=$$(cat .builder-test-image) \
 	  GANTRY_TEST_PRODUCT_IMAGE=$$(cat .product-test-image) \
-	  $(TEST_ENV) $(PY) -m pytest -p tests.parallel -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	  $(TEST_ENV) $(PY) -m pytest -p tests.parallel -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf var .pytest_cache .ruff_cache
