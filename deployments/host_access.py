@@ -151,10 +151,6 @@ def _redis() -> redis.Redis:
     return redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=3, socket_timeout=5, retry=None)
 
 
-def password_sha256(password: str) -> str:
-    return hashlib.sha256(password.encode()).hexdigest()
-
-
 def _redis_call(what: str, *commands: tuple[str, ...]) -> list:
     client = _redis()
     try:

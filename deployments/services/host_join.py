@@ -6,7 +6,6 @@ key never leave it.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,6 +16,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from access.models import secret_digest
 from common.errors import NotFound, PermissionDenied, ValidationFailed
 from deployments import events, host_access
 from deployments.models import GpuHost, HostCredential, HostJoinToken, slug_validator
@@ -42,10 +42,6 @@ class Joined:
     database_url: str
     redis_url: str
     settings: dict[str, str]
-
-
-def _digest(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 def _require_admin(user: Any) -> None:
@@ -75,7 +71,7 @@ def host_join_token_create(*, user: Any, host_name: str = "", minutes: int = 60)
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     with transaction.atomic():
         row = HostJoinToken.objects.create(
-            token_sha256=_digest(secret),
+            token_sha256=secret_digest(secret),
             host_name=host_name,
             created_by=events.signed_in(user),
             expires_at=timezone.now() + timedelta(minutes=minutes),
@@ -111,7 +107,7 @@ def _shared_settings(gateway_url: str) -> dict[str, str]:
 
 def _used_token(secret: str, name: str) -> HostJoinToken:
     """The token's row, locked and marked used; refused by name when it cannot be used."""
-    row = HostJoinToken.objects.select_for_update().filter(token_sha256=_digest(secret)).first()
+    row = HostJoinToken.objects.select_for_update().filter(token_sha256=secret_digest(secret)).first()
     if row is None or not secret.startswith(TOKEN_PREFIX):
         raise PermissionDenied("token: not a join token of this control plane (gantry join-token makes one)")
     if row.used_at is not None:
@@ -156,7 +152,7 @@ def host_join(*, token: str, name: str, address: str, gateway_url: str) -> Joine
             host=host,
             database_role=host_access.host_role(name, serial),
             redis_user=host_access.host_redis_user(name, serial),
-            redis_password_sha256=host_access.password_sha256(redis_password),
+            redis_password_sha256=secret_digest(redis_password),  # Redis takes a SHA-256 in hex (ACL SETUSER #...)
         )
         host_access.database_role_create(credential.database_role, password)
         host_access.redis_user_set(credential.redis_user, credential.redis_password_sha256)
