@@ -164,9 +164,13 @@ def _redis_call(what: str, *commands: tuple[str, ...]) -> list:
         client.close()
 
 
+def _setuser(name: str, digest: str) -> tuple[str, ...]:
+    return ("ACL", "SETUSER", name, "reset", f"#{digest}", *REDIS_RULES)
+
+
 def redis_user_set(name: str, digest: str) -> None:
     """The host user ``name`` exists with the host rules and this password SHA-256."""
-    _redis_call("set an ACL user", ("ACL", "SETUSER", name, "reset", f"#{digest}", *REDIS_RULES))
+    _redis_call("set an ACL user", _setuser(name, digest))
 
 
 def redis_users_ensure(users: dict[str, str]) -> None:
@@ -175,7 +179,7 @@ def redis_users_ensure(users: dict[str, str]) -> None:
     prefix = redis_user_prefix()
     (listed,) = _redis_call("list ACL users", ("ACL", "USERS"))
     stale = [n for n in (x.decode() if isinstance(x, bytes) else x for x in listed) if n.startswith(prefix)]
-    commands = [("ACL", "SETUSER", name, "reset", f"#{digest}", *REDIS_RULES) for name, digest in users.items()]
+    commands = [_setuser(name, digest) for name, digest in users.items()]
     commands += [("ACL", "DELUSER", name) for name in stale if name not in users]
     if commands:
         _redis_call("set ACL users", *commands)
