@@ -263,6 +263,21 @@ GANTRY_GPU_RELEASE_TIMEOUT = env_int(
         "deployment still holding memory then is marked failed, not stopped"
     ),
 )
+GANTRY_HOST_LOST_GRACE_S = env_int(
+    "GANTRY_HOST_LOST_GRACE_S",
+    60,
+    minimum=1,
+    help="seconds without a beat after which a host's replicas are marked lost and replaced on hosts with room",
+)
+GANTRY_EJECT_AFTER_FAILURES = env_int(
+    "GANTRY_EJECT_AFTER_FAILURES",
+    3,
+    minimum=1,
+    help="failed requests in a row after which a gateway process stops routing to a replica for a cool-off",
+)
+GANTRY_EJECT_COOLOFF_S = env_int(
+    "GANTRY_EJECT_COOLOFF_S", 30, minimum=1, help="seconds an ejected replica gets no requests before it is tried again"
+)
 GANTRY_CRASH_RESTART_LIMIT = env_int(
     "GANTRY_CRASH_RESTART_LIMIT", 3, minimum=0, help="automatic restarts of a crashed server within 10 minutes"
 )

@@ -15,6 +15,7 @@ from deployments.models import (
     HostJoinToken,
     OutboxMessage,
     RegisteredModel,
+    Replica,
 )
 
 
@@ -128,6 +129,16 @@ class PlacementInline(admin.TabularInline):
         return False
 
 
+class ReplicaInline(admin.TabularInline):
+    model = Replica
+    extra = 0
+    can_delete = False
+    readonly_fields = [f.name for f in Replica._meta.fields]
+
+    def has_add_permission(self, request, obj=None) -> bool:  # noqa: ANN001
+        return False
+
+
 class EventInline(admin.TabularInline):
     model = Event
     fk_name = "deployment"
@@ -142,11 +153,11 @@ class EventInline(admin.TabularInline):
 
 @admin.register(Deployment)
 class DeploymentAdmin(ReadOnlyAdmin):
-    list_display = ["name", "host", "runtime", "status", "desired_state", "generation", "http_port", "created_by"]
-    list_filter = ["status", "runtime", "host"]
+    list_display = ["name", "runtime", "status", "desired_state", "generation", "replicas", "created_by"]
+    list_filter = ["status", "runtime", "replica_set__host"]
     search_fields = ["name"]
     exclude = ["admin_secret"]
-    inlines = [PlacementInline, EventInline]
+    inlines = [PlacementInline, ReplicaInline, EventInline]
 
 
 @admin.register(Event)

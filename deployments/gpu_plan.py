@@ -215,12 +215,20 @@ def _details(placement: DeploymentModel, memory_total_bytes: int) -> dict[str, A
 
 @dataclass(frozen=True)
 class Holder:
-    """A deployment whose placements count on a host's GPUs."""
+    """A replica (or a deployment about to have one) whose placements count on a
+    host's GPUs: its placements' GPU numbers go through ``gpu_map`` onto the
+    host's (a number it does not map is the host's own)."""
 
     key: int | None  # the deployment's id (None: one not saved yet)
     name: str
     placements: list[DeploymentModel]
     status: str = ""  # for the plan's words: "ready", "launching", ...
+    replica: int = 0  # its serial (0: not placed yet): each replica is a server of its own
+    gpu_map: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} r{self.replica}" if self.replica else self.name
 
 
 @dataclass
@@ -239,8 +247,9 @@ class GpuPlan:
 
     @property
     def processes(self) -> int:
-        # Each deployment's tritonserver holds a context on every GPU it uses.
-        return sum(row["processes"] for row in self.rows) + len({row["deployment_id"] for row in self.rows})
+        # Each replica's tritonserver holds a context on every GPU it uses.
+        servers = {(row["deployment_id"], row["replica"]) for row in self.rows}
+        return sum(row["processes"] for row in self.rows) + len(servers)
 
     @property
     def within_headroom(self) -> bool:
@@ -308,7 +317,7 @@ def host_plan(host: Any, holders: Iterable[Holder]) -> list[GpuPlan]:
     }  # fmt: skip
     for holder in holders:
         for placement in holder.placements:
-            for index in placement_gpus(placement, gpus):
+            for index in replica_gpus(placement, holder.gpu_map, len(gpus)):
                 plan = plans.get(index)
                 if plan is None:
                     continue
@@ -316,8 +325,9 @@ def host_plan(host: Any, holders: Iterable[Holder]) -> list[GpuPlan]:
                 processes = processes_per_gpu(placement)
                 plan.rows.append(
                     {
-                        "deployment": holder.name,
+                        "deployment": holder.label,
                         "deployment_id": holder.key,
+                        "replica": holder.replica,
                         "deployment_status": holder.status,
                         "triton_name": placement.triton_name,
                         "backend": placement.backend,
@@ -334,5 +344,117 @@ def host_plan(host: Any, holders: Iterable[Holder]) -> list[GpuPlan]:
     return [plan for plan in plans.values() if plan.rows]
 
 
-def plan_problems(plans: list[GpuPlan], *, own: int | None) -> list[str]:
-    return [problem for plan in plans for problem in plan.problems(own=own)]
+def plan_problems(plans: list[GpuPlan], *, own: int | None, gpus: Iterable[int] | None = None) -> list[str]:
+    """What is wrong with ``plans`` (only those of ``gpus``, if given)."""
+    wanted = None if gpus is None else set(gpus)
+    return [problem for plan in plans if wanted is None or plan.index in wanted for problem in plan.problems(own=own)]
+
+
+def logical_gpus(placements: Iterable[DeploymentModel], gpu_count: int) -> tuple[int, ...]:
+    """The deployment's own GPU numbers its placements use, on a host with
+    ``gpu_count`` GPUs (none when it has none: every placement runs on its CPU)."""
+    return tuple(sorted({g for p in placements for g in placement_gpus(p, range(gpu_count))}))
+
+
+def replica_gpus(placement: DeploymentModel, gpu_map: dict[int, int], gpu_count: int) -> tuple[int, ...]:
+    """The host GPUs a placement's processes use in a replica mapped by ``gpu_map``."""
+    return tuple(gpu_map.get(g, g) for g in placement_gpus(placement, range(gpu_count)))
+
+
+# --- choosing where a replica runs ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Choice:
+    host: Any
+    gpu_map: dict[int, int]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A host a replica may go to: what already holds its GPUs, and how many
+    replicas of the same deployment it carries."""
+
+    host: Any
+    holders: list[Holder]
+    siblings: int = 0
+
+
+def _room(plan: GpuPlan | None) -> float:
+    """What a GPU has left within the headroom (all of it when nothing holds it)."""
+    return plan.headroom - plan.fraction if plan is not None else settings.GANTRY_GPU_MEMORY_HEADROOM
+
+
+def _within(replica: Holder, gpu_map: dict[int, int], gpu_count: int) -> Holder:
+    """The replica as far as ``gpu_map`` places it: the placements whose GPUs are all mapped."""
+    placed = [p for p in replica.placements if set(placement_gpus(p, range(gpu_count))) <= gpu_map.keys()]
+    return Holder(**{**replica.__dict__, "placements": placed, "gpu_map": gpu_map})
+
+
+def _problems(candidate: Candidate, replica: Holder, gpu_map: dict[int, int]) -> list[str]:
+    """What would be wrong with the GPUs of ``gpu_map`` with the replica mapped so."""
+    mapped = _within(replica, gpu_map, len(candidate.host.gpus.all()))
+    plans = host_plan(candidate.host, [mapped, *candidate.holders])
+    return plan_problems(plans, own=replica.key, gpus=gpu_map.values())
+
+
+def _map_on(candidate: Candidate, replica: Holder, *, pack: bool, identity: bool) -> tuple[dict[int, int] | None, str]:
+    """A mapping of the replica's GPUs onto distinct GPUs of the host that keeps
+    every GPU's plan sound, or None and the shortfall in words. With ``identity``
+    its own GPU numbers are tried first. Then each of its GPUs, the most
+    demanding first, goes to the host GPU with the most room (spread) or the
+    least room that still fits (pack)."""
+    host = candidate.host
+    indexes = sorted(gpu.index for gpu in host.gpus.all())
+    logical = logical_gpus(replica.placements, len(indexes))
+    if len(logical) > len(indexes):
+        return None, f"{host.name} has {len(indexes)} GPU(s); the placements use {len(logical)}"
+    if identity and set(logical) <= set(indexes) and not _problems(candidate, replica, {g: g for g in logical}):
+        return {g: g for g in logical}, ""
+    plans = {plan.index: plan for plan in host_plan(host, candidate.holders)}
+
+    def demand(g: int) -> float:
+        return sum(share_of(p) for p in replica.placements if g in placement_gpus(p, range(len(indexes))))
+
+    gpu_map: dict[int, int] = {}
+    for g in sorted(logical, key=lambda g: (-demand(g), g)):
+        free = [i for i in indexes if i not in gpu_map.values()]
+        free.sort(key=lambda i: (_room(plans.get(i)) if pack else -_room(plans.get(i)), i))
+        chosen = next((i for i in free if not _problems(candidate, replica, {**gpu_map, g: i})), None)
+        if chosen is None:
+            best = max(free, key=lambda i: (_room(plans.get(i)), -i))
+            room = max(0.0, _room(plans.get(best)))
+            problems = "; ".join(_problems(candidate, replica, {**gpu_map, g: best}))
+            if demand(g) > room:
+                return None, f"{host.name} is short by {demand(g) - room:.2f} of GPU {best}'s memory: {problems}"
+            return None, f"{host.name}: {problems}"
+        gpu_map[g] = chosen
+    return gpu_map, ""
+
+
+def choose_host(
+    candidates: list[Candidate], replica: Holder, *, pack: bool = False, identity: bool = False
+) -> Choice | str:
+    """Where ``replica`` runs: the candidate hosts in order of preference (spread:
+    fewest replicas of its deployment, then most room; pack: most of them, then
+    least room), the first on which its GPUs map soundly. When none fits, the
+    best host's shortfall in words (the host that came closest)."""
+
+    def room(candidate: Candidate) -> float:
+        plans = {plan.index: plan for plan in host_plan(candidate.host, candidate.holders)}
+        return sum(_room(plans.get(gpu.index)) for gpu in candidate.host.gpus.all())
+
+    def preference(candidate: Candidate) -> tuple:
+        if pack:
+            return (-candidate.siblings, room(candidate), candidate.host.name)
+        return (candidate.siblings, -room(candidate), candidate.host.name)
+
+    shortfalls: list[str] = []
+    for candidate in sorted(candidates, key=preference):
+        gpu_map, shortfall = _map_on(candidate, replica, pack=pack, identity=identity)
+        if gpu_map is not None:
+            return Choice(host=candidate.host, gpu_map=gpu_map)
+        shortfalls.append(shortfall)
+    if not candidates:
+        return "no online host to run it on"
+    return shortfalls[0]

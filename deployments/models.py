@@ -332,6 +332,7 @@ class DeploymentStatus(models.TextChoices):
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"
+    LOST = "lost"  # a replica whose host stopped beating for the grace period
 
 
 class DesiredState(models.TextChoices):
@@ -348,14 +349,31 @@ def new_admin_secret() -> str:
     return secrets.token_urlsafe(32)
 
 
+class PlacementPolicy(models.TextChoices):
+    SPREAD = "spread", "Spread across hosts"
+    PACK = "pack", "Pack onto the fewest hosts"
+
+
 class Deployment(models.Model):
+    """What to serve: placements (models with their fractions and batching),
+    server settings and how many replicas. Each replica is one Triton on one
+    host (Replica); the deployment's status sums up theirs."""
+
     name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
-    host = models.ForeignKey(GpuHost, on_delete=models.PROTECT, related_name="deployments")
     runtime = models.CharField(max_length=16, choices=Runtime.choices, default=Runtime.PROCESS)
     image = models.CharField(max_length=255, blank=True, help_text="Triton image (docker runtime only).")
-    http_port = models.PositiveIntegerField(validators=[MinValueValidator(1024), MaxValueValidator(65535)])
-    grpc_port = models.PositiveIntegerField(validators=[MinValueValidator(1024), MaxValueValidator(65535)])
-    metrics_port = models.PositiveIntegerField(validators=[MinValueValidator(1024), MaxValueValidator(65535)])
+    replicas = models.PositiveSmallIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(64)],
+        help_text="How many Triton servers serve the placements, each on a host and GPUs Gantry chooses.",
+    )  # fmt: skip
+    placement_policy = models.CharField(
+        max_length=8, choices=PlacementPolicy.choices, default=PlacementPolicy.SPREAD,
+        help_text="spread: replicas on different hosts where they fit; pack: onto the fewest hosts.",
+    )  # fmt: skip
+    pinned_hosts = models.ManyToManyField(
+        GpuHost, blank=True, related_name="pinned_deployments",
+        help_text="The hosts replicas may run on (none: any online host with room).",
+    )  # fmt: skip
     desired_state = models.CharField(max_length=16, choices=DesiredState.choices, default=DesiredState.STOPPED)
     status = models.CharField(max_length=16, choices=DeploymentStatus.choices, default=DeploymentStatus.PENDING)
     status_message = models.TextField(blank=True)
@@ -373,30 +391,87 @@ class Deployment(models.Model):
     # Triton has no users: its model-repository and logging APIs answer only
     # requests carrying this secret (--http-restricted-api). Never shown.
     admin_secret = models.CharField(max_length=64, default=new_admin_secret, editable=False)
-    # Where the runtime can find what it started: a process id for the process
-    # runtime. Cleared when the server is gone.
-    runtime_handle = models.CharField(max_length=128, blank=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["name"]
-        constraints = [
-            models.UniqueConstraint(fields=["host", "http_port"], name="deployment_unique_http_port"),
-            models.UniqueConstraint(fields=["host", "grpc_port"], name="deployment_unique_grpc_port"),
-            models.UniqueConstraint(fields=["host", "metrics_port"], name="deployment_unique_metrics_port"),
-        ]
 
     def __str__(self) -> str:
         return self.name
 
     @property
     def shown_status(self) -> str:
+        """What the UI shows: the recorded status, or "unknown" while every host
+        that carries one of its servers is offline (their last reports may be
+        stale; nothing is torn down for that alone before the grace period)."""
+        if self.status in {DeploymentStatus.PENDING, DeploymentStatus.STOPPED}:
+            return self.status
+        carrying = [r for r in self.replica_set.all() if r.status not in {DeploymentStatus.STOPPED}]
+        if carrying and not any(r.host.is_online for r in carrying):
+            return "unknown"
+        return self.status
+
+
+class Replica(models.Model):
+    """One Triton server of a deployment, on one host: the unit a host's worker
+    launches, watches and stops. Its GPUs are the deployment's GPUs (as its
+    placements number them, from 0) mapped onto the host's."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="replica_set")
+    serial = models.PositiveIntegerField(help_text="r1, r2, ...: never reused within the deployment.")
+    host = models.ForeignKey(GpuHost, on_delete=models.PROTECT, related_name="replicas")
+    gpu_map = JSONField(
+        default=dict, blank=True, help_text='The deployment\'s GPU numbers to this host\'s: {"0": 3, "1": 5}.'
+    )
+    http_port = models.PositiveIntegerField(validators=[MinValueValidator(1024), MaxValueValidator(65535)])
+    grpc_port = models.PositiveIntegerField(validators=[MinValueValidator(1024), MaxValueValidator(65535)])
+    metrics_port = models.PositiveIntegerField(validators=[MinValueValidator(1024), MaxValueValidator(65535)])
+    generation = models.PositiveIntegerField(help_text="The deployment's generation this replica serves.")
+    desired_state = models.CharField(max_length=16, choices=DesiredState.choices, default=DesiredState.RUNNING)
+    status = models.CharField(max_length=16, choices=DeploymentStatus.choices, default=DeploymentStatus.PENDING)
+    status_message = models.TextField(blank=True)
+    status_changed_at = models.DateTimeField(default=timezone.now)
+    models_ready = JSONField(
+        default=dict, blank=True, help_text="Triton's readiness of each model at the host agent's last check."
+    )
+    queue_ms = models.FloatField(
+        default=0.0, help_text="The longest mean queue time of its models at the last scrape (balancing's tie-breaker)."
+    )
+    in_flight = models.PositiveIntegerField(default=0, help_text="Requests its Triton held at the last scrape.")
+    # Where the runtime can find what it started: a process id or a container id.
+    # Cleared when the server is gone.
+    runtime_handle = models.CharField(max_length=128, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["deployment", "serial"]
+        constraints = [
+            models.UniqueConstraint(fields=["deployment", "serial"], name="replica_unique_serial"),
+            models.UniqueConstraint(fields=["host", "http_port"], name="replica_unique_http_port"),
+            models.UniqueConstraint(fields=["host", "grpc_port"], name="replica_unique_grpc_port"),
+            models.UniqueConstraint(fields=["host", "metrics_port"], name="replica_unique_metrics_port"),
+        ]
+        indexes = [models.Index(fields=["host", "status"])]
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id} r{self.serial} on {self.host_id}"
+
+    @property
+    def label(self) -> str:
+        return f"r{self.serial}"
+
+    @property
+    def gpus(self) -> dict[int, int]:
+        return {int(logical): index for logical, index in self.gpu_map.items()}
+
+    @property
+    def shown_status(self) -> str:
         """What the UI shows: the recorded status, or "unknown" while the host is offline
         (its last report may be stale; nothing is torn down for that alone)."""
-        if self.status in {DeploymentStatus.PENDING, DeploymentStatus.STOPPED} or self.host.is_online:
+        if self.status in {DeploymentStatus.PENDING, DeploymentStatus.STOPPED, DeploymentStatus.LOST}:
             return self.status
-        return "unknown"
+        return self.status if self.host.is_online else "unknown"
 
 
 class Backend(models.TextChoices):
@@ -507,7 +582,8 @@ class DeploymentModel(models.Model):
     ready = models.BooleanField(
         null=True,
         blank=True,
-        help_text="Triton's readiness of this model at the host agent's last check (null: never).",
+        help_text="Whether Triton has this model ready on every serving replica, at their agents' last checks "
+        "(null: never checked).",
     )
 
     class Meta:
@@ -564,6 +640,7 @@ class MetricSample(models.Model):
         GPU = "gpu"
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="metric_samples")
+    replica = models.ForeignKey(Replica, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     at = models.DateTimeField(default=timezone.now)
     kind = models.CharField(max_length=8, choices=Kind.choices)
     subject = models.CharField(max_length=128, help_text="Triton model name or GPU uuid")
@@ -585,6 +662,7 @@ class LogLine(models.Model):
     """The recent lines of a deployment's Triton log, shipped by its host agent."""
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="log_lines")
+    replica = models.ForeignKey(Replica, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     at = models.DateTimeField(default=timezone.now)
     line = models.TextField()
 

@@ -27,15 +27,15 @@ from django.db.models import F
 from django.utils import timezone
 
 from deployments import events, queues
-from deployments.models import Deployment, EngineBuild, GpuHost, OutboxMessage, RegisteredModel
+from deployments.models import EngineBuild, GpuHost, OutboxMessage, RegisteredModel, Replica
 
 log = logging.getLogger(__name__)
 
 # Which object a task's first argument names, to put a delayed send on its timeline.
 SUBJECTS: dict[str, tuple[type, str]] = {
-    queues.LAUNCH_DEPLOYMENT: (Deployment, "deployment"),
-    queues.STOP_DEPLOYMENT: (Deployment, "deployment"),
-    queues.APPLY_GENERATION: (Deployment, "deployment"),
+    queues.LAUNCH_DEPLOYMENT: (Replica, "deployment"),
+    queues.STOP_DEPLOYMENT: (Replica, "deployment"),
+    queues.APPLY_GENERATION: (Replica, "deployment"),
     queues.RUN_BUILD: (EngineBuild, "build"),
     queues.INSPECT_MODEL: (RegisteredModel, "model"),
 }
@@ -191,6 +191,8 @@ def _subject(message: OutboxMessage) -> dict[str, Any]:
     if model is None or not message.args:
         return {}
     found = model.objects.filter(pk=message.args[0]).first()
+    if isinstance(found, Replica):
+        found = found.deployment  # a replica's task is told on its deployment's timeline
     return {field: found} if found is not None else {}
 
 

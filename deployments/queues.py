@@ -10,7 +10,8 @@ control work never waits behind a long job.
 
 from __future__ import annotations
 
-# Task names: the worker registers them in workers.tasks under these names.
+# Task names: the worker registers them in workers.tasks under these names. Launch,
+# stop and apply take a replica (deployments.models.Replica): one Triton on one host.
 LAUNCH_DEPLOYMENT = "workers.tasks.launch_deployment"
 STOP_DEPLOYMENT = "workers.tasks.stop_deployment"
 APPLY_GENERATION = "workers.tasks.apply_generation"

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db.models import Exists, OuterRef, Prefetch, Q, QuerySet
+from django.utils import timezone
 
 from common.errors import NotFound
 from deployments import events
-from deployments.gpu_plan import Holder, host_plan, placement_gpus, share_of
+from deployments.gpu_plan import Holder, host_plan, replica_gpus, share_of
 from deployments.models import (
     Deployment,
     DeploymentModel,
@@ -21,6 +22,7 @@ from deployments.models import (
     Event,
     GpuHost,
     RegisteredModel,
+    Replica,
 )
 
 
@@ -151,23 +153,38 @@ def event_filter(
 
 def deployment_list() -> QuerySet[Deployment]:
     placements = DeploymentModel.objects.select_related("registered_model", "engine_build")
-    return Deployment.objects.select_related("host", "created_by").prefetch_related(
-        Prefetch("placements", queryset=placements)
+    replicas = Replica.objects.select_related("host").order_by("serial")
+    return Deployment.objects.select_related("created_by").prefetch_related(
+        Prefetch("placements", queryset=placements), Prefetch("replica_set", queryset=replicas), "pinned_hosts"
     )
 
 
 def deployment_plan(deployment: Deployment) -> list[dict]:
-    """Per GPU of the host that the deployment uses: every model placed there, its
-    own and those of the other deployments that run (or should) on the host,
+    """Per replica, per GPU of its host that it uses: every model placed there,
+    its own and those of the other replicas that run (or should) on the host,
     with their memory shares, what the shares hold, and what is wrong (over the
-    headroom, or no room left for the processes' CUDA contexts)."""
-    holders = [Holder(key=deployment.pk, name=deployment.name, placements=list(deployment.placements.all()),
-                      status=deployment.status), *plan_holders(deployment.host, besides=deployment.pk)]  # fmt: skip
-    own_gpus = {index for p in deployment.placements.all() for index in placement_gpus(p, _indexes(deployment.host))}
-    return [plan.as_dict(own=deployment.pk) for plan in host_plan(deployment.host, holders) if plan.index in own_gpus]
+    headroom, or no room left for the processes' CUDA contexts). A deployment
+    with no replica yet is shown on its first pinned host, its GPUs as numbered."""
+    placements = list(deployment.placements.all())
+    resting = (DeploymentStatus.STOPPED, DeploymentStatus.LOST)
+    live = [r for r in deployment.replica_set.all() if r.status not in resting]
+    where = [(r.host, r.serial, r.gpus, r.status, r.pk) for r in live]
+    if not where:
+        pinned = sorted(deployment.pinned_hosts.all(), key=lambda h: h.name)
+        where = [(pinned[0], 0, {}, deployment.status, None)] if pinned else []
+    found = []
+    for host, serial, gpu_map, status, replica_id in where:
+        count = len(_indexes(host))
+        own = Holder(key=deployment.pk, name=deployment.name, placements=placements, status=status, replica=serial,
+                     gpu_map=gpu_map)  # fmt: skip
+        gpus = {index for p in placements for index in replica_gpus(p, gpu_map, count)}
+        others = plan_holders(host, besides=deployment.pk if replica_id is None else None, besides_replica=replica_id)
+        found += [{**plan.as_dict(own=deployment.pk), "host": host.name, "replica": serial}
+                  for plan in host_plan(host, [own, *others]) if plan.index in gpus]  # fmt: skip
+    return found
 
 
-# Deployments whose placements count on their host's GPUs: running, or wanted
+# Replicas whose placements count on their host's GPUs: running, or wanted
 # running (a crash-looping one still holds its share), or passing through.
 _HOLDING = frozenset(
     {
@@ -177,20 +194,40 @@ _HOLDING = frozenset(
         DeploymentStatus.UPDATING,
         DeploymentStatus.DEGRADED,
         DeploymentStatus.STOPPING,
+        DeploymentStatus.LOST,
     }
 )
 
 
-def plan_holders(host: GpuHost, *, besides: int | None = None) -> list[Holder]:
-    """The other deployments whose memory a host's GPU plan counts."""
+def plan_holders_by_host(
+    hosts: Iterable[GpuHost], *, besides: int | None = None, besides_replica: int | None = None
+) -> dict[int, list[Holder]]:
+    """Per host id, the replicas whose memory its GPU plan counts (but those of
+    deployment ``besides`` and replica ``besides_replica``), in one query."""
+    wanted = Q(desired_state=DesiredState.RUNNING, deployment__desired_state=DesiredState.RUNNING)
+    placements = DeploymentModel.objects.select_related("registered_model", "engine_build")
     rows = (
-        deployment_list()
-        .filter(host=host)
-        .filter(Q(desired_state=DesiredState.RUNNING) | Q(status__in=_HOLDING))
-        .exclude(pk=besides)
-        .order_by("name")
+        Replica.objects.filter(host__in=list(hosts))
+        .filter(wanted | Q(status__in=_HOLDING))
+        .exclude(status=DeploymentStatus.STOPPED)
+        .exclude(deployment_id=besides)
+        .exclude(pk=besides_replica)
+        .select_related("deployment")
+        .prefetch_related(Prefetch("deployment__placements", queryset=placements))
+        .order_by("deployment__name", "serial")
     )
-    return [Holder(key=d.pk, name=d.name, placements=list(d.placements.all()), status=d.status) for d in rows]
+    found: dict[int, list[Holder]] = {}
+    for r in rows:
+        found.setdefault(r.host_id, []).append(
+            Holder(key=r.deployment_id, name=r.deployment.name, placements=list(r.deployment.placements.all()),
+                   status=r.status, replica=r.serial, gpu_map=r.gpus)
+        )  # fmt: skip
+    return found
+
+
+def plan_holders(host: GpuHost, *, besides: int | None = None, besides_replica: int | None = None) -> list[Holder]:
+    """The replicas whose memory a host's GPU plan counts."""
+    return plan_holders_by_host([host], besides=besides, besides_replica=besides_replica).get(host.pk, [])
 
 
 def _indexes(host: GpuHost) -> list[int]:
@@ -198,21 +235,47 @@ def _indexes(host: GpuHost) -> list[int]:
 
 
 def gpu_shares(hosts: Iterable[GpuHost], deployments: Iterable[Deployment]) -> dict[tuple[int, int], list[dict]]:
-    """Per (host id, GPU index): the memory each model of a deployment meant to
-    run there is given (its fraction times its instances), for the dashboard's memory bars."""
-    indexes = {host.pk: [gpu.index for gpu in host.gpus.all()] for host in hosts}
+    """Per (host id, GPU index): the memory each model of a replica meant to run
+    there is given (its fraction times its instances), for the dashboard's memory bars."""
+    counts = {host.pk: len(host.gpus.all()) for host in hosts}
     shares: dict[tuple[int, int], list[dict]] = {}
     for deployment in deployments:
         if deployment.desired_state != DesiredState.RUNNING:
             continue
-        for placement in deployment.placements.all():
-            for index in placement_gpus(placement, indexes.get(deployment.host_id, [])):
-                shares.setdefault((deployment.host_id, index), []).append(
-                    {
-                        "deployment": deployment.name,
-                        "deployment_id": deployment.pk,
-                        "model": placement.triton_name,
-                        "fraction": share_of(placement),
-                    }
-                )
+        for replica in deployment.replica_set.all():
+            if replica.desired_state != DesiredState.RUNNING or replica.status == DeploymentStatus.STOPPED:
+                continue
+            for placement in deployment.placements.all():
+                for index in replica_gpus(placement, replica.gpus, counts.get(replica.host_id, 0)):
+                    shares.setdefault((replica.host_id, index), []).append(
+                        {
+                            "deployment": deployment.name,
+                            "deployment_id": deployment.pk,
+                            "replica": replica.serial,
+                            "model": placement.triton_name,
+                            "fraction": share_of(placement),
+                        }
+                    )
     return shares
+
+
+def replica_ejections(deployment_id: int, *, hours: int = 24) -> dict[int, int]:
+    """Per replica serial, how often a gateway process ejected it in the last ``hours``."""
+    since = timezone.now() - timedelta(hours=hours)
+    rows = Event.objects.filter(
+        deployment_id=deployment_id, kind="replica.balancing", created_at__gte=since, message__contains="ejected"
+    ).values_list("data", flat=True)
+    found: dict[int, int] = {}
+    for data in rows:
+        serial = (data or {}).get("replica")
+        if serial is not None:
+            found[serial] = found.get(serial, 0) + 1
+    return found
+
+
+def reference_host_name(deployment: Deployment) -> str:
+    """The host a deployment's placements are checked against on its pages: its
+    first pinned host, else its first replica's ("" when it has neither)."""
+    pinned = sorted(h.name for h in deployment.pinned_hosts.all())
+    replicas = [r.host.name for r in deployment.replica_set.all()]
+    return (pinned or replicas or [""])[0]

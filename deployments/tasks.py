@@ -5,17 +5,20 @@ from __future__ import annotations
 from celery import shared_task
 
 from deployments import outbox, queues
-from deployments.services import builds, host_join, hosts
+from deployments.services import builds, host_join, hosts, replicas
 
 
 @shared_task(name=queues.SWEEP_HOSTS)
 def sweep_hosts() -> list[str]:
-    """Hosts that missed their beats go offline; builds whose worker went quiet
-    fail; tasks left in the outbox by a broker outage are sent (for hosts whose
-    agent is down too, so they are queued for its return)."""
+    """Hosts that missed their beats go offline; replicas on hosts gone for the
+    grace period are lost and replaced on hosts with room; builds whose worker
+    went quiet fail; tasks left in the outbox by a broker outage are sent (for
+    hosts whose agent is down too, so they are queued for its return)."""
     builds.builds_reap()
     outbox.relay()
-    return hosts.hosts_sweep()
+    offline = hosts.hosts_sweep()
+    replicas.replace_lost(source="system")
+    return offline
 
 
 @shared_task(name=queues.SYNC_HOST_ACCESS)

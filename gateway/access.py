@@ -17,14 +17,14 @@ from access.models import secret_digest
 from access.services import TOKEN_PREFIX
 from common.ttl_cache import TtlCache
 from common.words import a
-from deployments.models import DeploymentModel, DeploymentStatus, ModelKind
+from deployments.models import DeploymentModel, ModelKind
 from gateway.errors import GatewayError, model_not_found, not_ready
 from gateway.models import Alias, ApiKey
 from gateway.services import KEY_PREFIX
+from inference.balancing import Endpoint, answering
 from inference.generation import route_of
 
 CACHE_S = 1.0
-_SERVING = {DeploymentStatus.READY, DeploymentStatus.DEGRADED}
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,14 @@ class Target:
     kind: str
     deployment: str
     status: str
-    url: str
+    endpoints: list[Endpoint]  # the deployment's answering replicas (inference.balancing)
     triton_name: str
     max_batch_size: int
     route: dict[str, Any] | None  # an llm's generation route (inference.generation)
 
     def require_ready(self) -> None:
-        if self.status not in _SERVING:
-            raise not_ready(self.alias, f"deployment {self.deployment} is {self.status}")
+        if not self.endpoints:
+            raise not_ready(self.alias, f"deployment {self.deployment} is {self.status}: no replica is ready")
 
 
 _callers, _targets = TtlCache(CACHE_S), TtlCache(CACHE_S)
@@ -123,30 +123,31 @@ async def authenticate(headers: list[tuple[bytes, bytes]]) -> Caller:
 
 
 def _read_target(alias: str) -> Target | None:
-    row = Alias.objects.select_related("deployment__host").filter(name=alias).first()
+    row = Alias.objects.select_related("deployment").filter(name=alias).first()
     if row is None:
         return None
     deployment = row.deployment
     placement = (
-        DeploymentModel.objects.select_related("deployment__host", "registered_model")
+        DeploymentModel.objects.select_related("deployment", "registered_model")
         .filter(deployment=deployment, triton_name=row.triton_name)
         .first()
     )
     if placement is None:
         return Target(
             alias=alias, kind="", deployment=deployment.name, status=f"no longer serving {row.triton_name!r}",
-            url="", triton_name=row.triton_name, max_batch_size=1, route=None,
+            endpoints=[], triton_name=row.triton_name, max_batch_size=1, route=None,
         )  # fmt: skip
     kind = placement.registered_model.kind
+    route = route_of(placement) if kind == ModelKind.LLM else None
     return Target(
         alias=alias,
         kind=kind,
         deployment=deployment.name,
         status=deployment.status,
-        url=f"{deployment.host.address}:{deployment.http_port}",
+        endpoints=route["endpoints"] if route else answering(deployment.pk),
         triton_name=placement.triton_name,
         max_batch_size=placement.max_batch_size,
-        route=route_of(placement) if kind == ModelKind.LLM else None,
+        route=route,
     )
 
 

@@ -274,7 +274,10 @@ async def _embeddings(caller: Caller, body: Any, receive: Any, send: Any) -> Non
     await admit(caller)
     with _failures_counted(caller, target):
         vectors, tokens = await embed_async(
-            url=target.url, model=target.triton_name, texts=data["input"], max_batch_size=target.max_batch_size
+            endpoints=target.endpoints,
+            model=target.triton_name,
+            texts=data["input"],
+            max_batch_size=target.max_batch_size,
         )
     _count(caller, target.alias, prompt=tokens, completion=0, failed=False)
     if data["encoding_format"] == "base64":
@@ -300,7 +303,7 @@ async def _rerank(caller: Caller, body: Any, receive: Any, send: Any) -> None:
     documents = data["documents"]
     with _failures_counted(caller, target):
         scores, tokens = await rerank_async(
-            url=target.url, model=target.triton_name, query=data["query"], documents=documents
+            endpoints=target.endpoints, model=target.triton_name, query=data["query"], documents=documents
         )
     _count(caller, target.alias, prompt=tokens, completion=0, failed=False)
     order = np.argsort(-scores, kind="stable")[: data.get("top_n") or len(documents)]

@@ -5,14 +5,18 @@ playground's API, by route for the gateway."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from common.errors import InvalidTransition, NotFound, ValidationFailed
-from deployments.models import Deployment, DeploymentModel, DeploymentStatus, ModelKind
+from deployments.models import Deployment, DeploymentModel, ModelKind
+from inference.balancing import Endpoint, answering, call, call_sync
 from triton_server.client import TritonClient, infer_async
 
+T = TypeVar("T")
 MAX_TEXTS = 64
 MAX_TEXT_CHARS = 4000
 
@@ -24,11 +28,13 @@ class EmbeddingResult:
     similarity: list[list[float]]
 
 
-def _ready_placement(deployment_id: int, kind: str, model: str) -> tuple[Deployment, DeploymentModel]:
-    deployment = Deployment.objects.select_related("host").filter(pk=deployment_id).first()
+def _ready_placement(deployment_id: int, kind: str, model: str) -> tuple[list[Endpoint], DeploymentModel]:
+    """The deployment's answering replicas and its ``kind`` placement (named, or its first)."""
+    deployment = Deployment.objects.filter(pk=deployment_id).first()
     if deployment is None:
         raise NotFound(f"deployment {deployment_id} does not exist")
-    if deployment.status not in {DeploymentStatus.READY, DeploymentStatus.DEGRADED}:
+    endpoints = answering(deployment_id)
+    if not endpoints:
         raise InvalidTransition(f"{deployment.name} is {deployment.status}; start it and wait until it is ready")
     candidates = deployment.placements.filter(registered_model__kind=kind)
     placement = candidates.filter(triton_name=model).first() if model else candidates.first()
@@ -36,24 +42,30 @@ def _ready_placement(deployment_id: int, kind: str, model: str) -> tuple[Deploym
         raise ValidationFailed(
             {"model": f"{deployment.name} serves no {kind} model" + (f" named {model!r}" if model else "")}
         )
-    return deployment, placement
+    return endpoints, placement
 
 
-def _client(deployment: Deployment) -> TritonClient:
-    return TritonClient(f"{deployment.host.address}:{deployment.http_port}")
+def _on_replica(endpoints: list[Endpoint], request: Callable[[TritonClient], T]) -> T:
+    def run(endpoint: Endpoint) -> T:
+        client = TritonClient(endpoint.url)
+        try:
+            return request(client)
+        finally:
+            client.close()
+
+    return call_sync(endpoints, run)
 
 
 def embed_texts(*, deployment_id: int, texts: list[str], model: str = "") -> EmbeddingResult:
     """Embeddings of ``texts`` from an embedding model of a ready deployment, and their cosine similarities."""
-    deployment, placement = _ready_placement(deployment_id, ModelKind.EMBEDDING, model)
+    endpoints, placement = _ready_placement(deployment_id, ModelKind.EMBEDDING, model)
     name = placement.triton_name
-    client = _client(deployment)
-    try:
-        # Triton refuses a batch above the model's max_batch_size: send it in batches that fit.
-        step = placement.max_batch_size
-        vectors = np.concatenate([client.embed(name, texts[i : i + step]) for i in range(0, len(texts), step)])
-    finally:
-        client.close()
+    # Triton refuses a batch above the model's max_batch_size: send it in batches that fit.
+    step = placement.max_batch_size
+    vectors = _on_replica(
+        endpoints,
+        lambda client: np.concatenate([client.embed(name, texts[i : i + step]) for i in range(0, len(texts), step)]),
+    )
     # Rows are L2-normalized by the model; normalize again so any embedder's output compares fairly.
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
     unit = vectors / np.clip(norms, 1e-12, None)
@@ -73,13 +85,9 @@ class RerankResult:
 
 def rerank_passages(*, deployment_id: int, query: str, passages: list[str], model: str = "") -> RerankResult:
     """Scores of ``passages`` for ``query`` from a reranker of a ready deployment, best first in ``order``."""
-    deployment, placement = _ready_placement(deployment_id, ModelKind.RERANKER, model)
+    endpoints, placement = _ready_placement(deployment_id, ModelKind.RERANKER, model)
     name = placement.triton_name
-    client = _client(deployment)
-    try:
-        scores = client.rerank(name, query, passages)
-    finally:
-        client.close()
+    scores = _on_replica(endpoints, lambda client: client.rerank(name, query, passages))
     return RerankResult(
         model=name,
         scores=[round(float(score), 6) for score in scores],
@@ -87,20 +95,30 @@ def rerank_passages(*, deployment_id: int, query: str, passages: list[str], mode
     )
 
 
-async def embed_async(*, url: str, model: str, texts: list[str], max_batch_size: int) -> tuple[np.ndarray, int]:
+async def embed_async(
+    *, endpoints: list[Endpoint], model: str, texts: list[str], max_batch_size: int
+) -> tuple[np.ndarray, int]:
     """Embeddings (float32 rows) of ``texts`` from the embedding model ``model``
-    at ``url``, and the tokens they took. Triton refuses a batch above the
-    model's max_batch_size: the texts go in batches that fit, all at once."""
+    on the best of ``endpoints``, and the tokens they took. Triton refuses a
+    batch above the model's max_batch_size: the texts go in batches that fit,
+    all at once."""
     step = max_batch_size
     batches = [np.array([[t] for t in texts[i : i + step]], dtype=object) for i in range(0, len(texts), step)]
-    outputs = await asyncio.gather(*(infer_async(url, model, {"TEXT": batch}) for batch in batches))
+
+    async def request(endpoint: Endpoint) -> list[dict[str, np.ndarray]]:
+        return await asyncio.gather(*(infer_async(endpoint.url, model, {"TEXT": batch}) for batch in batches))
+
+    outputs = await call(endpoints, request)
     vectors = np.concatenate([o["EMBEDDING"] for o in outputs]).astype("<f4", copy=False)
     return vectors, sum(int(o["NUM_TOKENS"].sum()) for o in outputs if "NUM_TOKENS" in o)
 
 
-async def rerank_async(*, url: str, model: str, query: str, documents: list[str]) -> tuple[np.ndarray, int]:
-    """The reranker's score of each of ``documents`` for ``query``, and the tokens they took."""
+async def rerank_async(
+    *, endpoints: list[Endpoint], model: str, query: str, documents: list[str]
+) -> tuple[np.ndarray, int]:
+    """The reranker's score of each of ``documents`` for ``query`` (on the best of
+    ``endpoints``), and the tokens they took."""
     inputs = {"QUERY": np.array([[query]], dtype=object), "PASSAGES": np.array([documents], dtype=object)}
-    output = await infer_async(url, model, inputs)
+    output = await call(endpoints, lambda endpoint: infer_async(endpoint.url, model, inputs))
     tokens = int(output["NUM_TOKENS"].sum()) if "NUM_TOKENS" in output else 0
     return output["SCORES"].reshape(-1), tokens

@@ -16,11 +16,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.errors import InvalidTransition, NotFound, ValidationFailed
+from common.errors import InvalidTransition, NotFound, TransientError, ValidationFailed
 from common.ttl_cache import TtlCache
 from deployments import chat_template
 from deployments.gpu_plan import transformers_max_seq_len
-from deployments.models import GENERATIVE_BACKENDS, Backend, Deployment, DeploymentModel, DeploymentStatus
+from deployments.models import GENERATIVE_BACKENDS, Backend, Deployment, DeploymentModel
+from inference.balancing import Endpoint, answering, balancer, finish, unavailable
 from triton_server.client import generate_stream
 
 MAX_PROMPT_CHARS = 200_000
@@ -44,7 +45,7 @@ class Sampling:
 class Prepared:
     """A checked request, ready for Triton."""
 
-    url: str
+    endpoints: list[Endpoint]  # the deployment's answering replicas
     model: str  # the Triton model (the placement's name)
     inputs: dict[str, Any]
     max_tokens: int
@@ -102,8 +103,8 @@ class Outcome:
 
 
 # Routes of ready LLM placements, kept a second per process so a busy door does
-# not read the database per request: a deployment stopped meanwhile answers 503
-# (its server is gone) for at most that second.
+# not read the database per request: a replica stopped meanwhile is tried for
+# at most that second (and its failed request retried on another).
 _routes = TtlCache()
 
 
@@ -116,7 +117,7 @@ def read_route(deployment_id: int, model: str) -> dict[str, Any]:
     """Where a deployment's LLM (named, or its first) is served and what its checkpoint
     says, in one query; NotFound, ValidationFailed or InvalidTransition when it cannot
     be asked now."""
-    candidates = DeploymentModel.objects.select_related("deployment__host", "registered_model", "engine_build").filter(
+    candidates = DeploymentModel.objects.select_related("deployment", "registered_model", "engine_build").filter(
         deployment_id=deployment_id, backend__in=GENERATIVE_BACKENDS
     )
     placement = (candidates.filter(triton_name=model) if model else candidates).order_by("triton_name").first()
@@ -125,18 +126,19 @@ def read_route(deployment_id: int, model: str) -> dict[str, Any]:
         if name is None:
             raise NotFound(f"deployment {deployment_id} does not exist")
         raise ValidationFailed({"model": f"{name} serves no llm" + (f" named {model!r}" if model else "")})
-    deployment = placement.deployment
-    if deployment.status not in {DeploymentStatus.READY, DeploymentStatus.DEGRADED}:
+    route = route_of(placement)
+    if not route["endpoints"]:
+        deployment = placement.deployment
         raise InvalidTransition(f"{deployment.name} is {deployment.status}; start it and wait until it is ready")
-    return _routes.put((deployment_id, model), route_of(placement))
+    return _routes.put((deployment_id, model), route)
 
 
 def route_of(placement: DeploymentModel) -> dict[str, Any]:
-    """What generation needs of an llm placement (loaded with its deployment, host
-    and registered model): where it is served and what its checkpoint says."""
-    deployment, checkpoint = placement.deployment, placement.registered_model
+    """What generation needs of an llm placement (loaded with its deployment and
+    registered model): the replicas that serve it now and what its checkpoint says."""
+    checkpoint = placement.registered_model
     return {
-        "url": f"{deployment.host.address}:{deployment.http_port}",
+        "endpoints": answering(placement.deployment_id),
         "triton_name": placement.triton_name,
         "model_name": checkpoint.name,
         "chat_template": checkpoint.chat_template,
@@ -209,7 +211,7 @@ def prepare_generation(
     if sampling.stop:
         inputs["stop_words"] = list(sampling.stop)
     return Prepared(
-        url=route["url"], model=route["triton_name"], inputs=inputs, max_tokens=sampling.max_tokens,
+        endpoints=route["endpoints"], model=route["triton_name"], inputs=inputs, max_tokens=sampling.max_tokens,
         notice=route["notice"],
     )  # fmt: skip
 
@@ -218,10 +220,12 @@ async def generate(prepared: Prepared, *, stream: bool, outcome: Outcome) -> Asy
     """The model's pieces of text as they come; ``outcome`` is filled in as they do.
 
     With ``stream`` off the model answers once with the whole text. Stopping the
-    iteration early (a client that went away) cancels the request in Triton.
+    iteration early (a client that went away) cancels the request in Triton. It
+    goes to the best of the deployment's replicas (inference.balancing); one that
+    fails before its first response is retried once on another, never after.
     """
     outcome.streamed = stream
-    async for event in generate_stream(prepared.url, prepared.model, {**prepared.inputs, "stream": stream}):
+    async for event in _replica_stream(prepared, {**prepared.inputs, "stream": stream}):
         text = _text(event.get("text_output"))
         added = int(_first(event.get("num_output_tokens"), 0))
         prompt_tokens = _first(event.get("num_input_tokens"), None)
@@ -234,6 +238,28 @@ async def generate(prepared: Prepared, *, stream: bool, outcome: Outcome) -> Asy
             yield Piece(text=text, tokens=added)
     outcome.ended = time.monotonic()
     outcome.finish_reason = "length" if outcome.completion_tokens >= prepared.max_tokens else "stop"
+
+
+async def _replica_stream(prepared: Prepared, inputs: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    tried: frozenset[int] = frozenset()
+    while True:
+        endpoint = balancer.pick(prepared.endpoints, avoid=tried)
+        if endpoint is None:
+            raise unavailable(prepared.endpoints)
+        balancer.begin(endpoint)
+        answered = failed = False
+        try:
+            async for event in generate_stream(endpoint.url, prepared.model, inputs):
+                answered = True
+                yield event
+            return
+        except TransientError:
+            failed = True
+            tried |= {endpoint.replica_id}
+            if answered or len(tried) >= 2 or len(tried) >= len(prepared.endpoints):
+                raise
+        finally:
+            finish(endpoint, failed=failed)
 
 
 def _first(value: Any, default: Any) -> Any:

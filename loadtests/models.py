@@ -8,7 +8,7 @@ from django.db import models
 from django.db.models import Q
 
 from deployments.fields import JSONField
-from deployments.models import Deployment
+from deployments.models import Deployment, GpuHost
 
 
 class RunStatus(models.TextChoices):
@@ -40,6 +40,10 @@ class LoadTest(models.Model):
         Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="load_tests"
     )
     deployment_name = models.CharField(max_length=63)
+    host = models.ForeignKey(
+        GpuHost, null=True, blank=True, on_delete=models.SET_NULL, related_name="load_tests",
+        help_text="Where the load generator runs: the host of the deployment's first ready replica.",
+    )  # fmt: skip
     alias = models.CharField(max_length=128, help_text="The gateway model name the load went to.")
     triton_name = models.CharField(max_length=63)
     kind = models.CharField(max_length=16, help_text="llm, embedding or reranker")

@@ -20,7 +20,7 @@ from django.utils import timezone
 from common.errors import ConfirmationRequired, InvalidTransition, NotFound, ValidationFailed
 from common.version import gantry_version
 from deployments import events, jobs, outbox, queues, trtllm
-from deployments.models import Deployment, DeploymentModel, DeploymentStatus
+from deployments.models import Deployment, DeploymentModel, DeploymentStatus, GpuHost
 from deployments.permissions import require_operator
 from gateway import services as gateway_services
 from gateway.models import Alias, ApiKey
@@ -121,7 +121,7 @@ def run_create(
     other than load tests' may use the alias (their requests would slow)."""
     require_operator(user)
     with transaction.atomic():
-        deployment = Deployment.objects.select_for_update().select_related("host").filter(pk=deployment_id).first()
+        deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
         if deployment is None:
             raise NotFound(f"deployment {deployment_id} does not exist")
         target = Alias.objects.filter(name=alias, deployment=deployment).first()
@@ -135,11 +135,13 @@ def run_create(
         if placement is None:
             raise ValidationFailed({"model": f"{deployment.name} no longer serves {target.triton_name}"})
         checked = _checked(placement.registered_model.kind, spec)
-        if checked["native"]:
-            refusal = native_refusal(deployment, placement)
+        home = deployment.replica_set.select_related("host").filter(status=DeploymentStatus.READY).order_by("serial")
+        home = home.first()
+        if checked["native"] and home is not None:
+            refusal = native_refusal(home.host, placement)
             if refusal:
                 raise ValidationFailed({"workload.native": refusal})
-        if deployment.status != DeploymentStatus.READY:
+        if deployment.status != DeploymentStatus.READY or home is None:
             raise InvalidTransition(f"{deployment.name} is {deployment.status}; a load test needs it ready")
         keys = production_keys(target)
         if keys and not confirm:
@@ -153,11 +155,12 @@ def run_create(
                 run = LoadTest.objects.create(
                     deployment=deployment,
                     deployment_name=deployment.name,
+                    host=home.host,
                     alias=alias,
                     triton_name=placement.triton_name,
                     kind=placement.registered_model.kind,
                     workload=checked,
-                    context=context_of(deployment, placement.triton_name),
+                    context=context_of(deployment, home.host, placement.triton_name),
                     created_by=events.signed_in(user),
                 )
         except IntegrityError:
@@ -175,7 +178,7 @@ def run_create(
             message=f"load test {run.pk} of {alias} asked for ({_describe(checked)})",
             data={"load_test": run.pk, "alias": alias, "confirmed": bool(keys)},
         )
-        outbox.enqueue_on_commit(queues.RUN_LOADTEST, host_name=deployment.host.name, args=[run.pk])
+        outbox.enqueue_on_commit(queues.RUN_LOADTEST, host_name=home.host.name, args=[run.pk])
     return run
 
 
@@ -184,13 +187,13 @@ def run_redrive(*, run_id: int, source: str, message: str) -> bool:
     that restarted); False when the run is no longer queued or a task still waits
     in the outbox. A duplicate is harmless: only one worker claims the run."""
     with transaction.atomic():
-        run = LoadTest.objects.select_related("deployment__host").select_for_update(of=("self",)).filter(pk=run_id)
+        run = LoadTest.objects.select_related("deployment", "host").select_for_update(of=("self",)).filter(pk=run_id)
         run = run.first()
-        if run is None or run.status != RunStatus.QUEUED:
+        if run is None or run.status != RunStatus.QUEUED or run.host is None:
             return False
         return outbox.redrive(
             queues.RUN_LOADTEST,
-            host_name=run.deployment.host.name,
+            host_name=run.host.name,
             args=[run.pk],
             source=source,
             message=f"load test {run.pk}: {message}",
@@ -207,18 +210,17 @@ def _checked(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
         raise failed.under("workload", keep=("model",)) from None
 
 
-def native_refusal(deployment: Deployment, placement: DeploymentModel) -> str:
-    """Why trtllm-bench cannot measure ``placement``'s engine on the deployment's
-    host ('' if it can): it measures TensorRT-LLM engines, with the host's own
-    TensorRT-LLM (GANTRY_TRTLLM_PYTHON), at the version that built the engine
-    (an engine runs only there), and only releases whose trtllm-bench reports JSON."""
+def native_refusal(host: GpuHost, placement: DeploymentModel) -> str:
+    """Why trtllm-bench cannot measure ``placement``'s engine on ``host`` ('' if
+    it can): it measures TensorRT-LLM engines, with the host's own TensorRT-LLM
+    (GANTRY_TRTLLM_PYTHON), at the version that built the engine (an engine
+    runs only there), and only releases whose trtllm-bench reports JSON."""
     build = placement.engine_build
     if build is None:
         return (
             f"{placement.triton_name} is served by {placement.backend}, not from a TensorRT-LLM engine build: "
             "trtllm-bench measures engines"
         )
-    host = deployment.host
     if build.host_id != host.pk:
         return f"engine build {build.pk} is on another host than {host.name}"
     release = trtllm.release_for(build.trtllm_version)
@@ -243,11 +245,11 @@ def _describe(workload: dict[str, Any]) -> str:
     return f"{workload['mode']} {levels}, {bound} each"
 
 
-def context_of(deployment: Deployment, triton_name: str) -> dict[str, Any]:
+def context_of(deployment: Deployment, host: GpuHost, triton_name: str) -> dict[str, Any]:
     """What a run measures against, as it is now: the deployment's generation,
-    runtime and image, every model placed beside the one under test (each with
-    its engine build), the host's GPUs and driver, and Gantry's version."""
-    host = deployment.host
+    runtime, image and replicas, every model placed beside the one under test
+    (each with its engine build), the run's host's GPUs and driver, and
+    Gantry's version."""
     placements = []
     for p in deployment.placements.select_related("registered_model", "engine_build").order_by("triton_name"):
         build = p.engine_build
@@ -289,6 +291,7 @@ def context_of(deployment: Deployment, triton_name: str) -> dict[str, Any]:
             "generation": deployment.generation,
             "runtime": deployment.runtime,
             "image": deployment.image,
+            "replicas": deployment.replicas,
         },
         "host": {
             "name": host.name,

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from deployments import states
-from deployments.models import BuildStatus, Deployment, EngineBuild, GpuHost, RegisteredModel
-from deployments.services import builds, deployments, hosts, registered_models
+from deployments.models import BuildStatus, Deployment, EngineBuild, GpuHost, RegisteredModel, Replica
+from deployments.services import builds, deployments, hosts, registered_models, replicas
 from deployments.services.hosts import GpuReport
 from deployments.services.placements import PlacementSpec
 from triton_server.server import LaunchSpec
@@ -96,25 +96,38 @@ def registered_model(*, name: str, kind: str, path: Path, host: GpuHost) -> Regi
 def deployment(
     *, host: GpuHost, models: list[str] | None = None, name: str = "d", user: Any = None, **placement: Any
 ) -> Deployment:
-    """A stopped deployment of ``models`` (each with ``placement`` settings) on ``host``."""
+    """A stopped deployment of ``models`` (each with ``placement`` settings) pinned to ``host``."""
     return deployments.deployment_create(
         name=name,
-        host_name=host.name,
+        hosts=[host.name],
         placements=[PlacementSpec(model=m, **placement) for m in models or ["minilm"]],
         user=user,
     )
 
 
 def deployment_in(deployment_row: Deployment, *path: str, handle: str = "1") -> Deployment:
-    """Walk a deployment along ``path`` (e.g. launching, loading, ready) as its worker would."""
+    """Walk a deployment's one replica along ``path`` (e.g. launching, loading,
+    ready) as its worker would; "launching" first starts the deployment (which
+    places the replica)."""
     for to in path:
-        states.deployment_transition(
-            deployment_id=deployment_row.pk,
+        replica = Replica.objects.filter(deployment_id=deployment_row.pk).order_by("serial").first()
+        if to == "launching" and (replica is None or replica.status in ("pending", "stopped")):
+            replicas.deployment_start(deployment_id=deployment_row.pk, source="test")
+            continue
+        states.replica_transition(
+            replica_id=replica.pk,
             to=to,
             source="test",
             runtime_handle=handle if to == "loading" else None,
         )
-    return Deployment.objects.select_related("host").get(pk=deployment_row.pk)
+    return Deployment.objects.get(pk=deployment_row.pk)
+
+
+def replica_of(deployment_row: Deployment) -> Replica:
+    """The deployment's first replica, with its host and deployment."""
+    return (
+        Replica.objects.select_related("host", "deployment").filter(deployment_id=deployment_row.pk).earliest("serial")
+    )
 
 
 def succeeded_build(build: EngineBuild) -> EngineBuild:
@@ -138,3 +151,17 @@ def launch_spec(tmp: Path = Path("/data/deployments/7-d"), **overrides: Any) -> 
         "log_path": tmp / "tritonserver.log",
     }
     return LaunchSpec(**{**fields, **overrides})
+
+
+def replica_for(deployment_row: Deployment, *, gpu_map: dict[int, int] | None = None) -> Replica:
+    """An unsaved replica of the deployment on its first pinned host (its GPU
+    numbers the host's own unless ``gpu_map`` says otherwise), for what a
+    host's worker would plan from it."""
+    deployment_row = Deployment.objects.prefetch_related(
+        "placements__registered_model__host", "placements__engine_build"
+    ).get(pk=deployment_row.pk)
+    host = GpuHost.objects.prefetch_related("gpus").get(pk=deployment_row.pinned_hosts.order_by("name").first().pk)
+    return Replica(
+        deployment=deployment_row, serial=1, host=host, gpu_map={str(k): v for k, v in (gpu_map or {}).items()},
+        http_port=8000, grpc_port=8001, metrics_port=8002, generation=deployment_row.generation,
+    )  # fmt: skip

@@ -21,6 +21,7 @@ _MODEL_COUNTERS = {
     "nv_inference_count": "inferences",
     "nv_inference_queue_duration_us": "queue_us",
     "nv_inference_compute_infer_duration_us": "compute_us",
+    "nv_inference_pending_request_count": "pending",  # a gauge: requests Triton holds now
 }
 _KV_CACHE_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"
 _GPU_GAUGES = {
@@ -37,6 +38,7 @@ class ModelCounters:
     inferences: float = 0.0
     queue_us: float = 0.0
     compute_us: float = 0.0
+    pending: float = 0.0
 
 
 @dataclass
@@ -86,7 +88,7 @@ def derive(previous: Scrape | None, current: Scrape) -> dict[str, dict[str, floa
     derived: dict[str, dict[str, float]] = {}
     elapsed = current.at - previous.at if previous is not None else 0.0
     for model, now in current.models.items():
-        values = {"requests_total": now.success, "failures_total": now.failure}
+        values = {"requests_total": now.success, "failures_total": now.failure, "pending": now.pending}
         before = previous.models.get(model) if previous is not None else None
         if before is not None and elapsed > 0 and now.success >= before.success:
             requests = now.success - before.success

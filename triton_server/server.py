@@ -39,6 +39,7 @@ class LaunchSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
     world_size: int = 1  # > 1: one MPI rank per GPU of a multi-GPU engine
     engine_models: list[str] = field(default_factory=list)  # what ranks above 0 load
+    replica_id: int = 0  # the replica this server is (0: none recorded, as in a bench)
 
 
 def tritonserver_args(spec: LaunchSpec) -> list[str]:

@@ -20,9 +20,8 @@ from django.conf import settings
 
 from common.errors import InvalidTransition
 from deployments import outbox
-from deployments.models import BuildStatus, Deployment, EngineBuild, Inspection, RegisteredModel
-from deployments.services import builds, hosts, registered_models
-from deployments.services import deployments as deployment_services
+from deployments.models import BuildStatus, EngineBuild, Inspection, RegisteredModel, Replica
+from deployments.services import builds, hosts, registered_models, replicas
 from loadtests import services as loadtest_services
 from loadtests.models import LoadTest, RunStatus
 from workers.jobs import source
@@ -88,11 +87,11 @@ def redrive_host(*, host_name: str, source: str, reason: str) -> list[str]:
     so on the host's timeline. Returns what was sent."""
     message = f"{reason}: sending its task again"
     sent = []
-    passing = Deployment.objects.filter(host__name=host_name, status__in=list(deployment_services.REDRIVEN_TASKS))
-    for deployment_id, name in passing.values_list("pk", "name"):
+    passing = Replica.objects.filter(host__name=host_name, status__in=list(replicas.REDRIVEN_TASKS))
+    for replica_id, name, serial in passing.values_list("pk", "deployment__name", "serial"):
         try:
-            if deployment_services.deployment_redrive(deployment_id=deployment_id, source=source, message=message):
-                sent.append(f"deployment {name}")
+            if replicas.replica_redrive(replica_id=replica_id, source=source, message=message):
+                sent.append(f"deployment {name} r{serial}")
         except InvalidTransition:
             pass  # it moved on meanwhile
     for build_id in EngineBuild.objects.filter(host__name=host_name, status=BuildStatus.PENDING).values_list(
@@ -105,7 +104,7 @@ def redrive_host(*, host_name: str, source: str, reason: str) -> list[str]:
     ).values_list("pk", "name"):
         if registered_models.model_inspection_redrive(model_id=model_id, source=source, message=message):
             sent.append(f"inspection of {name}")
-    queued = LoadTest.objects.filter(deployment__host__name=host_name, status=RunStatus.QUEUED)
+    queued = LoadTest.objects.filter(host__name=host_name, status=RunStatus.QUEUED)
     for run_id in queued.values_list("pk", flat=True):
         if loadtest_services.run_redrive(run_id=run_id, source=source, message=message):
             sent.append(f"load test {run_id}")

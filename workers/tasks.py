@@ -17,19 +17,21 @@ from workers.loadtest import runs as loadtest_runs
 
 
 @shared_task(name=queues.LAUNCH_DEPLOYMENT)
-def launch_deployment(deployment_id: int) -> None:
-    lifecycle.launch(deployment_id)
+def launch_deployment(replica_id: int) -> None:
+    lifecycle.launch(replica_id)
 
 
 @shared_task(name=queues.STOP_DEPLOYMENT)
-def stop_deployment(deployment_id: int) -> None:
-    lifecycle.stop(deployment_id)
+def stop_deployment(replica_id: int) -> None:
+    lifecycle.stop(replica_id)
 
 
 @shared_task(name=queues.FORGET_DEPLOYMENT)
-def forget_deployment(deployment_id: int, name: str) -> None:
+def forget_deployment(deployment_id: int, name: str, serial: int | None = None) -> None:
     what = f"removing the files of deleted deployment {name}"
-    run_job(what, lambda: lifecycle.forget(deployment_id, name), fail=_on_host_timeline)
+    if serial is not None:
+        what = f"removing the files of {name}'s removed replica r{serial}"
+    run_job(what, lambda: lifecycle.forget(deployment_id, name, serial), fail=_on_host_timeline)
 
 
 @shared_task(name=queues.FORGET_BUILD)
@@ -45,8 +47,8 @@ def _on_host_timeline(reason: str, *, status: str | None, details: dict) -> None
 
 
 @shared_task(name=queues.APPLY_GENERATION)
-def apply_generation(deployment_id: int, generation: int) -> None:
-    lifecycle.apply_generation(deployment_id, generation)
+def apply_generation(replica_id: int, generation: int) -> None:
+    lifecycle.apply_generation(replica_id, generation)
 
 
 @shared_task(name=queues.INSPECT_MODEL)

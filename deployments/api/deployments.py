@@ -18,6 +18,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from access.idempotency import idempotent
+from common.errors import ValidationFailed
 from deployments import selectors, states
 from deployments.api.base import StrictModelSerializer, StrictSerializer, require_empty_body, validated
 from deployments.api.lists import CursorPage, ListEndpoint
@@ -31,6 +32,8 @@ from deployments.models import (
     Event,
     LogLine,
     MetricSample,
+    PlacementPolicy,
+    Replica,
     Runtime,
     slug_validator,
 )
@@ -79,30 +82,61 @@ class PlacementOut(serializers.ModelSerializer):
         ]
 
 
-class DeploymentOut(serializers.ModelSerializer):
+class ReplicaOut(serializers.ModelSerializer):
     host = serializers.CharField(source="host.name")
     host_online = serializers.BooleanField(source="host.is_online")
     shown_status = serializers.CharField()
+    gpus = serializers.SerializerMethodField(help_text="the deployment's GPU numbers to the host's")
+
+    class Meta:
+        model = Replica
+        fields = [
+            "serial",
+            "host",
+            "host_online",
+            "gpus",
+            "http_port",
+            "grpc_port",
+            "metrics_port",
+            "generation",
+            "desired_state",
+            "status",
+            "shown_status",
+            "status_message",
+            "status_changed_at",
+            "models_ready",
+            "queue_ms",
+        ]
+
+    def get_gpus(self, replica: Replica) -> dict[str, int]:
+        return {str(k): v for k, v in sorted(replica.gpus.items())}
+
+
+class DeploymentOut(serializers.ModelSerializer):
+    hosts = serializers.SlugRelatedField(
+        source="pinned_hosts", many=True, read_only=True, slug_field="name",
+        help_text="the hosts its replicas may run on (empty: any online host)",
+    )  # fmt: skip
     models = PlacementOut(source="placements", many=True)
-    actions = serializers.SerializerMethodField(help_text="what may be asked of it now: start, stop, change")
+    replica_set = ReplicaOut(many=True, help_text="its replicas: one Triton each, on a host Gantry chose")
+    actions = serializers.SerializerMethodField(help_text="what may be asked of it now: start, stop, change, scale")
 
     class Meta:
         model = Deployment
         fields = [
             "id",
             "name",
-            "host",
+            "hosts",
             "runtime",
             "image",
-            "http_port",
-            "grpc_port",
-            "metrics_port",
+            "replicas",
+            "placement_policy",
+            "replica_set",
             "shm_size_mib",
             "log_verbose",
             "desired_state",
             "status",
             "shown_status",
-            "host_online",
             "status_message",
             "status_changed_at",
             "generation",
@@ -142,12 +176,6 @@ class PlacementIn(StrictModelSerializer):
         return attrs
 
 
-class PortsIn(StrictSerializer):
-    http = serializers.IntegerField(min_value=1024, max_value=65535)
-    grpc = serializers.IntegerField(min_value=1024, max_value=65535)
-    metrics = serializers.IntegerField(min_value=1024, max_value=65535)
-
-
 class ServerIn(StrictModelSerializer):
     """A deployment's tritonserver settings; bounds and defaults are Deployment's."""
 
@@ -159,10 +187,17 @@ class ServerIn(StrictModelSerializer):
 
 class DeploymentIn(StrictSerializer):
     name = serializers.CharField(max_length=63, validators=[slug_validator])
-    host = serializers.CharField(max_length=63)
+    host = serializers.CharField(
+        max_length=63, required=False, help_text="one host to pin its replicas to (as hosts: [host])"
+    )
+    hosts = serializers.ListField(
+        child=serializers.CharField(max_length=63), max_length=100, required=False,
+        help_text="the hosts its replicas may run on; none: any online host with room",
+    )  # fmt: skip
+    replicas = serializers.IntegerField(min_value=1, max_value=64, default=1)
+    placement_policy = serializers.ChoiceField(choices=PlacementPolicy.choices, default=PlacementPolicy.SPREAD)
     runtime = serializers.ChoiceField(choices=Runtime.choices, default=Runtime.PROCESS)
     image = serializers.CharField(max_length=255, required=False, default="", allow_blank=True)
-    ports = PortsIn(required=False)
     # ServerIn's fields (Deployment's bounds), re-instantiated for this serializer.
     shm_size_mib = copy.deepcopy(ServerIn().fields["shm_size_mib"])
     log_verbose = copy.deepcopy(ServerIn().fields["log_verbose"])
@@ -170,7 +205,7 @@ class DeploymentIn(StrictSerializer):
 
 
 class DeploymentQuery(StrictSerializer):
-    host = serializers.CharField(max_length=63, required=False)
+    host = serializers.CharField(max_length=63, required=False, help_text="with a replica on this host")
     status = serializers.ChoiceField(choices=DeploymentStatus.choices, required=False)
     desired_state = serializers.ChoiceField(choices=DesiredState.choices, required=False)
     runtime = serializers.ChoiceField(choices=Runtime.choices, required=False)
@@ -179,16 +214,25 @@ class DeploymentQuery(StrictSerializer):
 
 def _creation(data: dict[str, Any]) -> dict[str, Any]:
     """deployment_create's (and deployment_preflight's) arguments from a checked DeploymentIn body."""
-    ports = data.get("ports")
+    if "host" in data and "hosts" in data:
+        raise ValidationFailed({"host": "send host (one) or hosts (a list), not both"})
     return {
         "name": data["name"],
-        "host_name": data["host"],
+        "hosts": [data["host"]] if "host" in data else list(dict.fromkeys(data.get("hosts", []))),
+        "replicas": data["replicas"],
+        "placement_policy": data["placement_policy"],
         "runtime": data["runtime"],
         "image": data["image"],
-        "ports": (ports["http"], ports["grpc"], ports["metrics"]) if ports else None,
         "placements": placement_specs(data["models"]),
         "server": server_spec(data),
     }
+
+
+def _as_sent(errors: dict[str, list[str]], data: dict[str, Any]) -> dict[str, list[str]]:
+    """The service names the hosts "hosts"; a body that sent one "host" hears of that field."""
+    if "host" not in data:
+        return errors
+    return {("host" if name == "hosts" else name): rules for name, rules in errors.items()}
 
 
 def server_spec(data: dict[str, Any], current: Deployment | None = None) -> ServerSpec:
@@ -211,23 +255,27 @@ class DeploymentList(ListEndpoint):
         return selectors.deployment_list()
 
     def filter_rows(self, rows: QuerySet[Deployment], query: dict[str, Any]) -> QuerySet[Deployment]:
-        lookups = {"host": "host__name", "status": "status", "desired_state": "desired_state", "runtime": "runtime"}
+        lookups = {"status": "status", "desired_state": "desired_state", "runtime": "runtime"}
         rows = rows.filter(**{lookups[k]: v for k, v in query.items() if k in lookups})
+        if "host" in query:
+            rows = rows.filter(replica_set__host__name=query["host"]).distinct()
         return rows.filter(name__contains=query["name"]) if "name" in query else rows
 
     @idempotent()
     @extend_schema(request=DeploymentIn, responses={201: DeploymentOut})
     def post(self, request: Request) -> Response:
-        deployment = deployment_services.deployment_create(
-            **_creation(validated(DeploymentIn, request)), user=request.user
-        )
+        data = validated(DeploymentIn, request)
+        try:
+            deployment = deployment_services.deployment_create(**_creation(data), user=request.user)
+        except ValidationFailed as failed:
+            raise ValidationFailed(_as_sent(failed.errors, data)) from None
         deployment = selectors.deployment_list().get(pk=deployment.pk)
         return Response(DeploymentOut(deployment).data, status=status.HTTP_201_CREATED)
 
 
 class DeploymentDetail(APIView):
-    """GET one deployment; DELETE it (only at rest and with no gateway alias on it;
-    its name and ports are free again, its timeline stays)."""
+    """GET one deployment with its replicas; DELETE it (only at rest and with no
+    gateway alias on it; its name and ports are free again, its timeline stays)."""
 
     permission_classes = [ReadOrOperate]
 
@@ -293,7 +341,8 @@ class DeploymentRevisions(ListEndpoint):
 
 
 class DeploymentStart(APIView):
-    """POST /api/deployments/<id>/start/ (no body): its host launches it."""
+    """POST /api/deployments/<id>/start/ (no body): its replicas start on hosts
+    with room; refused (409, nothing started) when one fits nowhere."""
 
     permission_classes = [ReadOrOperate]
 
@@ -334,8 +383,26 @@ class DeploymentRollback(APIView):
         return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
 
 
+class ScaleIn(StrictSerializer):
+    replicas = serializers.IntegerField(min_value=1, max_value=64, help_text="how many Triton servers serve it")
+
+
+class DeploymentScale(APIView):
+    """POST /api/deployments/<id>/scale/ {"replicas": N}: a running deployment
+    places the new replicas on hosts with room (or is refused, with the closest
+    host's shortfall) or retires the surplus; one at rest takes N at its start."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(request=ScaleIn, responses={202: DeploymentOut})
+    def post(self, request: Request, pk: int) -> Response:
+        data = validated(ScaleIn, request)
+        deployment_services.deployment_scale(deployment_id=pk, replicas=data["replicas"], user=request.user)
+        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+
+
 class DeploymentStop(APIView):
-    """POST /api/deployments/<id>/stop/ (no body): its host stops its server."""
+    """POST /api/deployments/<id>/stop/ (no body): every replica's host stops its server."""
 
     permission_classes = [ReadOrOperate]
 
@@ -355,8 +422,9 @@ class DeploymentEvents(Events):
 
 
 class PlannedModelOut(serializers.Serializer):
-    deployment = serializers.CharField()
+    deployment = serializers.CharField(help_text="the deployment and its replica (\"chat r2\")")
     deployment_id = serializers.IntegerField(allow_null=True, help_text="null: the unsaved one a preflight checks")
+    replica = serializers.IntegerField(help_text="the replica's serial (0 or less: one not placed yet)")
     deployment_status = serializers.CharField()
     own = serializers.BooleanField(help_text="placed by the deployment asked about (else by another on the host)")
     triton_name = serializers.CharField()
@@ -375,6 +443,8 @@ class PlannedModelOut(serializers.Serializer):
 
 
 class GpuPlanOut(serializers.Serializer):
+    host = serializers.CharField(required=False, help_text="the host of the replica this GPU plan is for")
+    replica = serializers.IntegerField(required=False, help_text="that replica's serial")
     gpu = serializers.IntegerField()
     name = serializers.CharField()
     uuid = serializers.CharField()
@@ -410,15 +480,24 @@ class DeploymentPreflightIn(DeploymentIn):
     )  # fmt: skip
 
 
+class ReplicaPlanOut(serializers.Serializer):
+    replica = serializers.IntegerField()
+    host = serializers.CharField(allow_null=True, help_text="null: it fits on no host now")
+    gpus = serializers.DictField(child=serializers.IntegerField(), required=False,
+                                 help_text="the deployment's GPU numbers to the host's")  # fmt: skip
+    problem = serializers.CharField(required=False, help_text="the closest host's shortfall")
+
+
 class DeploymentPreflightOut(serializers.Serializer):
     valid = serializers.BooleanField(help_text="true when POST /api/deployments/ with this body would create it")
     errors = serializers.DictField(
         child=serializers.ListField(child=serializers.CharField()),
         help_text="each broken rule by field, as a 400 of the create would name it (models[i].field)",
     )
-    plan = GpuPlanOut(many=True, help_text="the host's GPU plan with the placements that passed")
+    plan = GpuPlanOut(many=True, help_text="the first replica's host's GPU plan with the placements that passed")
+    replicas = ReplicaPlanOut(many=True, help_text="where each replica would go now")
     warnings = serializers.ListField(
-        child=serializers.CharField(), help_text="what the host's other deployments would make a start refuse"
+        child=serializers.CharField(), help_text="what the hosts' other replicas would make a start refuse"
     )
 
 
@@ -433,11 +512,10 @@ class DeploymentPreflight(APIView):
     @extend_schema(request=DeploymentPreflightIn, responses={200: DeploymentPreflightOut})
     def post(self, request: Request) -> Response:
         data = validated(DeploymentPreflightIn, request)
-        return Response(
-            deployment_services.deployment_preflight(
-                **_creation(data), replaces=data.get("replaces"), user=request.user
-            )
+        found = deployment_services.deployment_preflight(
+            **_creation(data), replaces=data.get("replaces"), user=request.user
         )
+        return Response({**found, "errors": _as_sent(found["errors"], data)})
 
 
 class RatesQuery(StrictSerializer):

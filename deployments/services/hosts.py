@@ -100,8 +100,10 @@ def host_heartbeat(
 def hosts_sweep() -> list[str]:
     """Mark hosts that missed GANTRY_HOST_OFFLINE_AFTER_BEATS beats offline, once each.
 
-    Nothing is torn down: their deployments' status is simply no longer
-    known, and the host's next beat brings it back.
+    Nothing is torn down for that: their replicas' status is simply no longer
+    known, and the host's next beat brings it back. Only after
+    GANTRY_HOST_LOST_GRACE_S are its replicas lost and replaced elsewhere
+    (deployments.services.replicas.replace_lost).
     """
     allowed = settings.GANTRY_HEARTBEAT_INTERVAL * settings.GANTRY_HOST_OFFLINE_AFTER_BEATS
     threshold = timezone.now() - timedelta(seconds=allowed)
@@ -120,7 +122,8 @@ def hosts_sweep() -> list[str]:
                 source="system",
                 host=host,
                 message=f"{host.name} missed {settings.GANTRY_HOST_OFFLINE_AFTER_BEATS} heartbeats "
-                f"(last at {host.last_heartbeat:%H:%M:%S}); its deployments' state is unknown",
+                f"(last at {host.last_heartbeat:%H:%M:%S}); its replicas' state is unknown, and they are replaced "
+                f"elsewhere if it stays away {settings.GANTRY_HOST_LOST_GRACE_S}s",
             )
             marked.append(host.name)
     return marked
@@ -129,7 +132,7 @@ def hosts_sweep() -> list[str]:
 def _tell_deployments(host: GpuHost, *, online: bool) -> None:
     """Once committed, tell the pages of the host's deployments that what they show
     changed meaning (a deployment on an offline host shows "unknown")."""
-    ids = list(host.deployments.values_list("pk", flat=True))
+    ids = sorted(set(host.replicas.values_list("deployment_id", flat=True)))
 
     def send() -> None:
         for deployment_id in ids:

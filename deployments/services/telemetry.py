@@ -5,17 +5,20 @@ pushed to the deployment's page."""
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.utils import timezone
 
 from deployments import events
-from deployments.models import BuildLogLine, DeploymentModel, LogLine, MetricSample
+from deployments.models import BuildLogLine, DeploymentModel, LogLine, MetricSample, Replica
+from deployments.states import SERVING
 
 
 def metrics_record(
     *,
     deployment_id: int,
+    replica_id: int | None = None,
     models: dict[str, dict[str, float]],
     gpus: dict[str, dict[str, float]],
 ) -> None:
@@ -25,15 +28,23 @@ def metrics_record(
     MetricSample.objects.bulk_create(
         [
             *(
-                MetricSample(deployment_id=deployment_id, at=now, kind="model", subject=k, values=v)
+                MetricSample(
+                    deployment_id=deployment_id, replica_id=replica_id, at=now, kind="model", subject=k, values=v
+                )
                 for k, v in models.items()
             ),
             *(
-                MetricSample(deployment_id=deployment_id, at=now, kind="gpu", subject=k, values=v)
+                MetricSample(
+                    deployment_id=deployment_id, replica_id=replica_id, at=now, kind="gpu", subject=k, values=v
+                )
                 for k, v in gpus.items()
             ),
         ]
     )
+    if replica_id is not None:
+        queue_ms = max((values.get("queue_ms", 0.0) for values in models.values()), default=0.0)
+        in_flight = int(sum(values.get("pending", 0.0) for values in models.values()))
+        Replica.objects.filter(pk=replica_id).update(queue_ms=round(queue_ms, 3), in_flight=in_flight)
     cutoff = now - timedelta(hours=settings.GANTRY_METRICS_RETENTION_HOURS)
     MetricSample.objects.filter(deployment_id=deployment_id, at__lt=cutoff).delete()
     events.publish(
@@ -68,14 +79,26 @@ def request_rates(*, minutes: int) -> dict[int, list[tuple[str, float]]]:
     return {deployment_id: list(series.items()) for deployment_id, series in rates.items()}
 
 
-def placements_readiness(*, deployment_id: int, models: dict[str, bool]) -> dict[str, bool]:
-    """Record what Triton says of each placed model (by Triton name; an engine's
-    helper models are not placements and are left out), writing only what
-    changed, and push every placement's readiness to the deployment's page (each
-    beat: a page that re-read a moment too early is right again within one).
-    Returns the changes."""
+def placements_readiness(*, replica_id: int, models: dict[str, bool]) -> dict[str, bool]:
+    """Record what Triton says of each placed model on a replica (by Triton
+    name; an engine's helper models are not placements and are left out), and
+    whether each placement is ready on every serving replica of its deployment
+    (writing only what changed); push that to the deployment's page (each beat:
+    a page that re-read a moment too early is right again within one). Returns
+    the changes."""
+    replica = Replica.objects.filter(pk=replica_id).values("deployment_id", "serial").first()
+    if replica is None:
+        return {}
+    deployment_id = replica["deployment_id"]
     placed = dict(DeploymentModel.objects.filter(deployment_id=deployment_id).values_list("triton_name", "ready"))
-    now = {name: models[name] for name in placed if name in models}
+    mine = {name: models[name] for name in placed if name in models}
+    Replica.objects.filter(pk=replica_id).update(models_ready=mine)
+    serving = Replica.objects.filter(deployment_id=deployment_id, status__in=SERVING).exclude(pk=replica_id)
+    now = dict(mine)
+    for others in serving.values_list("models_ready", flat=True):
+        for name, ready in (others or {}).items():
+            if name in now:
+                now[name] = now[name] and ready
     changed = {name: ready for name, ready in now.items() if placed[name] != ready}
     for value in (True, False):
         names = [name for name, ready in changed.items() if ready is value]
@@ -83,8 +106,10 @@ def placements_readiness(*, deployment_id: int, models: dict[str, bool]) -> dict
             DeploymentModel.objects.filter(deployment_id=deployment_id, triton_name__in=names).update(ready=value)
     if now:
         events.publish(
-            events.deployment_group(deployment_id), {"type": "models", "deployment": deployment_id, "ready": now}
-        )
+            events.deployment_group(deployment_id),
+            {"type": "models", "deployment": deployment_id, "ready": now,
+             "replica": {"serial": replica["serial"], "ready": mine}},
+        )  # fmt: skip
     return changed
 
 
@@ -92,19 +117,28 @@ def placements_readiness(*, deployment_id: int, models: dict[str, bool]) -> dict
 LOG_LINES_KEPT = 1000
 
 
-def log_lines_append(*, deployment_id: int, lines: list[str]) -> None:
-    """Store a batch of server log lines (one insert), trim to the newest LOG_LINES_KEPT, and push them."""
+def log_lines_append(*, deployment_id: int, lines: list[str], replica_id: int | None = None) -> None:
+    """Store a batch of a replica's server log lines (one insert), trim the
+    deployment's to the newest LOG_LINES_KEPT, and push them."""
     if not lines:
         return
-    append_newest_lines(LogLine, keep=LOG_LINES_KEPT, lines=lines, deployment_id=deployment_id)
+    append_newest_lines(
+        LogLine, keep=LOG_LINES_KEPT, lines=lines, columns={"replica_id": replica_id}, deployment_id=deployment_id
+    )
     events.publish(events.deployment_group(deployment_id), {"type": "log", "deployment": deployment_id, "lines": lines})
 
 
 def append_newest_lines(
-    model: type[LogLine] | type[BuildLogLine], *, keep: int, lines: list[str], **owner: int
+    model: type[LogLine] | type[BuildLogLine],
+    *,
+    keep: int,
+    lines: list[str],
+    columns: dict[str, Any] | None = None,
+    **owner: int,
 ) -> None:
-    """Insert ``lines`` for ``owner`` in one statement and delete all but its newest ``keep``."""
-    model.objects.bulk_create(model(**owner, line=line[:4000]) for line in lines)
+    """Insert ``lines`` for ``owner`` (with ``columns``) in one statement and
+    delete all but its newest ``keep``."""
+    model.objects.bulk_create(model(**owner, **(columns or {}), line=line[:4000]) for line in lines)
     oldest_kept = model.objects.filter(**owner).order_by("-id").values_list("id", flat=True)[keep:].first()
     if oldest_kept is not None:
         model.objects.filter(**owner, id__lte=oldest_kept).delete()

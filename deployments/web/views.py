@@ -199,6 +199,9 @@ def build_detail(request: HttpRequest, pk: int) -> HttpResponse:
 @login_required
 def deployment_detail(request: HttpRequest, pk: int) -> HttpResponse:
     deployment = get_object_or_404(selectors.deployment_list(), pk=pk)
+    ejections = selectors.replica_ejections(deployment.pk)
+    for replica in deployment.replica_set.all():
+        replica.ejections = ejections.get(replica.serial, 0)
     return render(
         request,
         "deployments/deployment_detail.html",
@@ -213,7 +216,8 @@ def deployment_detail(request: HttpRequest, pk: int) -> HttpResponse:
                 mode="change",
                 initial=placements_snapshot(deployment),
                 deploymentId=deployment.pk,
-                deployment={"host": deployment.host.name, "runtime": deployment.runtime, "image": deployment.image},
+                deployment={"host": selectors.reference_host_name(deployment), "runtime": deployment.runtime,
+                            "image": deployment.image},  # fmt: skip
             ),
         },
     )

@@ -129,7 +129,7 @@ def test_engine_built_for_sm80_is_refused_on_this_gpu(gpu_host, operator, tmp_pa
     )  # fmt: skip
     with pytest.raises(ValidationFailed) as refused:
         deployments.deployment_create(
-            name="llm", host_name=gpu_host.name, runtime="docker", image=image,
+            name="llm", hosts=[gpu_host.name], runtime="docker", image=image,
             placements=[PlacementSpec(model="llama", engine_build=build.pk, gpu_memory_fraction=0.5)],
             user=operator,
         )  # fmt: skip

@@ -1,9 +1,9 @@
-"""A deployment's jobs on its host: launch its Triton server and wait for its
+"""A replica's jobs on its host: launch its Triton server and wait for its
 models, apply a new generation in place (rolling back if it fails), and stop it.
 
 Each job runs under workers.jobs.run_job, which turns a failure into the
-deployment's failed state with its reason. Every status change goes through
-deployment_services.states; every step re-reads the row, so a task delivered twice, or
+replica's failed state with its reason. Every status change goes through
+deployments.states; every step re-reads the row, so a task delivered twice, or
 one racing a stop, ends in the state the database asks for.
 """
 
@@ -22,9 +22,9 @@ from django.conf import settings
 
 from common.errors import GantryError, InvalidTransition, PermanentError, TransientError
 from deployments import states
-from deployments.models import Deployment
+from deployments.models import Deployment, Replica
 from deployments.models import DeploymentStatus as S
-from deployments.services import builds
+from deployments.services import builds, replicas
 from deployments.services import deployments as deployment_services
 from triton_server.config import CONFIG_FILE
 from triton_server.repository import ModelSpec, write_repository
@@ -32,11 +32,11 @@ from triton_server.server import LaunchSpec
 from workers import nvml
 from workers.deploy.plan import (
     current_status,
+    deployment_root,
     launch_spec,
     load,
     missing_inputs,
     model_specs,
-    paths_for,
     runtime_for,
     triton_client,
 )
@@ -46,13 +46,13 @@ from workers.runtimes.base import Runtime, busy_ports
 log = logging.getLogger(__name__)
 
 
-def failer(deployment_id: int, only_from: frozenset[str]):  # noqa: ANN201 - a workers.jobs.Fail
-    """The ``fail`` of a deployment job: failed with the reason (and the server's
-    log tail), if the deployment is still in one of ``only_from``."""
+def failer(replica_id: int, only_from: frozenset[str]):  # noqa: ANN201 - a workers.jobs.Fail
+    """The ``fail`` of a replica job: failed with the reason (and the server's
+    log tail), if the replica is still in one of ``only_from``."""
 
     def fail(reason: str, *, status: str | None, details: dict[str, Any]) -> None:
-        deployment_services.deployment_fail(
-            deployment_id=deployment_id,
+        replicas.replica_fail(
+            replica_id=replica_id,
             reason=reason,
             source=source(),
             only_from=only_from,
@@ -63,40 +63,41 @@ def failer(deployment_id: int, only_from: frozenset[str]):  # noqa: ANN201 - a w
     return fail
 
 
-def mark_ready(deployment: Deployment, names: list[str], *, only_from: frozenset[str] = frozenset({S.LOADING})) -> None:
-    states.deployment_transition(
-        deployment_id=deployment.pk,
-        to=S.READY,
+def mark_ready(replica: Replica, names: list[str], *, from_status: str = S.LOADING) -> None:
+    """The replica's server has ``names`` ready at its deployment's generation now."""
+    replicas.replica_ready(
+        replica_id=replica.pk,
         source=source(),
-        only_from=only_from,
-        message=f"ready: {', '.join(names)} on port {deployment.http_port}",
+        from_status=from_status,
+        generation=replica.deployment.generation,
+        message=f"ready: {', '.join(names)} on port {replica.http_port}",
     )
 
 
 # --- launch -------------------------------------------------------------------------
 
 
-def launch(deployment_id: int) -> None:
-    """Start the deployment's Triton server and wait until every model is ready."""
-    run_job("launch", lambda: _launch(deployment_id), fail=failer(deployment_id, frozenset({S.LAUNCHING, S.LOADING})))
+def launch(replica_id: int) -> None:
+    """Start the replica's Triton server and wait until every model is ready."""
+    run_job("launch", lambda: _launch(replica_id), fail=failer(replica_id, frozenset({S.LAUNCHING, S.LOADING})))
 
 
 @contextmanager
-def host_lock(deployment_id: int, what: str = "server") -> Iterator[None]:
+def host_lock(replica_id: int, what: str = "server") -> Iterator[None]:
     """Held by whichever of this host's processes is starting or stopping the
-    deployment's server (``what``: "server"), or applying a generation to it
+    replica's server (``what``: "server"), or applying a generation to it
     ("generation"): a task sent twice (a re-drive after a broker restart, a
     redelivery) waits for the first, then finds the row moved on. Apart, so a
     stop never waits for a long model load."""
-    with open(_lock_path(deployment_id, what), "w") as lock:
+    with open(_lock_path(replica_id, what), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 
-def host_lock_held(deployment_id: int, what: str = "server") -> bool:
-    """Whether a process of this host holds ``host_lock(deployment_id, what)`` now
+def host_lock_held(replica_id: int, what: str = "server") -> bool:
+    """Whether a process of this host holds ``host_lock(replica_id, what)`` now
     (a lock dies with its process, so a task killed mid-way holds none)."""
-    with open(_lock_path(deployment_id, what), "w") as lock:
+    with open(_lock_path(replica_id, what), "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -105,37 +106,37 @@ def host_lock_held(deployment_id: int, what: str = "server") -> bool:
         return False
 
 
-def _lock_path(deployment_id: int, what: str) -> Path:
+def _lock_path(replica_id: int, what: str) -> Path:
     locks = settings.GANTRY_DATA_DIR / "locks"
     locks.mkdir(parents=True, exist_ok=True)
-    return locks / f"deployment-{deployment_id}-{what}.lock"
+    return locks / f"replica-{replica_id}-{what}.lock"
 
 
-def _launch(deployment_id: int) -> None:
-    with host_lock(deployment_id):
-        started = _start_server(deployment_id)
+def _launch(replica_id: int) -> None:
+    with host_lock(replica_id):
+        started = _start_server(replica_id)
     if started is not None:
         _await_ready(*started)
 
 
-def _start_server(deployment_id: int) -> tuple[Deployment, Runtime, str, LaunchSpec] | None:
-    """Start the server of a launching deployment and move it to loading."""
-    deployment = load(deployment_id)
-    if deployment is None or deployment.status != S.LAUNCHING:
-        log.info("launch of %s skipped: status is %s", deployment_id, deployment and deployment.status)
+def _start_server(replica_id: int) -> tuple[Replica, Runtime, str, LaunchSpec] | None:
+    """Start the server of a launching replica and move it to loading."""
+    replica = load(replica_id)
+    if replica is None or replica.status != S.LAUNCHING:
+        log.info("launch of %s skipped: status is %s", replica_id, replica and replica.status)
         return None
-    if problem := inputs_problem(deployment):
+    if problem := inputs_problem(replica):
         raise PermanentError(problem)
-    runtime = runtime_for(deployment)
-    specs = model_specs(deployment)
-    spec = launch_spec(deployment)
-    if deployment.runtime_handle and runtime.is_running(deployment.runtime_handle, spec):
+    runtime = runtime_for(replica)
+    specs = model_specs(replica)
+    spec = launch_spec(replica)
+    if replica.runtime_handle and runtime.is_running(replica.runtime_handle, spec):
         # A redelivered task: the server from the first delivery still runs.
-        runtime.stop(deployment.runtime_handle, spec)
+        runtime.stop(replica.runtime_handle, spec)
     leftovers = runtime.stop_leftovers(spec)
     if leftovers:
-        deployment_services.record_deployment_event(
-            deployment_id=deployment_id,
+        replicas.record_replica_event(
+            replica_id=replica_id,
             kind="deployment.leftover_stopped",
             source=source(),
             message=f"stopped tritonserver {', '.join(h[:12] for h in leftovers)}, which a worker that died "
@@ -145,30 +146,30 @@ def _start_server(deployment_id: int) -> tuple[Deployment, Runtime, str, LaunchS
     if busy:
         raise PermanentError(
             f"port(s) {', '.join(map(str, busy))} on {settings.GANTRY_HOST_NAME} are already in use "
-            "by another program; give the deployment other ports"
+            "by another program; give the replica other ports"
         )
     write_repository(spec.repository, specs)
     handle = runtime.start(spec)
     try:
-        states.deployment_transition(
-            deployment_id=deployment_id,
+        states.replica_transition(
+            replica_id=replica_id,
             to=S.LOADING,
             source=source(),
             only_from=frozenset({S.LAUNCHING}),
             runtime_handle=handle,
-            message=f"tritonserver ({deployment.runtime} {handle[:12]}) loading {', '.join(spec.models)}",
+            message=f"tritonserver ({replica.deployment.runtime} {handle[:12]}) loading {', '.join(spec.models)}",
         )
     except InvalidTransition:
         # Stopped while we were starting: undo our own start.
         runtime.stop(handle, spec)
         return None
-    return deployment, runtime, handle, spec
+    return replica, runtime, handle, spec
 
 
-def inputs_problem(deployment: Deployment) -> str | None:
-    """What the deployment reads that is not on this host, in words (an engine
+def inputs_problem(replica: Replica) -> str | None:
+    """What the replica reads that is not on this host, in words (an engine
     found gone or changed is marked so, and never reused); None when all is here."""
-    missing = missing_inputs(deployment)
+    missing = missing_inputs(replica)
     for item in missing:
         if item.build_id is not None:
             builds.build_files_missing(build_id=item.build_id, problem=item.problem, source=source())
@@ -176,20 +177,20 @@ def inputs_problem(deployment: Deployment) -> str | None:
 
 
 def _await_ready(
-    deployment: Deployment, runtime: Runtime, handle: str, spec: LaunchSpec, *, status: str = S.LOADING, what: str = ""
+    replica: Replica, runtime: Runtime, handle: str, spec: LaunchSpec, *, status: str = S.LOADING, what: str = ""
 ) -> None:
     """Wait until the server just started has every model ready, then mark the
-    deployment ready from ``status``. If the server dies or times out, stop it
+    replica ready from ``status``. If the server dies or times out, stop it
     and end the job failed with its last log lines (``what`` says which job)."""
 
     def keep_waiting() -> bool:
-        return runtime.is_running(handle, spec) and current_status(deployment.pk) == status
+        return runtime.is_running(handle, spec) and current_status(replica.pk) == status
 
-    client = triton_client(deployment)
+    client = triton_client(replica)
     try:
         client.wait_until_ready(spec.models, timeout_s=settings.GANTRY_TRITON_READY_TIMEOUT, keep_waiting=keep_waiting)
     except PermanentError:
-        if current_status(deployment.pk) != status:
+        if current_status(replica.pk) != status:
             return  # stopped or failed elsewhere; the stop task owns the server now
         tail = runtime.log_tail(handle, spec)
         ended = runtime.exit_of(handle, spec)
@@ -204,9 +205,9 @@ def _await_ready(
     finally:
         client.close()
     try:
-        mark_ready(deployment, spec.models, only_from=frozenset({status}))
+        mark_ready(replica, spec.models, from_status=status)
     except InvalidTransition:
-        log.info("deployment %s left %s before it became ready", deployment.pk, status)
+        log.info("replica %s left %s before it became ready", replica.pk, status)
 
 
 # --- a new generation, in place ---------------------------------------------------
@@ -218,7 +219,7 @@ def _configs(repository: Path) -> dict[str, str]:
     return {d.name: (d / CONFIG_FILE).read_text() for d in repository.iterdir() if (d / CONFIG_FILE).is_file()}
 
 
-def swap_models(deployment: Deployment, spec: LaunchSpec, specs: list[ModelSpec]) -> dict[str, list[str]]:
+def swap_models(replica: Replica, spec: LaunchSpec, specs: list[ModelSpec]) -> dict[str, list[str]]:
     """Write ``specs`` as the repository and make the running server match it,
     loading only models whose config changed and unloading the ones gone."""
     before = _configs(spec.repository)
@@ -229,7 +230,7 @@ def swap_models(deployment: Deployment, spec: LaunchSpec, specs: list[ModelSpec]
         "loaded": sorted(name for name in after if before.get(name) != after[name]),
         "unchanged": sorted(name for name in after if before.get(name) == after[name]),
     }
-    client = triton_client(deployment)
+    client = triton_client(replica)
     try:
         for name in plan["unloaded"]:
             client.unload(name)
@@ -241,89 +242,90 @@ def swap_models(deployment: Deployment, spec: LaunchSpec, specs: list[ModelSpec]
     return plan
 
 
-def apply_generation(deployment_id: int, generation: int) -> None:
-    """Apply a ready deployment's new generation in place; roll back if it fails."""
+def apply_generation(replica_id: int, generation: int) -> None:
+    """Apply a ready replica's new generation in place; roll back if it fails."""
     run_job(
         f"generation {generation}",
-        lambda: _apply_generation(deployment_id, generation),
-        fail=failer(deployment_id, frozenset({S.UPDATING})),
+        lambda: _apply_generation(replica_id, generation),
+        fail=failer(replica_id, frozenset({S.UPDATING})),
     )
 
 
-def _apply_generation(deployment_id: int, generation: int) -> None:
-    with host_lock(deployment_id, "generation"):
-        _apply_generation_once(deployment_id, generation)
+def _apply_generation(replica_id: int, generation: int) -> None:
+    with host_lock(replica_id, "generation"):
+        _apply_generation_once(replica_id, generation)
 
 
-def _apply_generation_once(deployment_id: int, generation: int) -> None:
-    deployment = load(deployment_id)
-    if deployment is None or deployment.status != S.UPDATING or deployment.generation != generation:
+def _apply_generation_once(replica_id: int, generation: int) -> None:
+    replica = load(replica_id)
+    if replica is None or replica.status != S.UPDATING or replica.deployment.generation != generation:
         return
-    if problem := inputs_problem(deployment):
-        roll_back(deployment, generation, problem)
+    if problem := inputs_problem(replica):
+        roll_back(replica, generation, problem)
         return
-    spec = launch_spec(deployment)
-    runtime = runtime_for(deployment)
-    changes = runtime.server_changes(deployment.runtime_handle, spec)
+    spec = launch_spec(replica)
+    runtime = runtime_for(replica)
+    changes = runtime.server_changes(replica.runtime_handle, spec)
     if changes:
-        _restart_for_generation(deployment, runtime, spec, generation, changes)
+        _restart_for_generation(replica, runtime, spec, generation, changes)
         return
     try:
-        plan = swap_models(deployment, spec, model_specs(deployment))
+        plan = swap_models(replica, spec, model_specs(replica))
     except GantryError as exc:
-        roll_back(deployment, generation, str(exc))
+        roll_back(replica, generation, str(exc))
         return
-    deployment_services.record_deployment_event(
-        deployment_id=deployment.pk,
+    replicas.record_replica_event(
+        replica_id=replica.pk,
         kind="deployment.generation_applied",
         source=source(),
         message=f"generation {generation}: loaded {plan['loaded'] or 'none'}, unloaded {plan['unloaded'] or 'none'}, "
         f"left as they were {plan['unchanged'] or 'none'}",
     )
     try:
-        mark_ready(deployment, spec.models, only_from=frozenset({S.UPDATING}))
+        mark_ready(replica, spec.models, from_status=S.UPDATING)
     except InvalidTransition:
-        log.info("deployment %s left updating while its generation %s was applied", deployment.pk, generation)
+        log.info("replica %s left updating while its generation %s was applied", replica.pk, generation)
 
 
 def _restart_for_generation(
-    deployment: Deployment, runtime: Runtime, spec: LaunchSpec, generation: int, changes: list[str]
+    replica: Replica, runtime: Runtime, spec: LaunchSpec, generation: int, changes: list[str]
 ) -> None:
     """A running server cannot be given new folders, GPUs or arguments: start a
     new one for the generation (the old one stops first, so the ports are free).
     If the new one does not come up, the previous generation is put back and
     started again the same way."""
-    deployment_services.record_deployment_event(
-        deployment_id=deployment.pk,
+    replicas.record_replica_event(
+        replica_id=replica.pk,
         kind="deployment.generation_restart",
         source=source(),
         message=f"generation {generation} needs a new server ({'; '.join(changes)}): restarting its server",
     )
-    runtime.stop(deployment.runtime_handle, spec)
+    runtime.stop(replica.runtime_handle, spec)
     try:
-        _replace_server(deployment, runtime, spec, what=f"generation {generation}: ")
+        _replace_server(replica, runtime, spec, what=f"generation {generation}: ")
     except JobFailed as failed:
-        if current_status(deployment.pk) != S.UPDATING:
+        if current_status(replica.pk) != S.UPDATING:
             raise  # stopped meanwhile: nothing to put back
-        _restart_previous(deployment, generation, failed)
+        _restart_previous(replica, generation, failed)
 
 
-def _replace_server(deployment: Deployment, runtime: Runtime, spec: LaunchSpec, *, what: str) -> None:
-    write_repository(spec.repository, model_specs(deployment))
+def _replace_server(replica: Replica, runtime: Runtime, spec: LaunchSpec, *, what: str) -> None:
+    write_repository(spec.repository, model_specs(replica))
     handle = runtime.start(spec)
-    if not deployment_services.deployment_server_replaced(deployment_id=deployment.pk, runtime_handle=handle):
-        runtime.stop(handle, spec)  # stopped meanwhile: the stop task owns the deployment now
+    if not replicas.replica_server_replaced(replica_id=replica.pk, runtime_handle=handle):
+        runtime.stop(handle, spec)  # stopped meanwhile: the stop task owns the replica now
         return
-    _await_ready(deployment, runtime, handle, spec, status=S.UPDATING, what=what)
+    _await_ready(replica, runtime, handle, spec, status=S.UPDATING, what=what)
 
 
-def _restart_previous(deployment: Deployment, generation: int, failed: JobFailed) -> None:
+def _restart_previous(replica: Replica, generation: int, failed: JobFailed) -> None:
     """The new server of ``generation`` failed and is stopped: put the previous
     generation back and start its server; JobFailed when even that fails."""
     try:
-        restored = deployment_services.deployment_rollback(
-            deployment_id=deployment.pk, failed_generation=generation, reason=failed.reason, source=source()
+        deployment_services.deployment_rollback(
+            deployment_id=replica.deployment_id, failed_generation=generation, reason=failed.reason, source=source()
         )
+        restored = load(replica.pk)
         _replace_server(
             restored, runtime_for(restored), launch_spec(restored), what=f"rolling back from generation {generation}: "
         )
@@ -337,16 +339,16 @@ def _restart_previous(deployment: Deployment, generation: int, failed: JobFailed
         ) from exc
 
 
-def roll_back(deployment: Deployment, generation: int, reason: str) -> None:
+def roll_back(replica: Replica, generation: int, reason: str) -> None:
     """Put the generation before ``generation`` back, in the database and in the
     running server; JobFailed when even that fails."""
     try:
         deployment_services.deployment_rollback(
-            deployment_id=deployment.pk, failed_generation=generation, reason=reason, source=source()
+            deployment_id=replica.deployment_id, failed_generation=generation, reason=reason, source=source()
         )
-        restored = load(deployment.pk)
+        restored = load(replica.pk)
         swap_models(restored, launch_spec(restored), model_specs(restored))
-        mark_ready(restored, launch_spec(restored).models, only_from=frozenset({S.UPDATING}))
+        mark_ready(restored, launch_spec(restored).models, from_status=S.UPDATING)
     except (GantryError, OSError) as exc:
         raise JobFailed(f"generation {generation} failed ({reason}) and so did the rollback: {exc}") from exc
 
@@ -354,32 +356,32 @@ def roll_back(deployment: Deployment, generation: int, reason: str) -> None:
 # --- stop ---------------------------------------------------------------------------
 
 
-def stop(deployment_id: int) -> None:
-    """Stop the deployment's server. It is called stopped once the server is gone
+def stop(replica_id: int) -> None:
+    """Stop the replica's server. It is called stopped once the server is gone
     and NVML shows its processes hold no GPU memory any more."""
-    run_job("stop", lambda: _stop(deployment_id), fail=failer(deployment_id, frozenset({S.STOPPING})))
+    run_job("stop", lambda: _stop(replica_id), fail=failer(replica_id, frozenset({S.STOPPING})))
 
 
-def _stop(deployment_id: int) -> None:
-    with host_lock(deployment_id):
-        stopped = _stop_server(deployment_id)
+def _stop(replica_id: int) -> None:
+    with host_lock(replica_id):
+        stopped = _stop_server(replica_id)
     if stopped:
         # A restart stops with "running" still desired: start it again.
-        deployment_services.deployment_start_after_stop(deployment_id=deployment_id, source=source())
+        replicas.replica_start_after_stop(replica_id=replica_id, source=source())
 
 
-def _stop_server(deployment_id: int) -> bool:
-    """Stop a stopping deployment's server; whether this call moved it on."""
-    deployment = load(deployment_id)
-    if deployment is None or deployment.status != S.STOPPING:
+def _stop_server(replica_id: int) -> bool:
+    """Stop a stopping replica's server; whether this call moved it on."""
+    replica = load(replica_id)
+    if replica is None or replica.status != S.STOPPING:
         return False
     message = "tritonserver stopped"
     to = S.STOPPED
-    if deployment.runtime_handle:
-        runtime = runtime_for(deployment)
-        spec = launch_spec(deployment)
-        pids = runtime.pids(deployment.runtime_handle, spec) if spec.gpu_ids else []
-        runtime.stop(deployment.runtime_handle, spec)
+    if replica.runtime_handle:
+        runtime = runtime_for(replica)
+        spec = launch_spec(replica)
+        pids = runtime.pids(replica.runtime_handle, spec) if spec.gpu_ids else []
+        runtime.stop(replica.runtime_handle, spec)
         holding = _await_gpu_release(list(spec.gpu_ids), pids)
         if holding:
             to = S.FAILED
@@ -389,8 +391,8 @@ def _stop_server(deployment_id: int) -> bool:
                 f"{settings.GANTRY_GPU_RELEASE_TIMEOUT}s"
             )
     try:
-        states.deployment_transition(
-            deployment_id=deployment_id,
+        states.replica_transition(
+            replica_id=replica_id,
             to=to,
             source=source(),
             only_from=frozenset({S.STOPPING}),
@@ -398,19 +400,24 @@ def _stop_server(deployment_id: int) -> bool:
             message=message,
         )
     except InvalidTransition:
-        log.info("deployment %s left stopping before the stop finished", deployment_id)
+        log.info("replica %s left stopping before the stop finished", replica_id)
         return False
     return True
 
 
-def forget(deployment_id: int, name: str) -> None:
-    """Remove what a deleted deployment left on this host (its repository and log)."""
-    if Deployment.objects.filter(pk=deployment_id).exists():
+def forget(deployment_id: int, name: str, serial: int | None = None) -> None:
+    """Remove what a deleted deployment left on this host (its repository and
+    log), or with ``serial`` what one removed replica of it left."""
+    root = deployment_root(deployment_id, name)
+    if serial is not None:
+        if Replica.objects.filter(deployment_id=deployment_id, serial=serial).exists():
+            return  # not removed after all (a stale message): keep its files
+        root = root / f"r{serial}"
+    elif Deployment.objects.filter(pk=deployment_id).exists():
         return  # not deleted after all (a stale message): keep its files
-    root = paths_for(Deployment(pk=deployment_id, name=name)).root
     if root.exists():
         shutil.rmtree(root)
-        log.info("removed %s of deleted deployment %s", root, name)
+        log.info("removed %s of %s", root, name)
 
 
 def _await_gpu_release(gpu_indexes: list[int], pids: list[int]) -> dict[int, int]:

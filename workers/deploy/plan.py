@@ -1,6 +1,7 @@
-"""Turning a deployment's rows into what its host runs: the Triton model specs
-of its placements, the LaunchSpec of its server (ports, image, GPUs, mounts,
-MPI ranks), where its files live, and which runtime runs it."""
+"""Turning a replica's rows into what its host runs: the Triton model specs of
+its deployment's placements (their GPUs mapped onto the host's), the
+LaunchSpec of its server (ports, image, GPUs, mounts, MPI ranks), where its
+files live, and which runtime runs it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from django.conf import settings
 
 from common.errors import PermanentError
 from deployments import trtllm
-from deployments.gpu_plan import DEFAULT_KV_CACHE_SHARE, placement_gpus, resolve_instances, transformers_max_seq_len
-from deployments.models import Backend, Deployment, DeploymentModel, ModelKind
+from deployments.gpu_plan import DEFAULT_KV_CACHE_SHARE, replica_gpus, resolve_instances, transformers_max_seq_len
+from deployments.models import Backend, DeploymentModel, ModelKind, Replica
 from deployments.models import Runtime as DeploymentRuntime
 from triton_server.client import TritonClient
 from triton_server.config import (
@@ -47,16 +48,24 @@ class Paths:
         return self.root / "tritonserver.log"
 
 
-def paths_for(deployment: Deployment) -> Paths:
-    return Paths(settings.GANTRY_DATA_DIR / "deployments" / f"{deployment.pk}-{deployment.name}")
+def deployment_root(deployment_id: int, name: str) -> Path:
+    """The folder of everything a deployment's replicas keep on this host."""
+    return settings.GANTRY_DATA_DIR / "deployments" / f"{deployment_id}-{name}"
 
 
-def load(deployment_id: int) -> Deployment | None:
-    """The deployment with everything planning reads (placements, builds, GPUs), or None."""
+def paths_for(replica: Replica) -> Paths:
+    return Paths(deployment_root(replica.deployment_id, replica.deployment.name) / replica.label)
+
+
+def load(replica_id: int) -> Replica | None:
+    """The replica with everything planning reads (its deployment's placements,
+    builds, the host's GPUs), or None."""
     return (
-        Deployment.objects.select_related("host")
-        .prefetch_related("placements__registered_model__host", "placements__engine_build", "host__gpus")
-        .filter(pk=deployment_id)
+        Replica.objects.select_related("deployment", "host")
+        .prefetch_related(
+            "deployment__placements__registered_model__host", "deployment__placements__engine_build", "host__gpus"
+        )
+        .filter(pk=replica_id)
         .first()
     )
 
@@ -84,12 +93,12 @@ class MissingInput:
         return f"{self.placement}: {self.problem}"
 
 
-def missing_inputs(deployment: Deployment) -> list[MissingInput]:
+def missing_inputs(replica: Replica) -> list[MissingInput]:
     """What the deployment's placements read that is not on this host: a
     checkpoint (registered on another host, or removed since), or an engine
     build's folder that is gone or changed."""
     found: list[MissingInput] = []
-    for placement in deployment.placements.all():
+    for placement in replica.deployment.placements.all():
         model = placement.registered_model
         if not Path(model.path).exists():
             found.append(
@@ -104,24 +113,27 @@ def missing_inputs(deployment: Deployment) -> list[MissingInput]:
     return found
 
 
-def server_gpus(deployment: Deployment) -> tuple[int, ...]:
-    """Every host GPU the deployment's server uses, in order."""
-    host_gpus = sorted(gpu.index for gpu in deployment.host.gpus.all())
-    return tuple(sorted({g for p in deployment.placements.all() for g in placement_gpus(p, host_gpus)}))
+def server_gpus(replica: Replica) -> tuple[int, ...]:
+    """Every host GPU the replica's server uses, in order."""
+    count = len(replica.host.gpus.all())
+    return tuple(sorted({g for p in replica.deployment.placements.all() for g in replica_gpus(p, replica.gpus, count)}))
 
 
-def model_specs(deployment: Deployment) -> list[ModelSpec]:
+def model_specs(replica: Replica) -> list[ModelSpec]:
     """Triton model specs for the deployment's placements, with GPUs numbered as
-    its server sees them: host indexes for a process, and for a container the
-    positions among the GPUs Docker hands it (it renumbers them from 0)."""
-    host_gpus = sorted(gpu.index for gpu in deployment.host.gpus.all())
+    the replica's server sees them: its host indexes (through the replica's GPU
+    map) for a process, and for a container the positions among the GPUs Docker
+    hands it (it renumbers them from 0)."""
+    deployment = replica.deployment
+    host_gpus = sorted(gpu.index for gpu in replica.host.gpus.all())
+    logical = range(len(host_gpus))
     if deployment.runtime == DeploymentRuntime.DOCKER:
-        seen = {host_index: i for i, host_index in enumerate(server_gpus(deployment))}
+        seen = {host_index: i for i, host_index in enumerate(server_gpus(replica))}
     else:
         seen = {index: index for index in host_gpus}
 
     def visible(gpus: tuple[int, ...] | list[int]) -> tuple[int, ...]:
-        return tuple(seen.get(g, g) for g in gpus)
+        return tuple(seen.get(h, h) for h in (replica.gpus.get(g, g) for g in gpus))
 
     specs: list[ModelSpec] = []
     for placement in deployment.placements.all():
@@ -173,7 +185,7 @@ def model_specs(deployment: Deployment) -> list[ModelSpec]:
                 )
             )
             continue
-        kind, gpus = resolve_instances(placement.instance_kind, placement.gpu_ids, host_gpus)
+        kind, gpus = resolve_instances(placement.instance_kind, placement.gpu_ids, logical)
         instances = Instances(count=placement.instance_count, kind=kind, gpus=visible(gpus))
         if placement.backend == Backend.TRANSFORMERS:
             specs.append(
@@ -212,22 +224,22 @@ def _kv_share(placement: DeploymentModel) -> float:
     return placement.kv_cache_free_gpu_mem_fraction
 
 
-def triton_client(deployment: Deployment) -> TritonClient:
-    """A client of the deployment's server on this host, allowed its admin APIs."""
+def triton_client(replica: Replica) -> TritonClient:
+    """A client of the replica's server on this host, allowed its admin APIs."""
     return TritonClient(
-        f"{settings.GANTRY_HOST_ADDRESS}:{deployment.http_port}",
-        deployment.admin_secret,
+        f"{settings.GANTRY_HOST_ADDRESS}:{replica.http_port}",
+        replica.deployment.admin_secret,
         load_timeout_s=settings.GANTRY_TRITON_READY_TIMEOUT,
         network_timeout_s=settings.GANTRY_TRITON_REQUEST_TIMEOUT,
     )
 
 
-def current_status(deployment_id: int) -> str | None:
-    return Deployment.objects.filter(pk=deployment_id).values_list("status", flat=True).first()
+def current_status(replica_id: int) -> str | None:
+    return Replica.objects.filter(pk=replica_id).values_list("status", flat=True).first()
 
 
-def runtime_for(deployment: Deployment) -> Runtime:
-    if deployment.runtime == DeploymentRuntime.DOCKER:
+def runtime_for(replica: Replica) -> Runtime:
+    if replica.deployment.runtime == DeploymentRuntime.DOCKER:
         return DockerRuntime(settings.GANTRY_HOST_NAME, settings.GANTRY_DATA_DIR)
     return ProcessRuntime(settings.GANTRY_DATA_DIR)
 
@@ -240,26 +252,28 @@ def _server_env(paths: Paths, placements: list[DeploymentModel]) -> dict[str, st
     return {}
 
 
-def launch_spec(deployment: Deployment) -> LaunchSpec:
-    """How to run the deployment's server: its repository, ports, image, GPUs,
+def launch_spec(replica: Replica) -> LaunchSpec:
+    """How to run the replica's server: its repository, ports, image, GPUs,
     checkpoint and engine mounts, and one MPI rank per GPU of a multi-GPU engine."""
-    paths = paths_for(deployment)
+    deployment = replica.deployment
+    paths = paths_for(replica)
     placements = list(deployment.placements.all())
     engines = [p for p in placements if p.engine_build_id]
     return LaunchSpec(
         deployment_id=deployment.pk,
+        replica_id=replica.pk,
         generation=deployment.generation,
         repository=paths.repository,
         models=[name for p in placements for name in p.triton_models],
         world_size=max((p.engine_build.world_size for p in engines), default=1),
         engine_models=[f"{p.triton_name}-engine" for p in engines],
-        http_port=deployment.http_port,
-        grpc_port=deployment.grpc_port,
-        metrics_port=deployment.metrics_port,
+        http_port=replica.http_port,
+        grpc_port=replica.grpc_port,
+        metrics_port=replica.metrics_port,
         log_path=paths.log,
         bind_address=settings.GANTRY_HOST_ADDRESS,
         image=deployment.image,
-        gpu_ids=server_gpus(deployment),
+        gpu_ids=server_gpus(replica),
         ulimits=tuple(settings.GANTRY_DOCKER_ULIMITS),
         admin_secret=deployment.admin_secret,
         shm_size_mib=deployment.shm_size_mib,

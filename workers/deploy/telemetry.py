@@ -10,9 +10,8 @@ from pathlib import Path
 from django.conf import settings
 
 from common.errors import TransientError
-from deployments.models import Deployment
-from deployments.services import deployments as deployment_services
-from deployments.services import telemetry
+from deployments.models import Replica
+from deployments.services import replicas, telemetry
 from triton_server import metrics
 from triton_server.server import LaunchSpec
 from workers import nvml
@@ -22,38 +21,38 @@ from workers.runtimes.base import Runtime
 log = logging.getLogger(__name__)
 
 
-# Where each deployment's server log was last read, per server (handle).
+# Where each replica's server log was last read, per server (handle).
 _log_cursor: dict[int, tuple[str, float]] = {}
-# The server (handle) of each deployment whose log could not be read, once said so.
+# The server (handle) of each replica whose log could not be read, once said so.
 _log_unreadable: dict[int, str] = {}
 
 
-def ship_log(deployment: Deployment, runtime: Runtime, spec: LaunchSpec) -> None:
+def ship_log(replica: Replica, runtime: Runtime, spec: LaunchSpec) -> None:
     """Store the server log lines written since the last beat. A log that cannot
-    be read is said on the deployment's timeline, once for each server."""
-    if not deployment.runtime_handle:
+    be read is said on the replica's timeline, once for each server."""
+    if not replica.runtime_handle:
         return
-    handle, cursor = _log_cursor.get(deployment.pk, ("", None))
-    if handle != deployment.runtime_handle:
+    handle, cursor = _log_cursor.get(replica.pk, ("", None))
+    if handle != replica.runtime_handle:
         cursor = None
     try:
-        lines, cursor = runtime.read_log(deployment.runtime_handle, spec, cursor)
+        lines, cursor = runtime.read_log(replica.runtime_handle, spec, cursor)
     except TransientError as exc:
-        if _log_unreadable.get(deployment.pk) != deployment.runtime_handle:
-            _log_unreadable[deployment.pk] = deployment.runtime_handle
-            deployment_services.record_deployment_event(
-                deployment_id=deployment.pk,
+        if _log_unreadable.get(replica.pk) != replica.runtime_handle:
+            _log_unreadable[replica.pk] = replica.runtime_handle
+            replicas.record_replica_event(
+                replica_id=replica.pk,
                 kind="deployment.log_unreadable",
                 source=source(),
                 message=f"{exc}; the server's lines are missing from its log until it can be read again",
             )
         return
-    _log_unreadable.pop(deployment.pk, None)
-    _log_cursor[deployment.pk] = (deployment.runtime_handle, cursor)
-    telemetry.log_lines_append(deployment_id=deployment.pk, lines=lines)
+    _log_unreadable.pop(replica.pk, None)
+    _log_cursor[replica.pk] = (replica.runtime_handle, cursor)
+    telemetry.log_lines_append(deployment_id=replica.deployment_id, replica_id=replica.pk, lines=lines)
 
 
-# The previous scrape of each deployment's server (and which server it was),
+# The previous scrape of each replica's server (and which server it was),
 # to turn cumulative counters into rates.
 _last_scrape: dict[int, tuple[str, metrics.Scrape]] = {}
 
@@ -105,27 +104,32 @@ def _stub_model(pid: int) -> str:
 
 
 def collect_metrics(
-    deployment: Deployment, inventory: nvml.Inventory | None = None, *, memory: dict[str, int] | None = None
+    replica: Replica, inventory: nvml.Inventory | None = None, *, memory: dict[str, int] | None = None
 ) -> None:
     """Scrape the server's metrics port once and store per-model rates, GPU
     figures and each model's GPU memory as NVML sees it (``memory``, from
     process_memory)."""
-    url = f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.metrics_port}/metrics"
+    url = f"http://{settings.GANTRY_HOST_ADDRESS}:{replica.metrics_port}/metrics"
     try:
         current = metrics.scrape(url)
     except TransientError as exc:
-        log.info("deployment %s: %s", deployment.pk, exc)
+        log.info("replica %s: %s", replica.pk, exc)
         return
-    handle, previous = _last_scrape.get(deployment.pk, ("", None))
-    if handle != deployment.runtime_handle:
+    handle, previous = _last_scrape.get(replica.pk, ("", None))
+    if handle != replica.runtime_handle:
         previous = None  # another server since: its counters started again from zero
-    _last_scrape[deployment.pk] = (deployment.runtime_handle, current)
+    _last_scrape[replica.pk] = (replica.runtime_handle, current)
     models = metrics.derive(previous, current)
     for name, used in (memory or {}).items():
         models.setdefault(name, {})["gpu_memory_bytes"] = used
-    telemetry.metrics_record(deployment_id=deployment.pk, models=models, gpus=_gpu_figures(current.gpus, inventory))
+    telemetry.metrics_record(
+        deployment_id=replica.deployment_id,
+        replica_id=replica.pk,
+        models=models,
+        gpus=_gpu_figures(current.gpus, inventory),
+    )
 
 
-def report_readiness(deployment: Deployment, models: dict[str, bool]) -> None:
-    """What Triton said of each model at this check, for the deployment's page."""
-    telemetry.placements_readiness(deployment_id=deployment.pk, models=models)
+def report_readiness(replica: Replica, models: dict[str, bool]) -> None:
+    """What Triton said of each model at this check, for the replica's page."""
+    telemetry.placements_readiness(replica_id=replica.pk, models=models)

@@ -59,7 +59,7 @@ def reconcile_runs() -> None:
     (which revokes its gateway key), keeping the steps it finished."""
     cutoff = timezone.now() - dt.timedelta(seconds=ORPHAN_AFTER_S)
     orphans = LoadTest.objects.filter(
-        deployment__host__name=settings.GANTRY_HOST_NAME,
+        host__name=settings.GANTRY_HOST_NAME,
         status__in=[RunStatus.RUNNING, RunStatus.CANCELLING],
         heartbeat_at__lt=cutoff,
     )
@@ -113,7 +113,7 @@ def _claim_and_run(run_id: int) -> None:
 def _run(run: LoadTest) -> None:
     version = aiperf_version()
     services.run_note_load_generator(run_id=run.pk, name="aiperf", version=version)
-    deployment = Deployment.objects.select_related("host").get(pk=run.deployment_id)
+    deployment = Deployment.objects.get(pk=run.deployment_id)
     placement = deployment.placements.select_related("registered_model", "engine_build").get(
         triton_name=run.triton_name
     )
@@ -125,7 +125,11 @@ def _run(run: LoadTest) -> None:
     workdir = run_folder(run.pk)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    triton = f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.http_port}"
+    # Straight to Triton: this host's replica of the deployment (the run was sent to its host).
+    local = deployment.replica_set.filter(host_id=run.host_id).order_by("serial").first()
+    if local is None:
+        raise JobFailed(f"{deployment.name} has no replica on {settings.GANTRY_HOST_NAME} any more")
+    triton = f"http://{settings.GANTRY_HOST_ADDRESS}:{local.http_port}"
     for index, (target, level) in enumerate(plan):
         step = Step(target=target, level=level, index=index, total=len(plan))
         try:
@@ -206,7 +210,7 @@ def _native_step(
     engine with the run's workload, no server in between. It runs with the
     host's TensorRT-LLM (the version that built the engine) on the placement's
     GPUs, beside the running deployment, so the GPUs must have room for it."""
-    refusal = services.native_refusal(deployment, placement)
+    refusal = services.native_refusal(run.host, placement)
     if refusal:
         raise JobFailed(f"native ceiling: {refusal}")
     build = placement.engine_build
@@ -273,7 +277,10 @@ def _generate(
 ) -> _Ran:
     """Run one step's load generator (in the folder of ``log_path``, its output
     there) to its end under _watch, with Triton sampled before, during and after."""
-    sampler = ServerSampler(url=f"http://{settings.GANTRY_HOST_ADDRESS}:{deployment.metrics_port}/metrics")
+    local = deployment.replica_set.filter(host_id=run.host_id).order_by("serial").first()
+    if local is None:
+        raise JobFailed(f"{deployment.name} has no replica on {settings.GANTRY_HOST_NAME} any more")
+    sampler = ServerSampler(url=f"http://{settings.GANTRY_HOST_ADDRESS}:{local.metrics_port}/metrics")
     sampler.sample(force=True)
     started_at = timezone.now()
     tail: deque[str] = deque(maxlen=40)

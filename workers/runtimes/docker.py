@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 LABEL_HOST = "gantry.host"
 LABEL_DEPLOYMENT = "gantry.deployment"
+LABEL_REPLICA = "gantry.replica"
 LABEL_GENERATION = "gantry.generation"
 # A build container's /dev/shm: Docker's 64 MB default is far too small for MPI ranks.
 BUILD_SHM_SIZE = "2g"
@@ -42,15 +43,16 @@ class Container:
     id: str
     name: str
     deployment_id: int
+    replica_id: int
     generation: int
     running: bool
 
 
 def container_name(spec: LaunchSpec, host_name: str) -> str:
-    """The deployment's container on this host: named by the host too, since two
+    """The replica's container on this host: named by the host too, since two
     hosts' workers (or two control planes' tests) may share one Docker engine, and
-    each database counts deployments from 1."""
-    return f"gantry-{host_name}-deployment-{spec.deployment_id}"
+    each database counts replicas from 1."""
+    return f"gantry-{host_name}-deployment-{spec.deployment_id}-replica-{spec.replica_id}"
 
 
 def run_options(spec: LaunchSpec, host_name: str, secret_files: SecretFiles | None = None) -> dict:
@@ -76,6 +78,7 @@ def run_options(spec: LaunchSpec, host_name: str, secret_files: SecretFiles | No
         "labels": {
             LABEL_HOST: host_name,
             LABEL_DEPLOYMENT: str(spec.deployment_id),
+            LABEL_REPLICA: str(spec.replica_id),
             LABEL_GENERATION: str(spec.generation),
         },
         "network_mode": "host",
@@ -273,6 +276,7 @@ class DockerRuntime:
                 id=c.id,
                 name=c.name,
                 deployment_id=int(c.labels.get(LABEL_DEPLOYMENT, "0")),
+                replica_id=int(c.labels.get(LABEL_REPLICA, "0")),
                 generation=int(c.labels.get(LABEL_GENERATION, "0")),
                 running=c.status == "running",
             )

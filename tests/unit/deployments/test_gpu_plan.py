@@ -19,7 +19,7 @@ from tests import factories
 def _create(name: str, operator, fraction: float, **placement) -> Deployment:  # noqa: ANN001, ANN003
     return deployments.deployment_create(
         name=name,
-        host_name="gpu-host",
+        hosts=["gpu-host"],
         placements=[PlacementSpec(model="minilm", gpu_ids=(0,), gpu_memory_fraction=fraction, **placement)],
         user=operator,
     )
@@ -32,16 +32,18 @@ def test_two_deployments_of_080_on_one_gpu_the_second_start_is_refused_naming_th
     with pytest.raises(InvalidTransition) as refused:
         deployments.deployment_start(deployment_id=second.pk, user=operator)
     assert str(refused.value) == (
-        "second does not fit on gpu-host: GPU 0: memory fractions add up to 1.60 together with first (launching), "
-        "above the headroom limit 0.95"
+        "second's replica 1 of 1 fits on no host (gpu-host): gpu-host is short by 0.65 of GPU 0's memory: "
+        "GPU 0: memory fractions add up to 1.60 together with first r1 (launching), above the headroom limit 0.95"
     )
-    assert Deployment.objects.get(pk=second.pk).status == DeploymentStatus.PENDING
+    second_row = Deployment.objects.get(pk=second.pk)
+    assert (second_row.status, second_row.desired_state, second_row.replica_set.count()) == ("pending", "stopped", 0)
     # The plan of either shows both, the other one's rows marked as not its own.
     [gpu] = selectors.deployment_plan(selectors.deployment_list().get(pk=second.pk))
-    assert [(m["deployment"], m["own"]) for m in gpu["models"]] == [("second", True), ("first", False)]
+    assert [(m["deployment"], m["own"]) for m in gpu["models"]] == [("second", True), ("first r1", False)]
     assert gpu["fraction"] == pytest.approx(1.6) and not gpu["within_headroom"]
     # Once the first is stopped for good, the second starts.
     Deployment.objects.filter(pk=first.pk).update(status=DeploymentStatus.STOPPED, desired_state="stopped")
+    first.replica_set.update(status=DeploymentStatus.STOPPED, desired_state="stopped")
     deployments.deployment_start(deployment_id=second.pk, user=operator)
 
 
@@ -56,7 +58,8 @@ def test_a_running_change_is_checked_against_the_hosts_other_deployments(gpu_hos
             user=operator,
         )
     assert refused.value.errors["models"] == [
-        "GPU 0: memory fractions add up to 1.10 together with other (launching), above the headroom limit 0.95"
+        "r1 on gpu-host: GPU 0: memory fractions add up to 1.10 together with other r1 (launching), "
+        "above the headroom limit 0.95"
     ]
 
 
@@ -115,5 +118,7 @@ def test_the_preflight_of_a_change_leaves_the_changed_deployments_own_models_out
     body.pop("replaces")
     answer = api.post("/api/deployments/preflight/", body, format="json").data
     assert answer["valid"] and answer["warnings"] == [
-        "at start: GPU 0: memory fractions add up to 1.30 together with d (launching), above the headroom limit 0.95"
+        "at start: replica 1: gpu-host is short by 0.35 of GPU 0's memory: GPU 0: memory fractions add up to 1.30 "
+        "together with d r1 (launching), above the headroom limit 0.95"
     ]
+    assert answer["replicas"][0]["host"] is None

@@ -13,8 +13,9 @@ from django.utils import timezone
 
 from deployments import outbox, queues
 from deployments.models import Event, OutboxMessage
-from deployments.services import deployments
+from deployments.services import deployments, replicas
 from deployments.services.placements import PlacementSpec
+from tests import factories
 
 
 class Broker:
@@ -69,7 +70,7 @@ def test_a_rolled_back_change_leaves_no_task(db, broker, handed, django_capture_
 def _started(minilm, operator):  # noqa: ANN001, ANN202
     OutboxMessage.objects.all().delete()  # the model's inspection: not what these tests are about
     deployment = deployments.deployment_create(
-        name="web", host_name=minilm.host.name, placements=[PlacementSpec(model="minilm")], user=operator
+        name="web", hosts=[minilm.host.name], placements=[PlacementSpec(model="minilm")], user=operator
     )
     return deployments.deployment_start(deployment_id=deployment.pk, user=operator)
 
@@ -89,7 +90,8 @@ def test_a_task_waits_while_the_broker_is_down_and_the_timeline_says_so(db, brok
     OutboxMessage.objects.update(created_at=timezone.now() - timedelta(seconds=42))
     broker.down = False
     assert outbox.relay(host_name=minilm.host.name) == 1
-    assert broker.sent == [(queues.LAUNCH_DEPLOYMENT, [deployment.pk], queues.host_queue(minilm.host.name))]
+    replica = factories.replica_of(deployment)
+    assert broker.sent == [(queues.LAUNCH_DEPLOYMENT, [replica.pk], queues.host_queue(minilm.host.name))]
     late = Event.objects.get(deployment=deployment, kind="task.redriven")
     assert late.data["waited_s"] >= 42
     assert "42s after it was asked for" in late.message
@@ -104,10 +106,11 @@ def test_relay_sends_oldest_first_and_stops_at_the_first_refusal(db, broker, han
 
 def test_a_redrive_is_skipped_while_the_first_task_still_waits(db, broker, handed, minilm, operator):
     deployment = _started(minilm, operator)
-    assert not deployments.deployment_redrive(deployment_id=deployment.pk, source="test", message="lost?")
+    replica = factories.replica_of(deployment)
+    assert not replicas.replica_redrive(replica_id=replica.pk, source="test", message="lost?")
     outbox.send()
-    assert deployments.deployment_redrive(deployment_id=deployment.pk, source="test", message="lost!")
-    assert OutboxMessage.objects.get().args == [deployment.pk]
+    assert replicas.replica_redrive(replica_id=replica.pk, source="test", message="lost!")
+    assert OutboxMessage.objects.get().args == [replica.pk]
     assert Event.objects.filter(deployment=deployment, kind="task.redriven").count() == 1
 
 
@@ -121,18 +124,17 @@ def test_every_task_name_is_registered_by_the_worker():
 
 
 def test_an_updating_deployment_is_redriven_with_its_generation(db, broker, handed, minilm, operator):
-    from deployments import states
 
     deployment = _started(minilm, operator)
-    states.deployment_transition(deployment_id=deployment.pk, to="loading", source="test", runtime_handle="1")
-    states.deployment_transition(deployment_id=deployment.pk, to="ready", source="test")
+    factories.deployment_in(deployment, "loading", "ready")
     deployments.deployment_change(
         deployment_id=deployment.pk, placements=[PlacementSpec(model="minilm", max_batch_size=8)], user=operator
     )
     OutboxMessage.objects.all().delete()  # sent, then lost
-    assert deployments.deployment_redrive(deployment_id=deployment.pk, source="test", message="lost")
+    replica = factories.replica_of(deployment)
+    assert replicas.replica_redrive(replica_id=replica.pk, source="test", message="lost")
     message = OutboxMessage.objects.get()
-    assert (message.task, message.args) == (queues.APPLY_GENERATION, [deployment.pk, 2])
+    assert (message.task, message.args) == (queues.APPLY_GENERATION, [replica.pk, 2])
 
 
 @pytest.fixture

@@ -32,8 +32,9 @@ def test_embeddings_come_with_cosine_similarities(ready, monkeypatch):
 
 
 def test_rerank_orders_passages_best_first_and_keeps_ties_stable(ready, monkeypatch, minilm_path):
-    factories.registered_model(name="ranker", kind="reranker", path=minilm_path, host=ready.host)
-    with_ranker = factories.deployment(host=ready.host, models=["ranker"], name="r")
+    host = factories.replica_of(ready).host
+    factories.registered_model(name="ranker", kind="reranker", path=minilm_path, host=host)
+    with_ranker = factories.deployment(host=host, models=["ranker"], name="r")
     factories.deployment_in(with_ranker, "launching", "loading", "ready")
     monkeypatch.setattr(TritonClient, "rerank", lambda self, model, query, passages: np.array([0.1, 0.9, 0.1, 0.5]))
     result = rerank_passages(deployment_id=with_ranker.pk, query="q", passages=["w", "x", "y", "z"])

@@ -31,7 +31,9 @@ def test_a_prompt_and_its_sampling_fields_become_the_generate_interface(llm_read
         sampling=Sampling(max_tokens=16, temperature=0.0, top_k=5, seed=7, stop=("\n",)),
     )
     assert prepared.model == "tiny" and prepared.notice == "untrained"
-    assert prepared.url == f"127.0.0.1:{llm_ready.http_port}"
+    [endpoint] = prepared.endpoints
+    replica = factories.replica_of(llm_ready)
+    assert (endpoint.url, endpoint.replica_id) == (f"127.0.0.1:{replica.http_port}", replica.pk)
     assert prepared.inputs == {
         "text_input": "Once",
         "max_tokens": 16,

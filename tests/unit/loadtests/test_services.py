@@ -42,7 +42,7 @@ def test_a_run_is_queued_on_its_hosts_worker_with_what_was_under_test(ready, ope
     assert [p["triton_name"] for p in run.context["placements"]] == ["minilm"]
     assert run.context["placements"][0]["under_test"] and run.context["gantry_version"]
     message = OutboxMessage.objects.get(task=queues.RUN_LOADTEST)
-    assert message.queue == queues.jobs_queue(ready.host.name) and message.args == [run.pk]
+    assert message.queue == queues.jobs_queue(run.host.name) and message.args == [run.pk]
     assert ready.events.filter(kind="loadtest.queued").exists()
 
 
@@ -136,7 +136,7 @@ def test_a_run_left_by_a_dead_worker_has_its_load_generator_stopped_and_fails(
     from workers import processes
     from workers.loadtest import runs
 
-    settings.GANTRY_HOST_NAME, settings.GANTRY_DATA_DIR = ready.host.name, tmp_path
+    settings.GANTRY_HOST_NAME, settings.GANTRY_DATA_DIR = ready.replica_set.get().host.name, tmp_path
     run = _start(ready, operator)
     services.run_claim(run_id=run.pk, source="worker:h")
     gateway.key_create(name=f"{services.KEY_NAME_PREFIX}{run.pk}", user=operator, alias_names=["embed"])
@@ -163,7 +163,7 @@ def _engine_placement(*, installed: str, built_with: str = "0.20.0", build: bool
     host = SimpleNamespace(pk=1, name="h100-host", builders={"images": {}, "native": installed})
     engine = SimpleNamespace(pk=3, host_id=1, trtllm_version=built_with) if build else None
     placement = SimpleNamespace(triton_name="llama", backend="python", engine_build=engine)
-    return SimpleNamespace(host=host), placement
+    return host, placement
 
 
 def test_the_native_ceiling_needs_the_hosts_own_tensorrt_llm_at_the_engines_version():

@@ -48,6 +48,7 @@ def test_derive_rates_and_mean_times_per_request():
     assert figures == {
         "requests_total": 30,
         "failures_total": 4,
+        "pending": 0,
         "request_rate": 10.0,
         "failure_rate": 2.0,
         "queue_ms": 0.2,
@@ -57,6 +58,6 @@ def test_derive_rates_and_mean_times_per_request():
 
 def test_first_scrape_and_counter_reset_give_totals_only():
     first = _scrape(0, success=5, failure=0, queue=0, compute=0)
-    assert derive(None, first)["minilm"] == {"requests_total": 5, "failures_total": 0}
+    assert derive(None, first)["minilm"] == {"requests_total": 5, "failures_total": 0, "pending": 0}
     restarted = _scrape(10, success=1, failure=0, queue=0, compute=0)
     assert "request_rate" not in derive(first, restarted)["minilm"]

@@ -67,7 +67,7 @@ def test_a_broker_restart_sends_again_what_each_passing_row_waits_for(settings, 
     queue = queues.host_queue(host.name)
     assert sorted(sent) == sorted(
         [
-            (queues.LAUNCH_DEPLOYMENT, [launching.pk], queue),
+            (queues.LAUNCH_DEPLOYMENT, [factories.replica_of(launching).pk], queue),
             (queues.INSPECT_MODEL, [model.pk], queue),
             (queues.RUN_LOADTEST, [run.pk], queues.jobs_queue(host.name)),
         ]

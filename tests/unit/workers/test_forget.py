@@ -3,10 +3,10 @@ so a failure is said on the host's timeline, with its cause."""
 
 from __future__ import annotations
 
-from deployments.models import Deployment, Event
+from deployments.models import Event
 from deployments.services import hosts
 from workers import tasks
-from workers.deploy.plan import paths_for
+from workers.deploy.plan import deployment_root
 from workers.engines.run import work_dir
 
 
@@ -14,7 +14,7 @@ def test_files_that_cannot_be_removed_are_on_the_hosts_timeline(db, settings, tm
     settings.GANTRY_DATA_DIR = tmp_path
     host = hosts.host_heartbeat(name=settings.GANTRY_HOST_NAME, gpus=[])
     # What rmtree cannot remove: a file where the deployment's folder should be.
-    root = paths_for(Deployment(pk=41, name="gone")).root
+    root = deployment_root(41, "gone")
     root.parent.mkdir(parents=True, exist_ok=True)
     root.write_text("not a folder")
     build_root = work_dir(42)

@@ -4,7 +4,7 @@ and each refusal with its reason."""
 from __future__ import annotations
 
 from deployments.models import Deployment, DeploymentRevision, EngineBuild, Event, RegisteredModel
-from deployments.services import deployments
+from deployments.services import replicas
 from gateway.models import Alias
 from tests import factories
 
@@ -23,8 +23,11 @@ def test_restart_stops_with_running_still_desired_then_starts_again(api, host, m
     assert restarted.status_code == 202
     assert (restarted.data["status"], restarted.data["desired_state"]) == ("stopping", "running")
     factories.deployment_in(ready, "stopped")  # what the host's stop task writes
-    again = deployments.deployment_start_after_stop(deployment_id=ready.pk, source="worker:cpu-host")
-    assert again is not None and again.status == "launching"
+    replica = factories.replica_of(ready)
+    replicas.replica_start_after_stop(replica_id=replica.pk, source="worker:cpu-host")
+    replica.refresh_from_db()
+    assert replica.status == "launching"
+    assert Deployment.objects.get(pk=ready.pk).status == "launching"
 
 
 def test_a_stop_is_not_followed_by_a_start(api, host, minilm):  # noqa: ANN001
@@ -32,7 +35,9 @@ def test_a_stop_is_not_followed_by_a_start(api, host, minilm):  # noqa: ANN001
     ready = factories.deployment_in(Deployment.objects.get(pk=made["id"]), "launching", "loading", "ready")
     api.post(f"/api/deployments/{ready.pk}/stop/")
     factories.deployment_in(ready, "stopped")
-    assert deployments.deployment_start_after_stop(deployment_id=ready.pk, source="worker:cpu-host") is None
+    replicas.replica_start_after_stop(replica_id=factories.replica_of(ready).pk, source="worker:cpu-host")
+    assert factories.replica_of(ready).status == "stopped"
+    assert Deployment.objects.get(pk=ready.pk).status == "stopped"
 
 
 def test_restart_of_a_deployment_at_rest_is_refused(api, host, minilm):  # noqa: ANN001
@@ -65,20 +70,18 @@ def test_roll_back_to_a_missing_or_the_current_generation_is_refused_by_name(api
 
 def test_delete_frees_the_name_and_ports_and_keeps_the_timeline(api, host, minilm):  # noqa: ANN001
     made = _deployment(api)
-    ports = {"http": made["http_port"], "grpc": made["grpc_port"], "metrics": made["metrics_port"]}
+    row = factories.deployment_in(Deployment.objects.get(pk=made["id"]), "launching", "failed")
+    ports = {factories.replica_of(row).http_port}
     timeline = list(Event.objects.filter(deployment_id=made["id"]).values_list("pk", flat=True))
     assert timeline
     assert api.delete(f"/api/deployments/{made['id']}/").status_code == 204
     assert not Deployment.objects.filter(pk=made["id"]).exists()
     assert Event.objects.filter(pk__in=timeline, deployment=None).count() == len(timeline)
     deleted = Event.objects.get(kind="deployment.deleted")
-    assert deleted.data["name"] == "d" and deleted.host_id == host.pk
-    again = api.post(
-        "/api/deployments/",
-        {"name": "d", "host": "cpu-host", "ports": ports, "models": [{"model": "minilm"}]},
-        format="json",
-    )
-    assert again.status_code == 201, again.data
+    assert deleted.data["name"] == "d" and "ports on cpu-host are free" in deleted.message
+    again = _deployment(api)
+    started = factories.deployment_in(Deployment.objects.get(pk=again["id"]), "launching")
+    assert {factories.replica_of(started).http_port} == ports
 
 
 def test_delete_is_refused_while_running_or_named_by_an_alias(api, host, minilm):  # noqa: ANN001

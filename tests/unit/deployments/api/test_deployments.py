@@ -17,7 +17,9 @@ def test_deployments_of_an_offline_host_show_unknown_and_keep_their_status(api, 
     api.post(f"/api/deployments/{created.data['id']}/start/")
     GpuHost.objects.filter(pk=host.pk).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
     shown = api.get(f"/api/deployments/{created.data['id']}/").data
-    assert (shown["status"], shown["shown_status"], shown["host_online"]) == ("launching", "unknown", False)
+    assert (shown["status"], shown["shown_status"]) == ("launching", "unknown")
+    [replica] = shown["replica_set"]
+    assert (replica["status"], replica["shown_status"], replica["host_online"]) == ("launching", "unknown", False)
 
 
 def _create(api, **overrides):
@@ -26,16 +28,20 @@ def _create(api, **overrides):
     return api.post("/api/deployments/", body, format="json")
 
 
-def test_create_deployment_allocates_distinct_ports(api, host, minilm):
+def test_replicas_started_get_distinct_ports(api, host, minilm):
     first = _create(api)
-    second = _create(api, name="demo-2")
+    second = _create(api, name="demo-2", replicas=2)
     assert first.status_code == 201, first.data
     assert second.status_code == 201, second.data
-    ports_1 = {first.data[k] for k in ("http_port", "grpc_port", "metrics_port")}
-    ports_2 = {second.data[k] for k in ("http_port", "grpc_port", "metrics_port")}
-    assert len(ports_1) == 3 and not ports_1 & ports_2
-    assert first.data["status"] == "pending"
+    assert (first.data["status"], first.data["replica_set"], first.data["replicas"]) == ("pending", [], 1)
     assert first.data["models"][0]["triton_name"] == "minilm"
+    for made in (first, second):
+        assert api.post(f"/api/deployments/{made.data['id']}/start/").status_code == 202
+    shown = [api.get(f"/api/deployments/{made.data['id']}/").data for made in (first, second)]
+    triples = [{r[k] for k in ("http_port", "grpc_port", "metrics_port")} for d in shown for r in d["replica_set"]]
+    assert len(triples) == 3 and all(len(t) == 3 for t in triples)
+    assert len(set().union(*triples)) == 9
+    assert [r["host"] for r in shown[1]["replica_set"]] == ["cpu-host", "cpu-host"]
 
 
 def test_deployment_of_unknown_model_is_refused(api, host):
@@ -60,10 +66,12 @@ def test_malformed_body_is_refused(api, host, minilm):
 
 
 def test_unknown_field_and_bad_values_are_named(api, host, minilm):
-    response = _create(api, replicas=3, models=[{"model": "minilm", "max_batch_size": 0}])
+    response = _create(api, replica_count=3, replicas=0, models=[{"model": "minilm", "max_batch_size": 0}])
     assert response.status_code == 400
-    assert "replicas" in response.data["errors"]
+    assert {"replica_count", "replicas"} <= set(response.data["errors"])
     assert "max_batch_size" in response.data["detail"]
+    both = _create(api, hosts=["cpu-host"])
+    assert both.status_code == 400 and "not both" in both.data["errors"]["host"][0]
 
 
 def test_bad_name_is_refused_with_the_rule(api, host, minilm):
@@ -72,12 +80,9 @@ def test_bad_name_is_refused_with_the_rule(api, host, minilm):
     assert "lowercase letters" in response.data["detail"]
 
 
-def test_taken_ports_are_refused(api, host, minilm):
-    first = _create(api)
-    ports = {"http": first.data["http_port"], "grpc": 19001, "metrics": 19002}
-    response = _create(api, name="demo-2", ports=ports)
-    assert response.status_code == 400
-    assert "already used by demo" in response.data["detail"]
+def test_ports_are_not_asked_for_each_replica_gets_its_own(api, host, minilm):
+    response = _create(api, ports={"http": 19000, "grpc": 19001, "metrics": 19002})
+    assert response.status_code == 400 and "ports" in response.data["errors"]
 
 
 def test_start_of_running_deployment_is_refused(api, host, minilm):
@@ -167,11 +172,13 @@ def test_plan_of_a_cpu_host_is_empty(api, host, minilm):
 
 def test_the_api_says_which_actions_the_deployment_allows_now(api, host, minilm):
     created = _create(api)
-    at_rest = {"start": True, "stop": False, "restart": False, "change": True, "rollback": True, "delete": True}
+    at_rest = {"start": True, "stop": False, "restart": False, "change": True, "rollback": True, "delete": True,
+               "scale": True}  # fmt: skip
     assert created.data["actions"] == at_rest
     started = api.post(f"/api/deployments/{created.data['id']}/start/")
     assert started.status_code == 202
-    starting = {"start": False, "stop": True, "restart": False, "change": False, "rollback": False, "delete": False}
+    starting = {"start": False, "stop": True, "restart": False, "change": False, "rollback": False, "delete": False,
+                "scale": True}  # fmt: skip
     assert started.data["actions"] == starting
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from common.errors import InvalidTransition, ValidationFailed
-from deployments import states
 from deployments.models import Deployment, DeploymentStatus, RevisionStatus
 from deployments.services import deployments
 from deployments.services.placements import PlacementSpec
+from tests import factories
 
 
 def test_start_of_running_deployment_is_refused(deployment, operator):
@@ -25,7 +25,7 @@ def test_stop_of_stopped_deployment_is_refused(deployment, operator):
 @pytest.fixture
 def deployment(host, minilm, operator):
     return deployments.deployment_create(
-        name="d", host_name=host.name, placements=[PlacementSpec(model="minilm")], user=operator
+        name="d", hosts=[host.name], placements=[PlacementSpec(model="minilm")], user=operator
     )
 
 
@@ -58,10 +58,11 @@ def test_a_change_while_launching_is_refused(deployment, operator):
 
 def test_a_ready_deployment_loads_its_new_generation(deployment, operator):
     deployments.deployment_start(deployment_id=deployment.pk, user=operator)
-    states.deployment_transition(deployment_id=deployment.pk, to="loading", source="t", runtime_handle="1")
-    states.deployment_transition(deployment_id=deployment.pk, to="ready", source="t")
+    factories.deployment_in(deployment, "loading", "ready")
     changed = _change(deployment, operator, max_batch_size=8)
-    assert (changed.status, changed.status_message) == (DeploymentStatus.UPDATING, "applying generation 2")
+    assert (changed.status, changed.status_message) == (DeploymentStatus.UPDATING, "generation 1 → 2")
+    replica = factories.replica_of(deployment)
+    assert (replica.status, replica.generation) == ("updating", 1)
 
 
 def test_rollback_restores_the_previous_placements(deployment, operator):

@@ -44,7 +44,7 @@ def test_the_pages_of_a_host_s_deployments_are_told_when_it_goes_and_comes_back(
     from deployments import events
     from tests import factories
 
-    deployment = factories.deployment(host=host, user=operator)
+    deployment = factories.deployment_in(factories.deployment(host=host, user=operator), "launching")
     told: list[tuple[str, dict]] = []
     monkeypatch.setattr(events, "publish", lambda group, payload: told.append((group, payload)))
     GpuHost.objects.filter(pk=host.pk).update(last_heartbeat=timezone.now() - timedelta(minutes=5))

@@ -63,7 +63,7 @@ def _deploy(llama: RegisteredModel, build: EngineBuild, operator, **placement): 
     values.update(placement.pop("deployment", {}))
     return deployments.deployment_create(
         name="stack",
-        host_name="h100-host",
+        hosts=["h100-host"],
         placements=[
             PlacementSpec(**{"model": "llama", "engine_build": build.pk, "gpu_memory_fraction": 0.8, **placement}),
             PlacementSpec(model="mini", gpu_memory_fraction=0.1, gpu_ids=(0,)),
@@ -149,7 +149,7 @@ def test_engine_gates_name_the_model_and_the_rule(llama, mini, h100, operator):
 def test_an_llm_with_neither_engine_nor_llm_api_is_served_by_transformers(llama, operator):
     deployment = deployments.deployment_create(
         name="x",
-        host_name="h100-host",
+        hosts=["h100-host"],
         placements=[PlacementSpec(model="llama", gpu_ids=(1,), gpu_memory_fraction=0.2)],
         user=operator,
     )
@@ -163,7 +163,7 @@ def test_transformers_path_refuses_a_fraction_that_cannot_hold_the_weights(llama
     errors = _refusal(
         lambda: deployments.deployment_create(
             name="x",
-            host_name="h100-host",
+            hosts=["h100-host"],
             user=operator,
             placements=[PlacementSpec(model="llama", gpu_memory_fraction=0.1, decoupled=False)],
         )  # fmt: skip
@@ -184,7 +184,7 @@ def test_auto_placements_on_a_host_without_gpus_must_fit_the_gpu_it_may_report(h
     def create(embed: float, rerank: float):  # noqa: ANN202
         return deployments.deployment_create(
             name=f"auto-{int(embed * 100)}",
-            host_name=host.name,
+            hosts=[host.name],
             placements=[
                 PlacementSpec(model="minilm", gpu_memory_fraction=embed),
                 PlacementSpec(model="rerank", gpu_memory_fraction=rerank),

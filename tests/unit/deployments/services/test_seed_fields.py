@@ -64,7 +64,7 @@ def _engine(model: RegisteredModel, host: GpuHost, **spec) -> EngineBuild:  # no
 def _create(operator, *specs: PlacementSpec, runtime: str = "docker", image: str = factories.IMAGE, **more):  # noqa: ANN001, ANN003
     return deployments.deployment_create(
         name="stack",
-        host_name="h100-host",
+        hosts=["h100-host"],
         runtime=runtime,
         image=image,
         placements=list(specs),
@@ -93,14 +93,14 @@ def test_the_seeds_engine_settings_reach_its_config(llama, h100, operator, tmp_p
     # The KV budget is the 0.92 share of what the fraction leaves after the engine.
     memory = 80 << 30
     assert placement.kv_cache_tokens == int((0.8 * memory - 2_500_000_000) * 0.92) // 32768
-    write_repository(tmp_path / "repo", plan.model_specs(selectors.deployment_list().get(pk=deployment.pk)))
+    write_repository(tmp_path / "repo", plan.model_specs(factories.replica_for(deployment)))
     parameters = {k: v.string_value for k, v in read_config(tmp_path / "repo" / "llama-engine").parameters.items()}
     assert parameters["kv_cache_free_gpu_mem_fraction"] == "0.92"
     assert parameters["enable_kv_cache_reuse"] == "true" and parameters["decoding_mode"] == "top_k_top_p"
     assert parameters["max_tokens_in_paged_kv_cache"] == str(placement.kv_cache_tokens)
     generate = read_config(tmp_path / "repo" / "llama")
     assert generate.dynamic_batching.default_queue_policy.timeout_action == 1  # DELAY
-    spec = plan.launch_spec(selectors.deployment_list().get(pk=deployment.pk))
+    spec = plan.launch_spec(factories.replica_for(deployment))
     assert "--log-verbose=1" in tritonserver_args(spec)
     assert run_options(spec, "h100-host")["shm_size"] == "16384m"
 
@@ -174,7 +174,7 @@ def test_tensorrt_llm_settings_are_refused_on_the_sentence_and_transformers_path
     errors = _refusal(
         lambda: deployments.deployment_create(
             name="s",
-            host_name="gpu-host",
+            hosts=["gpu-host"],
             user=operator,
             placements=[
                 PlacementSpec(
@@ -212,18 +212,18 @@ def test_tensorrt_llm_settings_are_refused_on_the_sentence_and_transformers_path
 def test_sentence_models_take_16_bits_on_a_gpu_and_a_length_up_to_their_positions(gpu_host, host, minilm, operator):
     deployment = deployments.deployment_create(
         name="fp16",
-        host_name="gpu-host",
+        hosts=["gpu-host"],
         user=operator,
         placements=[PlacementSpec(model="minilm", dtype="float16", max_seq_len=512, gpu_memory_fraction=0.05)],
     )
     placement = deployment.placements.get()
     assert (placement.dtype, placement.max_seq_len) == ("float16", 512)
-    [spec] = plan.model_specs(selectors.deployment_list().get(pk=deployment.pk))
+    [spec] = plan.model_specs(factories.replica_for(deployment))
     assert (spec.dtype, spec.max_seq_len, spec.trust_remote_code) == ("float16", 512, False)
     longer = _refusal(
         lambda: deployments.deployment_create(
             name="long",
-            host_name="gpu-host",
+            hosts=["gpu-host"],
             user=operator,
             placements=[PlacementSpec(model="minilm", max_seq_len=1024)],
         )
@@ -232,7 +232,7 @@ def test_sentence_models_take_16_bits_on_a_gpu_and_a_length_up_to_their_position
     on_cpu = _refusal(
         lambda: deployments.deployment_create(
             name="cpu",
-            host_name="gpu-host",
+            hosts=["gpu-host"],
             user=operator,
             placements=[PlacementSpec(model="minilm", dtype="float16", instance_kind="KIND_CPU")],
         )
@@ -243,7 +243,7 @@ def test_sentence_models_take_16_bits_on_a_gpu_and_a_length_up_to_their_position
     bf16 = _refusal(
         lambda: deployments.deployment_create(
             name="bf16",
-            host_name="t4-host",
+            hosts=["t4-host"],
             user=operator,
             placements=[PlacementSpec(model="mini-t4", dtype="bfloat16")],
         )
@@ -254,7 +254,7 @@ def test_sentence_models_take_16_bits_on_a_gpu_and_a_length_up_to_their_position
 def test_transformers_sequences_in_flight_and_length_are_planned_and_bounded(llama, operator):
     deployment = deployments.deployment_create(
         name="t",
-        host_name="h100-host",
+        hosts=["h100-host"],
         user=operator,
         placements=[
             PlacementSpec(
@@ -268,14 +268,14 @@ def test_transformers_sequences_in_flight_and_length_are_planned_and_bounded(lla
             )
         ],
     )
-    [spec] = plan.model_specs(selectors.deployment_list().get(pk=deployment.pk))
+    [spec] = plan.model_specs(factories.replica_for(deployment))
     assert (spec.max_num_sequences, spec.max_seq_len, spec.dtype) == (64, 1024, "bfloat16")
     [gpu] = selectors.deployment_plan(selectors.deployment_list().get(pk=deployment.pk))
     assert gpu["models"][0]["kv_cache_bytes"] == 65 * 1024 * 32768  # one slot per sequence and a scratch one
     errors = _refusal(
         lambda: deployments.deployment_create(
             name="u",
-            host_name="h100-host",
+            hosts=["h100-host"],
             user=operator,
             placements=[PlacementSpec(model="llama", max_num_sequences=4, max_batch_size=8, max_seq_len=8192)],
         )
@@ -300,7 +300,7 @@ def test_llm_api_takes_the_seeds_kv_share_reuse_and_sequences(llama, operator, s
         ),
         image=NEWER,
     )
-    write_repository(tmp_path / "repo", plan.model_specs(selectors.deployment_list().get(pk=deployment.pk)))
+    write_repository(tmp_path / "repo", plan.model_specs(factories.replica_for(deployment)))
     args = json.loads((tmp_path / "repo" / "llama" / "model.yaml").read_text())
     assert args["max_batch_size"] == 256 and args["max_seq_len"] == 2048
     assert args["kv_cache_config"]["free_gpu_memory_fraction"] == 0.92
@@ -352,7 +352,7 @@ def test_server_settings_are_checked_and_changed_by_restart(gpu_host, minilm, op
     refused = _refusal(
         lambda: deployments.deployment_create(
             name="p",
-            host_name="gpu-host",
+            hosts=["gpu-host"],
             user=operator,
             placements=[PlacementSpec(model="minilm")],
             server=ServerSpec(shm_size_mib=16384),

@@ -24,14 +24,16 @@ def test_each_models_readiness_is_kept_and_pushed_each_check(api, host, minilm, 
     from tests import factories
 
     deployment = factories.deployment(host=host, name="r", models=["minilm"], user=operator)
+    factories.deployment_in(deployment, "launching", "loading", "ready")
+    replica = factories.replica_of(deployment).pk
     pushed = []
     monkeypatch.setattr(events, "publish", lambda group, message: pushed.append((group, message)))
     # An engine's helper models are not placements: left out.
-    assert telemetry.placements_readiness(deployment_id=deployment.pk, models={"minilm": True, "x-engine": True}) == {
+    assert telemetry.placements_readiness(replica_id=replica, models={"minilm": True, "x-engine": True}) == {
         "minilm": True
     }
-    assert telemetry.placements_readiness(deployment_id=deployment.pk, models={"minilm": True}) == {}
-    assert telemetry.placements_readiness(deployment_id=deployment.pk, models={"minilm": False}) == {"minilm": False}
+    assert telemetry.placements_readiness(replica_id=replica, models={"minilm": True}) == {}
+    assert telemetry.placements_readiness(replica_id=replica, models={"minilm": False}) == {"minilm": False}
     assert [message["ready"] for _, message in pushed] == [{"minilm": True}, {"minilm": True}, {"minilm": False}]
     [model] = api.get(f"/api/deployments/{deployment.pk}/").data["models"]
     assert model["ready"] is False

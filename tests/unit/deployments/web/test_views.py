@@ -7,7 +7,7 @@ import json
 import pytest
 from django.contrib.auth.models import User
 
-from deployments.models import Deployment, EngineBuild, Event, RegisteredModel
+from deployments.models import EngineBuild, Event, RegisteredModel
 from deployments.services import builds, deployments, telemetry
 from deployments.services.placements import PlacementSpec
 from tests import factories
@@ -115,7 +115,7 @@ def test_dashboard_renders_for_a_signed_in_user(client, operator, host, minilm):
 def test_deployment_page_shows_the_gpu_plan(client, operator, gpu_host, minilm):
 
     deployment = deployments.deployment_create(
-        name="g", host_name="gpu-host", placements=[PlacementSpec(model="minilm")], user=operator
+        name="g", hosts=["gpu-host"], placements=[PlacementSpec(model="minilm")], user=operator
     )
     client.force_login(operator)
     page = client.get(f"/deployments/{deployment.pk}/").content.decode()
@@ -130,12 +130,12 @@ def test_deployment_page_shows_the_gpu_plan(client, operator, gpu_host, minilm):
 
 def test_the_dashboard_splits_each_gpu_by_the_models_meant_to_run_there(client, operator, gpu_host, minilm):
     running = factories.deployment(host=gpu_host, name="on", models=["minilm"], gpu_memory_fraction=0.25, user=operator)
-    Deployment.objects.filter(pk=running.pk).update(desired_state="running")
+    factories.deployment_in(running, "launching")
     factories.deployment(host=gpu_host, name="off", models=["minilm"], gpu_memory_fraction=0.5, user=operator)
     client.force_login(operator)
     page = client.get("/").content.decode()
     assert 'data-gpu="gpu-host:0"' in page
-    assert "25.0% placed" in page and 'title="on / minilm: 25.0%"' in page
+    assert "25.0% placed" in page and 'title="on r1 / minilm: 25.0%"' in page
     assert "off / minilm" not in page  # a stopped deployment holds no memory
     assert f'data-sparkline="{running.pk}"' in page
 

@@ -19,11 +19,13 @@ def stopping(settings, gpu_host, minilm, operator, monkeypatch):
     settings.GANTRY_HOST_NAME = gpu_host.name
     settings.GANTRY_GPU_RELEASE_TIMEOUT = 1
     deployment = deployments.deployment_create(
-        name="g", host_name=gpu_host.name, placements=[PlacementSpec(model="minilm")], user=operator
+        name="g", hosts=[gpu_host.name], placements=[PlacementSpec(model="minilm")], user=operator
     )
     deployments.deployment_start(deployment_id=deployment.pk, user=operator)
-    states.deployment_transition(deployment_id=deployment.pk, to="loading", source="t", runtime_handle="4242")
-    states.deployment_transition(deployment_id=deployment.pk, to="ready", source="t")
+    states.replica_transition(
+        replica_id=factories.replica_of(deployment).pk, to="loading", source="t", runtime_handle="4242"
+    )
+    states.replica_transition(replica_id=factories.replica_of(deployment).pk, to="ready", source="t")
     deployments.deployment_stop(deployment_id=deployment.pk, user=operator)
     # The process seam: the server's group is pids 4242 and 4243, and stopping it is recorded.
     stopped = []
@@ -36,7 +38,7 @@ def test_stopped_once_nvml_shows_the_memory_released(stopping, monkeypatch):
     deployment, stopped = stopping
     answers = iter([{4242: 2**30, 999: 2**20}, {999: 2**20}])
     monkeypatch.setattr(nvml, "compute_processes", lambda gpus: next(answers))
-    lifecycle.stop(deployment.pk)
+    lifecycle.stop(factories.replica_of(deployment).pk)
     row = Deployment.objects.get(pk=deployment.pk)
     assert stopped == [4242]
     assert (row.status, row.status_message) == (DeploymentStatus.STOPPED, "tritonserver stopped")
@@ -45,7 +47,7 @@ def test_stopped_once_nvml_shows_the_memory_released(stopping, monkeypatch):
 def test_memory_still_held_after_the_timeout_is_not_called_stopped(stopping, monkeypatch):
     deployment, _ = stopping
     monkeypatch.setattr(nvml, "compute_processes", lambda gpus: {4243: 3 * 2**30})
-    lifecycle.stop(deployment.pk)
+    lifecycle.stop(factories.replica_of(deployment).pk)
     row = Deployment.objects.get(pk=deployment.pk)
     assert row.status == DeploymentStatus.FAILED
     assert "still shows its processes [4243] holding 3072 MiB on GPU(s) [0]" in row.status_message
@@ -55,14 +57,14 @@ def test_a_checkpoint_that_is_not_on_this_host_fails_the_launch_naming_it(settin
     """Registered on another host (or removed since): the launch fails before any server starts."""
     settings.GANTRY_HOST_NAME = gpu_host.name
     deployment = deployments.deployment_create(
-        name="far", host_name=gpu_host.name, placements=[PlacementSpec(model="minilm")], user=operator
+        name="far", hosts=[gpu_host.name], placements=[PlacementSpec(model="minilm")], user=operator
     )
     deployments.deployment_start(deployment_id=deployment.pk, user=operator)
     elsewhere = factories.gpu_host("gpu-a")
     RegisteredModel.objects.filter(pk=minilm.pk).update(path="/models/only-on-a/minilm", host=elsewhere)
-    lifecycle.launch(deployment.pk)
+    lifecycle.launch(factories.replica_of(deployment).pk)
     row = Deployment.objects.get(pk=deployment.pk)
-    assert row.status == DeploymentStatus.FAILED and not row.runtime_handle
+    assert row.status == DeploymentStatus.FAILED and not factories.replica_of(deployment).runtime_handle
     assert (
         f"minilm: checkpoint /models/only-on-a/minilm (registered on gpu-a) is not on {gpu_host.name}"
         in row.status_message

@@ -7,7 +7,6 @@ import json
 import pytest
 
 from common.errors import ValidationFailed
-from deployments import selectors
 from deployments.services import deployments
 from deployments.services.placements import PlacementSpec
 from tests import factories
@@ -28,7 +27,7 @@ NEWER = "tritonserver:25.06-trtllm-python-py3"
 def _llm_api(operator, image: str, **placement):  # noqa: ANN001, ANN003
     return deployments.deployment_create(
         name="direct",
-        host_name="h100-host",
+        hosts=["h100-host"],
         runtime="docker",
         image=image,
         placements=[PlacementSpec(**{"model": "llama", "llm_api": True, "gpu_memory_fraction": 0.5, **placement})],
@@ -48,7 +47,7 @@ def test_checkpoint_is_served_through_the_llm_api_where_the_image_has_it(llama, 
     placement = deployment.placements.get()
     assert placement.backend == "llmapi" and placement.gpu_ids == [0, 1] and placement.kv_cache_tokens > 2048
 
-    specs = plan.model_specs(selectors.deployment_list().get(pk=deployment.pk))
+    specs = plan.model_specs(factories.replica_for(deployment))
     write_repository(tmp_path / "repo", specs)
     folder = tmp_path / "repo" / "llama"
     assert (folder / "1").is_symlink() and str((folder / "1").readlink()) == "/app/all_models/llmapi/tensorrt_llm/1"
@@ -58,8 +57,10 @@ def test_checkpoint_is_served_through_the_llm_api_where_the_image_has_it(llama, 
     assert args["triton_config"] == {"max_batch_size": 32, "decoupled": True}
     config = read_config(folder)
     assert config.backend == "python" and config.model_transaction_policy.decoupled
-    env = plan.launch_spec(selectors.deployment_list().get(pk=deployment.pk)).extra_env
-    assert env == {"LLM_CONFIG_PATH": str(plan.paths_for(deployment).repository / "llama" / "model.yaml")}
+    env = plan.launch_spec(factories.replica_for(deployment)).extra_env
+    assert env == {
+        "LLM_CONFIG_PATH": str(plan.paths_for(factories.replica_for(deployment)).repository / "llama" / "model.yaml")
+    }
 
 
 def test_the_llm_api_takes_the_lowest_gpus_of_its_container(llama, h100, minilm_path, operator, settings):
@@ -72,7 +73,7 @@ def test_the_llm_api_takes_the_lowest_gpus_of_its_container(llama, h100, minilm_
     def beside(llm_gpu: int, embed_gpu: int):  # noqa: ANN202
         return deployments.deployment_create(
             name=f"llm-on-{llm_gpu}",
-            host_name=h100.name,
+            hosts=[h100.name],
             runtime="docker",
             image=NEWER,
             placements=[
@@ -85,7 +86,7 @@ def test_the_llm_api_takes_the_lowest_gpus_of_its_container(llama, h100, minilm_
     errors = _refusal(lambda: beside(1, 0))
     assert "runs on the first 1 GPU(s) its container sees, here [0]" in errors["models[0].gpu_ids"][0]
     deployment = beside(0, 1)
-    specs = {spec.name: spec for spec in plan.model_specs(selectors.deployment_list().get(pk=deployment.pk))}
+    specs = {spec.name: spec for spec in plan.model_specs(factories.replica_for(deployment))}
     assert specs["llama"].gpu_device_ids == (0,)
 
 
@@ -97,14 +98,35 @@ def test_a_placement_on_host_gpus_2_and_3_runs_on_them_whatever_the_runtime(
     quad = factories.gpu_host("quad", count=4)
     created = deployments.deployment_create(
         name="pinned",
-        host_name=quad.name,
+        hosts=[quad.name],
         runtime=runtime,
         image=image,
         placements=[PlacementSpec(model="minilm", instance_kind="KIND_GPU", gpu_ids=(2, 3), gpu_memory_fraction=0.2)],
         user=operator,
     )
-    deployment = selectors.deployment_list().get(pk=created.pk)
-    [spec] = plan.model_specs(deployment)
+    replica = factories.replica_for(created)
+    [spec] = plan.model_specs(replica)
     # Docker hands the container host GPUs 2 and 3 as its GPUs 0 and 1; a process sees the host's numbering.
     assert spec.instances.gpus == seen
-    assert plan.launch_spec(deployment).gpu_ids == (2, 3)
+    assert plan.launch_spec(replica).gpu_ids == (2, 3)
+
+
+@pytest.mark.parametrize(("runtime", "image", "seen"), [("docker", "triton:test", (0, 1)), ("process", "", (3, 1))])
+def test_a_replica_maps_the_deployments_gpus_onto_the_ones_its_host_gave_it(
+    minilm, operator, settings, runtime, image, seen
+):
+    settings.GANTRY_ALLOWED_IMAGES = ["triton:test"]
+    quad = factories.gpu_host("quad", count=4)
+    created = deployments.deployment_create(
+        name="mapped",
+        hosts=[quad.name],
+        runtime=runtime,
+        image=image,
+        placements=[PlacementSpec(model="minilm", instance_kind="KIND_GPU", gpu_ids=(0, 1), gpu_memory_fraction=0.2)],
+        user=operator,
+    )
+    replica = factories.replica_for(created, gpu_map={0: 3, 1: 1})
+    [spec] = plan.model_specs(replica)
+    # The deployment's GPUs 0 and 1 are this host's 3 and 1; a container sees them as its 1 and 0.
+    assert spec.instances.gpus == (seen if runtime == "process" else (1, 0))
+    assert plan.launch_spec(replica).gpu_ids == (1, 3)

@@ -7,9 +7,10 @@ from datetime import timedelta
 from django.utils import timezone
 
 from deployments import states
-from deployments.models import Deployment, DeploymentStatus, Event, OutboxMessage
-from deployments.services import deployments, hosts
+from deployments.models import Deployment, DeploymentStatus, Event, OutboxMessage, Replica
+from deployments.services import deployments, hosts, replicas
 from deployments.services.placements import PlacementSpec
+from tests import factories
 from triton_server.client import TritonClient
 from workers import processes
 from workers.deploy import lifecycle, reconcile
@@ -19,11 +20,13 @@ from workers.runtimes.docker import Container
 def _launching_deployment(settings, minilm, operator, age_s: int) -> Deployment:
     host = hosts.host_heartbeat(name=settings.GANTRY_HOST_NAME, gpus=[])
     deployment = deployments.deployment_create(
-        name="stuck", host_name=host.name, placements=[PlacementSpec(model="minilm")], user=operator
+        name="stuck", hosts=[host.name], placements=[PlacementSpec(model="minilm")], user=operator
     )
     deployments.deployment_start(deployment_id=deployment.pk, user=operator)
     OutboxMessage.objects.all().delete()  # sent, and then lost with the worker
-    Deployment.objects.filter(pk=deployment.pk).update(status_changed_at=timezone.now() - timedelta(seconds=age_s))
+    Replica.objects.filter(deployment_id=deployment.pk).update(
+        status_changed_at=timezone.now() - timedelta(seconds=age_s)
+    )
     return deployment
 
 
@@ -45,8 +48,10 @@ def test_a_fresh_launch_is_left_to_its_task(settings, minilm, operator):
 def test_a_ready_deployment_whose_server_is_gone_is_marked_failed(settings, minilm, operator):
     deployment = _launching_deployment(settings, minilm, operator, age_s=1)
     source = "worker:test"
-    states.deployment_transition(deployment_id=deployment.pk, to="loading", source=source, runtime_handle="999999")
-    states.deployment_transition(deployment_id=deployment.pk, to="ready", source=source)
+    states.replica_transition(
+        replica_id=factories.replica_of(deployment).pk, to="loading", source=source, runtime_handle="999999"
+    )
+    states.replica_transition(replica_id=factories.replica_of(deployment).pk, to="ready", source=source)
     settings.GANTRY_CRASH_RESTART_LIMIT = 0
     reconcile.reconcile_host()
     deployment.refresh_from_db()
@@ -60,15 +65,17 @@ def test_a_ready_deployment_whose_server_is_gone_is_marked_failed(settings, mini
 
 def test_an_update_lost_with_its_worker_is_rolled_back(settings, minilm, operator, monkeypatch):
     deployment = _launching_deployment(settings, minilm, operator, age_s=1)
-    states.deployment_transition(deployment_id=deployment.pk, to="loading", source="t", runtime_handle="1")
-    states.deployment_transition(deployment_id=deployment.pk, to="ready", source="t")
+    states.replica_transition(
+        replica_id=factories.replica_of(deployment).pk, to="loading", source="t", runtime_handle="1"
+    )
+    states.replica_transition(replica_id=factories.replica_of(deployment).pk, to="ready", source="t")
     deployments.deployment_change(
         deployment_id=deployment.pk,
         placements=[PlacementSpec(model="minilm", max_batch_size=8)],
         user=operator,
     )
     stale = timezone.now() - timedelta(seconds=settings.GANTRY_TRITON_READY_TIMEOUT + 61)
-    Deployment.objects.filter(pk=deployment.pk).update(status_changed_at=stale)
+    Replica.objects.filter(deployment_id=deployment.pk).update(status_changed_at=stale)
     # The server "runs" (the process seam) and the rollback's reload "succeeds" (the Triton client seam).
     monkeypatch.setattr(processes, "is_ours", lambda pid, **markers: True)
     for call in ("load", "unload", "wait_until_ready"):
@@ -86,18 +93,21 @@ def test_a_server_replaced_for_a_generation_is_no_crash_while_its_task_holds_the
     (it did, between the stop and the new handle). Once no task holds the
     generation lock (it died with its worker), a gone server is a crash again."""
     deployment = _launching_deployment(settings, minilm, operator, age_s=1)
-    states.deployment_transition(deployment_id=deployment.pk, to="loading", source="t", runtime_handle="999999")
-    states.deployment_transition(deployment_id=deployment.pk, to="ready", source="t")
+    states.replica_transition(
+        replica_id=factories.replica_of(deployment).pk, to="loading", source="t", runtime_handle="999999"
+    )
+    states.replica_transition(replica_id=factories.replica_of(deployment).pk, to="ready", source="t")
     deployments.deployment_change(
         deployment_id=deployment.pk, placements=[PlacementSpec(model="minilm", max_batch_size=8)], user=operator
     )
     settings.GANTRY_CRASH_RESTART_LIMIT = 0
-    with lifecycle.host_lock(deployment.pk, "generation"):
-        assert lifecycle.host_lock_held(deployment.pk, "generation")
+    replica = factories.replica_of(deployment).pk
+    with lifecycle.host_lock(replica, "generation"):
+        assert lifecycle.host_lock_held(replica, "generation")
         reconcile.reconcile_host()
         deployment.refresh_from_db()
         assert deployment.status == DeploymentStatus.UPDATING
-    assert not lifecycle.host_lock_held(deployment.pk, "generation")
+    assert not lifecycle.host_lock_held(replica, "generation")
     reconcile.reconcile_host()
     deployment.refresh_from_db()
     assert deployment.status == DeploymentStatus.FAILED
@@ -110,9 +120,12 @@ def test_the_new_server_of_a_generation_is_kept_until_its_handle_is_recorded(set
     with SIGKILL while it loaded). While the generation's task holds its lock the
     container is kept; without the lock, or for a deployment not updating, a
     container that is not the deployment's server goes."""
-    new = Container(id="new", name="gantry-deployment-7", deployment_id=7, generation=3, running=True)
-    stray = Container(id="stray", name="gantry-deployment-8", deployment_id=8, generation=1, running=True)
-    served = Container(id="served", name="gantry-deployment-9", deployment_id=9, generation=1, running=True)
+    new = Container(id="new", name="gantry-deployment-1-replica-7", deployment_id=1, replica_id=7, generation=3,
+                    running=True)  # fmt: skip
+    stray = Container(id="stray", name="gantry-deployment-2-replica-8", deployment_id=2, replica_id=8, generation=1,
+                      running=True)  # fmt: skip
+    served = Container(id="served", name="gantry-deployment-3-replica-9", deployment_id=3, replica_id=9, generation=1,
+                       running=True)  # fmt: skip
     active = {7: ("old", DeploymentStatus.UPDATING), 9: ("served", DeploymentStatus.READY)}
     with lifecycle.host_lock(7, "generation"):
         assert reconcile.unwanted_containers([new, stray, served], active) == [stray]
@@ -124,8 +137,10 @@ def test_the_new_server_of_a_generation_is_kept_until_its_handle_is_recorded(set
 
 def _crash_looped(settings, minilm, operator) -> Deployment:  # noqa: ANN001
     deployment = _launching_deployment(settings, minilm, operator, age_s=1)
-    states.deployment_transition(deployment_id=deployment.pk, to="loading", source="worker:t", runtime_handle="999999")
-    states.deployment_transition(deployment_id=deployment.pk, to="ready", source="worker:t")
+    states.replica_transition(
+        replica_id=factories.replica_of(deployment).pk, to="loading", source="worker:t", runtime_handle="999999"
+    )
+    states.replica_transition(replica_id=factories.replica_of(deployment).pk, to="ready", source="worker:t")
     settings.GANTRY_CRASH_RESTART_LIMIT = 2
     for attempt in (1, 2):
         Event.objects.create(
@@ -138,7 +153,7 @@ def _crash_looped(settings, minilm, operator) -> Deployment:  # noqa: ANN001
     deployment.refresh_from_db()
     assert deployment.status == DeploymentStatus.FAILED
     loop = Event.objects.get(deployment=deployment, kind="deployment.crash_loop")
-    assert loop.message.startswith("not restarting: 2 crash restarts in the last 10 minutes")
+    assert "r1 on vm: not restarting: 2 crash restarts in the last 10 minutes" in loop.message
     return deployment
 
 
@@ -161,20 +176,20 @@ def test_restarts_older_than_the_window_do_not_count(settings, minilm, operator)
         source="worker:t",
         created_at=timezone.now() - timedelta(minutes=reconcile.CRASH_WINDOW_MIN + 1),
     )
-    assert reconcile._recent_crash_restarts(deployment) == 2
+    assert reconcile._recent_crash_restarts(factories.replica_of(deployment)) == 2
 
 
 def test_a_manual_start_resets_the_crash_loop_window(settings, minilm, operator):
     deployment = _crash_looped(settings, minilm, operator)
-    assert reconcile._recent_crash_restarts(deployment) == 2
+    assert reconcile._recent_crash_restarts(factories.replica_of(deployment)) == 2
     deployments.deployment_start(deployment_id=deployment.pk, user=operator)
-    assert reconcile._recent_crash_restarts(deployment) == 0
+    assert reconcile._recent_crash_restarts(factories.replica_of(deployment)) == 0
 
 
 def test_a_deployment_that_failed_to_launch_waits_for_a_person(settings, minilm, operator):
     deployment = _launching_deployment(settings, minilm, operator, age_s=1)
-    deployments.deployment_fail(
-        deployment_id=deployment.pk,
+    replicas.replica_fail(
+        replica_id=factories.replica_of(deployment).pk,
         reason="minilm would not load",
         source="worker:t",
         only_from=frozenset({"launching"}),

@@ -25,18 +25,18 @@ def test_nvml_figures_stand_in_when_triton_reports_zeros(gpu_host):
 def test_a_server_log_that_cannot_be_read_is_said_once_on_the_timeline(settings, tmp_path, gpu_host, minilm, operator):
     settings.GANTRY_HOST_NAME = gpu_host.name
     created = deployments.deployment_create(
-        name="unread", host_name=gpu_host.name, placements=[PlacementSpec(model="minilm")], user=operator
+        name="unread", hosts=[gpu_host.name], placements=[PlacementSpec(model="minilm")], user=operator
     )
     deployment = factories.deployment_in(created, "launching", "loading", "ready", handle="4242")
     spec = factories.launch_spec(tmp_path / "d")
     spec.log_path.parent.mkdir(parents=True)
     spec.log_path.mkdir()  # a folder where the log should be: reading it fails
     for _ in range(3):
-        deploy_telemetry.ship_log(deployment, ProcessRuntime(tmp_path), spec)
+        deploy_telemetry.ship_log(factories.replica_of(deployment), ProcessRuntime(tmp_path), spec)
     [said] = Event.objects.filter(deployment=deployment, kind="deployment.log_unreadable")
     assert f"could not read the server's log {spec.log_path}: Is a directory" in said.message
 
     spec.log_path.rmdir()
     spec.log_path.write_text("a first line\nloaded minilm\n")
-    deploy_telemetry.ship_log(deployment, ProcessRuntime(tmp_path), spec)
+    deploy_telemetry.ship_log(factories.replica_of(deployment), ProcessRuntime(tmp_path), spec)
     assert list(LogLine.objects.filter(deployment=deployment).values_list("line", flat=True)) == ["loaded minilm"]

@@ -72,7 +72,7 @@ def test_an_engine_folder_gone_from_its_host_is_never_reused_or_served(llama, op
     with pytest.raises(ValidationFailed) as refused:
         deployments.deployment_create(
             name="old-engine",
-            host_name="h100-host",
+            hosts=["h100-host"],
             runtime="docker",
             image=factories.IMAGE,
             placements=[PlacementSpec(model="llama", engine_build=build.pk, gpu_memory_fraction=0.9)],

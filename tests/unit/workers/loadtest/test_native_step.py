@@ -71,7 +71,7 @@ def stack(tmp_path: Path, builder_images, operator, trt_python):  # noqa: ANN001
         finished_at=timezone.now(),
     )  # fmt: skip
     deployment = deployments.deployment_create(
-        name="stack", host_name=host.name, runtime="docker", image=factories.IMAGE, user=operator,
+        name="stack", hosts=[host.name], runtime="docker", image=factories.IMAGE, user=operator,
         placements=[PlacementSpec(model="llama", engine_build=build.pk, gpu_memory_fraction=0.5)],
     )  # fmt: skip
     deployment = factories.deployment_in(deployment, "launching", "loading", "ready")

@@ -34,8 +34,13 @@ def test_container_is_host_networked_labelled_and_read_only():
     assert options["cap_drop"] == ["ALL"]
     assert options["security_opt"] == ["no-new-privileges"]
     assert options["environment"]["HOME"] == "/tmp"
-    assert options["labels"] == {"gantry.host": "gpu-01", "gantry.deployment": "7", "gantry.generation": "3"}
-    assert options["name"] == "gantry-gpu-01-deployment-7"
+    assert options["labels"] == {
+        "gantry.host": "gpu-01",
+        "gantry.deployment": "7",
+        "gantry.replica": "0",
+        "gantry.generation": "3",
+    }
+    assert options["name"] == "gantry-gpu-01-deployment-7-replica-0"
     # Another host's worker on the same engine (or another test process) names its deployment 7 apart.
     assert run_options(_spec(), host_name="gpu-02")["name"] != options["name"]
     assert options["shm_size"] == "2048m"
