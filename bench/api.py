@@ -50,9 +50,9 @@ def _seed() -> tuple[str, int]:
     model, _ = RegisteredModel.objects.get_or_create(
         name="bench-llm", defaults={"kind": "llm", "path": "/bench", "host": host, "inspection": "ready"}
     )
-    deployment, _ = Deployment.objects.get_or_create(
-        name="bench", defaults={"host": host, "http_port": 18000, "grpc_port": 18001, "metrics_port": 18002}
-    )
+    deployment, created = Deployment.objects.get_or_create(name="bench")
+    if created:
+        deployment.pinned_hosts.add(host)
     with transaction.atomic():
         have = EngineBuild.objects.count()
         EngineBuild.objects.bulk_create(

@@ -165,7 +165,8 @@ def main() -> int:
         started = time.monotonic()
         deployment_id, key = deploy(plane, checkpoints)
         report["launch_to_ready_s"] = round(time.monotonic() - started, 1)
-        triton = f"http://127.0.0.1:{plane.ok('GET', f'/api/deployments/{deployment_id}/')['http_port']}"
+        replica = plane.ok("GET", f"/api/deployments/{deployment_id}/")["replica_set"][0]
+        triton = f"http://127.0.0.1:{replica['http_port']}"
         auth = {"Authorization": f"Bearer {key}"}
         prompts = [f"{PROMPT}{i}" for i in range(256)]
         chat = Target(

@@ -123,7 +123,7 @@ def served(*, port: int, models: dict[str, tuple[Path, str]], placements: list[A
     from controlplane.serving import web_argv
     from deployments import states
     from deployments.services import deployments as deployment_services
-    from deployments.services import hosts, registered_models
+    from deployments.services import hosts, registered_models, replicas
     from triton_server.client import TritonClient
     from triton_server.repository import write_repository
     from workers.deploy import plan
@@ -132,27 +132,30 @@ def served(*, port: int, models: dict[str, tuple[Path, str]], placements: list[A
     for name, (folder, kind) in models.items():
         model = registered_models.model_register(name=name, kind=kind, path=str(folder.resolve()), host=host.name)
         registered_models.model_inspect(model_id=model.pk, source="bench")
-    deployment = deployment_services.deployment_create(name="bench", host_name=host.name, placements=placements)
-    deployment = plan.load(deployment.pk)
-    spec = plan.launch_spec(deployment)
-    write_repository(spec.repository, plan.model_specs(deployment))
-    runtime = plan.runtime_for(deployment)
+    deployment = deployment_services.deployment_create(name="bench", hosts=[host.name], placements=placements)
+    # The deployment starts as a user's would (its one replica placed and launching); the
+    # worker's own launch code starts the server here, in the bench's process.
+    replicas.deployment_start(deployment_id=deployment.pk, source="bench")
+    replica = plan.load(deployment.replica_set.get().pk)
+    spec = plan.launch_spec(replica)
+    write_repository(spec.repository, plan.model_specs(replica))
+    runtime = plan.runtime_for(replica)
     handle = runtime.start(spec)
     web = None
     try:
-        client = TritonClient(f"127.0.0.1:{deployment.http_port}")
+        client = TritonClient(f"127.0.0.1:{replica.http_port}")
         client.wait_until_ready(spec.models, timeout_s=300, keep_waiting=lambda: runtime.is_running(handle, spec))
         client.close()
-        for to in ("launching", "loading", "ready"):
-            states.deployment_transition(
-                deployment_id=deployment.pk, to=to, source="bench", runtime_handle=handle if to == "loading" else None
+        for to in ("loading", "ready"):
+            states.replica_transition(
+                replica_id=replica.pk, to=to, source="bench", runtime_handle=handle if to == "loading" else None
             )
         web = subprocess.Popen(  # noqa: S603 - the product's own web server, as make demo runs it
             web_argv(sys.executable, bind="127.0.0.1", port=port), cwd=ROOT, env=os.environ.copy(),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         time.sleep(3)
-        yield Served(deployment=deployment, triton=f"127.0.0.1:{deployment.http_port}", web=f"http://127.0.0.1:{port}")
+        yield Served(deployment=deployment, triton=f"127.0.0.1:{replica.http_port}", web=f"http://127.0.0.1:{port}")
     finally:
         if web is not None:
             web.terminate()

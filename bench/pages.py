@@ -41,6 +41,7 @@ def _seed() -> int:
         Event,
         GpuHost,
         RegisteredModel,
+        Replica,
     )
     from deployments.services import hosts
 
@@ -61,8 +62,9 @@ def _seed() -> int:
     with transaction.atomic():
         for d in range(DEPLOYMENTS):
             host = host_rows[d % HOSTS]
-            deployment = Deployment.objects.create(
-                name=f"page-{d}", host=host, status="ready", desired_state="running",
+            deployment = Deployment.objects.create(name=f"page-{d}", status="ready", desired_state="running")
+            Replica.objects.create(
+                deployment=deployment, serial=1, host=host, status="ready", generation=1,
                 http_port=20000 + 3 * d, grpc_port=20001 + 3 * d, metrics_port=20002 + 3 * d,
             )  # fmt: skip
             DeploymentModel.objects.create(

@@ -174,47 +174,64 @@ def unavailable(endpoints: list[Endpoint]) -> TransientError:
     return TransientError("no replica answers: " + (", ".join(e.label for e in endpoints) or "none is ready"))
 
 
+class Tries:
+    """The replicas one request goes to: the best, and after a TransientError
+    before any answer, once another. Every door's request loop runs on this."""
+
+    def __init__(self, endpoints: list[Endpoint]) -> None:
+        self.endpoints = endpoints
+        self.tried: frozenset[int] = frozenset()
+
+    def next(self) -> Endpoint:
+        """The replica to send to now (counted in flight); TransientError when none is left."""
+        endpoint = balancer.pick(self.endpoints, avoid=self.tried)
+        if endpoint is None:
+            raise unavailable(self.endpoints)
+        balancer.begin(endpoint)
+        return endpoint
+
+    def failed(self, endpoint: Endpoint, error: TransientError) -> None:
+        """``endpoint`` failed before answering: raise ``error`` unless another may be tried."""
+        finish(endpoint, failed=True)
+        self.tried |= {endpoint.replica_id}
+        if len(self.tried) >= 2 or len(self.tried) >= len(self.endpoints):
+            raise error
+
+    @staticmethod
+    def answered(endpoint: Endpoint) -> None:
+        """``endpoint`` answered (or refused, or the caller went away): it is not failing."""
+        finish(endpoint, failed=False)
+
+
 async def call(endpoints: list[Endpoint], request: Callable[[Endpoint], Awaitable[T]]) -> T:
     """``request`` on the best replica; on a TransientError, once more on another."""
-    tried: frozenset[int] = frozenset()
+    tries = Tries(endpoints)
     while True:
-        endpoint = balancer.pick(endpoints, avoid=tried)
-        if endpoint is None:
-            raise unavailable(endpoints)
-        balancer.begin(endpoint)
+        endpoint = tries.next()
         try:
             result = await request(endpoint)
-        except TransientError:
-            finish(endpoint, failed=True)
-            tried |= {endpoint.replica_id}
-            if len(tried) >= 2 or len(tried) >= len(endpoints):
-                raise
+        except TransientError as error:
+            tries.failed(endpoint, error)
             continue
         except BaseException:
-            finish(endpoint, failed=False)  # refused or cancelled: the replica answered
+            tries.answered(endpoint)
             raise
-        finish(endpoint, failed=False)
+        tries.answered(endpoint)
         return result
 
 
 def call_sync(endpoints: list[Endpoint], request: Callable[[Endpoint], T]) -> T:
     """``call`` for synchronous callers (the REST API's embed and rerank)."""
-    tried: frozenset[int] = frozenset()
+    tries = Tries(endpoints)
     while True:
-        endpoint = balancer.pick(endpoints, avoid=tried)
-        if endpoint is None:
-            raise unavailable(endpoints)
-        balancer.begin(endpoint)
+        endpoint = tries.next()
         try:
             result = request(endpoint)
-        except TransientError:
-            finish(endpoint, failed=True)
-            tried |= {endpoint.replica_id}
-            if len(tried) >= 2 or len(tried) >= len(endpoints):
-                raise
+        except TransientError as error:
+            tries.failed(endpoint, error)
             continue
         except BaseException:
-            finish(endpoint, failed=False)
+            tries.answered(endpoint)
             raise
-        finish(endpoint, failed=False)
+        tries.answered(endpoint)
         return result

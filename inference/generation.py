@@ -21,7 +21,7 @@ from common.ttl_cache import TtlCache
 from deployments import chat_template
 from deployments.gpu_plan import transformers_max_seq_len
 from deployments.models import GENERATIVE_BACKENDS, Backend, Deployment, DeploymentModel
-from inference.balancing import Endpoint, answering, balancer, finish, unavailable
+from inference.balancing import Endpoint, Tries, answering, finish
 from triton_server.client import generate_stream
 
 MAX_PROMPT_CHARS = 200_000
@@ -241,25 +241,27 @@ async def generate(prepared: Prepared, *, stream: bool, outcome: Outcome) -> Asy
 
 
 async def _replica_stream(prepared: Prepared, inputs: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-    tried: frozenset[int] = frozenset()
+    """Triton's responses from the best replica; one that fails before its first
+    response is replaced once by another (inference.balancing.Tries)."""
+    tries = Tries(prepared.endpoints)
     while True:
-        endpoint = balancer.pick(prepared.endpoints, avoid=tried)
-        if endpoint is None:
-            raise unavailable(prepared.endpoints)
-        balancer.begin(endpoint)
-        answered = failed = False
+        endpoint = tries.next()
+        answered = False
         try:
             async for event in generate_stream(endpoint.url, prepared.model, inputs):
                 answered = True
                 yield event
-            return
-        except TransientError:
-            failed = True
-            tried |= {endpoint.replica_id}
-            if answered or len(tried) >= 2 or len(tried) >= len(prepared.endpoints):
+        except TransientError as error:
+            if answered:
+                finish(endpoint, failed=True)
                 raise
-        finally:
-            finish(endpoint, failed=failed)
+            tries.failed(endpoint, error)
+            continue
+        except BaseException:
+            tries.answered(endpoint)
+            raise
+        tries.answered(endpoint)
+        return
 
 
 def _first(value: Any, default: Any) -> Any:

@@ -176,7 +176,11 @@ Gantry.deployForm = (root, options) => {
     const fieldsets = [...modelsBox.querySelectorAll("fieldset.model-row")];
     const result = { models: fieldsets.map(modelBody) };
     if (options.mode === "create") {
-      for (const name of ["name", "host", "runtime", "image"]) result[name] = root.querySelector(`[name=${name}]`).value;
+      for (const name of ["name", "host", "runtime", "image", "placement_policy"]) {
+        result[name] = root.querySelector(`[name=${name}]`).value;
+      }
+      const replicas = root.querySelector("[name=replicas]").value.trim();
+      result.replicas = replicas === "" || Number.isNaN(Number(replicas)) ? replicas : Number(replicas);
       for (const name of ["shm_size_mib", "log_verbose"]) {
         const value = root.querySelector(`[name=${name}]`).value.trim();
         if (value !== "") result[name] = Number.isNaN(Number(value)) ? value : Number(value);
@@ -257,9 +261,12 @@ Gantry.deployForm = (root, options) => {
       if (mine !== asked) return;  // a newer edit was already sent
       showErrors(answer.errors, fieldsets);
       drawPlan(answer.plan);
-      const warnings = answer.warnings.length ? ` Beside what the host runs now: ${answer.warnings.join("; ")}.` : "";
+      const warnings = answer.warnings.length ? ` Beside what the hosts run now: ${answer.warnings.join("; ")}.` : "";
+      const placed = (answer.replicas || []).filter((r) => r.host)
+        .map((r) => `r${r.replica} on ${r.host} GPU ${Object.values(r.gpus || {}).join(", ") || "none (CPU)"}`);
+      const where = placed.length ? ` Where the replicas would go now: ${placed.join("; ")}.` : "";
       summary.textContent = (answer.valid ? "The server's checks pass: nothing is saved until you submit."
-                                          : `${Object.keys(answer.errors).length} problem(s) to fix before this can be saved.`) + warnings;
+                                          : `${Object.keys(answer.errors).length} problem(s) to fix before this can be saved.`) + where + warnings;
       summary.className = answer.valid && !warnings ? "muted" : "error";
     } catch (error) {
       if (mine !== asked) return;

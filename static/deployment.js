@@ -115,7 +115,34 @@
         badge.className = `status model-ready status-${ready === true ? "ready" : ready === false ? "failed" : "pending"}`;
       }
     }
+    // One row per replica: where it runs, what it serves, and what it holds now.
+    function renderReplicas(deployment) {
+      const body = document.querySelector("#replicas tbody");
+      if (!body) return;
+      // Ejections are counted from the timeline when the page is drawn; kept as they were.
+      const ejections = Object.fromEntries([...body.querySelectorAll("tr[data-replica]")].map(
+        (row) => [row.dataset.replica, row.querySelector("[data-ejections]")?.textContent ?? "0"]));
+      body.replaceChildren(...deployment.replica_set.map((r) => {
+        const row = document.createElement("tr");
+        row.dataset.replica = r.serial;
+        const gpus = Object.values(r.gpus).join(", ") || "CPU";
+        const cells = [`r${r.serial}`, r.host, gpus, String(r.generation), null,
+          `${r.http_port}/${r.grpc_port}/${r.metrics_port}`, String(r.in_flight ?? 0), ejections[r.serial] ?? "0"];
+        cells.forEach((value, i) => {
+          const cell = document.createElement("td");
+          if (i === 4) {
+            const status = document.createElement("span");
+            setStatus(status, r.shown_status);
+            cell.append(status);
+          } else cell.textContent = value;
+          if (i === 7) cell.dataset.ejections = "";
+          row.append(cell);
+        });
+        return row;
+      }));
+    }
     function render(deployment) {
+      renderReplicas(deployment);
       for (const model of deployment.models) readiness[model.triton_name] = model.ready;
       showReadiness(deployment.shown_status);
       enableActions(deployment.actions);
@@ -167,6 +194,10 @@
         if (event.type === "loadtest") document.dispatchEvent(new CustomEvent("gantry:loadtest", { detail: event }));
         if (event.type !== "event") return;
         addEvent(event);
+        if (event.kind === "replica.status") {
+          renderReplicas(await api("GET", `/api/deployments/${id}/`));
+          return;
+        }
         if (event.to_status) {
           setStatus(badge, event.to_status);
           enablePlaygrounds(event.to_status);

@@ -165,3 +165,8 @@ def replica_for(deployment_row: Deployment, *, gpu_map: dict[int, int] | None = 
         deployment=deployment_row, serial=1, host=host, gpu_map={str(k): v for k, v in (gpu_map or {}).items()},
         http_port=8000, grpc_port=8001, metrics_port=8002, generation=deployment_row.generation,
     )  # fmt: skip
+
+
+def replica_row(deployment_id: int) -> Replica:
+    """A deployment's first replica as the database holds it now."""
+    return Replica.objects.select_related("host", "deployment").filter(deployment_id=deployment_id).earliest("serial")

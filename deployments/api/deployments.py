@@ -106,6 +106,7 @@ class ReplicaOut(serializers.ModelSerializer):
             "status_changed_at",
             "models_ready",
             "queue_ms",
+            "in_flight",
         ]
 
     def get_gpus(self, replica: Replica) -> dict[str, int]:
@@ -422,7 +423,7 @@ class DeploymentEvents(Events):
 
 
 class PlannedModelOut(serializers.Serializer):
-    deployment = serializers.CharField(help_text="the deployment and its replica (\"chat r2\")")
+    deployment = serializers.CharField(help_text='the deployment and its replica ("chat r2")')
     deployment_id = serializers.IntegerField(allow_null=True, help_text="null: the unsaved one a preflight checks")
     replica = serializers.IntegerField(help_text="the replica's serial (0 or less: one not placed yet)")
     deployment_status = serializers.CharField()

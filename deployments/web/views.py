@@ -216,8 +216,11 @@ def deployment_detail(request: HttpRequest, pk: int) -> HttpResponse:
                 mode="change",
                 initial=placements_snapshot(deployment),
                 deploymentId=deployment.pk,
-                deployment={"host": selectors.reference_host_name(deployment), "runtime": deployment.runtime,
-                            "image": deployment.image},  # fmt: skip
+                deployment={
+                    "host": selectors.reference_host_name(deployment),
+                    "runtime": deployment.runtime,
+                    "image": deployment.image,
+                },  # fmt: skip
             ),
         },
     )

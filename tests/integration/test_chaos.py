@@ -19,6 +19,7 @@ import requests
 from controlplane.celery import host_worker_argv
 from controlplane.serving import web_argv
 from deployments.models import Deployment, Event, GpuHost, OutboxMessage
+from tests import factories
 from tests.integration.conftest import (
     PostgresServer,
     RedisServer,
@@ -68,7 +69,7 @@ def test_a_stop_asked_while_redis_is_down_is_carried_out_once_it_is_back(
     http = stack.session()
     deployment_id = _deploy(stack, minilm_path)
     wait_for(lambda: _status(deployment_id) == "ready", 240, "the deployment to be ready")
-    server = Deployment.objects.get(pk=deployment_id).runtime_handle
+    server = factories.replica_row(deployment_id).runtime_handle
 
     own_redis.stop()
     stopped = http.post(f"{stack.web_url}/api/deployments/{deployment_id}/stop/", timeout=30)
@@ -81,7 +82,7 @@ def test_a_stop_asked_while_redis_is_down_is_carried_out_once_it_is_back(
     # The API and the pages keep answering from the database meanwhile.
     assert http.get(f"{stack.web_url}/api/deployments/{deployment_id}/", timeout=10).json()["status"] == "stopping"
     assert http.get(f"{stack.web_url}/api/deployments/{deployment_id}/events/", timeout=10).status_code == 200
-    assert process.is_running(server, stack.data_dir / "deployments" / f"{deployment_id}-chaos" / "repository")
+    assert process.is_running(server, stack.data_dir / "deployments" / f"{deployment_id}-chaos" / "r1" / "repository")
 
     own_redis.start()  # empty: nothing the old one held survives
     wait_for(lambda: _status(deployment_id) == "stopped", 60, "the stop to be carried out")
@@ -144,17 +145,18 @@ def test_a_launch_and_an_update_lost_with_a_restarted_redis_are_sent_again(
     redrives = list(Event.objects.filter(host=host, kind="host.redrive").values_list("message", flat=True))
     assert any("the broker restarted" in m for m in redrives), redrives
     assert any("deployment chaos" in m for m in redrives), redrives
-    server = Deployment.objects.get(pk=deployment_id).runtime_handle
+    server = factories.replica_row(deployment_id).runtime_handle
     assert [h for h, _ in process.servers_under(stack.data_dir)] == [server]
 
     # A new generation (applied in place) lost the same way.
     change = {"models": [{"model": "minilm", "max_batch_size": 8}]}
     _lose_with_redis(stack, own_redis, lambda: http.put(f"{url}models/", json=change, timeout=30))
     wait_for(lambda: _status(deployment_id) == "ready", 240, "the re-driven update to finish")
-    row = Deployment.objects.get(pk=deployment_id)
+    row = factories.replica_row(deployment_id)
     assert (row.generation, row.runtime_handle) == (2, server)  # applied in place, on the same server
-    assert row.placements.get().max_batch_size == 8
-    assert "generation 2" in Event.objects.filter(deployment=row, kind="deployment.generation_applied").get().message
+    assert row.deployment.placements.get().max_batch_size == 8
+    applied = Event.objects.filter(deployment=row.deployment, kind="deployment.generation_applied").get()
+    assert "generation 2" in applied.message
     http.post(f"{url}stop/", timeout=30)
     wait_for(lambda: _status(deployment_id) == "stopped", 60, "the deployment to stop")
 
@@ -165,7 +167,7 @@ def test_a_killed_worker_leaves_its_server_serving_and_the_next_one_adopts_it(
     stack = stack_on_own_redis
     deployment_id = _deploy(stack, minilm_path)
     wait_for(lambda: _status(deployment_id) == "ready", 240, "the deployment to be ready")
-    server = Deployment.objects.get(pk=deployment_id).runtime_handle
+    server = factories.replica_row(deployment_id).runtime_handle
     stack.worker.send_signal(signal.SIGKILL)
     stack.worker.wait()
     stack.start_worker()
@@ -311,7 +313,7 @@ def test_a_worker_killed_early_in_a_launch_converges_to_one_ready_server(
     phase = _status(deployment_id)
     stack.start_worker()
     wait_for(lambda: _status(deployment_id) == "ready", 240, f"the launch killed while {phase} to converge")
-    server = Deployment.objects.get(pk=deployment_id).runtime_handle
+    server = factories.replica_row(deployment_id).runtime_handle
     assert [h for h, _ in process.servers_under(stack.data_dir)] == [server], phase
     assert not Event.objects.filter(deployment_id=deployment_id, to_status="failed").exists(), phase
     stack.session().post(f"{stack.web_url}/api/deployments/{deployment_id}/stop/", timeout=30)
@@ -364,14 +366,14 @@ def test_the_docker_runtime_ends_where_it_should_through_a_failed_restart_a_long
     try:
         http.post(url + "start/", timeout=30)
         wait_for(lambda: ready_at(1), 300, "generation 1")
-        first = Deployment.objects.get(pk=deployment_id).runtime_handle
+        first = factories.replica_row(deployment_id).runtime_handle
 
         # 1. A new folder needs a new container; the broken checkpoint fails to load in it.
         changed = http.put(url + "models/", json={"models": [{"model": "minilm"}, {"model": "broken"}]}, timeout=30)
         assert changed.status_code == 202, changed.text
         wait_for(lambda: _kinds(deployment_id=deployment_id) >= {"deployment.rollback"}, 300, "the rollback")
         wait_for(lambda: ready_at(1), 300, "generation 1 again")
-        assert Deployment.objects.get(pk=deployment_id).runtime_handle not in ("", first)
+        assert factories.replica_row(deployment_id).runtime_handle not in ("", first)
         rollback = Event.objects.get(deployment_id=deployment_id, kind="deployment.rollback")
         assert "generation 2 failed" in rollback.message and "tritonserver" in rollback.message
         revisions = http.get(url + "revisions/", timeout=30).json()["results"]

@@ -85,7 +85,10 @@ def test_the_demo_restarts_a_killed_worker_which_adopts_the_running_stack(tmp_pa
     }
     demo = _spawn([sys.executable, "manage.py", "gantry_demo", "--port", str(web_port)], env, tmp_path / "demo.log")
     try:
-        ready = "SELECT id, runtime_handle FROM deployments_deployment WHERE name = 'demo-stack' AND status = 'ready'"
+        ready = (
+            "SELECT d.id, r.runtime_handle FROM deployments_deployment d JOIN deployments_replica r "
+            "ON r.deployment_id = d.id WHERE d.name = 'demo-stack' AND d.status = 'ready'"
+        )
         wait_for(lambda: _rows(database, ready), 420, "the demo stack to be ready")
         stack_id, server = _rows(database, ready)[0]
         (worker,) = _children(demo.pid, b"workers.hostworker")

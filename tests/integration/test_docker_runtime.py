@@ -12,6 +12,7 @@ import pytest
 import requests
 
 from deployments.models import Deployment, Event
+from tests import factories
 from tests.integration.conftest import Stack, built_image, wait_for
 from tests.integration.test_end_to_end import _socket, _stop, _wait_for_status
 
@@ -73,7 +74,7 @@ def test_two_models_in_one_container_restarted_after_a_kill(stack: Stack, minilm
             secret = Deployment.objects.get(pk=deployment_id).admin_secret
             assert secret not in repr(container.attrs)
             assert secret.encode() not in Path(f"/proc/{container.attrs['State']['Pid']}/cmdline").read_bytes()
-            port = Deployment.objects.get(pk=deployment_id).http_port
+            port = factories.replica_row(deployment_id).http_port
             index = f"http://127.0.0.1:{port}/v2/repository/index"
             assert requests.post(index, headers={"gantry-admin-key": secret}, timeout=10).status_code == 200
             assert requests.post(index, timeout=10).status_code == 403
@@ -108,9 +109,9 @@ def test_two_models_in_one_container_restarted_after_a_kill(stack: Stack, minilm
             )
             assert seen[-1]["data"]["exit"]["oom_killed"] is True
             _wait_for_status(socket, "ready", timeout_s=300)  # restarted, in a container without that limit
-        row = Deployment.objects.get(pk=deployment_id)
+        row = factories.replica_row(deployment_id)
         assert row.runtime_handle not in (container.id, replacement.id)
-        assert Event.objects.filter(deployment=row, kind="deployment.crash_restart").count() == 2
+        assert Event.objects.filter(deployment=row.deployment, kind="deployment.crash_restart").count() == 2
         assert [c.id for c in _containers(engine, stack)] == [row.runtime_handle]
         _stop(stack, deployment_id)
         assert _containers(engine, stack) == []
@@ -179,7 +180,7 @@ def test_a_new_generation_reaches_a_running_container_even_with_new_folders(
         return check
 
     def triton_config(name: str) -> dict:
-        row = Deployment.objects.get(pk=created["id"])
+        row = factories.replica_row(created["id"])
         return requests.get(f"http://127.0.0.1:{row.http_port}/v2/models/{name}/config", timeout=10).json()
 
     try:

@@ -79,6 +79,8 @@ def test_every_recipe_in_the_readme_and_the_manual_runs_as_written(tmp_path: Pat
         assert '"status":"queued"' in ran["load-tests.md"].replace(" ", "")
         minilm = http.get(f"{base}/api/deployments/?name=minilm", timeout=10).json()["results"]
         assert [d["desired_state"] for d in minilm] == ["running"]  # the README's own deployment was started
+        ports = {r["http_port"] for r in minilm[0]["replica_set"]}
+        assert len(ports) == 2  # two replicas, each its own Triton
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGINT)  # Ctrl-C, as the README says

@@ -19,6 +19,7 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from deployments.models import Deployment, Event, MetricSample
+from tests import factories
 from tests.integration.conftest import Stack, free_port, wait_for
 from workers import processes
 from workers.runtimes import process
@@ -58,8 +59,8 @@ def _wait_for_status(socket, wanted: str, timeout_s: float) -> list[dict]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         event = json.loads(socket.recv(timeout=max(0.1, deadline - time.monotonic())))
-        if event["type"] != "event":
-            continue  # metrics and log lines share the socket
+        if event["type"] != "event" or event.get("kind") == "replica.status":
+            continue  # metrics and log lines share the socket; the deployment's status sums its replica's
         seen.append(event)
         if event.get("to_status") == wanted:
             return seen
@@ -87,14 +88,14 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
         seen = _wait_for_status(socket, "ready", timeout_s=240)
     assert [e["to_status"] for e in seen if e["to_status"]] == ["launching", "loading", "ready"]
 
-    row = Deployment.objects.get(pk=deployment["id"])
+    row = factories.replica_row(deployment["id"])
     pid = int(row.runtime_handle)
-    repository = stack.data_dir / "deployments" / f"{row.pk}-{row.name}" / "repository"
+    repository = stack.data_dir / "deployments" / f"{row.deployment_id}-{row.deployment.name}" / "r1" / "repository"
     assert process.is_running(row.runtime_handle, repository)
 
     # The agent ships the server's log lines to the control plane.
     wait_for(
-        lambda: any("successfully loaded 'minilm'" in line for line in _server_log(stack, row.pk)),
+        lambda: any("successfully loaded 'minilm'" in line for line in _server_log(stack, row.deployment_id)),
         30,
         "the server log to arrive",
     )
@@ -121,7 +122,9 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
         assert not names & {b"DATABASE_URL", b"SECRET_KEY", b"REDIS_URL", b"DJANGO_SETTINGS_MODULE"}, member
 
     # The agent scrapes the server's metrics port once it is ready.
-    wait_for(lambda: MetricSample.objects.filter(deployment=row, subject="minilm").exists(), 30, "a first scrape")
+    wait_for(
+        lambda: MetricSample.objects.filter(deployment=row.deployment, subject="minilm").exists(), 30, "a first scrape"
+    )
 
     # Straight to Triton with tritonclient: 384 numbers per sentence, unit length.
     client = httpclient.InferenceServerClient(f"127.0.0.1:{row.http_port}")
@@ -134,7 +137,9 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
 
     # And through Gantry's playground endpoint, as the browser does.
-    played = http.post(f"{stack.web_url}/api/deployments/{row.pk}/embed/", json={"texts": SENTENCES}, timeout=60)
+    played = http.post(
+        f"{stack.web_url}/api/deployments/{row.deployment_id}/embed/", json={"texts": SENTENCES}, timeout=60
+    )
     assert played.status_code == 200, played.text
     similarity = np.array(played.json()["similarity"])
     np.testing.assert_allclose(np.array(played.json()["embeddings"]), vectors, atol=1e-5)
@@ -142,21 +147,25 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
 
     # Two requests later the scrape shows them, as a total and as a rate.
     counted = wait_for(
-        lambda: MetricSample.objects.filter(deployment=row, subject="minilm", values__requests_total__gte=2).first(),
+        lambda: MetricSample.objects.filter(
+            deployment=row.deployment, subject="minilm", values__requests_total__gte=2
+        ).first(),
         30,
         "a scrape counting the two requests",
     )
     assert counted.values["request_rate"] > 0 and counted.values["failures_total"] == 0
     assert counted.values["compute_ms"] > 0
-    api_samples = http.get(f"{stack.web_url}/api/deployments/{row.pk}/metrics/?minutes=5&kind=model", timeout=30)
+    api_samples = http.get(
+        f"{stack.web_url}/api/deployments/{row.deployment_id}/metrics/?minutes=5&kind=model", timeout=30
+    )
     assert any(s["subject"] == "minilm" and s["values"]["requests_total"] >= 2 for s in api_samples.json()["results"])
 
     # A second start is refused and changes nothing.
-    again = http.post(f"{stack.web_url}/api/deployments/{row.pk}/start/", timeout=30)
+    again = http.post(f"{stack.web_url}/api/deployments/{row.deployment_id}/start/", timeout=30)
     assert again.status_code == 409
 
-    with _socket(stack, row.pk) as socket:
-        stopped = http.post(f"{stack.web_url}/api/deployments/{row.pk}/stop/", timeout=30)
+    with _socket(stack, row.deployment_id) as socket:
+        stopped = http.post(f"{stack.web_url}/api/deployments/{row.deployment_id}/stop/", timeout=30)
         assert stopped.status_code == 202
         _wait_for_status(socket, "stopped", timeout_s=60)
     row.refresh_from_db()
@@ -243,16 +252,16 @@ def test_crashed_tritonserver_is_noticed_and_restarted(stack: Stack, minilm_path
     with _socket(stack, deployment["id"]) as socket:
         http.post(f"{stack.web_url}/api/deployments/{deployment['id']}/start/", timeout=30)
         _wait_for_status(socket, "ready", timeout_s=240)
-        first_pid = int(Deployment.objects.get(pk=deployment["id"]).runtime_handle)
+        first_pid = int(factories.replica_row(deployment["id"]).runtime_handle)
         os.killpg(first_pid, signal.SIGKILL)  # the server dies under us
         seen = _wait_for_status(socket, "failed", timeout_s=30)
         assert seen[-1]["message"].startswith("tritonserver exited unexpectedly: killed by SIGKILL")
         assert seen[-1]["data"]["exit"] == {"returncode": -9, "oom_killed": False, "signal": 9}
         _wait_for_status(socket, "ready", timeout_s=240)
-    row = Deployment.objects.get(pk=deployment["id"])
+    row = factories.replica_row(deployment["id"])
     assert int(row.runtime_handle) != first_pid
-    assert Event.objects.filter(deployment=row, kind="deployment.crash_restart").count() == 1
-    _stop(stack, row.pk)
+    assert Event.objects.filter(deployment=row.deployment, kind="deployment.crash_restart").count() == 1
+    _stop(stack, row.deployment_id)
 
 
 def test_worker_killed_while_loading_converges_after_restart(stack: Stack, minilm_path: Path):
@@ -263,14 +272,14 @@ def test_worker_killed_while_loading_converges_after_restart(stack: Stack, minil
         _wait_for_status(socket, "loading", timeout_s=60)
         os.killpg(stack.worker.pid, signal.SIGKILL)  # the worker dies mid-launch; its server lives on
         stack.worker.wait()
-        server_pid = Deployment.objects.get(pk=deployment["id"]).runtime_handle
+        server_pid = factories.replica_row(deployment["id"]).runtime_handle
         stack.start_worker()
         seen = _wait_for_status(socket, "ready", timeout_s=240)
     assert seen[-1]["source"] == f"worker:{stack.host_name}"
-    row = Deployment.objects.get(pk=deployment["id"])
+    row = factories.replica_row(deployment["id"])
     assert row.runtime_handle == server_pid  # the restarted worker adopted the server, started no second one
     assert [h for h, _ in process.servers_under(stack.data_dir)] == [server_pid]
-    _stop(stack, row.pk)
+    _stop(stack, row.deployment_id)
 
 
 def test_websocket_refuses_anonymous_clients(stack: Stack):

@@ -206,15 +206,16 @@ def test_the_openai_client_chats_through_the_engine_path_via_the_gateway(engine,
     import openai
 
     from deployments import chat_template
-    from deployments.models import Backend, Deployment, DeploymentModel, DeploymentStatus
+    from deployments.models import Backend, Deployment, DeploymentModel, DeploymentStatus, Replica
     from gateway import services as gateway
 
     url, _, tokenizers = engine
     host = factories.cpu_host("engine-host")
     checkpoint = factories.registered_model(name="engine-llm", kind="llm", path=tokenizers["llm"], host=host)
-    deployment = Deployment.objects.create(
-        name="engine", host=host, http_port=int(url.rsplit(":", 1)[1]), grpc_port=1, metrics_port=2,
-        status=DeploymentStatus.READY, desired_state="running",
+    deployment = Deployment.objects.create(name="engine", status=DeploymentStatus.READY, desired_state="running")
+    Replica.objects.create(
+        deployment=deployment, serial=1, host=host, http_port=int(url.rsplit(":", 1)[1]), grpc_port=1, metrics_port=2,
+        generation=1, status=DeploymentStatus.READY,
     )  # fmt: skip
     DeploymentModel.objects.create(
         deployment=deployment, triton_name="llm", registered_model=checkpoint, backend=Backend.TENSORRTLLM

@@ -10,6 +10,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from deployments.models import Deployment, Event
+from tests import factories
 from tests.integration.conftest import Stack, wait_for
 from tests.integration.test_end_to_end import _socket, _stop, _wait_for_status
 
@@ -20,7 +21,8 @@ RERANK = {"model": "minilm-rerank"}
 
 
 def _loads(stack: Stack, deployment: Deployment, model: str) -> int:
-    log = (stack.data_dir / "deployments" / f"{deployment.pk}-{deployment.name}" / "tritonserver.log").read_text()
+    folder = stack.data_dir / "deployments" / f"{deployment.pk}-{deployment.name}"
+    log = (folder / factories.replica_row(deployment.pk).label / "tritonserver.log").read_text()
     return log.count(f"successfully loaded '{model}'")
 
 
@@ -41,7 +43,7 @@ def ready_pair(stack: Stack, minilm_path: Path) -> int:
 
 
 def test_a_new_generation_reloads_only_the_changed_model(stack: Stack, ready_pair: int):
-    deployment = Deployment.objects.get(pk=ready_pair)
+    deployment = factories.replica_row(ready_pair)
     pid = deployment.runtime_handle
     http = stack.session()
     with _socket(stack, ready_pair) as socket:
@@ -103,7 +105,7 @@ def test_restart_roll_back_and_delete_a_real_server(stack: Stack, minilm_path: P
     with _socket(stack, created["id"]) as socket:
         http.post(f"{url}/start/", timeout=30)
         _wait_for_status(socket, "ready", timeout_s=240)
-        first_server = Deployment.objects.get(pk=created["id"]).runtime_handle
+        first_server = factories.replica_row(created["id"]).runtime_handle
         assert http.post(f"{url}/restart/", timeout=30).status_code == 202
         seen = _wait_for_status(socket, "ready", timeout_s=240)
         assert [e["to_status"] for e in seen if e["to_status"]] == [
@@ -113,7 +115,7 @@ def test_restart_roll_back_and_delete_a_real_server(stack: Stack, minilm_path: P
             "loading",
             "ready",
         ]
-        assert Deployment.objects.get(pk=created["id"]).runtime_handle not in ("", first_server)
+        assert factories.replica_row(created["id"]).runtime_handle not in ("", first_server)
 
         changed = http.put(f"{url}/models/", json={"models": [{**EMBED, "max_batch_size": 8}]}, timeout=30)
         assert changed.status_code == 202, changed.text
@@ -121,7 +123,7 @@ def test_restart_roll_back_and_delete_a_real_server(stack: Stack, minilm_path: P
         rolled = http.post(f"{url}/rollback/", json={"generation": 1}, timeout=30)
         assert rolled.status_code == 202 and rolled.json()["generation"] == 3, rolled.text
         _wait_for_status(socket, "ready", timeout_s=240)
-    deployment = Deployment.objects.get(pk=created["id"])
+    deployment = factories.replica_row(created["id"])
     client = httpclient.InferenceServerClient(f"127.0.0.1:{deployment.http_port}")
     wait_for(lambda: client.get_model_config("minilm")["max_batch_size"] == 16, 30, "generation 1's config again")
     client.close()
@@ -129,7 +131,7 @@ def test_restart_roll_back_and_delete_a_real_server(stack: Stack, minilm_path: P
     refused = http.delete(f"{url}/", timeout=30)
     assert refused.status_code == 409 and "stop it before deleting it" in refused.json()["detail"]
     _stop(stack, created["id"])
-    folder = stack.data_dir / "deployments" / f"{deployment.pk}-{deployment.name}"
+    folder = stack.data_dir / "deployments" / f"{deployment.deployment_id}-{deployment.deployment.name}"
     assert folder.exists()
     assert http.delete(f"{url}/", timeout=30).status_code == 204
     wait_for(lambda: not folder.exists(), 30, "the host to remove the deleted deployment's files")

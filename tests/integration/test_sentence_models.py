@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from deployments.models import Deployment
+from tests import factories
 from tests.integration.conftest import Stack, wait_for
 from workers import processes
 from workers.deploy import telemetry
@@ -65,7 +66,7 @@ def test_an_embedder_with_its_own_code_loads_only_when_allowed_and_follows_its_c
     deployment_id = created.json()["id"]
     assert http.post(f"{stack.web_url}/api/deployments/{deployment_id}/start/", timeout=30).status_code == 202
     wait_for(lambda: Deployment.objects.get(pk=deployment_id).status in ("ready", "failed"), 240, "the launch")
-    row = Deployment.objects.get(pk=deployment_id)
+    row = factories.replica_row(deployment_id)
     assert row.status == "ready", row.status_message
 
     # Vectors as sentence-transformers makes them from the same folder: the document

@@ -127,7 +127,7 @@ def test_two_hosts_serve_apart_and_one_losing_its_worker_leaves_the_other_servin
 
             for name in hosts:
                 wait_for(lambda n=name: shown(n) == "ready", 240, f"the deployment on {name}")
-            ports = {get(f"/api/deployments/{deployment[n]}/")["http_port"] for n in hosts}
+            ports = {get(f"/api/deployments/{deployment[n]}/")["replica_set"][0]["http_port"] for n in hosts}
             assert len(ports) == 1  # the same port on two hosts: each has its own address
             assert embeds("host-a") and embeds("host-b")  # the web reaches each host's Triton at its address
 

@@ -261,7 +261,7 @@ class Command(BaseCommand):
             try:
                 stack = deployment_services.deployment_create(
                     name=DEMO_STACK,
-                    host_name=settings.GANTRY_HOST_NAME,
+                    hosts=[settings.GANTRY_HOST_NAME],
                     placements=[
                         PlacementSpec(model=name, gpu_memory_fraction=fraction, max_batch_size=8)
                         for name, fraction in DEMO_FRACTIONS.items()

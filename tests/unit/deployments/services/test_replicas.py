@@ -1,0 +1,163 @@
+"""Replicas: placement across the hosts' GPU plans, scaling, lost hosts (and a
+flapping one), and a new generation rolled one replica at a time."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from common.errors import InvalidTransition
+from deployments import states
+from deployments.models import Deployment, Event, GpuHost, Replica
+from deployments.models import DeploymentStatus as S
+from deployments.services import deployments, replicas
+from deployments.services.placements import PlacementSpec
+from tests import factories
+
+
+def _create(operator, name: str, fraction: float, count: int, *, hosts=(), policy: str = "spread", gpus=(0,)):  # noqa: ANN001, ANN202
+    return deployments.deployment_create(
+        name=name,
+        hosts=list(hosts),
+        replicas=count,
+        placement_policy=policy,
+        placements=[
+            PlacementSpec(model="minilm", instance_kind="KIND_GPU", gpu_ids=gpus, gpu_memory_fraction=fraction)
+        ],
+        user=operator,
+    )
+
+
+def _where(deployment: Deployment) -> list[tuple[str, dict[int, int]]]:
+    return [(r.host.name, r.gpus) for r in Replica.objects.filter(deployment=deployment).order_by("serial")]
+
+
+@pytest.fixture
+def fleet(db, minilm):  # noqa: ANN001, ANN201 - three hosts of two GPUs each, beside the model's CPU host
+    return [factories.gpu_host(f"gpu-{i}", count=2) for i in (1, 2, 3)]
+
+
+def test_spread_puts_each_replica_on_another_host_and_pack_fills_one_first(fleet, operator):
+    spread = _create(operator, "spread", 0.3, 3)
+    deployments.deployment_start(deployment_id=spread.pk, user=operator)
+    assert sorted(host for host, _ in _where(spread)) == ["gpu-1", "gpu-2", "gpu-3"]
+    packed = _create(operator, "packed", 0.3, 3, policy="pack")
+    deployments.deployment_start(deployment_id=packed.pk, user=operator)
+    where = _where(packed)
+    # Packed onto one host, the fullest GPU that still fits first: GPU 0 takes two 0.3
+    # shares beside spread's one (0.9 of 0.95), and GPU 1 the third.
+    assert len({host for host, _ in where}) == 1
+    assert sorted(gpu for _, gpus in where for gpu in gpus.values()) == [0, 0, 1]
+
+
+def test_a_replica_that_fits_nowhere_is_refused_with_the_closest_hosts_shortfall(fleet, operator):
+    big = _create(operator, "big", 0.9, 3, gpus=(0, 1))
+    deployments.deployment_start(deployment_id=big.pk, user=operator)
+    more = _create(operator, "more", 0.5, 1)
+    with pytest.raises(InvalidTransition) as refused:
+        deployments.deployment_start(deployment_id=more.pk, user=operator)
+    assert str(refused.value).startswith(
+        "more's replica 1 of 1 fits on no host (any online host): gpu-1 is short by 0.45"
+    )
+    assert "together with big r1 (launching)" in str(refused.value)
+    assert not Replica.objects.filter(deployment=more).exists()  # nothing written
+    assert Deployment.objects.get(pk=more.pk).desired_state == "stopped"
+
+
+def test_the_preflight_says_where_each_replica_would_go(api, fleet, operator):
+    body = {"name": "", "replicas": 2, "models": [{"model": "minilm", "gpu_ids": [0], "gpu_memory_fraction": 0.5,
+                                                    "instance_kind": "KIND_GPU"}]}  # fmt: skip
+    answer = api.post("/api/deployments/preflight/", body, format="json").data
+    assert answer["valid"], answer
+    assert [(r["host"], r["gpus"]) for r in answer["replicas"]] == [("gpu-1", {"0": 0}), ("gpu-2", {"0": 0})]
+
+
+def test_scaling_places_more_and_retires_the_least_useful(fleet, operator):
+    deployment = _create(operator, "web", 0.2, 2)
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    first, second = Replica.objects.filter(deployment=deployment).order_by("serial")
+    for replica in (first, second):
+        states.replica_transition(replica_id=replica.pk, to=S.LOADING, source="t", runtime_handle="1")
+    states.replica_transition(replica_id=first.pk, to=S.READY, source="t", generation=1)
+    deployments.deployment_scale(deployment_id=deployment.pk, replicas=3, user=operator)
+    assert Replica.objects.filter(deployment=deployment).count() == 3
+    assert Deployment.objects.get(pk=deployment.pk).status == S.DEGRADED  # 1 of 3 ready
+    deployments.deployment_scale(deployment_id=deployment.pk, replicas=1, user=operator)
+    # The two not ready are retired; the ready one stays.
+    kept = Replica.objects.filter(deployment=deployment, desired_state="running")
+    assert list(kept.values_list("serial", flat=True)) == [first.serial]
+    assert Event.objects.filter(deployment=deployment, kind="deployment.scaled").count() == 2
+
+
+def _ready(deployment: Deployment) -> list[Replica]:
+    rows = list(Replica.objects.filter(deployment=deployment).order_by("serial"))
+    for replica in rows:
+        if replica.status == S.LAUNCHING:
+            states.replica_transition(replica_id=replica.pk, to=S.LOADING, source="t", runtime_handle="1")
+        states.replica_transition(replica_id=replica.pk, to=S.READY, source="t", generation=1)
+    return rows
+
+
+def test_a_lost_host_is_replaced_after_the_grace_and_its_return_stops_the_surplus(fleet, operator, settings):
+    settings.GANTRY_HOST_LOST_GRACE_S = 60
+    deployment = _create(operator, "svc", 0.3, 2)
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    first, second = _ready(deployment)
+    gone = GpuHost.objects.filter(pk=second.host_id)
+    # Missing its beats, but within the grace: nothing is replaced (a flap).
+    gone.update(last_heartbeat=timezone.now() - timedelta(seconds=30))
+    assert replicas.replace_lost(source="system") == []
+    assert Replica.objects.filter(deployment=deployment).count() == 2
+    # Past the grace: lost, and a replacement starts on the host that has none.
+    gone.update(last_heartbeat=timezone.now() - timedelta(seconds=90))
+    [lost] = replicas.replace_lost(source="system")
+    assert lost.pk == second.pk and Replica.objects.get(pk=second.pk).status == S.LOST
+    replacement = Replica.objects.filter(deployment=deployment).exclude(pk__in=[first.pk, second.pk]).get()
+    assert replacement.status == S.LAUNCHING and replacement.host.name not in (first.host.name, second.host.name)
+    assert Deployment.objects.get(pk=deployment.pk).status == S.DEGRADED
+    _ready_one(replacement)
+    # The host comes back with its server still up: three serve two wanted; the lost one was
+    # the oldest generation... all are generation 1, so the newest replica goes.
+    gone.update(last_heartbeat=timezone.now())
+    states.replica_transition(replica_id=second.pk, to=S.READY, source="t", only_from=frozenset({S.LOST}))
+    replicas.deployment_converge(deployment_id=deployment.pk, source="t")
+    retired = Replica.objects.filter(deployment=deployment, desired_state="stopped").get()
+    assert retired.pk == replacement.pk and retired.status == S.STOPPING
+    assert Deployment.objects.get(pk=deployment.pk).status == S.READY
+
+
+def _ready_one(replica: Replica) -> None:
+    states.replica_transition(replica_id=replica.pk, to=S.LOADING, source="t", runtime_handle="1")
+    states.replica_transition(replica_id=replica.pk, to=S.READY, source="t", generation=1)
+
+
+def test_a_surplus_on_an_older_generation_goes_first(fleet, operator):
+    deployment = _create(operator, "gen", 0.2, 2)
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    first, second = _ready(deployment)
+    Replica.objects.filter(pk=second.pk).update(generation=0)
+    deployments.deployment_scale(deployment_id=deployment.pk, replicas=1, user=operator)
+    assert Replica.objects.get(pk=second.pk).desired_state == "stopped"
+    assert Replica.objects.get(pk=first.pk).desired_state == "running"
+
+
+def test_a_new_generation_rolls_one_replica_at_a_time(fleet, operator):
+    deployment = _create(operator, "roll", 0.2, 3)
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    rows = _ready(deployment)
+    deployments.deployment_change(
+        deployment_id=deployment.pk,
+        placements=[PlacementSpec(model="minilm", instance_kind="KIND_GPU", gpu_ids=(0,), gpu_memory_fraction=0.2,
+                                  max_batch_size=8)],
+        user=operator,
+    )  # fmt: skip
+    for step, replica in enumerate(rows):
+        statuses = dict(Replica.objects.filter(deployment=deployment).values_list("serial", "status"))
+        assert statuses[replica.serial] == S.UPDATING
+        assert sum(1 for s in statuses.values() if s == S.READY) == len(rows) - 1  # N-1 keep serving
+        replicas.replica_ready(replica_id=replica.pk, source="t", message="ok", from_status=S.UPDATING, generation=2)
+        assert Replica.objects.get(pk=replica.pk).generation == 2, step
+    assert set(Replica.objects.filter(deployment=deployment).values_list("status", "generation")) == {(S.READY, 2)}
+    assert Deployment.objects.get(pk=deployment.pk).status == S.READY
