@@ -16,10 +16,16 @@ from deployments.models import Deployment, EngineBuild
 from deployments.permissions import can_view
 
 TOPICS = {"deployment": (Deployment, events.deployment_group), "build": (EngineBuild, events.build_group)}
+# The dashboard follows the deployments in view: at most this many, and the
+# sequence numbers it leaves out are named in batches of at most SKIPPED_BATCH.
+WATCH_MAX = 500
+SKIPPED_BATCH = 200
 
 
 class LiveConsumer(AsyncJsonWebsocketConsumer):
     group: str = ""
+    watch: frozenset[int] | None = None  # the dashboard's deployments in view (None: all)
+    skipped: list[int]
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -46,8 +52,29 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
-        # Nothing to receive: commands go through the REST API.
+        """Only the dashboard's {"watch": [deployment ids in view]}: commands go through the REST API."""
+        if self.group == events.DASHBOARD_GROUP and isinstance(content, dict) and list(content) == ["watch"]:
+            ids = content["watch"]
+            if isinstance(ids, list) and len(ids) <= WATCH_MAX and all(type(i) is int for i in ids):
+                self.watch, self.skipped = frozenset(ids), []
+                await self.send_json({"type": "watching", "deployments": len(self.watch)})
+                return
+            await self.send_json({"type": "error", "detail": f"watch: a list of at most {WATCH_MAX} deployment ids"})
+            return
         await self.send_json({"type": "error", "detail": "this socket is read-only; use the REST API"})
 
     async def gantry_message(self, message: dict[str, Any]) -> None:
-        await self.send_json(message["payload"])
+        payload = message["payload"]
+        deployment = payload.get("deployment")
+        if self.watch is not None and deployment is not None and deployment not in self.watch:
+            # Not in view: left out, and its number named so the page sees no gap.
+            if isinstance(payload.get("seq"), int):
+                self.skipped.append(payload["seq"])
+            if len(self.skipped) >= SKIPPED_BATCH:
+                await self.send_json({"type": "skipped", "seqs": self.skipped})
+                self.skipped = []
+            return
+        if self.watch is not None and self.skipped:
+            payload = {**payload, "skipped": self.skipped}
+            self.skipped = []
+        await self.send_json(payload)

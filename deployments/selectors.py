@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Exists, OuterRef, Prefetch, Q, QuerySet
 from django.utils import timezone
 
@@ -20,6 +21,7 @@ from deployments.models import (
     DesiredState,
     EngineBuild,
     Event,
+    Gpu,
     GpuHost,
     RegisteredModel,
     Replica,
@@ -279,3 +281,49 @@ def reference_host_name(deployment: Deployment) -> str:
     pinned = sorted(h.name for h in deployment.pinned_hosts.all())
     replicas = [r.host.name for r in deployment.replica_set.all()]
     return (pinned or replicas or [""])[0]
+
+
+def deployment_search(*, name: str = "", status: str = "", host: str = "") -> QuerySet[Deployment]:
+    """Deployments by name (containing ``name``), status and a host carrying one of
+    their replicas, in name order: the dashboard pages through these."""
+    rows = deployment_list()
+    if name:
+        rows = rows.filter(name__contains=name)
+    if status:
+        rows = rows.filter(status=status)
+    if host:
+        rows = rows.filter(pk__in=Replica.objects.filter(host__name=host).values("deployment_id"))
+    return rows.order_by("name")
+
+
+def fleet_summary() -> dict[str, Any]:
+    """Counts of the whole fleet in a few aggregate queries: deployments by
+    status, replicas by status, hosts online and GPUs."""
+    from django.db.models import Count
+
+    allowed = timezone.now() - timedelta(
+        seconds=settings.GANTRY_HEARTBEAT_INTERVAL * settings.GANTRY_HOST_OFFLINE_AFTER_BEATS
+    )
+    by_status = dict(Deployment.objects.values_list("status").annotate(n=Count("pk")).values_list("status", "n"))
+    replicas = dict(Replica.objects.values_list("status").annotate(n=Count("pk")).values_list("status", "n"))
+    return {
+        "deployments": sum(by_status.values()),
+        "deployments_by_status": sorted(by_status.items()),
+        "replicas": sum(replicas.values()),
+        "replicas_ready": replicas.get(DeploymentStatus.READY, 0),
+        "hosts": GpuHost.objects.count(),
+        "hosts_online": GpuHost.objects.filter(last_heartbeat__gte=allowed).count(),
+        "gpus": Gpu.objects.count(),
+    }
+
+
+def gpu_shares_on(hosts: list[GpuHost]) -> dict[tuple[int, int], list[dict]]:
+    """gpu_shares for the replicas on ``hosts`` only (the dashboard's page of hosts)."""
+    placements = DeploymentModel.objects.select_related("registered_model", "engine_build")
+    wanted = Replica.objects.filter(host__in=hosts, desired_state=DesiredState.RUNNING).select_related("host")
+    deployments = (
+        Deployment.objects.filter(desired_state=DesiredState.RUNNING, replica_set__in=wanted)
+        .distinct()
+        .prefetch_related(Prefetch("placements", queryset=placements), Prefetch("replica_set", queryset=wanted))
+    )
+    return gpu_shares(hosts, deployments)

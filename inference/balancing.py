@@ -23,10 +23,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.utils import timezone
 
 from common.errors import TransientError
 from deployments.models import Replica
@@ -48,9 +50,14 @@ class Endpoint:
 
 
 def answering(deployment_id: int) -> list[Endpoint]:
-    """The deployment's replicas that answer requests now, in one query."""
+    """The deployment's replicas that answer requests now, in one query: ready or
+    degraded, on a host that beats (one that stopped may be gone with its server;
+    its replicas come back with its next beat)."""
+    beaten = timezone.now() - timedelta(
+        seconds=settings.GANTRY_HEARTBEAT_INTERVAL * settings.GANTRY_HOST_OFFLINE_AFTER_BEATS
+    )
     rows = (
-        Replica.objects.filter(deployment_id=deployment_id, status__in=ANSWERING)
+        Replica.objects.filter(deployment_id=deployment_id, status__in=ANSWERING, host__last_heartbeat__gte=beaten)
         .order_by("serial")
         .values_list("pk", "serial", "host__name", "host__address", "http_port", "queue_ms")
     )

@@ -131,7 +131,7 @@ Gantry.metricCharts = (container, deploymentId) => {
 
 // The dashboard's sparklines: each deployment's requests per second over the
 // last minutes, from /api/deployments/rates/ and then the dashboard's socket.
-Gantry.sparklines = () => {
+Gantry.sparklines = (inView) => {
   const WINDOW_S = 600;
   const series = new Map();  // deployment id -> {times, rates, plot, box, label}
   function ensure(id) {
@@ -167,7 +167,9 @@ Gantry.sparklines = () => {
     draw(entry);
   }
   async function load() {
-    for (const { deployment, points } of await Gantry.api("GET", "/api/deployments/rates/?minutes=10")) {
+    const ids = inView();
+    if (!ids.length) return;
+    for (const { deployment, points } of await Gantry.api("GET", `/api/deployments/rates/?minutes=10&ids=${ids.join(",")}`)) {
       const entry = ensure(deployment);
       if (!entry) continue;
       entry.times = points.map((p) => Date.parse(p.at) / 1000);

@@ -9,10 +9,16 @@
       const badge = document.querySelector(`[data-deployment="${id}"] [data-status]`);
       if (badge) setStatus(badge, status);
     }
-    const sparklines = window.uPlot && Gantry.sparklines ? Gantry.sparklines() : null;
+    // The rows in view: only they are read again and followed live (a fleet of
+    // thousands is a page of them).
+    const inView = () => [...document.querySelectorAll("tr[data-deployment]")].map((row) => Number(row.dataset.deployment));
+    const sparklines = window.uPlot && Gantry.sparklines ? Gantry.sparklines(inView) : null;
     async function refresh() {
-      const page = await api("GET", "/api/deployments/?limit=500");
-      for (const deployment of page.results) setBadge(deployment.id, deployment.shown_status);
+      const ids = inView();
+      if (ids.length) {
+        const page = await api("GET", `/api/deployments/?ids=${ids.join(",")}&limit=${ids.length}`);
+        for (const deployment of page.results) setBadge(deployment.id, deployment.shown_status);
+      }
       if (sparklines) await sparklines.load();
     }
     // A host's beat: what each of its GPUs uses and how busy it is.
@@ -31,6 +37,7 @@
     }
     live("/ws/dashboard/", {
       indicator: document.getElementById("live-indicator"),
+      watch: inView,
       resync: refresh,
       onMessage: (event) => {
         if (event.type === "gpus") showGpus(event);

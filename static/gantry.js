@@ -45,7 +45,10 @@ const Gantry = (() => {
   const RECONNECT_MAX_MS = 750;
   const RECONNECT_JITTER_MS = 250;
 
-  function live(path, { onMessage, resync, indicator }) {
+  // ``watch`` (the dashboard): the deployment ids in view, sent as the socket
+  // opens and whenever they change; the live server then forwards only their
+  // messages, and names the sequence numbers it left out ("skipped").
+  function live(path, { onMessage, resync, indicator, watch }) {
     let delay = 500;
     let last = null;
     let missing = new Set();
@@ -87,6 +90,7 @@ const Gantry = (() => {
         delay = 500;
         last = null;
         missing = new Set();
+        if (watch) socket.send(JSON.stringify({ watch: watch() }));
         setLive("up", "live");
         resync && resync("connect");
       };
@@ -96,6 +100,8 @@ const Gantry = (() => {
           last = message.seq;
           return;
         }
+        for (const seq of message.skipped || message.seqs || []) track(seq);  // left out on purpose
+        if (message.type === "skipped" || message.type === "watching") return;
         track(message.seq);
         onMessage(message);
       };

@@ -24,6 +24,7 @@ from deployments.api.base import StrictModelSerializer, StrictSerializer, requir
 from deployments.api.lists import CursorPage, ListEndpoint
 from deployments.api.timeline import Events, LogLines
 from deployments.models import (
+    DB_INT_MAX,
     Deployment,
     DeploymentModel,
     DeploymentRevision,
@@ -205,8 +206,22 @@ class DeploymentIn(StrictSerializer):
     models = PlacementIn(many=True, allow_empty=False)
 
 
+def _ids(value: str) -> list[int]:
+    """A comma-separated list of at most 500 ids (the rows a page shows)."""
+    try:
+        ids = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise serializers.ValidationError("a comma-separated list of deployment ids") from None
+    if len(ids) > 500 or any(not 1 <= i <= DB_INT_MAX for i in ids):
+        raise serializers.ValidationError("at most 500 ids, each a positive integer")
+    return ids
+
+
 class DeploymentQuery(StrictSerializer):
     host = serializers.CharField(max_length=63, required=False, help_text="with a replica on this host")
+    ids = serializers.CharField(
+        max_length=8000, required=False, validators=[_ids], help_text="only these (comma-separated, at most 500)"
+    )
     status = serializers.ChoiceField(choices=DeploymentStatus.choices, required=False)
     desired_state = serializers.ChoiceField(choices=DesiredState.choices, required=False)
     runtime = serializers.ChoiceField(choices=Runtime.choices, required=False)
@@ -259,7 +274,9 @@ class DeploymentList(ListEndpoint):
         lookups = {"status": "status", "desired_state": "desired_state", "runtime": "runtime"}
         rows = rows.filter(**{lookups[k]: v for k, v in query.items() if k in lookups})
         if "host" in query:
-            rows = rows.filter(replica_set__host__name=query["host"]).distinct()
+            rows = rows.filter(pk__in=Replica.objects.filter(host__name=query["host"]).values("deployment_id"))
+        if "ids" in query:
+            rows = rows.filter(pk__in=_ids(query["ids"]))
         return rows.filter(name__contains=query["name"]) if "name" in query else rows
 
     @idempotent()
@@ -521,6 +538,10 @@ class DeploymentPreflight(APIView):
 
 class RatesQuery(StrictSerializer):
     minutes = serializers.IntegerField(min_value=1, max_value=60, default=10, help_text="how far back (default 10)")
+    ids = serializers.CharField(
+        max_length=8000, required=False, validators=[_ids],
+        help_text="only these deployments (comma-separated, at most 500; the rows a page shows)",
+    )  # fmt: skip
 
 
 class RatePointOut(serializers.Serializer):
@@ -534,8 +555,9 @@ class DeploymentRatesOut(serializers.Serializer):
 
 
 class DeploymentRates(APIView):
-    """GET /api/deployments/rates/?minutes=10: each deployment's requests per second
-    over the last minutes, oldest first (the dashboard's sparklines)."""
+    """GET /api/deployments/rates/?minutes=10&ids=1,2: each deployment's (or
+    those named) requests per second over the last minutes, oldest first (the
+    dashboard's sparklines, for the rows in view)."""
 
     permission_classes = [ReadOrOperate]
 
@@ -543,7 +565,8 @@ class DeploymentRates(APIView):
     def get(self, request: Request) -> Response:
         query = RatesQuery(data=request.query_params)
         query.is_valid(raise_exception=True)
-        rates = telemetry.request_rates(minutes=query.validated_data["minutes"])
+        ids = _ids(query.validated_data["ids"]) if "ids" in query.validated_data else None
+        rates = telemetry.request_rates(minutes=query.validated_data["minutes"], ids=ids)
         return Response(
             [
                 {"deployment": deployment_id, "points": [{"at": at, "request_rate": rate} for at, rate in points]}

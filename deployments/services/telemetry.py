@@ -63,14 +63,13 @@ def request_rate(models: dict[str, dict[str, float]]) -> float:
     return round(sum(values.get("request_rate", 0.0) for values in models.values()), 4)
 
 
-def request_rates(*, minutes: int) -> dict[int, list[tuple[str, float]]]:
-    """Per deployment, its requests per second over the last ``minutes`` (oldest first)."""
+def request_rates(*, minutes: int, ids: list[int] | None = None) -> dict[int, list[tuple[str, float]]]:
+    """Per deployment (or those of ``ids``), its requests per second over the last ``minutes`` (oldest first)."""
     since = timezone.now() - timedelta(minutes=minutes)
-    rows = (
-        MetricSample.objects.filter(kind="model", at__gte=since)
-        .order_by("deployment_id", "at")
-        .values_list("deployment_id", "at", "values")
-    )
+    samples = MetricSample.objects.filter(kind="model", at__gte=since)
+    if ids is not None:
+        samples = samples.filter(deployment_id__in=ids)
+    rows = samples.order_by("deployment_id", "at").values_list("deployment_id", "at", "values")
     rates: dict[int, dict[str, float]] = {}
     for deployment_id, at, values in rows:
         series = rates.setdefault(deployment_id, {})

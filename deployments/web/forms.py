@@ -9,7 +9,7 @@ from django import forms
 
 from common.errors import GantryError, ValidationFailed
 from deployments import build_spec, selectors, trtllm
-from deployments.models import DB_INT_MAX, BuildStatus, ModelKind, slug_validator
+from deployments.models import DB_INT_MAX, BuildStatus, DeploymentStatus, ModelKind, slug_validator
 
 
 class RegisterForm(forms.Form):
@@ -99,3 +99,11 @@ def show_refusal(form: forms.Form, exc: GantryError, *, within: str = "") -> Non
             form.add_error(field if field in form.fields else None, " ".join(errors))
     else:
         form.add_error(None, str(exc))
+
+
+class DashboardFilterForm(forms.Form):
+    """The dashboard's deployment search: by name, status, or a host carrying a replica."""
+
+    q = forms.CharField(required=False, max_length=63, label="Name contains")
+    status = forms.ChoiceField(required=False, choices=[("", "any status"), *DeploymentStatus.choices])
+    host = forms.CharField(required=False, max_length=63, label="On host")

@@ -11,6 +11,7 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db.models import QuerySet
 from django.forms import Form
@@ -36,26 +37,51 @@ from deployments.permissions import OPERATOR_REQUIRED, can_operate
 from deployments.services import builds, registered_models
 from deployments.services.deployments import ServerSpec
 from deployments.services.placements import SERVABLE_KINDS, placements_snapshot
-from deployments.web.forms import BuildFilterForm, BuildForm, EventFilterForm, RegisterForm, show_refusal
+from deployments.web.forms import (
+    BuildFilterForm,
+    BuildForm,
+    DashboardFilterForm,
+    EventFilterForm,
+    RegisterForm,
+    show_refusal,
+)
 
 # The colors of the dashboard's memory bars, one per deployment (static/gantry.css has none to spare).
 _SHARE_COLORS = ("#2457c5", "#c4320a", "#087443", "#6938ef", "#b54708", "#0e7090", "#c11574")
 
 
+# The dashboard shows a page of hosts and a page of deployments (a fleet of
+# thousands stays a page of each), with counts of everything above them.
+DASHBOARD_HOSTS, DASHBOARD_DEPLOYMENTS = 20, 50
+
+
 @login_required
 def dashboard(request: HttpRequest) -> HttpResponse:
-    """Each host with each GPU as a memory bar split by the models placed on it
-    (and what it really uses, live); each deployment with its status and a
-    request-rate sparkline."""
-    hosts = list(selectors.host_list())
-    deployments = list(selectors.deployment_list())
-    shares = selectors.gpu_shares(hosts, deployments)
-    colors = {d.pk: _SHARE_COLORS[i % len(_SHARE_COLORS)] for i, d in enumerate(deployments)}
+    """A summary of the fleet; a page of hosts, each GPU as a memory bar split by
+    the replicas placed on it (and what it really uses, live); a page of
+    deployments (searched by name, filtered by status or host) with their
+    replicas, status and request-rate sparkline, live for the rows in view."""
+    query = DashboardFilterForm(request.GET or None)
+    found = query.cleaned_data if query.is_valid() else {}
+    hosts_page = Paginator(selectors.host_list(), DASHBOARD_HOSTS).get_page(request.GET.get("hosts_page"))
+    rows = selectors.deployment_search(
+        name=found.get("q") or "", status=found.get("status") or "", host=found.get("host") or ""
+    )
+    deployments_page = Paginator(rows, DASHBOARD_DEPLOYMENTS).get_page(request.GET.get("page"))
+    hosts = list(hosts_page)
+    shares = selectors.gpu_shares_on(hosts)
+    colors: dict[int, str] = {}
+
+    def color(deployment_id: int) -> str:
+        return colors.setdefault(deployment_id, _SHARE_COLORS[len(colors) % len(_SHARE_COLORS)])
+
     for host in hosts:
         host.gpu_bars = []
         for gpu in host.gpus.all():
-            placed = [{**share, "color": colors[share["deployment_id"]], "percent": round(share["fraction"] * 100, 1)}
-                      for share in shares.get((host.pk, gpu.index), [])]  # fmt: skip
+            placed = [
+                {**share, "color": color(share["deployment_id"]), "percent": round(share["fraction"] * 100, 1)}
+                for share in shares.get((host.pk, gpu.index), [])
+            ]  # fmt: skip
             planned = sum(share["fraction"] for share in placed)
             used = gpu.memory_used_bytes / gpu.memory_total_bytes if gpu.memory_total_bytes else 0.0
             host.gpu_bars.append(
@@ -66,9 +92,14 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         request,
         "deployments/dashboard.html",
         {
+            "summary": selectors.fleet_summary(),
             "hosts": hosts,
-            "models": selectors.model_list(),
-            "deployments": deployments,
+            "hosts_page": hosts_page,
+            "models": selectors.model_list()[:20],
+            "deployments": list(deployments_page),
+            "deployments_page": deployments_page,
+            "filters": query,
+            "filtered": bool(found.get("q") or found.get("status") or found.get("host")),
             "can_operate": can_operate(request.user),
         },
     )

@@ -283,7 +283,7 @@ def test_a_second_deployment_on_the_same_gpu_is_refused_at_start_naming_the_firs
     second = plane.ok("POST", "/api/deployments/", 201, json=body)
     refused = plane.api("POST", f"/api/deployments/{second['id']}/start/")
     assert refused.status_code == 409, refused.text
-    assert "memory fractions add up to 1.75 together with seeds (ready)" in refused.json()["detail"]
+    assert "memory fractions add up to 1.75 together with seeds r1 (ready)" in refused.json()["detail"]
     plane.ok("DELETE", f"/api/deployments/{second['id']}/", 204)
 
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 import pytest
@@ -492,3 +493,99 @@ def namespaces(count: int) -> Iterator[list[Namespace]]:
     finally:
         for namespace in made:  # its end of the veth pair goes with it, and so does ours
             subprocess.run(["ip", "netns", "del", namespace.name], capture_output=True, timeout=30)
+
+
+@dataclass
+class Fleet:
+    """A control plane on this machine (PostgreSQL, Redis, web, live, beat) and
+    GPU-host workers, each in a network namespace of its own (reaching the
+    database and Redis over a veth pair, as another machine would)."""
+
+    base: str
+    token: str
+    hosts: dict[str, Namespace]
+    control_env: dict[str, str]
+    host_env: Any  # (name) -> the environment of that host's worker
+    logs: Path
+    spawned: list[subprocess.Popen]
+    workers: dict[str, subprocess.Popen]
+
+    def session(self) -> requests.Session:
+        http = requests.Session()
+        http.headers["Authorization"] = f"Bearer {self.token}"
+        return http
+
+    def get(self, path: str) -> dict:
+        return self.session().get(f"{self.base}{path}", timeout=10).json()
+
+    def start_worker(self, name: str) -> subprocess.Popen:
+        argv = ["ip", "netns", "exec", self.hosts[name].name, *host_worker_argv(sys.executable, name)]
+        worker = _spawn(argv, self.host_env(name), self.logs / f"worker-{name}.log")
+        self.spawned.append(worker)
+        self.workers[name] = worker
+        return worker
+
+
+@contextmanager
+def fleet(tmp_path: Path, count: int, extra_env: dict[str, str] | None = None) -> Iterator[Fleet]:
+    """A Fleet of ``count`` hosts (host-a, host-b, ...), every one beating; stopped
+    and cleaned up (by process id) on the way out."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    spawned: list[subprocess.Popen] = []
+    names = [f"host-{chr(ord('a') + n)}" for n in range(count)]
+    with namespaces(count) as made:
+        hosts = dict(zip(names, made, strict=True))
+        gateways = tuple(ns.gateway for ns in made)
+        postgres_runner = run_postgres(listen=("127.0.0.1", *gateways))
+        postgres = next(postgres_runner)
+        redis_dir = tmp_path / "redis"
+        redis_dir.mkdir()
+        redis = RedisServer(port=free_port(), data_dir=redis_dir, bind=("127.0.0.1", *gateways))
+        redis.start()
+        triton = free_ports(30)
+        base_env = {
+            **os.environ,
+            "GANTRY_HEARTBEAT_INTERVAL": "1",
+            "GANTRY_TRITON_PORT_RANGE": f"{triton}-{triton + 29}",  # the same ports on every host
+            "PYTHONUNBUFFERED": "1",
+            **(extra_env or {}),
+        }
+        control_env = {**base_env, "DATABASE_URL": postgres.url, "REDIS_URL": redis.url}
+
+        def host_env(name: str) -> dict[str, str]:
+            ns = hosts[name]
+            return {
+                **base_env,
+                "DATABASE_URL": postgres.url.replace("127.0.0.1", ns.gateway),
+                "REDIS_URL": redis.url.replace("127.0.0.1", ns.gateway),
+                "GANTRY_HOST_NAME": name,
+                "GANTRY_HOST_ADDRESS": ns.address,
+                "GANTRY_DATA_DIR": str(tmp_path / name),
+            }
+
+        try:
+            token = bootstrap(control_env)
+            web_port, live_port = free_port(), free_port()
+            control_env["GANTRY_LIVE_PORT"] = str(live_port)
+            spawned.append(_spawn(web_argv(sys.executable, bind="127.0.0.1", port=web_port, workers=1), control_env,
+                                  logs / "web.log"))  # fmt: skip
+            spawned.append(_spawn(live_argv(sys.executable, bind="127.0.0.1", port=live_port), control_env,
+                                  logs / "live.log"))  # fmt: skip
+            beat = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--beat", "-Q", "control",
+                    "-c", "1", "-s", str(tmp_path / "beat-schedule")]  # fmt: skip
+            spawned.append(_spawn(beat, control_env, logs / "beat.log"))
+            result = Fleet(base=f"http://127.0.0.1:{web_port}", token=token, hosts=hosts, control_env=control_env,
+                           host_env=host_env, logs=logs, spawned=spawned, workers={})  # fmt: skip
+            for name in hosts:
+                result.start_worker(name)
+            wait_for(lambda: healthz_answers(result.base), 30, "the web server")
+            online = lambda: {h["name"] for h in result.get("/api/hosts/")["results"] if h["is_online"]}  # noqa: E731
+            wait_for(lambda: online() >= set(hosts), 60, "every host's first beat")
+            yield result
+        finally:
+            for child in reversed(spawned):
+                stop_process(child)
+            clean_up([tmp_path / name for name in hosts], logs)
+            redis.stop()
+            next(postgres_runner, None)  # stops and removes it

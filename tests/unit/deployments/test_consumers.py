@@ -102,3 +102,28 @@ async def _publish(group: str | list[str], payload: dict) -> None:
     from channels.db import database_sync_to_async
 
     await database_sync_to_async(events.publish)(group, payload)
+
+
+def test_the_dashboard_follows_only_the_deployments_in_view_and_names_what_it_left_out(operator, minilm):
+    events.publisher().flush()
+
+    async def run() -> tuple:
+        communicator = _connect("/ws/dashboard/", operator)
+        await communicator.connect()
+        hello = await communicator.receive_json_from(timeout=5)
+        await communicator.send_json_to({"watch": [7, "x"]})
+        refused = await communicator.receive_json_from(timeout=5)
+        await communicator.send_json_to({"watch": [7]})
+        watching = await communicator.receive_json_from(timeout=5)
+        for deployment in (8, 9, 7):  # two rows out of view, then the one in view
+            await _publish(events.DASHBOARD_GROUP, {"type": "rate", "deployment": deployment, "request_rate": 1.0})
+        await _publish(events.DASHBOARD_GROUP, {"type": "gpus", "host": "h", "gpus": []})  # a host's beat: kept
+        forwarded = [await communicator.receive_json_from(timeout=5) for _ in range(2)]
+        await communicator.disconnect()
+        return hello, refused, watching, forwarded
+
+    hello, refused, watching, (rate, beat) = async_to_sync(run)()
+    assert refused["type"] == "error" and "at most 500 deployment ids" in refused["detail"]
+    assert watching == {"type": "watching", "deployments": 1}
+    assert rate["deployment"] == 7 and rate["skipped"] == [hello["seq"] + 1, hello["seq"] + 2]
+    assert rate["seq"] == hello["seq"] + 3 and beat["type"] == "gpus" and "skipped" not in beat

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from django.contrib.auth.models import User
@@ -164,3 +165,39 @@ def test_the_builds_page_filters_by_status_and_pages_by_cursor(client, operator,
     every = client.get("/builds/").content.decode()
     assert every.count("<code>" + factories.IMAGE + "</code>") == 3 and 'rel="next"' not in every
     assert b"Select a valid choice" in client.get("/builds/?status=sleeping").content
+
+
+def test_the_dashboard_shows_a_page_of_a_large_fleet_with_its_summary_and_a_search(client, operator, host, minilm):
+    from deployments.models import Deployment, Replica
+
+    for n in range(60):
+        row = Deployment.objects.create(name=f"svc-{n:02d}", status="ready" if n % 2 else "stopped")
+        if n % 2:
+            ports = {"http_port": 20000 + 3 * n, "grpc_port": 20001 + 3 * n, "metrics_port": 20002 + 3 * n}
+            Replica.objects.create(deployment=row, serial=1, host=host, generation=1, status="ready", **ports)
+    client.force_login(operator)
+    page = client.get("/").content.decode()
+    assert page.count('<tr data-deployment="') == 50  # a page, not the fleet
+    assert "1–50 of 60" in page and "page=2" in page
+    assert '<a href="?status=ready">30 ready</a>' in page and "30 of 30 ready" in page
+    found = client.get("/?q=svc-1&status=ready").content.decode()
+    names = sorted(set(re.findall(r">(svc-\d\d)</a>", found)))
+    assert names == ["svc-11", "svc-13", "svc-15", "svc-17", "svc-19"]
+    on_host = client.get(f"/?host={host.name}").content.decode()
+    assert on_host.count('<tr data-deployment="') == 30
+    assert "No deployment matches." in client.get("/?q=nothing-like-it").content.decode()
+
+
+def test_the_rates_and_the_list_answer_for_the_rows_in_view_only(api, host, minilm, operator):
+    from deployments.models import MetricSample
+
+    first = factories.deployment(host=host, name="one", user=operator)
+    second = factories.deployment(host=host, name="two", user=operator)
+    for row in (first, second):
+        MetricSample.objects.create(deployment=row, kind="model", subject="minilm", values={"request_rate": 2.0})
+    rates = api.get(f"/api/deployments/rates/?ids={second.pk}").data
+    assert [r["deployment"] for r in rates] == [second.pk]
+    listed = api.get(f"/api/deployments/?ids={first.pk}").data["results"]
+    assert [d["name"] for d in listed] == ["one"]
+    refused = api.get("/api/deployments/?ids=1,x")
+    assert refused.status_code == 400 and "ids" in refused.data["errors"]
