@@ -47,23 +47,30 @@ class Endpoint:
     url: str  # host:port of its Triton's HTTP endpoint
     label: str  # "r2 on gpu-02", for words
     queue_ms: float = 0.0
+    stale: bool = False  # its host stopped beating: tried only when no other replica is left
 
 
 def answering(deployment_id: int) -> list[Endpoint]:
-    """The deployment's replicas that answer requests now, in one query: ready or
-    degraded, on a host that beats (one that stopped may be gone with its server;
-    its replicas come back with its next beat)."""
+    """The deployment's replicas that answer requests now (ready or degraded), in
+    one query. Those on a host that stopped beating are marked stale: its server
+    may be gone with it, or may serve on without its worker."""
     beaten = timezone.now() - timedelta(
         seconds=settings.GANTRY_HEARTBEAT_INTERVAL * settings.GANTRY_HOST_OFFLINE_AFTER_BEATS
     )
     rows = (
-        Replica.objects.filter(deployment_id=deployment_id, status__in=ANSWERING, host__last_heartbeat__gte=beaten)
+        Replica.objects.filter(deployment_id=deployment_id, status__in=ANSWERING)
         .order_by("serial")
-        .values_list("pk", "serial", "host__name", "host__address", "http_port", "queue_ms")
+        .values_list("pk", "serial", "host__name", "host__address", "http_port", "queue_ms", "host__last_heartbeat")
     )
     return [
-        Endpoint(replica_id=pk, url=f"{address}:{port}", label=f"r{serial} on {host}", queue_ms=queue_ms)
-        for pk, serial, host, address, port, queue_ms in rows
+        Endpoint(
+            replica_id=pk,
+            url=f"{address}:{port}",
+            label=f"r{serial} on {host}",
+            queue_ms=queue_ms,
+            stale=beat is None or beat < beaten,
+        )  # fmt: skip
+        for pk, serial, host, address, port, queue_ms, beat in rows
     ]
 
 
@@ -88,13 +95,14 @@ class Balancer:
 
     def pick(self, endpoints: list[Endpoint], *, avoid: frozenset[int] = frozenset()) -> Endpoint | None:
         """The endpoint to send the next request to, or None when every one is
-        avoided. Ejected ones are taken only when nothing else is left."""
+        avoided. Ejected ones, then those on hosts that stopped beating, are
+        taken only when nothing better is left."""
         now = time.monotonic()
         usable = [e for e in endpoints if e.replica_id not in avoid]
         if not usable:
             return None
-        fresh = [e for e in usable if self._state(e.replica_id).ejected_until <= now]
-        pool = fresh or usable
+        admitted = [e for e in usable if self._state(e.replica_id).ejected_until <= now]
+        pool = [e for e in admitted if not e.stale] or admitted or usable
         turn = next(self._turn)
         chosen = min(
             pool,

@@ -283,6 +283,9 @@ Gantry.deployForm = (root, options) => {
 
   async function submit(event) {
     event.preventDefault();
+    // What a check still on its way would say is about the form before this submit: drop it.
+    clearTimeout(timer);
+    asked++;
     const { result, fieldsets } = body();
     const button = root.querySelector("button[type=submit]");
     button.disabled = true;

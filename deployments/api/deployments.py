@@ -21,7 +21,7 @@ from access.idempotency import idempotent
 from common.errors import ValidationFailed
 from deployments import selectors, states
 from deployments.api.base import StrictModelSerializer, StrictSerializer, require_empty_body, validated
-from deployments.api.lists import CursorPage, ListEndpoint
+from deployments.api.lists import CursorPage, ListEndpoint, checked_query
 from deployments.api.timeline import Events, LogLines
 from deployments.models import (
     DB_INT_MAX,
@@ -563,10 +563,9 @@ class DeploymentRates(APIView):
 
     @extend_schema(parameters=[RatesQuery], responses=DeploymentRatesOut(many=True))
     def get(self, request: Request) -> Response:
-        query = RatesQuery(data=request.query_params)
-        query.is_valid(raise_exception=True)
-        ids = _ids(query.validated_data["ids"]) if "ids" in query.validated_data else None
-        rates = telemetry.request_rates(minutes=query.validated_data["minutes"], ids=ids)
+        query = checked_query(RatesQuery, request.query_params)
+        ids = _ids(query["ids"]) if "ids" in query else None
+        rates = telemetry.request_rates(minutes=query["minutes"], ids=ids)
         return Response(
             [
                 {"deployment": deployment_id, "points": [{"at": at, "request_rate": rate} for at, rate in points]}

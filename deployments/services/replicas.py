@@ -42,7 +42,7 @@ from deployments.models import (
 S = DeploymentStatus
 
 
-def _allocate_ports(host: GpuHost) -> tuple[int, int, int]:
+def allocate_ports(host: GpuHost) -> tuple[int, int, int]:
     """The lowest free triple of ports in the configured range on ``host``."""
     low, high = settings.GANTRY_TRITON_PORT_RANGE
     used: set[int] = set()
@@ -126,7 +126,7 @@ def _place(deployment: Deployment, count: int) -> list[Replica]:
             raise InvalidTransition(
                 f"{deployment.name}'s replica {len(created) + 1} of {count} fits on no host ({where}): {choice}"
             )
-        http, grpc, metrics = _allocate_ports(choice.host)
+        http, grpc, metrics = allocate_ports(choice.host)
         created.append(
             Replica.objects.create(
                 deployment=deployment,

@@ -18,9 +18,10 @@ import tritonclient.http as httpclient
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from deployments.models import Deployment, Event, MetricSample
+from deployments.models import Deployment, Event, GpuHost, MetricSample
+from deployments.services import replicas
 from tests import factories
-from tests.integration.conftest import Stack, free_port, wait_for
+from tests.integration.conftest import Stack, wait_for
 from workers import processes
 from workers.runtimes import process
 
@@ -103,14 +104,14 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
     # Triton's repository API answers only with the deployment's secret.
     index_url = f"http://127.0.0.1:{row.http_port}/v2/repository/index"
     assert requests.post(index_url, timeout=10).status_code == 403
-    allowed = requests.post(index_url, headers={"gantry-admin-key": row.admin_secret}, timeout=10)
+    allowed = requests.post(index_url, headers={"gantry-admin-key": row.deployment.admin_secret}, timeout=10)
     assert allowed.status_code == 200 and allowed.json()[0]["state"] == "READY"
     # ...and that secret is on no command line on this host, while the server's
     # model stubs inherit neither the library that put it in place nor the rule
     # file's name (triton_server/secret.py).
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         with contextlib.suppress(OSError):
-            assert row.admin_secret.encode() not in cmdline.read_bytes(), cmdline
+            assert row.deployment.admin_secret.encode() not in cmdline.read_bytes(), cmdline
     stubs = set(processes.group_members(pid)) - {pid}
     assert stubs, "the python model runs in a stub process of the server"
     for stub in stubs:
@@ -224,18 +225,14 @@ def test_embedder_and_reranker_share_one_server(stack: Stack, minilm_path: Path)
 def test_launch_on_a_taken_port_fails_with_the_port_named(stack: Stack, minilm_path: Path):
     http = stack.session()
     stack.register_models(minilm_path, minilm="embedding")
+    # The ports the replica will be given (the lowest free triple of the range), taken by another program.
+    taken, _, _ = replicas.allocate_ports(GpuHost.objects.get(name=stack.host_name))
     with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", 0))
+        squatter.bind(("127.0.0.1", taken))
         squatter.listen()
-        taken = squatter.getsockname()[1]
         created = http.post(
             f"{stack.web_url}/api/deployments/",
-            json={
-                "name": "squatted",
-                "host": stack.host_name,
-                "ports": {"http": taken, "grpc": free_port(), "metrics": free_port()},
-                "models": [{"model": "minilm"}],
-            },
+            json={"name": "squatted", "host": stack.host_name, "models": [{"model": "minilm"}]},
             timeout=30,
         )
         assert created.status_code == 201, created.text

@@ -16,15 +16,12 @@ import asyncio
 import json
 import shutil
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import requests
-from django.utils import timezone
 from transformers import AutoTokenizer
 
-from deployments.models import GpuHost
 from tests import factories
 from tests.integration.conftest import ROOT, free_ports, wait_for
 from triton_server.client import TritonClient, generate_stream
@@ -214,9 +211,6 @@ def test_the_openai_client_chats_through_the_engine_path_via_the_gateway(engine,
 
     url, _, tokenizers = engine
     host = factories.cpu_host("engine-host")
-    # No worker beats for this stand-in host: it is kept online for the test's length
-    # (the doors route only to replicas on hosts that beat).
-    GpuHost.objects.filter(pk=host.pk).update(last_heartbeat=timezone.now() + timedelta(hours=1))
     checkpoint = factories.registered_model(name="engine-llm", kind="llm", path=tokenizers["llm"], host=host)
     deployment = Deployment.objects.create(name="engine", status=DeploymentStatus.READY, desired_state="running")
     Replica.objects.create(

@@ -20,10 +20,10 @@ EMBED = {"model": "minilm", "max_batch_size": 16}
 RERANK = {"model": "minilm-rerank"}
 
 
-def _loads(stack: Stack, deployment: Deployment, model: str) -> int:
-    folder = stack.data_dir / "deployments" / f"{deployment.pk}-{deployment.name}"
-    log = (folder / factories.replica_row(deployment.pk).label / "tritonserver.log").read_text()
-    return log.count(f"successfully loaded '{model}'")
+def _loads(stack: Stack, deployment_id: int, model: str) -> int:
+    replica = factories.replica_row(deployment_id)
+    folder = stack.data_dir / "deployments" / f"{deployment_id}-{replica.deployment.name}" / replica.label
+    return (folder / "tritonserver.log").read_text().count(f"successfully loaded '{model}'")
 
 
 @pytest.fixture
@@ -60,8 +60,8 @@ def test_a_new_generation_reloads_only_the_changed_model(stack: Stack, ready_pai
     # Triton swaps in the reloaded model once the old instance has drained.
     wait_for(lambda: client.get_model_config("minilm")["max_batch_size"] == 8, 30, "the reloaded config")
     client.close()
-    assert _loads(stack, deployment, "minilm") == 2
-    assert _loads(stack, deployment, "minilm-rerank") == 1  # untouched
+    assert _loads(stack, ready_pair, "minilm") == 2
+    assert _loads(stack, ready_pair, "minilm-rerank") == 1  # untouched
     applied = Event.objects.get(deployment=deployment, kind="deployment.generation_applied")
     assert "loaded ['minilm']" in applied.message and "left as they were ['minilm-rerank']" in applied.message
 
@@ -90,7 +90,7 @@ def test_a_generation_that_fails_to_load_rolls_back(stack: Stack, ready_pair: in
     # The good models kept serving throughout.
     embedded = http.post(f"{stack.web_url}/api/deployments/{ready_pair}/embed/", json={"texts": ["x"]}, timeout=60)
     assert embedded.status_code == 200
-    wait_for(lambda: _loads(stack, deployment, "minilm") == 1, 5, "no reload of the unchanged embedder")
+    wait_for(lambda: _loads(stack, ready_pair, "minilm") == 1, 5, "no reload of the unchanged embedder")
 
 
 def test_restart_roll_back_and_delete_a_real_server(stack: Stack, minilm_path: Path):

@@ -94,3 +94,12 @@ def test_an_ejection_is_said_on_the_replicas_timeline(host, minilm, operator, se
     balancing.finish(endpoint, failed=True)
     said = Event.objects.get(deployment=deployment, kind="replica.balancing")
     assert said.message.startswith("r1 on cpu-host: ejected by a gateway process") and said.data["replica"] == 1
+
+
+def test_a_replica_on_a_host_that_stopped_beating_is_tried_only_when_no_other_is_left():
+    balancer = Balancer()
+    away = Endpoint(replica_id=3, url="c:1", label="r3 on c", stale=True)
+    balancer.begin(A)
+    balancer.begin(A)
+    assert balancer.pick([A, away]) == A  # busier, but its host beats
+    assert balancer.pick([away]) == away  # the last one left still serves (its server may live on)
