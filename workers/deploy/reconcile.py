@@ -172,9 +172,13 @@ def _server_being_replaced(replica_id: int, status: str) -> bool:
 
 def unwanted_containers(containers: list[Container], active: dict[int, tuple[str, str]]) -> list[Container]:
     """Of ``containers``, those no replica wants; ``active`` maps each active
-    docker replica of this host to its (runtime handle, status)."""
+    docker replica of this host to its (runtime handle, status). A container is
+    wanted by its handle too: one started before replicas carries no replica label."""
+    handles = {handle for handle, _ in active.values() if handle}
     unwanted = []
     for container in containers:
+        if container.id in handles:
+            continue
         if container.replica_id in active:
             handle, status = active[container.replica_id]
             if handle == container.id or not handle:

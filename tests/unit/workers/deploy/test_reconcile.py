@@ -196,3 +196,10 @@ def test_a_deployment_that_failed_to_launch_waits_for_a_person(settings, minilm,
     )
     reconcile.relaunch_failed()
     assert Deployment.objects.get(pk=deployment.pk).status == DeploymentStatus.FAILED
+
+
+def test_a_container_started_before_replicas_is_kept_by_its_handle():
+    """An upgrade: the container carries no replica label, but its replica (made by
+    the migration) took over its handle."""
+    old = Container(id="old", name="gantry-h-deployment-4", deployment_id=4, replica_id=0, generation=2, running=True)
+    assert reconcile.unwanted_containers([old], {11: ("old", DeploymentStatus.READY)}) == []
