@@ -55,14 +55,18 @@ def allocate_ports(host: GpuHost) -> tuple[int, int, int]:
     raise InvalidTransition(f"no free ports left in GANTRY_TRITON_PORT_RANGE on {host.name}")
 
 
-def candidate_hosts(pinned: list[GpuHost], *, lock: bool) -> list[GpuHost]:
+def candidate_hosts(pinned: list[GpuHost], *, lock: bool, replacing: bool = False) -> list[GpuHost]:
     """The hosts a deployment's replicas may go to: its pinned hosts that are
     online, else every online host; their rows locked with ``lock`` (in id
-    order), so two placements are checked one after the other."""
+    order), so two placements are checked one after the other. A person's
+    start on pinned hosts that are all offline still places there (the launch
+    waits for the host); a replacement for a lost replica never does."""
     rows = GpuHost.objects.filter(pk__in=[h.pk for h in pinned]) if pinned else GpuHost.objects.all()
     if lock:
         list(rows.select_for_update().order_by("pk").values_list("pk", flat=True))
-    return [host for host in rows.prefetch_related("gpus").order_by("name") if host.is_online]
+    found = list(rows.prefetch_related("gpus").order_by("name"))
+    online = [host for host in found if host.is_online]
+    return online or (found if pinned and not replacing else [])
 
 
 def plan_replicas(
@@ -75,11 +79,13 @@ def plan_replicas(
     policy: str,
     lock: bool,
     besides: int | None = None,
+    replacing: bool = False,
 ) -> list[Choice | str]:
     """Where ``count`` more replicas of the placements would go, one after the
     other, each seeing the ones before: a Choice, or why it fits nowhere.
-    ``besides``: a deployment whose replicas the plans leave out."""
-    hosts = candidate_hosts(pinned, lock=lock)
+    ``besides``: a deployment whose replicas the plans leave out; ``replacing``:
+    these replace lost replicas (candidate_hosts)."""
+    hosts = candidate_hosts(pinned, lock=lock, replacing=replacing)
     holders = selectors.plan_holders_by_host(hosts, besides=besides)
     siblings: Counter[int] = Counter()
     if deployment is not None:
@@ -110,14 +116,14 @@ def _next_serial(deployment: Deployment) -> int:
     return (deployment.replica_set.aggregate(top=Max("serial"))["top"] or 0) + 1
 
 
-def _place(deployment: Deployment, count: int) -> list[Replica]:
+def _place(deployment: Deployment, count: int, *, replacing: bool) -> list[Replica]:
     """Create ``count`` replicas of a locked deployment on the hosts chosen for
     them (pending); InvalidTransition with the shortfall when one fits nowhere."""
     placements = list(deployment.placements.select_related("registered_model", "engine_build"))
     pinned = list(deployment.pinned_hosts.all())
     choices = plan_replicas(
         deployment=deployment, name=deployment.name, placements=placements, count=count, pinned=pinned,
-        policy=deployment.placement_policy, lock=True,
+        policy=deployment.placement_policy, lock=True, replacing=replacing,
     )  # fmt: skip
     created = []
     for choice in choices:
@@ -189,7 +195,8 @@ def deployment_converge(*, deployment_id: int, source: str, actor: Any = None) -
             alive.append(_launch(replica, source=source, actor=actor, message="start requested"))
         missing = deployment.replicas - len(alive)
         if missing > 0:
-            for replica in _place(deployment, missing):
+            replacing = any(r.status == S.LOST for r in replicas)
+            for replica in _place(deployment, missing, replacing=replacing):
                 replica.deployment = deployment
                 words = f"placed on {replica.host.name} GPU(s) {_gpus_words(replica)}"
                 alive.append(_launch(replica, source=source, actor=actor, message=words))

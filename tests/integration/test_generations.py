@@ -62,7 +62,7 @@ def test_a_new_generation_reloads_only_the_changed_model(stack: Stack, ready_pai
     client.close()
     assert _loads(stack, ready_pair, "minilm") == 2
     assert _loads(stack, ready_pair, "minilm-rerank") == 1  # untouched
-    applied = Event.objects.get(deployment=deployment, kind="deployment.generation_applied")
+    applied = Event.objects.get(deployment_id=ready_pair, kind="deployment.generation_applied")
     assert "loaded ['minilm']" in applied.message and "left as they were ['minilm-rerank']" in applied.message
 
 

@@ -112,8 +112,35 @@ def _server_gone(replica: Replica, runtime: Runtime, spec: LaunchSpec) -> bool:
     return True
 
 
+def recover_lost() -> None:
+    """This host is back after its replicas were marked lost: each says what its
+    server does now (ready, or stopped if it is gone), and its deployment
+    converges, stopping the surplus (the oldest generation first)."""
+    lost = Replica.objects.select_related("host", "deployment").filter(
+        host__name=settings.GANTRY_HOST_NAME, status=S.LOST
+    )
+    for replica in lost:
+        runtime, spec = runtime_for(replica), launch_spec(replica)
+        try:
+            if replica.runtime_handle and runtime.is_running(replica.runtime_handle, spec):
+                states.replica_transition(
+                    replica_id=replica.pk, to=S.READY, source=source(), only_from=frozenset({S.LOST}),
+                    message="its host is back and its server kept running",
+                )  # fmt: skip
+            else:
+                states.replica_transition(
+                    replica_id=replica.pk, to=S.STOPPED, source=source(), only_from=frozenset({S.LOST}),
+                    runtime_handle="", message="its host is back; its server is gone",
+                )  # fmt: skip
+        except InvalidTransition:
+            continue
+        with contextlib.suppress(InvalidTransition):
+            replicas.deployment_converge(deployment_id=replica.deployment_id, source=source())
+
+
 def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
-    """One pass over this host's deployments that are starting or serving (see the module's docstring)."""
+    """One pass over this host's replicas: lost ones back, then those starting or serving (see above)."""
+    recover_lost()
     watched = Replica.objects.select_related("host", "deployment").filter(
         host__name=settings.GANTRY_HOST_NAME, status__in=states.SERVING | {S.LAUNCHING, S.STOPPING}
     )

@@ -161,3 +161,24 @@ def test_a_new_generation_rolls_one_replica_at_a_time(fleet, operator):
         assert Replica.objects.get(pk=replica.pk).generation == 2, step
     assert set(Replica.objects.filter(deployment=deployment).values_list("status", "generation")) == {(S.READY, 2)}
     assert Deployment.objects.get(pk=deployment.pk).status == S.READY
+
+
+def test_a_host_back_whose_server_died_with_it_has_its_lost_replica_removed(fleet, operator, settings):
+    from workers.deploy import reconcile
+
+    settings.GANTRY_HOST_LOST_GRACE_S = 60
+    deployment = _create(operator, "back", 0.3, 2)
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    _first, second = _ready(deployment)
+    Replica.objects.filter(pk=second.pk).update(runtime_handle="999999")  # a server that is gone
+    gone = GpuHost.objects.filter(pk=second.host_id)
+    gone.update(last_heartbeat=timezone.now() - timedelta(seconds=90))
+    replicas.replace_lost(source="system")
+    replacement = Replica.objects.filter(deployment=deployment).order_by("-serial").first()
+    _ready_one(replacement)
+    gone.update(last_heartbeat=timezone.now())
+    settings.GANTRY_HOST_NAME = second.host.name
+    reconcile.recover_lost()
+    assert not Replica.objects.filter(pk=second.pk).exists()
+    assert Replica.objects.filter(deployment=deployment).count() == 2
+    assert Event.objects.filter(deployment=deployment, kind="replica.removed").exists()
