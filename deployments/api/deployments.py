@@ -206,22 +206,32 @@ class DeploymentIn(StrictSerializer):
     models = PlacementIn(many=True, allow_empty=False)
 
 
+# The rows a page shows, by id: digits and commas only, so that the longest list
+# still fits a request line (the web server refuses longer ones before Django).
+IDS_MAX, IDS_CHARS = 200, 2000
+
+
 def _ids(value: str) -> list[int]:
-    """A comma-separated list of at most 500 ids (the rows a page shows)."""
+    """A comma-separated list of at most IDS_MAX ids."""
     try:
-        ids = [int(part) for part in value.split(",") if part.strip()]
+        ids = [int(part) for part in value.split(",")]
     except ValueError:
         raise serializers.ValidationError("a comma-separated list of deployment ids") from None
-    if len(ids) > 500 or any(not 1 <= i <= DB_INT_MAX for i in ids):
-        raise serializers.ValidationError("at most 500 ids, each a positive integer")
+    if len(ids) > IDS_MAX or any(not 1 <= i <= DB_INT_MAX for i in ids):
+        raise serializers.ValidationError(f"at most {IDS_MAX} ids, each a positive integer")
     return ids
+
+
+def _ids_field(help_text: str) -> serializers.RegexField:
+    return serializers.RegexField(
+        r"^[0-9]{1,19}(,[0-9]{1,19})*$", max_length=IDS_CHARS, required=False, validators=[_ids],
+        help_text=help_text, error_messages={"invalid": "a comma-separated list of deployment ids"},
+    )  # fmt: skip
 
 
 class DeploymentQuery(StrictSerializer):
     host = serializers.CharField(max_length=63, required=False, help_text="with a replica on this host")
-    ids = serializers.CharField(
-        max_length=8000, required=False, validators=[_ids], help_text="only these (comma-separated, at most 500)"
-    )
+    ids = _ids_field(f"only these (comma-separated, at most {IDS_MAX})")
     status = serializers.ChoiceField(choices=DeploymentStatus.choices, required=False)
     desired_state = serializers.ChoiceField(choices=DesiredState.choices, required=False)
     runtime = serializers.ChoiceField(choices=Runtime.choices, required=False)
@@ -538,10 +548,7 @@ class DeploymentPreflight(APIView):
 
 class RatesQuery(StrictSerializer):
     minutes = serializers.IntegerField(min_value=1, max_value=60, default=10, help_text="how far back (default 10)")
-    ids = serializers.CharField(
-        max_length=8000, required=False, validators=[_ids],
-        help_text="only these deployments (comma-separated, at most 500; the rows a page shows)",
-    )  # fmt: skip
+    ids = _ids_field(f"only these deployments (comma-separated, at most {IDS_MAX}; the rows a page shows)")
 
 
 class RatePointOut(serializers.Serializer):
