@@ -37,6 +37,7 @@ from deployments.models import (
     Runtime,
 )
 from deployments.permissions import require_operator
+from deployments.services import replica_placement
 from deployments.services import replicas as replicas_service
 from deployments.services.placements import (
     PlacementSpec,
@@ -140,7 +141,7 @@ def deployment_preflight(
     if reference is None:
         return {"valid": False, "errors": errors, "plan": [], "replicas": [], "warnings": []}
     rows = placement_rows(resolved)
-    choices = replicas_service.plan_replicas(
+    choices = replica_placement.plan_replicas(
         deployment=None, name=name or "this deployment", placements=rows, count=replicas, pinned=pinned,
         policy=placement_policy, lock=False, besides=replaces,
     )  # fmt: skip
@@ -259,7 +260,7 @@ def deployment_change(
                 f"{replica.label} on {replica.host.name}: {problem}"
                 for replica in deployment.replica_set.select_related("host", "deployment").filter(
                     status__in=states.ACTIVE)
-                for problem in replicas_service.fits_where_it_is(replica, rows)
+                for problem in replica_placement.fits_where_it_is(replica, rows)
             ]  # fmt: skip
             if problems:
                 raise ValidationFailed({"models": problems})

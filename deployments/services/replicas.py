@@ -1,15 +1,17 @@
-"""Replicas: where each of a deployment's Triton servers runs, and what its host
-is asked to do with it.
-
-Placement reads every candidate host's one GPU plan (gpu_plan.choose_host):
-the deployment's pinned hosts, or every online host. Spread puts replicas on
-different hosts first, pack onto the fewest. A replica that fits nowhere is
-refused before anything starts, with the closest host's shortfall.
+"""Replicas: what each host is asked to do with a deployment's Triton servers.
 
 ``deployment_converge`` makes a running deployment's replicas match its
-count: it places the missing ones and retires the surplus (the least useful
-first: not ready, then the oldest generation, then the newest). Start and
-scale call it; so does the control plane's sweep after a host is lost.
+count: it places the missing ones (services.replica_placement) and retires
+the surplus (the least useful first: not ready, then the oldest generation,
+then the newest). Start and scale call it; so does the control plane's sweep
+after a host is lost.
+
+A new generation rolls one replica at a time (``roll_next``). A replica whose
+change needs a new server surges when a host has room (``replica_surge``: a
+new replica of the new generation starts beside it, and the old one is
+retired once that one is ready); otherwise it is taken out and restarted in
+place, so at most one replica is unavailable. A replica of the new generation
+that fails to load stops the roll and rolls every replica back.
 
 Every function here that writes locks the deployment's row first, then the
 candidate hosts' rows, as deployments.services.deployments does.
@@ -17,135 +19,21 @@ candidate hosts' rows, as deployments.services.deployments does.
 
 from __future__ import annotations
 
-from collections import Counter
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Max, Q
+from django.db.models import Q
 from django.utils import timezone
 
 from common.errors import InvalidTransition, NotFound, ValidationFailed
-from deployments import events, outbox, queues, selectors, states
-from deployments.gpu_plan import Candidate, Choice, Holder, choose_host, host_plan, plan_problems
-from deployments.models import (
-    Deployment,
-    DeploymentModel,
-    DeploymentStatus,
-    DesiredState,
-    GpuHost,
-    PlacementPolicy,
-    Replica,
-)
+from deployments import events, outbox, queues, states
+from deployments.gpu_plan import Choice
+from deployments.models import Deployment, DeploymentStatus, DesiredState, Replica
+from deployments.services import replica_placement as placing
 
 S = DeploymentStatus
-
-
-def allocate_ports(host: GpuHost) -> tuple[int, int, int]:
-    """The lowest free triple of ports in the configured range on ``host``."""
-    low, high = settings.GANTRY_TRITON_PORT_RANGE
-    used: set[int] = set()
-    for row in Replica.objects.filter(host=host).values_list("http_port", "grpc_port", "metrics_port"):
-        used.update(row)
-    for base in range(low, high - 1, 3):
-        triple = (base, base + 1, base + 2)
-        if not used.intersection(triple):
-            return triple
-    raise InvalidTransition(f"no free ports left in GANTRY_TRITON_PORT_RANGE on {host.name}")
-
-
-def candidate_hosts(pinned: list[GpuHost], *, lock: bool, replacing: bool = False) -> list[GpuHost]:
-    """The hosts a deployment's replicas may go to: its pinned hosts that are
-    online, else every online host; their rows locked with ``lock`` (in id
-    order), so two placements are checked one after the other. A person's
-    start on pinned hosts that are all offline still places there (the launch
-    waits for the host); a replacement for a lost replica never does."""
-    rows = GpuHost.objects.filter(pk__in=[h.pk for h in pinned]) if pinned else GpuHost.objects.all()
-    if lock:
-        list(rows.select_for_update().order_by("pk").values_list("pk", flat=True))
-    found = list(rows.prefetch_related("gpus").order_by("name"))
-    online = [host for host in found if host.is_online]
-    return online or (found if pinned and not replacing else [])
-
-
-def plan_replicas(
-    *,
-    deployment: Deployment | None,
-    name: str,
-    placements: list[DeploymentModel],
-    count: int,
-    pinned: list[GpuHost],
-    policy: str,
-    lock: bool,
-    besides: int | None = None,
-    replacing: bool = False,
-) -> list[Choice | str]:
-    """Where ``count`` more replicas of the placements would go, one after the
-    other, each seeing the ones before: a Choice, or why it fits nowhere.
-    ``besides``: a deployment whose replicas the plans leave out; ``replacing``:
-    these replace lost replicas (candidate_hosts)."""
-    hosts = candidate_hosts(pinned, lock=lock, replacing=replacing)
-    holders = selectors.plan_holders_by_host(hosts, besides=besides)
-    siblings: Counter[int] = Counter()
-    if deployment is not None:
-        siblings.update(
-            deployment.replica_set.filter(desired_state=DesiredState.RUNNING)
-            .exclude(status__in=[S.LOST, S.STOPPED])
-            .values_list("host_id", flat=True)
-        )
-    key = deployment.pk if deployment is not None else None
-    choices: list[Choice | str] = []
-    for n in range(count):
-        replica = Holder(key=key, name=name, placements=placements, status="planned", replica=-(n + 1))
-        candidates = [Candidate(host=h, holders=holders.get(h.pk, []), siblings=siblings[h.pk]) for h in hosts]
-        choice = choose_host(
-            candidates, replica, pack=policy == PlacementPolicy.PACK, identity=bool(pinned) and not siblings
-        )
-        choices.append(choice)
-        if isinstance(choice, Choice):
-            holders.setdefault(choice.host.pk, []).append(
-                Holder(key=key, name=name, placements=placements, status="planned", replica=-(n + 1),
-                       gpu_map=choice.gpu_map)
-            )  # fmt: skip
-            siblings[choice.host.pk] += 1
-    return choices
-
-
-def _next_serial(deployment: Deployment) -> int:
-    return (deployment.replica_set.aggregate(top=Max("serial"))["top"] or 0) + 1
-
-
-def _place(deployment: Deployment, count: int, *, replacing: bool) -> list[Replica]:
-    """Create ``count`` replicas of a locked deployment on the hosts chosen for
-    them (pending); InvalidTransition with the shortfall when one fits nowhere."""
-    placements = list(deployment.placements.select_related("registered_model", "engine_build"))
-    pinned = list(deployment.pinned_hosts.all())
-    choices = plan_replicas(
-        deployment=deployment, name=deployment.name, placements=placements, count=count, pinned=pinned,
-        policy=deployment.placement_policy, lock=True, replacing=replacing,
-    )  # fmt: skip
-    created = []
-    for choice in choices:
-        if isinstance(choice, str):
-            where = ", ".join(h.name for h in pinned) if pinned else "any online host"
-            raise InvalidTransition(
-                f"{deployment.name}'s replica {len(created) + 1} of {count} fits on no host ({where}): {choice}"
-            )
-        http, grpc, metrics = allocate_ports(choice.host)
-        created.append(
-            Replica.objects.create(
-                deployment=deployment,
-                serial=_next_serial(deployment),
-                host=choice.host,
-                gpu_map={str(k): v for k, v in choice.gpu_map.items()},
-                http_port=http,
-                grpc_port=grpc,
-                metrics_port=metrics,
-                generation=deployment.generation,
-            )
-        )
-    return created
 
 
 def _launch(replica: Replica, *, source: str, actor: Any = None, message: str) -> Replica:
@@ -159,18 +47,6 @@ def _launch(replica: Replica, *, source: str, actor: Any = None, message: str) -
 
 def enqueue(task_name: str, replica: Replica, *more_args: Any) -> None:
     outbox.enqueue_on_commit(task_name, host_name=replica.host.name, args=[replica.pk, *more_args])
-
-
-def fits_where_it_is(replica: Replica, placements: list[DeploymentModel]) -> list[str]:
-    """What is wrong with the replica's host's plan with it there (its host's row locked)."""
-    host = GpuHost.objects.select_for_update().prefetch_related("gpus").get(pk=replica.host_id)
-    holders = [
-        Holder(key=replica.deployment_id, name=replica.deployment.name, placements=placements,
-               status=replica.status, replica=replica.serial, gpu_map=replica.gpus),
-        *selectors.plan_holders(host, besides_replica=replica.pk),
-    ]  # fmt: skip
-    gpus = {plan.index for plan in host_plan(host, holders[:1])}
-    return plan_problems(host_plan(host, holders), own=replica.deployment_id, gpus=gpus)
 
 
 def deployment_converge(*, deployment_id: int, source: str, actor: Any = None) -> Deployment:
@@ -189,16 +65,19 @@ def deployment_converge(*, deployment_id: int, source: str, actor: Any = None) -
             desired_state=DesiredState.RUNNING))  # fmt: skip
         alive = [r for r in replicas if r.status not in states.AT_REST and r.status != S.LOST]
         for replica in [r for r in replicas if r.status in states.AT_REST]:
-            if len(alive) >= deployment.replicas or not replica.host.is_online or fits_where_it_is(replica, placements):
+            if (
+                len(alive) >= deployment.replicas
+                or not replica.host.is_online
+                or placing.fits_where_it_is(replica, placements)
+            ):
                 _retire(replica, source=source, why="not needed where it was")
                 continue
             alive.append(_launch(replica, source=source, actor=actor, message="start requested"))
         missing = deployment.replicas - len(alive)
         if missing > 0:
             replacing = any(r.status == S.LOST for r in replicas)
-            for replica in _place(deployment, missing, replacing=replacing):
-                replica.deployment = deployment
-                words = f"placed on {replica.host.name} GPU(s) {_gpus_words(replica)}"
+            for replica in placing.replicas_place(deployment, missing, replacing=replacing):
+                words = f"placed on {replica.host.name} GPU(s) {placing.gpus_words(replica)}"
                 alive.append(_launch(replica, source=source, actor=actor, message=words))
         elif missing < 0:
             for replica in _surplus(alive, -missing, deployment.generation):
@@ -206,14 +85,11 @@ def deployment_converge(*, deployment_id: int, source: str, actor: Any = None) -
         return states.deployment_sync(deployment_id=deployment_id, source=source, actor=actor)
 
 
-def _gpus_words(replica: Replica) -> str:
-    return ", ".join(str(index) for _, index in sorted(replica.gpus.items())) or "none (CPU)"
-
-
 def _surplus(replicas: list[Replica], count: int, generation: int) -> list[Replica]:
-    """Which ``count`` of ``replicas`` to retire: those not ready first, then the
-    oldest generation, then the newest replica."""
-    ranked = sorted(replicas, key=lambda r: (r.status == S.READY, r.generation == generation, -r.serial))
+    """Which ``count`` of ``replicas`` to retire: those not ready first, then
+    those not at the deployment's ``generation`` (the oldest first), then the
+    newest replica."""
+    ranked = sorted(replicas, key=lambda r: (r.status == S.READY, r.generation == generation, r.generation, -r.serial))
     return ranked[:count]
 
 
@@ -334,6 +210,7 @@ def replica_start_after_stop(*, replica_id: int, source: str) -> None:
         if replica.desired_state != DesiredState.RUNNING:
             replica_remove(replica=replica, source=source, why="retired")
             states.deployment_sync(deployment_id=deployment.pk, source=source)
+            roll_next(deployment_id=deployment.pk, source=source)
             return
         if deployment.desired_state == DesiredState.RUNNING:
             _launch(replica, source=source, message="restarting: starting again")
@@ -407,6 +284,7 @@ def replica_fail(
     and how it exited) if it is still in one of ``only_from``; False when it had
     moved on."""
     data = {key: value for key, value in (("log_tail", log_tail), ("exit", server_exit)) if value}
+    before = Replica.objects.filter(pk=replica_id).values_list("status", flat=True).first()
     try:
         states.replica_transition(
             replica_id=replica_id, to=S.FAILED, source=source, only_from=only_from, runtime_handle="",
@@ -414,6 +292,8 @@ def replica_fail(
         )  # fmt: skip
     except InvalidTransition:
         return False
+    if before in (S.LAUNCHING, S.LOADING):
+        _roll_failed(replica_id, reason, source)
     return True
 
 
@@ -436,26 +316,99 @@ def record_replica_event(*, replica_id: int, kind: str, source: str, message: st
         )  # fmt: skip
 
 
+# A roll waits while one of these is under way: one replica at a time.
+ROLL_BUSY = frozenset({S.LAUNCHING, S.LOADING, S.UPDATING})
+
+
 def roll_next(*, deployment_id: int, source: str) -> Replica | None:
-    """Move the next ready replica that serves another generation than its
-    deployment's to it (one at a time: the alias keeps the others); None when
-    every replica serves it, or one is being updated now."""
+    """Take the deployment's roll one step: retire a replica the roll made
+    surplus (an older generation's, once its surge replacement is ready), or
+    move the next ready replica that serves another generation than the
+    deployment's to it. One at a time: None while a replica is starting,
+    updating or being retired, or when every replica serves the generation."""
     with transaction.atomic():
         deployment = Deployment.objects.select_for_update().get(pk=deployment_id)
-        replicas = deployment.replica_set.select_related("host", "deployment").filter(
-            desired_state=DesiredState.RUNNING
-        )
-        if replicas.filter(status=S.UPDATING).exists():
+        if deployment.desired_state != DesiredState.RUNNING:
             return None
-        behind = replicas.filter(status=S.READY).exclude(generation=deployment.generation).order_by("serial").first()
-        if behind is None:
+        rows = list(deployment.replica_set.select_related("host", "deployment"))
+        if any(r.status in ROLL_BUSY or r.status == S.STOPPING for r in rows):
+            return None
+        alive = [r for r in rows if r.desired_state == DesiredState.RUNNING and r.status in states.ANSWERING]
+        if len(alive) > deployment.replicas:
+            for replica in _surplus(alive, len(alive) - deployment.replicas, deployment.generation):
+                _retire(replica, source=source, why=f"rolled: generation {deployment.generation} serves in its place")
+            return None
+        behind = sorted(
+            (r for r in alive if r.status == S.READY and r.generation != deployment.generation), key=lambda r: r.serial
+        )
+        if not behind:
             return None
         replica = states.replica_transition(
-            replica_id=behind.pk, to=S.UPDATING, source=source, only_from=frozenset({S.READY}),
-            message=f"generation {behind.generation} → {deployment.generation}",
+            replica_id=behind[0].pk, to=S.UPDATING, source=source, only_from=frozenset({S.READY}),
+            message=f"generation {behind[0].generation} → {deployment.generation}",
         )  # fmt: skip
         enqueue(queues.APPLY_GENERATION, replica, deployment.generation)
         return replica
+
+
+def replica_surge(*, replica_id: int, generation: int, why: str, source: str) -> Replica | None:
+    """An updating replica whose ``generation`` needs a new server: when a
+    host has room for one more replica, start a new one of that generation
+    there and put this one back to serving its own until the new one is ready
+    (max surge 1); the new replica, or None when there is no room (the caller
+    restarts this one in place: max unavailable 1) or the replica moved on."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().get(pk=Replica.objects.get(pk=replica_id).deployment_id)
+        replica = Replica.objects.select_related("host", "deployment").get(pk=replica_id)
+        if replica.status != S.UPDATING or deployment.generation != generation:
+            return None
+        if deployment.replica_set.filter(desired_state=DesiredState.RUNNING).count() > deployment.replicas:
+            return None  # one surge at a time
+        choice = placing.replicas_plan_for(deployment, 1, replacing=True)[0]
+        if not isinstance(choice, Choice):
+            record_replica_event(
+                replica_id=replica_id, kind="replica.roll", source=source,
+                message=f"no room for a surge replica ({choice}): restarting it in place",
+            )  # fmt: skip
+            return None
+        surge = placing.replica_create(deployment, choice)
+        states.replica_transition(
+            replica_id=replica_id, to=S.READY, source=source, only_from=frozenset({S.UPDATING}),
+            message=f"keeps serving generation {replica.generation} until {surge.label} of generation {generation} "
+            f"is ready ({why})",
+        )  # fmt: skip
+        return _launch(
+            surge, source=source,
+            message=f"surge for generation {generation}, placed on {surge.host.name} GPU(s) "
+            f"{placing.gpus_words(surge)}; {replica.label} is retired once this one is ready",
+        )  # fmt: skip
+
+
+def _roll_failed(replica_id: int, reason: str, source: str) -> None:
+    """A replica of its deployment's newest generation failed to start while
+    replicas of an older one still serve (a surge, or a placement during a
+    roll): the generation is rolled back, the replica removed, and the roll
+    takes the replicas that already moved back."""
+    from deployments.services.deployments import deployment_rollback  # it imports this module
+
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().get(pk=Replica.objects.get(pk=replica_id).deployment_id)
+        replica = Replica.objects.select_related("host", "deployment").get(pk=replica_id)
+        older = deployment.replica_set.filter(
+            desired_state=DesiredState.RUNNING, status__in=states.ANSWERING, generation__lt=replica.generation
+        )
+        if replica.status != S.FAILED or replica.generation != deployment.generation or not older.exists():
+            return
+        try:
+            deployment_rollback(
+                deployment_id=deployment.pk, failed_generation=replica.generation, reason=reason, source=source
+            )
+        except InvalidTransition:
+            return
+        Replica.objects.filter(pk=replica_id).update(desired_state=DesiredState.STOPPED)
+        replica_remove(replica=replica, source=source, why=f"generation {replica.generation} failed to start on it")
+        states.deployment_sync(deployment_id=deployment.pk, source=source)
+        roll_next(deployment_id=deployment.pk, source=source)
 
 
 def replica_ready(*, replica_id: int, source: str, message: str, from_status: str, generation: int) -> Replica:

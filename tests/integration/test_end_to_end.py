@@ -19,7 +19,7 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from deployments.models import Deployment, Event, GpuHost, MetricSample
-from deployments.services import replicas
+from deployments.services import replica_placement
 from tests import factories
 from tests.integration.conftest import Stack, wait_for
 from workers import processes
@@ -226,7 +226,7 @@ def test_launch_on_a_taken_port_fails_with_the_port_named(stack: Stack, minilm_p
     http = stack.session()
     stack.register_models(minilm_path, minilm="embedding")
     # The ports the replica will be given (the lowest free triple of the range), taken by another program.
-    taken, _, _ = replicas.allocate_ports(GpuHost.objects.get(name=stack.host_name))
+    taken, _, _ = replica_placement.allocate_ports(GpuHost.objects.get(name=stack.host_name))
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", taken))
         squatter.listen()

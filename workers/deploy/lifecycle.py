@@ -267,7 +267,10 @@ def _apply_generation_once(replica_id: int, generation: int) -> None:
     runtime = runtime_for(replica)
     changes = runtime.server_changes(replica.runtime_handle, spec)
     if changes:
-        _restart_for_generation(replica, runtime, spec, generation, changes)
+        why = f"generation {generation} needs a new server: {'; '.join(changes)}"
+        surge = replicas.replica_surge(replica_id=replica.pk, generation=generation, why=why, source=source())
+        if surge is None and current_status(replica.pk) == S.UPDATING:  # no room: max unavailable 1
+            _restart_for_generation(replica, runtime, spec, generation, changes)
         return
     try:
         plan = swap_models(replica, spec, model_specs(replica))

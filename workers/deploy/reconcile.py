@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
 
-from common.errors import InvalidTransition, TransientError
+from common.errors import InvalidTransition, NotFound, TransientError
 from deployments import states
 from deployments.models import DeploymentStatus as S
 from deployments.models import DesiredState, Event, Replica
@@ -312,8 +312,8 @@ def _handle_crash(replica: Replica, runtime: Runtime, spec: LaunchSpec) -> None:
         return
     try:
         replicas.replica_relaunch(replica_id=replica.pk, source=source(), attempt=restarts + 1)
-    except InvalidTransition:
-        pass
+    except (InvalidTransition, NotFound):
+        pass  # moved on, or removed (a failed roll's replica)
 
 
 def _check_models(replica: Replica) -> None:

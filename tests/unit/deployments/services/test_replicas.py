@@ -182,3 +182,82 @@ def test_a_host_back_whose_server_died_with_it_has_its_lost_replica_removed(flee
     assert not Replica.objects.filter(pk=second.pk).exists()
     assert Replica.objects.filter(deployment=deployment).count() == 2
     assert Event.objects.filter(deployment=deployment, kind="replica.removed").exists()
+
+
+def _change_batch(deployment: Deployment, operator, fraction: float = 0.3) -> None:  # noqa: ANN001
+    deployments.deployment_change(
+        deployment_id=deployment.pk,
+        placements=[PlacementSpec(model="minilm", instance_kind="KIND_GPU", gpu_ids=(0,), gpu_memory_fraction=fraction,
+                                  max_batch_size=8)],
+        user=operator,
+    )  # fmt: skip
+
+
+def _statuses(deployment: Deployment) -> dict[int, tuple[str, int]]:
+    return {r.serial: (r.status, r.generation) for r in Replica.objects.filter(deployment=deployment)}
+
+
+def _stopped(replica: Replica) -> None:
+    """The host's stop task finishing: stopped, then removed (retired)."""
+    states.replica_transition(replica_id=replica.pk, to=S.STOPPED, source="t", only_from=frozenset({S.STOPPING}))
+    replicas.replica_start_after_stop(replica_id=replica.pk, source="t")
+
+
+def test_a_change_that_needs_a_new_server_surges_where_a_gpu_has_room(fleet, operator):
+    deployment = _create(operator, "surge", 0.3, 2)
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    _ready(deployment)
+    _change_batch(deployment, operator)
+    for step in (1, 2):
+        updating = Replica.objects.get(deployment=deployment, status=S.UPDATING)
+        # The host's worker finds the change needs a new server and asks for a surge.
+        surge = replicas.replica_surge(replica_id=updating.pk, generation=2, why="new GPUs", source="t")
+        assert surge is not None and surge.status == S.LAUNCHING and surge.generation == 2
+        statuses = _statuses(deployment)
+        assert statuses[updating.serial] == (S.READY, 1), step  # still serving its generation
+        assert sum(1 for s, _ in statuses.values() if s == S.READY) == 2  # N keep serving
+        # One surge at a time: asked again meanwhile, the replica is restarted in place instead.
+        states.replica_transition(replica_id=updating.pk, to=S.UPDATING, source="t")
+        assert replicas.replica_surge(replica_id=updating.pk, generation=2, why="again", source="t") is None
+        states.replica_transition(replica_id=updating.pk, to=S.READY, source="t")
+        states.replica_transition(replica_id=surge.pk, to=S.LOADING, source="t", runtime_handle="1")
+        replicas.replica_ready(replica_id=surge.pk, source="t", message="ok", from_status=S.LOADING, generation=2)
+        [retired] = Replica.objects.filter(deployment=deployment, desired_state="stopped")
+        assert retired.generation == 1 and retired.status == S.STOPPING
+        assert Replica.objects.filter(deployment=deployment, status=S.READY).count() == 2  # N-1 and the surge
+        _stopped(retired)
+    assert sorted(_statuses(deployment).values()) == [(S.READY, 2), (S.READY, 2)]
+    assert len({r.host_id for r in Replica.objects.filter(deployment=deployment)}) == 2  # still spread
+    assert Deployment.objects.get(pk=deployment.pk).status == S.READY
+
+
+def test_without_room_for_a_surge_the_replica_restarts_in_place(db, minilm, operator):
+    host = factories.gpu_host("tight", count=1)
+    deployment = _create(operator, "tight", 0.6, 1, hosts=[host.name])
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    _ready(deployment)
+    _change_batch(deployment, operator, fraction=0.6)
+    updating = Replica.objects.get(deployment=deployment)
+    assert replicas.replica_surge(replica_id=updating.pk, generation=2, why="new GPUs", source="t") is None
+    assert Replica.objects.get(pk=updating.pk).status == S.UPDATING  # the worker restarts it in place
+    note = Event.objects.get(deployment=deployment, kind="replica.roll")
+    assert "no room for a surge replica" in note.message and "tight is short by" in note.message
+
+
+def test_a_surge_replica_that_fails_to_load_rolls_the_generation_back(fleet, operator):
+    deployment = _create(operator, "bad", 0.3, 2)
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    _ready(deployment)
+    _change_batch(deployment, operator)
+    updating = Replica.objects.get(deployment=deployment, status=S.UPDATING)
+    surge = replicas.replica_surge(replica_id=updating.pk, generation=2, why="new GPUs", source="t")
+    states.replica_transition(replica_id=surge.pk, to=S.LOADING, source="t", runtime_handle="1")
+    assert replicas.replica_fail(
+        replica_id=surge.pk, reason="model failed to load", source="t", only_from=frozenset({S.LOADING})
+    )
+    assert not Replica.objects.filter(pk=surge.pk).exists()
+    deployment.refresh_from_db()
+    assert deployment.generation == 1 and deployment.status == S.READY
+    assert deployment.revisions.get(generation=2).status == "failed"
+    assert sorted(_statuses(deployment).values()) == [(S.READY, 1), (S.READY, 1)]
+    assert Event.objects.filter(deployment=deployment, kind="deployment.rollback").exists()

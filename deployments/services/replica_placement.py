@@ -1,0 +1,168 @@
+"""Where a deployment's replicas go: the candidate hosts, their free ports,
+and a host and GPUs for each new replica from the hosts' one GPU plan
+(gpu_plan.choose_host). Spread puts replicas on different hosts first, pack
+onto the fewest; a replica that fits nowhere is refused before anything
+starts, with the closest host's shortfall.
+
+The callers (services.replicas, services.deployments) hold the deployment's
+row lock; the functions here lock the candidate hosts' rows after it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from django.conf import settings
+from django.db.models import Max
+
+from common.errors import InvalidTransition
+from deployments import selectors
+from deployments.gpu_plan import Candidate, Choice, Holder, choose_host, host_plan, plan_problems
+from deployments.models import (
+    Deployment,
+    DeploymentModel,
+    DeploymentStatus,
+    DesiredState,
+    GpuHost,
+    PlacementPolicy,
+    Replica,
+)
+
+S = DeploymentStatus
+
+
+def allocate_ports(host: GpuHost) -> tuple[int, int, int]:
+    """The lowest free triple of ports in the configured range on ``host``."""
+    low, high = settings.GANTRY_TRITON_PORT_RANGE
+    used: set[int] = set()
+    for row in Replica.objects.filter(host=host).values_list("http_port", "grpc_port", "metrics_port"):
+        used.update(row)
+    for base in range(low, high - 1, 3):
+        triple = (base, base + 1, base + 2)
+        if not used.intersection(triple):
+            return triple
+    raise InvalidTransition(f"no free ports left in GANTRY_TRITON_PORT_RANGE on {host.name}")
+
+
+def candidate_hosts(pinned: list[GpuHost], *, lock: bool, replacing: bool = False) -> list[GpuHost]:
+    """The hosts a deployment's replicas may go to: its pinned hosts that are
+    online, else every online host; their rows locked with ``lock`` (in id
+    order), so two placements are checked one after the other. A person's
+    start on pinned hosts that are all offline still places there (the launch
+    waits for the host); a replacement for a lost replica never does."""
+    rows = GpuHost.objects.filter(pk__in=[h.pk for h in pinned]) if pinned else GpuHost.objects.all()
+    if lock:
+        list(rows.select_for_update().order_by("pk").values_list("pk", flat=True))
+    found = list(rows.prefetch_related("gpus").order_by("name"))
+    online = [host for host in found if host.is_online]
+    return online or (found if pinned and not replacing else [])
+
+
+def plan_replicas(
+    *,
+    deployment: Deployment | None,
+    name: str,
+    placements: list[DeploymentModel],
+    count: int,
+    pinned: list[GpuHost],
+    policy: str,
+    lock: bool,
+    besides: int | None = None,
+    replacing: bool = False,
+) -> list[Choice | str]:
+    """Where ``count`` more replicas of the placements would go, one after the
+    other, each seeing the ones before: a Choice, or why it fits nowhere.
+    ``besides``: a deployment whose replicas the plans leave out; ``replacing``:
+    these replace lost replicas (candidate_hosts)."""
+    hosts = candidate_hosts(pinned, lock=lock, replacing=replacing)
+    holders = selectors.plan_holders_by_host(hosts, besides=besides)
+    siblings: Counter[int] = Counter()
+    if deployment is not None:
+        siblings.update(
+            deployment.replica_set.filter(desired_state=DesiredState.RUNNING)
+            .exclude(status__in=[S.LOST, S.STOPPED])
+            .values_list("host_id", flat=True)
+        )
+    key = deployment.pk if deployment is not None else None
+    choices: list[Choice | str] = []
+    for n in range(count):
+        replica = Holder(key=key, name=name, placements=placements, status="planned", replica=-(n + 1))
+        candidates = [Candidate(host=h, holders=holders.get(h.pk, []), siblings=siblings[h.pk]) for h in hosts]
+        choice = choose_host(
+            candidates, replica, pack=policy == PlacementPolicy.PACK, identity=bool(pinned) and not siblings
+        )
+        choices.append(choice)
+        if isinstance(choice, Choice):
+            holders.setdefault(choice.host.pk, []).append(
+                Holder(key=key, name=name, placements=placements, status="planned", replica=-(n + 1),
+                       gpu_map=choice.gpu_map)
+            )  # fmt: skip
+            siblings[choice.host.pk] += 1
+    return choices
+
+
+def _next_serial(deployment: Deployment) -> int:
+    return (deployment.replica_set.aggregate(top=Max("serial"))["top"] or 0) + 1
+
+
+def replicas_place(deployment: Deployment, count: int, *, replacing: bool) -> list[Replica]:
+    """Create ``count`` replicas of a locked deployment on the hosts chosen for
+    them (pending); InvalidTransition with the shortfall when one fits nowhere."""
+    choices = replicas_plan_for(deployment, count, replacing=replacing)
+    for choice in choices:
+        if isinstance(choice, str):
+            pinned = list(deployment.pinned_hosts.all())
+            where = ", ".join(h.name for h in pinned) if pinned else "any online host"
+            done = choices.index(choice)
+            raise InvalidTransition(
+                f"{deployment.name}'s replica {done + 1} of {count} fits on no host ({where}): {choice}"
+            )
+    return [replica_create(deployment, choice) for choice in choices]  # type: ignore[arg-type]
+
+
+def replicas_plan_for(deployment: Deployment, count: int, *, replacing: bool) -> list[Choice | str]:
+    """plan_replicas for ``count`` more replicas of a saved deployment (its hosts' rows locked)."""
+    return plan_replicas(
+        deployment=deployment,
+        name=deployment.name,
+        placements=list(deployment.placements.select_related("registered_model", "engine_build")),
+        count=count,
+        pinned=list(deployment.pinned_hosts.all()),
+        policy=deployment.placement_policy,
+        lock=True,
+        replacing=replacing,
+    )
+
+
+def replica_create(deployment: Deployment, choice: Choice) -> Replica:
+    """A pending replica of the deployment's current generation where ``choice`` says."""
+    http, grpc, metrics = allocate_ports(choice.host)
+    replica = Replica.objects.create(
+        deployment=deployment,
+        serial=_next_serial(deployment),
+        host=choice.host,
+        gpu_map={str(k): v for k, v in choice.gpu_map.items()},
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics,
+        generation=deployment.generation,
+    )
+    replica.deployment = deployment
+    return replica
+
+
+def gpus_words(replica: Replica) -> str:
+    """The host GPUs a replica runs on, for people."""
+    return ", ".join(str(index) for _, index in sorted(replica.gpus.items())) or "none (CPU)"
+
+
+def fits_where_it_is(replica: Replica, placements: list[DeploymentModel]) -> list[str]:
+    """What is wrong with the replica's host's plan with it there (its host's row locked)."""
+    host = GpuHost.objects.select_for_update().prefetch_related("gpus").get(pk=replica.host_id)
+    holders = [
+        Holder(key=replica.deployment_id, name=replica.deployment.name, placements=placements,
+               status=replica.status, replica=replica.serial, gpu_map=replica.gpus),
+        *selectors.plan_holders(host, besides_replica=replica.pk),
+    ]  # fmt: skip
+    gpus = {plan.index for plan in host_plan(host, holders[:1])}
+    return plan_problems(host_plan(host, holders), own=replica.deployment_id, gpus=gpus)
