@@ -354,6 +354,11 @@ class PlacementPolicy(models.TextChoices):
     PACK = "pack", "Pack onto the fewest hosts"
 
 
+class AutoscaleMetric(models.TextChoices):
+    IN_FLIGHT = "in_flight", "Requests in flight per replica"
+    QUEUE_MS = "queue_ms", "Queue time per request (ms)"
+
+
 class Deployment(models.Model):
     """What to serve: placements (models with their fractions and batching),
     server settings and how many replicas. Each replica is one Triton on one
@@ -374,6 +379,29 @@ class Deployment(models.Model):
         GpuHost, blank=True, related_name="pinned_deployments",
         help_text="The hosts replicas may run on (none: any online host with room).",
     )  # fmt: skip
+    # Autoscaling is on while max_replicas is set: the control plane's sweep moves
+    # ``replicas`` between the bounds (deployments.services.autoscale).
+    min_replicas = models.PositiveSmallIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(64)],
+        help_text="Autoscaling's floor (with max_replicas).",
+    )  # fmt: skip
+    max_replicas = models.PositiveSmallIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(64)],
+        help_text="Autoscaling's ceiling; empty: autoscaling off.",
+    )  # fmt: skip
+    autoscale_metric = models.CharField(
+        max_length=16, choices=AutoscaleMetric.choices, default=AutoscaleMetric.IN_FLIGHT,
+        help_text="What autoscaling holds at its target, per replica.",
+    )  # fmt: skip
+    autoscale_target = models.FloatField(
+        default=4.0, validators=[MinValueValidator(0.1), MaxValueValidator(100_000)],
+        help_text="The metric's value per replica that autoscaling aims for.",
+    )  # fmt: skip
+    autoscale_cooldown_s = models.PositiveIntegerField(
+        default=60, validators=[MinValueValidator(5), MaxValueValidator(86_400)],
+        help_text="Seconds after any change of the replica count before autoscaling changes it again.",
+    )  # fmt: skip
+    scaled_at = models.DateTimeField(null=True, blank=True, help_text="When the replica count last changed.")
     desired_state = models.CharField(max_length=16, choices=DesiredState.choices, default=DesiredState.STOPPED)
     status = models.CharField(max_length=16, choices=DeploymentStatus.choices, default=DeploymentStatus.PENDING)
     status_message = models.TextField(blank=True)
@@ -438,7 +466,11 @@ class Replica(models.Model):
     queue_ms = models.FloatField(
         default=0.0, help_text="The longest mean queue time of its models at the last scrape (balancing's tie-breaker)."
     )
-    in_flight = models.PositiveIntegerField(default=0, help_text="Requests its Triton held at the last scrape.")
+    in_flight = models.FloatField(
+        default=0.0,
+        help_text="Requests in its Triton, queued and executing: the mean over the last scrape interval "
+        "(Little's law on Triton's request duration), or those queued at the scrape if more.",
+    )
     # Where the runtime can find what it started: a process id or a container id.
     # Cleared when the server is gone.
     runtime_handle = models.CharField(max_length=128, blank=True)

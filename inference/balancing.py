@@ -21,7 +21,8 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -217,36 +218,34 @@ class Tries:
         """``endpoint`` answered (or refused, or the caller went away): it is not failing."""
         finish(endpoint, failed=False)
 
+    @contextmanager
+    def attempt(self) -> Iterator[Endpoint]:
+        """One try: the replica to send to, counted as it ends. A TransientError
+        in the block is swallowed while another replica may be tried (the
+        caller's loop tries it), else raised."""
+        endpoint = self.next()
+        try:
+            yield endpoint
+        except TransientError as error:
+            self.failed(endpoint, error)
+            return
+        except BaseException:
+            self.answered(endpoint)
+            raise
+        self.answered(endpoint)
+
 
 async def call(endpoints: list[Endpoint], request: Callable[[Endpoint], Awaitable[T]]) -> T:
     """``request`` on the best replica; on a TransientError, once more on another."""
     tries = Tries(endpoints)
     while True:
-        endpoint = tries.next()
-        try:
-            result = await request(endpoint)
-        except TransientError as error:
-            tries.failed(endpoint, error)
-            continue
-        except BaseException:
-            tries.answered(endpoint)
-            raise
-        tries.answered(endpoint)
-        return result
+        with tries.attempt() as endpoint:
+            return await request(endpoint)
 
 
 def call_sync(endpoints: list[Endpoint], request: Callable[[Endpoint], T]) -> T:
     """``call`` for synchronous callers (the REST API's embed and rerank)."""
     tries = Tries(endpoints)
     while True:
-        endpoint = tries.next()
-        try:
-            result = request(endpoint)
-        except TransientError as error:
-            tries.failed(endpoint, error)
-            continue
-        except BaseException:
-            tries.answered(endpoint)
-            raise
-        tries.answered(endpoint)
-        return result
+        with tries.attempt() as endpoint:
+            return request(endpoint)

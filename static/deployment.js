@@ -141,8 +141,12 @@
         return row;
       }));
     }
+    const scaleInput = document.getElementById("scale-replicas");
     function render(deployment) {
       renderReplicas(deployment);
+      document.getElementById("replicas-wanted").textContent = deployment.replicas;
+      document.getElementById("autoscale-words").textContent = deployment.autoscale.words;
+      if (scaleInput && document.activeElement !== scaleInput) scaleInput.value = deployment.replicas;
       for (const model of deployment.models) readiness[model.triton_name] = model.ready;
       showReadiness(deployment.shown_status);
       enableActions(deployment.actions);
@@ -216,6 +220,37 @@
         actionError.hidden = true;
         try {
           render(await api("POST", `/api/deployments/${id}/${action}/`));
+        } catch (error) {
+          showError(error);
+        }
+      });
+    }
+    const scaleForm = document.getElementById("scale-form");
+    if (scaleForm) {
+      scaleForm.addEventListener("submit", async (submitted) => {
+        submitted.preventDefault();
+        actionError.hidden = true;
+        try {
+          render(await api("POST", `/api/deployments/${id}/scale/`, { replicas: Number(scaleInput.value) }));
+        } catch (error) {
+          showError(error);
+        }
+      });
+    }
+    // Empty number fields are sent as null: an empty max turns autoscaling off.
+    const autoscaleForm = document.getElementById("autoscale-form");
+    if (autoscaleForm) {
+      autoscaleForm.addEventListener("submit", async (submitted) => {
+        submitted.preventDefault();
+        actionError.hidden = true;
+        const form = new FormData(autoscaleForm);
+        const number = (name) => (form.get(name) === "" ? null : Number(form.get(name)));
+        const body = {
+          min_replicas: number("min_replicas"), max_replicas: number("max_replicas"), metric: form.get("metric"),
+          target: number("target"), cooldown_s: number("cooldown_s"),
+        };
+        try {
+          render(await api("POST", `/api/deployments/${id}/autoscale/`, body));
         } catch (error) {
           showError(error);
         }

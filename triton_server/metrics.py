@@ -19,6 +19,7 @@ _MODEL_COUNTERS = {
     "nv_inference_request_success": "success",
     "nv_inference_request_failure": "failure",
     "nv_inference_count": "inferences",
+    "nv_inference_request_duration_us": "request_us",
     "nv_inference_queue_duration_us": "queue_us",
     "nv_inference_compute_infer_duration_us": "compute_us",
     "nv_inference_pending_request_count": "pending",  # a gauge: requests Triton holds now
@@ -36,6 +37,7 @@ class ModelCounters:
     success: float = 0.0
     failure: float = 0.0
     inferences: float = 0.0
+    request_us: float = 0.0
     queue_us: float = 0.0
     compute_us: float = 0.0
     pending: float = 0.0
@@ -84,7 +86,9 @@ def scrape(url: str, *, timeout_s: float = 5.0) -> Scrape:
 
 def derive(previous: Scrape | None, current: Scrape) -> dict[str, dict[str, float]]:
     """Per model: totals, and since ``previous`` the request and failure rates
-    (per second) and the mean queue and compute time per request (ms)."""
+    (per second), the mean queue and compute time per request (ms), and the
+    mean concurrency (requests in the server, queued or executing: the time
+    its requests spent there per second of the interval, by Little's law)."""
     derived: dict[str, dict[str, float]] = {}
     elapsed = current.at - previous.at if previous is not None else 0.0
     for model, now in current.models.items():
@@ -96,5 +100,6 @@ def derive(previous: Scrape | None, current: Scrape) -> dict[str, dict[str, floa
             values["failure_rate"] = max(0.0, now.failure - before.failure) / elapsed
             values["queue_ms"] = (now.queue_us - before.queue_us) / requests / 1000 if requests else 0.0
             values["compute_ms"] = (now.compute_us - before.compute_us) / requests / 1000 if requests else 0.0
+            values["concurrency"] = max(0.0, now.request_us - before.request_us) / 1e6 / elapsed
         derived[model] = {key: round(value, 4) for key, value in values.items()}
     return derived

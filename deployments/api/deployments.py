@@ -25,6 +25,7 @@ from deployments.api.lists import CursorPage, ListEndpoint, checked_query
 from deployments.api.timeline import Events, LogLines
 from deployments.models import (
     DB_INT_MAX,
+    AutoscaleMetric,
     Deployment,
     DeploymentModel,
     DeploymentRevision,
@@ -41,6 +42,7 @@ from deployments.models import (
 from deployments.permissions import ReadOrOperate
 from deployments.services import deployments as deployment_services
 from deployments.services import telemetry
+from deployments.services.autoscale import AUTOSCALE_OFF, AutoscaleSpec, deployment_autoscale_set, describe
 from deployments.services.deployments import ServerSpec
 from deployments.services.placements import MAX_BATCH_SIZE, PLACEMENT_FIELDS, PlacementSpec
 
@@ -114,6 +116,23 @@ class ReplicaOut(serializers.ModelSerializer):
         return {str(k): v for k, v in sorted(replica.gpus.items())}
 
 
+class AutoscaleOut(serializers.Serializer):
+    on = serializers.SerializerMethodField(help_text="whether autoscaling moves replicas (max_replicas is set)")
+    min_replicas = serializers.IntegerField(allow_null=True)
+    max_replicas = serializers.IntegerField(allow_null=True)
+    metric = serializers.CharField(source="autoscale_metric")
+    target = serializers.FloatField(source="autoscale_target")
+    cooldown_s = serializers.IntegerField(source="autoscale_cooldown_s")
+    scaled_at = serializers.DateTimeField(allow_null=True, help_text="when the replica count last changed")
+    words = serializers.SerializerMethodField(help_text="the settings in words, as the page shows them")
+
+    def get_on(self, deployment: Deployment) -> bool:
+        return deployment.max_replicas is not None
+
+    def get_words(self, deployment: Deployment) -> str:
+        return describe(AutoscaleSpec.of(deployment))
+
+
 class DeploymentOut(serializers.ModelSerializer):
     hosts = serializers.SlugRelatedField(
         source="pinned_hosts", many=True, read_only=True, slug_field="name",
@@ -121,6 +140,7 @@ class DeploymentOut(serializers.ModelSerializer):
     )  # fmt: skip
     models = PlacementOut(source="placements", many=True)
     replica_set = ReplicaOut(many=True, help_text="its replicas: one Triton each, on a host Gantry chose")
+    autoscale = AutoscaleOut(source="*", help_text="autoscaling's settings (off while max_replicas is null)")
     actions = serializers.SerializerMethodField(help_text="what may be asked of it now: start, stop, change, scale")
 
     class Meta:
@@ -133,6 +153,7 @@ class DeploymentOut(serializers.ModelSerializer):
             "image",
             "replicas",
             "placement_policy",
+            "autoscale",
             "replica_set",
             "shm_size_mib",
             "log_verbose",
@@ -187,6 +208,28 @@ class ServerIn(StrictModelSerializer):
         extra_kwargs = {"shm_size_mib": {"required": False}, "log_verbose": {"required": False}}
 
 
+class AutoscaleIn(StrictSerializer):
+    """Autoscaling's settings; bounds and defaults are Deployment's. Without
+    max_replicas (or with it null) autoscaling is off."""
+
+    min_replicas = serializers.IntegerField(min_value=1, max_value=64, required=False, allow_null=True, default=None)
+    max_replicas = serializers.IntegerField(min_value=1, max_value=64, required=False, allow_null=True, default=None)
+    metric = serializers.ChoiceField(
+        choices=AutoscaleMetric.choices, default=AutoscaleMetric.IN_FLIGHT,
+        help_text="what is held at the target per replica: requests in flight, or queue time (ms) per request",
+    )  # fmt: skip
+    target = serializers.FloatField(min_value=0.1, max_value=100_000, default=AutoscaleSpec.target)
+    cooldown_s = serializers.IntegerField(
+        min_value=5, max_value=86_400, default=AutoscaleSpec.cooldown_s,
+        help_text="seconds after a change of the count before autoscaling changes it again",
+    )  # fmt: skip
+
+
+def autoscale_spec(data: dict[str, Any]) -> AutoscaleSpec:
+    """The settings a checked AutoscaleIn body asks for."""
+    return AutoscaleSpec(**data)
+
+
 class DeploymentIn(StrictSerializer):
     name = serializers.CharField(max_length=63, validators=[slug_validator])
     host = serializers.CharField(
@@ -198,6 +241,7 @@ class DeploymentIn(StrictSerializer):
     )  # fmt: skip
     replicas = serializers.IntegerField(min_value=1, max_value=64, default=1)
     placement_policy = serializers.ChoiceField(choices=PlacementPolicy.choices, default=PlacementPolicy.SPREAD)
+    autoscale = AutoscaleIn(required=False, help_text="autoscaling between min and max replicas; off if absent")
     runtime = serializers.ChoiceField(choices=Runtime.choices, default=Runtime.PROCESS)
     image = serializers.CharField(max_length=255, required=False, default="", allow_blank=True)
     # ServerIn's fields (Deployment's bounds), re-instantiated for this serializer.
@@ -247,6 +291,7 @@ def _creation(data: dict[str, Any]) -> dict[str, Any]:
         "hosts": [data["host"]] if "host" in data else list(dict.fromkeys(data.get("hosts", []))),
         "replicas": data["replicas"],
         "placement_policy": data["placement_policy"],
+        "autoscale": autoscale_spec(data["autoscale"]) if "autoscale" in data else AUTOSCALE_OFF,
         "runtime": data["runtime"],
         "image": data["image"],
         "placements": placement_specs(data["models"]),
@@ -429,6 +474,21 @@ class DeploymentScale(APIView):
         return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
 
 
+class DeploymentAutoscale(APIView):
+    """POST /api/deployments/<id>/autoscale/ {"min_replicas": 1, "max_replicas": 4,
+    "metric": "in_flight", "target": 4, "cooldown_s": 60}: turn autoscaling on or
+    change it; {"max_replicas": null} turns it off. A count outside the new
+    bounds is moved inside them."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(request=AutoscaleIn, responses={202: DeploymentOut})
+    def post(self, request: Request, pk: int) -> Response:
+        spec = autoscale_spec(validated(AutoscaleIn, request))
+        deployment_autoscale_set(deployment_id=pk, spec=spec, user=request.user)
+        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+
+
 class DeploymentStop(APIView):
     """POST /api/deployments/<id>/stop/ (no body): every replica's host stops its server."""
 
@@ -590,9 +650,13 @@ class DeploymentLog(LogLines):
 
 
 class MetricOut(serializers.ModelSerializer):
+    replica = serializers.IntegerField(
+        source="replica.serial", default=None, help_text="the serial of the replica whose server reported it"
+    )
+
     class Meta:
         model = MetricSample
-        fields = ["id", "at", "kind", "subject", "values"]
+        fields = ["id", "at", "kind", "replica", "subject", "values"]
 
 
 class MetricQuery(StrictSerializer):
@@ -615,7 +679,8 @@ class DeploymentMetrics(ListEndpoint):
     ordering = "id"
 
     def get_queryset(self) -> QuerySet[MetricSample]:
-        return MetricSample.objects.filter(deployment=get_object_or_404(Deployment, pk=self.kwargs["pk"]))
+        deployment = get_object_or_404(Deployment, pk=self.kwargs["pk"])
+        return MetricSample.objects.filter(deployment=deployment).select_related("replica")
 
     def filter_rows(self, rows: QuerySet[MetricSample], query: dict[str, Any]) -> QuerySet[MetricSample]:
         rows = rows.filter(at__gte=timezone.now() - timedelta(minutes=query["minutes"]))

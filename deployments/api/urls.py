@@ -24,6 +24,7 @@ urlpatterns = [
     path("deployments/<int:pk>/start/", deployments.DeploymentStart.as_view(), name="api-deployment-start"),
     path("deployments/<int:pk>/stop/", deployments.DeploymentStop.as_view(), name="api-deployment-stop"),
     path("deployments/<int:pk>/scale/", deployments.DeploymentScale.as_view(), name="api-deployment-scale"),
+    path("deployments/<int:pk>/autoscale/", deployments.DeploymentAutoscale.as_view(), name="api-deployment-autoscale"),
     path("deployments/<int:pk>/restart/", deployments.DeploymentRestart.as_view(), name="api-deployment-restart"),
     path("deployments/<int:pk>/rollback/", deployments.DeploymentRollback.as_view(), name="api-deployment-rollback"),
     path("deployments/<int:pk>/events/", deployments.DeploymentEvents.as_view(), name="api-deployment-events"),

@@ -39,6 +39,7 @@ from deployments.models import (
 from deployments.permissions import require_operator
 from deployments.services import replica_placement
 from deployments.services import replicas as replicas_service
+from deployments.services.autoscale import AUTOSCALE_OFF, AutoscaleSpec, autoscale_errors, describe
 from deployments.services.placements import (
     PlacementSpec,
     Resolved,
@@ -78,6 +79,7 @@ def _create_checks(
     server: ServerSpec,
     replicas: int,
     placement_policy: str,
+    autoscale: AutoscaleSpec,
 ) -> tuple[GpuHost | None, list[GpuHost], list[Resolved], dict[str, list[str]]]:
     """Every rule a new deployment must pass, each broken one by field; the host
     its placements are checked against (its first pinned host, else the online
@@ -95,6 +97,8 @@ def _create_checks(
             Deployment._meta.get_field(field).clean(value, None)
         except DjangoValidationError as exc:
             errors[field] = list(exc.messages)
+    for field, messages in autoscale_errors(autoscale, replicas).items():
+        errors.setdefault(field if field == "replicas" else f"autoscale.{field}", []).extend(messages)
     pinned = list(GpuHost.objects.filter(name__in=hosts).prefetch_related("gpus"))
     unknown = sorted(set(hosts) - {h.name for h in pinned})
     if unknown:
@@ -124,6 +128,7 @@ def deployment_preflight(
     server: ServerSpec = ServerSpec(),
     replicas: int = 1,
     placement_policy: str = PlacementPolicy.SPREAD,
+    autoscale: AutoscaleSpec = AUTOSCALE_OFF,
     replaces: int | None = None,
     user: Any = None,
 ) -> dict[str, Any]:
@@ -136,7 +141,7 @@ def deployment_preflight(
     require_operator(user)
     reference, pinned, resolved, errors = _create_checks(
         name=name, hosts=hosts, placements=placements, runtime=runtime, image=image, server=server,
-        replicas=replicas, placement_policy=placement_policy,
+        replicas=replicas, placement_policy=placement_policy, autoscale=autoscale,
     )  # fmt: skip
     if reference is None:
         return {"valid": False, "errors": errors, "plan": [], "replicas": [], "warnings": []}
@@ -176,6 +181,7 @@ def deployment_create(
     server: ServerSpec = ServerSpec(),
     replicas: int = 1,
     placement_policy: str = PlacementPolicy.SPREAD,
+    autoscale: AutoscaleSpec = AUTOSCALE_OFF,
     user: Any = None,
 ) -> Deployment:
     """Create a stopped deployment of one or more models (nothing starts yet:
@@ -184,7 +190,7 @@ def deployment_create(
     require_operator(user)
     _, pinned, resolved, errors = _create_checks(
         name=name, hosts=hosts, placements=placements, runtime=runtime, image=image, server=server,
-        replicas=replicas, placement_policy=placement_policy,
+        replicas=replicas, placement_policy=placement_policy, autoscale=autoscale,
     )  # fmt: skip
     if errors:
         raise ValidationFailed(errors)
@@ -196,6 +202,7 @@ def deployment_create(
                 image=image,
                 replicas=replicas,
                 placement_policy=placement_policy,
+                **autoscale.columns(),
                 **asdict(server),
                 created_by=events.signed_in(user),
             )
@@ -215,7 +222,7 @@ def deployment_create(
                 deployment=deployment,
                 to_status=deployment.status,
                 message=f"created with {', '.join(r.model.name for r in resolved)}: {replicas} "
-                f"replica{'s' if replicas != 1 else ''} {where}",
+                f"replica{'s' if replicas != 1 else ''} {where}; autoscaling {describe(autoscale)}",
             )
     except IntegrityError as exc:
         # Another request took the name between our check and insert.

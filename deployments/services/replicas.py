@@ -24,7 +24,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Count, Exists, F, OuterRef, Q
 from django.utils import timezone
 
 from common.errors import InvalidTransition, NotFound, ValidationFailed
@@ -124,8 +124,11 @@ def replica_remove(*, replica: Replica, source: str, why: str) -> None:
     replica.delete()
 
 
-def deployment_scale(*, deployment_id: int, replicas: int, source: str, actor: Any = None) -> Deployment:
-    """Set how many replicas serve the deployment; a running one converges now."""
+def deployment_scale(
+    *, deployment_id: int, replicas: int, source: str, actor: Any = None, why: str = "", kind: str = "deployment.scaled"
+) -> Deployment:
+    """Set how many replicas serve the deployment (within autoscaling's bounds
+    while it is on); a running one converges now. ``why`` goes on the timeline."""
     field = Deployment._meta.get_field("replicas")
     try:
         field.run_validators(replicas)
@@ -139,14 +142,19 @@ def deployment_scale(*, deployment_id: int, replicas: int, source: str, actor: A
             raise InvalidTransition(f"{deployment.name} is {deployment.status}; scale it when that is done")
         if deployment.replicas == replicas:
             raise ValidationFailed({"replicas": f"{deployment.name} already has {replicas}: nothing to change"})
+        low, high = deployment.min_replicas or 1, deployment.max_replicas
+        if high is not None and not low <= replicas <= high:
+            raise ValidationFailed(
+                {"replicas": f"{replicas} is outside autoscaling's bounds {low}..{high}: change those, or turn it off"}
+            )
         before = deployment.replicas
-        Deployment.objects.filter(pk=deployment_id).update(replicas=replicas)
+        Deployment.objects.filter(pk=deployment_id).update(replicas=replicas, scaled_at=timezone.now())
         events.record(
-            kind="deployment.scaled",
+            kind=kind,
             source=source,
             actor=actor,
             deployment=deployment,
-            message=f"replicas {before} → {replicas}",
+            message=f"replicas {before} → {replicas}" + (f": {why}" if why else ""),
             data={"before": before, "after": replicas},
         )
         return deployment_converge(deployment_id=deployment_id, source=source, actor=actor)
@@ -429,7 +437,14 @@ def replace_lost(*, source: str) -> list[Replica]:
     nowhere now says so on its timeline (once per lost replica) and is tried
     again at the next sweep. Returns the replicas found lost now."""
     lost = _mark_lost(source=source, grace_s=settings.GANTRY_HOST_LOST_GRACE_S)
-    short = Deployment.objects.filter(desired_state=DesiredState.RUNNING, replica_set__status=S.LOST).distinct()
+    # Only those short of replicas: one whose replacements already run costs nothing per sweep.
+    alive = Q(replica_set__desired_state=DesiredState.RUNNING) & ~Q(replica_set__status__in=[S.LOST, *states.AT_REST])
+    short = (
+        Deployment.objects.filter(desired_state=DesiredState.RUNNING)
+        .filter(Exists(Replica.objects.filter(deployment=OuterRef("pk"), status=S.LOST)))
+        .annotate(alive=Count("replica_set", filter=alive))
+        .filter(alive__lt=F("replicas"))
+    )
     for deployment_id in short.values_list("pk", flat=True):
         try:
             deployment_converge(deployment_id=deployment_id, source=source)

@@ -43,8 +43,11 @@ def metrics_record(
     )
     if replica_id is not None:
         queue_ms = max((values.get("queue_ms", 0.0) for values in models.values()), default=0.0)
-        in_flight = int(sum(values.get("pending", 0.0) for values in models.values()))
-        Replica.objects.filter(pk=replica_id).update(queue_ms=round(queue_ms, 3), in_flight=in_flight)
+        in_flight = max(
+            sum(values.get("pending", 0.0) for values in models.values()),
+            sum(values.get("concurrency", 0.0) for values in models.values()),
+        )
+        Replica.objects.filter(pk=replica_id).update(queue_ms=round(queue_ms, 3), in_flight=round(in_flight, 3))
     cutoff = now - timedelta(hours=settings.GANTRY_METRICS_RETENTION_HOURS)
     MetricSample.objects.filter(deployment_id=deployment_id, at__lt=cutoff).delete()
     events.publish(

@@ -22,6 +22,7 @@ from common.errors import GantryError
 from deployments import selectors
 from deployments.models import (
     GENERATIVE_BACKENDS,
+    AutoscaleMetric,
     BuildStatus,
     DecodingMode,
     DeploymentModel,
@@ -35,6 +36,7 @@ from deployments.models import (
 )
 from deployments.permissions import OPERATOR_REQUIRED, can_operate
 from deployments.services import builds, registered_models
+from deployments.services.autoscale import AutoscaleSpec, describe
 from deployments.services.deployments import ServerSpec
 from deployments.services.placements import SERVABLE_KINDS, placements_snapshot
 from deployments.web.forms import (
@@ -243,6 +245,8 @@ def deployment_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "embedders": [p for p in deployment.placements.all() if p.registered_model.kind == ModelKind.EMBEDDING],
             "rerankers": [p for p in deployment.placements.all() if p.registered_model.kind == ModelKind.RERANKER],
             "plan": selectors.deployment_plan(deployment),
+            "autoscale_words": describe(AutoscaleSpec.of(deployment)),
+            "autoscale_metrics": AutoscaleMetric.choices,
             "change_options": deploy_form_options(
                 mode="change",
                 initial=placements_snapshot(deployment),

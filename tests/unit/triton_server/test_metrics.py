@@ -15,6 +15,9 @@ nv_inference_request_failure{model="minilm",reason="BACKEND",version="1"} %(fail
 # HELP nv_inference_count Number of inferences performed (does not include cached requests)
 # TYPE nv_inference_count counter
 nv_inference_count{model="minilm",version="1"} %(success)d
+# HELP nv_inference_request_duration_us Cumulative inference request duration in microseconds
+# TYPE nv_inference_request_duration_us counter
+nv_inference_request_duration_us{model="minilm",version="1"} %(request)d
 # HELP nv_inference_queue_duration_us Cumulative inference queuing duration in microseconds
 # TYPE nv_inference_queue_duration_us counter
 nv_inference_queue_duration_us{model="minilm",version="1"} %(queue)d
@@ -30,8 +33,9 @@ nv_gpu_memory_used_bytes{gpu_uuid="GPU-1234"} 1000
 """
 
 
-def _scrape(at, success, failure, queue, compute):
-    return parse(EXPOSITION % {"success": success, "failure": failure, "queue": queue, "compute": compute}, at=at)
+def _scrape(at, success, failure, queue, compute, request=0):
+    figures = {"success": success, "failure": failure, "queue": queue, "compute": compute, "request": request}
+    return parse(EXPOSITION % figures, at=at)
 
 
 def test_parse_sums_failure_reasons_and_reads_gpu_gauges():
@@ -42,8 +46,9 @@ def test_parse_sums_failure_reasons_and_reads_gpu_gauges():
 
 
 def test_derive_rates_and_mean_times_per_request():
-    before = _scrape(100.0, success=10, failure=0, queue=1000, compute=20000)
-    after = _scrape(102.0, success=30, failure=4, queue=5000, compute=60000)
+    before = _scrape(100.0, success=10, failure=0, queue=1000, compute=20000, request=1_000_000)
+    # 20 requests in 2 s that spent 6 s in the server together: 3 in it at a time on average.
+    after = _scrape(102.0, success=30, failure=4, queue=5000, compute=60000, request=7_000_000)
     figures = derive(before, after)["minilm"]
     assert figures == {
         "requests_total": 30,
@@ -53,6 +58,7 @@ def test_derive_rates_and_mean_times_per_request():
         "failure_rate": 2.0,
         "queue_ms": 0.2,
         "compute_ms": 2.0,
+        "concurrency": 3.0,
     }
 
 

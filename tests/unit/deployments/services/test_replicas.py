@@ -100,7 +100,9 @@ def _ready(deployment: Deployment) -> list[Replica]:
     return rows
 
 
-def test_a_lost_host_is_replaced_after_the_grace_and_its_return_stops_the_surplus(fleet, operator, settings):
+def test_a_lost_host_is_replaced_after_the_grace_and_its_return_stops_the_surplus(
+    fleet, operator, settings, django_assert_max_num_queries
+):
     settings.GANTRY_HOST_LOST_GRACE_S = 60
     deployment = _create(operator, "svc", 0.3, 2)
     deployments.deployment_start(deployment_id=deployment.pk, user=operator)
@@ -118,6 +120,9 @@ def test_a_lost_host_is_replaced_after_the_grace_and_its_return_stops_the_surplu
     assert replacement.status == S.LAUNCHING and replacement.host.name not in (first.host.name, second.host.name)
     assert Deployment.objects.get(pk=deployment.pk).status == S.DEGRADED
     _ready_one(replacement)
+    # Replaced: later sweeps find nothing short, and leave the deployment alone.
+    with django_assert_max_num_queries(3):
+        assert replicas.replace_lost(source="system") == []
     # The host comes back with its server still up: three serve two wanted; the lost one was
     # the oldest generation... all are generation 1, so the newest replica goes.
     gone.update(last_heartbeat=timezone.now())
