@@ -18,7 +18,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-gpu
+.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-gpu
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,7 @@ BENCH_API_ARGS ?=
 BENCH_LIVE_ARGS ?=
 BENCH_PAGES_ARGS ?=
 BENCH_DECODE_ARGS ?=
+BENCH_REPLICAS_ARGS ?=
 bench: venv
 	$(PY) bench/generate.py $(BENCH_ARGS)
 	$(PY) bench/gateway.py $(BENCH_GATEWAY_ARGS)
@@ -74,6 +75,7 @@ bench: venv
 	$(MAKE) bench-api
 	$(MAKE) bench-live
 	$(MAKE) bench-pages
+	$(MAKE) bench-replicas
 
 # The REST API at fleet scale: PostgreSQL (BENCH_DATABASE_URL), Redis and wrk.
 bench-api: venv
@@ -86,7 +88,7 @@ bench-live: venv
 	scripts/ensure-services.sh
 	$(PY) bench/live.py $(BENCH_LIVE_ARGS)
 
-# The pages with 100 deployments and 100 000 events, in headless Chromium (PostgreSQL, Redis).
+# The pages at 100, 1 000 and 10 000 deployments and with 100 000 events, in headless Chromium (PostgreSQL, Redis).
 bench-pages: venv frontend
 	scripts/ensure-services.sh
 	scripts/ensure-packages.sh chromium
@@ -94,6 +96,11 @@ bench-pages: venv frontend
 
 bench-gateway: venv
 	$(PY) bench/gateway.py $(BENCH_GATEWAY_ARGS)
+
+# Replicas on three namespace hosts: added latency 3 vs 1, throughput 2 vs 1, a host's SIGKILL (root).
+bench-replicas: venv
+	scripts/ensure-services.sh
+	$(PY) bench/replicas.py $(BENCH_REPLICAS_ARGS)
 
 # The causal-LM decoder against the loop it replaced and plain generate (CPU; --gpu on a GPU host).
 bench-decode:

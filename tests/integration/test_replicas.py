@@ -1,27 +1,35 @@
 """Replicas across three hosts for real: one alias, three Tritons in three
-network namespaces. Eight clients embed through the gateway while one host's
-worker and tritonserver are SIGKILLed: every request succeeds (a failed one
-is retried on another replica), the lost replica is replaced on a host with
-room within the grace period plus one start, and the killed host's return
-leaves no surplus."""
+network namespaces. AIPerf drives the alias through the gateway at
+concurrency 8, the way Gantry's load tests do. Meanwhile one host flaps
+(its worker stopped for less than the grace period, three times), which
+causes no churn; then another host's worker and tritonserver are SIGKILLed.
+Not one request fails (a failed one is retried on another replica), the lost
+replica is replaced on a host with room within the grace period plus one
+start, and the killed host's return leaves no surplus."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import threading
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
-import requests
 
+from loadtests import workload as workloads
+from loadtests.models import LoadTest
 from tests.integration.conftest import fleet, wait_for
+from workers import processes
+from workers.loadtest.aiperf import KEY_ENV, Step, aiperf_executable, config_for
+from workers.loadtest.results import records_of
 from workers.runtimes import process
 
 pytestmark = [pytest.mark.integration]
 
 GRACE_S = 8
+LOAD_S = 90  # AIPerf's run: the flaps, the kill and the replacement's start fall within it
 
 
 def test_an_alias_keeps_answering_while_a_host_dies_and_its_replica_comes_back_elsewhere(
@@ -44,29 +52,28 @@ def test_an_alias_keeps_answering_while_a_host_dies_and_its_replica_comes_back_e
         alias = {"name": "embed", "deployment": created["id"], "model": "minilm"}
         assert http.post(f"{base}/api/gateway/aliases/", json=alias, timeout=30).status_code == 201
         key = http.post(f"{base}/api/gateway/keys/", json={"name": "load", "all_aliases": True}, timeout=30).json()
-        headers = {"Authorization": f"Bearer {key['key']}"}
 
-        outcomes: list[int] = []
-        stop = threading.Event()
-
-        def client() -> None:
-            session = requests.Session()
-            while not stop.is_set():
-                answer = session.post(f"{base}/v1/embeddings", json={"model": "embed", "input": ["a host dies"]},
-                                      headers=headers, timeout=30)  # fmt: skip
-                outcomes.append(answer.status_code)
-
-        clients = [threading.Thread(target=client) for _ in range(8)]
-        for thread in clients:
-            thread.start()
+        aiperf = _aiperf(tmp_path / "aiperf", base=base, key=key["key"], tokenizer=minilm_path, seconds=LOAD_S)
         try:
-            wait_for(lambda: len(outcomes) >= 40, 60, "the load to run")
-            doomed = next(r for r in plane.get(url[len(base) :])["replica_set"] if r["host"] == "host-c")
+            wait_for(lambda: _serving(plane, created["id"]), 120, "AIPerf's load on the replicas")
+            serials = sorted(r["serial"] for r in plane.get(url[len(base) :])["replica_set"])
+            # Host B flaps: its worker stops beating for less than the grace period, three times.
+            for _ in range(3):
+                os.killpg(plane.workers["host-b"].pid, signal.SIGSTOP)
+                time.sleep(GRACE_S / 2)
+                os.killpg(plane.workers["host-b"].pid, signal.SIGCONT)
+                time.sleep(3)
+            rows = plane.get(url[len(base) :])["replica_set"]
+            assert sorted(r["serial"] for r in rows) == serials  # no replacement, nothing removed
+            assert all(r["status"] == "ready" for r in rows), rows
+            timeline = plane.get(f"/api/deployments/{created['id']}/events/?limit=500")["results"]
+            assert not [e for e in timeline if e["kind"] == "replica.status" and e["to_status"] == "lost"]
+
+            doomed = next(r for r in rows if r["host"] == "host-c")
             [(server, _)] = process.servers_under(tmp_path / "host-c")
             os.killpg(plane.workers["host-c"].pid, signal.SIGKILL)  # host C's worker...
             os.killpg(int(server), signal.SIGKILL)  # ...and its tritonserver
             killed_at = time.monotonic()
-            served_before = len(outcomes)
 
             def restored() -> bool:
                 rows = plane.get(url[len(base) :])["replica_set"]
@@ -75,12 +82,13 @@ def test_an_alias_keeps_answering_while_a_host_dies_and_its_replica_comes_back_e
 
             wait_for(restored, GRACE_S + 120, "a replacement ready on a host with room")
             restored_s = time.monotonic() - killed_at
-            wait_for(lambda: len(outcomes) >= served_before + 200, 120, "more load after the replacement")
+            assert aiperf.wait(timeout=LOAD_S + 120) == 0, (tmp_path / "aiperf" / "aiperf.log").read_text()[-3000:]
         finally:
-            stop.set()
-            for thread in clients:
-                thread.join(timeout=60)
-        assert outcomes and set(outcomes) == {200}, sorted(set(outcomes))  # not one request failed
+            if aiperf.poll() is None:
+                os.killpg(aiperf.pid, signal.SIGKILL)
+                aiperf.wait()
+        _, counted = records_of(tmp_path / "aiperf" / "artifacts" / "profile_export.jsonl")
+        assert counted["requests"] > 200 and counted["errors"] == 0, counted  # not one request failed
         rows = plane.get(url[len(base) :])["replica_set"]
         lost = next(r for r in rows if r["serial"] == doomed["serial"])
         assert lost["status"] == "lost"
@@ -98,3 +106,28 @@ def test_an_alias_keeps_answering_while_a_host_dies_and_its_replica_comes_back_e
         assert "replica.removed" in timeline and timeline.count("deployment.scaled") == 0
         http.post(f"{url}stop/", timeout=30)
         wait_for(lambda: plane.get(url[len(base) :])["status"] == "stopped", 90, "the stop")
+
+
+def _aiperf(folder: Path, *, base: str, key: str, tokenizer: Path, seconds: int) -> subprocess.Popen:
+    """AIPerf embedding through the gateway at concurrency 8 for ``seconds``, as a
+    Gantry load test would configure it; its own process group."""
+    folder.mkdir()
+    workload = workloads.check("embedding", {"mode": "concurrency", "levels": [8], "duration_s": seconds})
+    run = LoadTest(kind="embedding", alias="embed", triton_name="minilm", workload=workload)
+    config = config_for(run, Step(target="gateway", level=8, index=0, total=1), gateway_url=base,
+                        triton_url="", tokenizer=str(tokenizer), artifacts=folder / "artifacts")  # fmt: skip
+    (folder / "aiperf.json").write_text(json.dumps(config))
+    env = processes.child_environment({KEY_ENV: key, "HF_HUB_DISABLE_TELEMETRY": "1"})
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.pop(name, None)
+    argv = [str(aiperf_executable()), "profile", "--config", str(folder / "aiperf.json"), "--ui", "none",
+            "--no-gpu-telemetry", "--no-server-metrics"]  # fmt: skip
+    with (folder / "aiperf.log").open("wb") as log:
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # noqa: S603
+
+
+def _serving(plane, deployment_id: int) -> bool:  # noqa: ANN001
+    """Every replica's Triton has served requests at the latest scrape."""
+    samples = plane.get(f"/api/deployments/{deployment_id}/metrics/?kind=model&ordering=-id&limit=30")["results"]
+    busy = {s["replica"] for s in samples if (s["values"].get("request_rate") or 0) > 0}
+    return len(busy) >= 3
