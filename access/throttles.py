@@ -1,5 +1,5 @@
 """Limits on how fast one client may call: the REST API per user or address
-(DRF throttles), and failed sign-ins per username and address (a lockout).
+(DRF throttles), and failed sign-ins per account and per address (a lockout).
 
 The API's rate counters live in the shared Redis cache, so every web process
 counts together; they fail open: while Redis is unreachable nothing is
@@ -10,6 +10,7 @@ so a lockout holds through a Redis outage or restart."""
 from __future__ import annotations
 
 import logging
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -55,35 +56,51 @@ class PerAddress(_FailOpen, AnonRateThrottle):
     setting = "GANTRY_API_THROTTLE_ANON"
 
 
-def _login_key(username: str, address: str) -> str:
-    return f"{address}:{username.strip().lower()[:150]}"[:255]
+def _login_limits(username: str, address: str) -> dict[str, int]:
+    """The counters a sign-in for ``username`` from ``address`` feeds, each with
+    the failures that lock it: the account's (whatever the address: guessing
+    one password) and the address's (whatever the account: a spray of one
+    password over many)."""
+    return {
+        f"user:{username.strip().lower()[:150]}": settings.GANTRY_LOGIN_ATTEMPTS,
+        f"addr:{address}"[:255]: settings.GANTRY_LOGIN_ADDRESS_ATTEMPTS,
+    }
 
 
-def login_locked(username: str, address: str) -> bool:
-    """Whether sign-ins for ``username`` from ``address`` are refused for now."""
-    return SignInFailures.objects.filter(
-        key=_login_key(username, address),
-        expires_at__gt=timezone.now(),
-        failures__gte=settings.GANTRY_LOGIN_ATTEMPTS,
-    ).exists()
+def login_locked_for(username: str, address: str) -> int:
+    """Seconds sign-ins for ``username`` from ``address`` are refused for (0: not locked)."""
+    limits, now = _login_limits(username, address), timezone.now()
+    left = 0.0
+    for key, failures, expires_at in SignInFailures.objects.filter(key__in=limits, expires_at__gt=now).values_list(
+        "key", "failures", "expires_at"
+    ):
+        if failures >= limits[key]:
+            left = max(left, (expires_at - now).total_seconds())
+    return math.ceil(left)
 
 
 def login_failed(username: str, address: str) -> None:
-    """Count a failure; the count ends GANTRY_LOGIN_LOCKOUT_S after its first."""
-    key, now = _login_key(username, address), timezone.now()
-    with transaction.atomic():
-        row, created = SignInFailures.objects.select_for_update().get_or_create(
-            key=key, defaults={"failures": 1, "expires_at": now + timedelta(seconds=settings.GANTRY_LOGIN_LOCKOUT_S)}
-        )
-        if created:
-            return
-        if row.expires_at <= now:
-            row.failures, row.expires_at = 1, now + timedelta(seconds=settings.GANTRY_LOGIN_LOCKOUT_S)
-            row.save(update_fields=["failures", "expires_at"])
-        else:
-            SignInFailures.objects.filter(pk=row.pk).update(failures=F("failures") + 1)
+    """Count a failure on the account and on the address; each count ends
+    GANTRY_LOGIN_LOCKOUT_S after its first failure."""
+    now = timezone.now()
+    ends = now + timedelta(seconds=settings.GANTRY_LOGIN_LOCKOUT_S)
+    for key in _login_limits(username, address):
+        with transaction.atomic():
+            row, created = SignInFailures.objects.select_for_update().get_or_create(
+                key=key, defaults={"failures": 1, "expires_at": ends}
+            )
+            if created:
+                continue
+            if row.expires_at <= now:
+                row.failures, row.expires_at = 1, ends
+                row.save(update_fields=["failures", "expires_at"])
+            else:
+                SignInFailures.objects.filter(pk=row.pk).update(failures=F("failures") + 1)
     SignInFailures.objects.filter(expires_at__lte=now).delete()  # what has run out, anyone's
 
 
 def login_succeeded(username: str, address: str) -> None:
-    SignInFailures.objects.filter(key=_login_key(username, address)).delete()
+    """The account's count starts again; the address's runs on (one account an
+    attacker holds must not reset a spray's count)."""
+    account = next(iter(_login_limits(username, address)))
+    SignInFailures.objects.filter(key=account).delete()

@@ -4,10 +4,10 @@ when each was last used, revoke it."""
 from __future__ import annotations
 
 import datetime as dt
+import math
 from typing import Any
 
 from django import forms
-from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
@@ -61,15 +61,20 @@ def tokens_page(request: HttpRequest) -> HttpResponse:
 
 class LoginView(auth_views.LoginView):
     """Django's sign-in form, refusing for a while after GANTRY_LOGIN_ATTEMPTS
-    failures for one username from one address (429, said in words)."""
+    failures for one account, or GANTRY_LOGIN_ADDRESS_ATTEMPTS from one
+    address (429 with Retry-After, said in words). A refused sign-in checks no
+    password: it answers the same whatever was sent."""
 
     def post(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         username, address = request.POST.get("username", ""), request.META.get("REMOTE_ADDR", "")
-        if throttles.login_locked(username, address):
-            form = self.get_form()
-            minutes = max(1, settings.GANTRY_LOGIN_LOCKOUT_S // 60)
-            form.add_error(None, f"Too many failed sign-ins: try again in {minutes} minutes.")
-            return self.render_to_response(self.get_context_data(form=form), status=429)
+        left = throttles.login_locked_for(username, address)
+        if left:
+            # An unbound form: nothing is validated, so nothing authenticates.
+            form = self.get_form_class()(request=request, initial={"username": username})
+            refused = f"Too many failed sign-ins: try again in {math.ceil(left / 60)} minutes."
+            response = self.render_to_response(self.get_context_data(form=form, refused=refused), status=429)
+            response["Retry-After"] = str(left)
+            return response
         return super().post(request, *args, **kwargs)
 
     def form_invalid(self, form: Any) -> HttpResponse:

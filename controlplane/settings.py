@@ -93,18 +93,24 @@ GANTRY_API_THROTTLE = env_str(
 GANTRY_API_THROTTLE_ANON = env_str(
     "GANTRY_API_THROTTLE_ANON", "120/minute", help="REST API requests per anonymous address, as `GANTRY_API_THROTTLE`"
 )
-# Failed sign-ins per username and address before the form refuses for GANTRY_LOGIN_LOCKOUT_S.
+# Failed sign-ins per account, and per address, before the form refuses for GANTRY_LOGIN_LOCKOUT_S.
 GANTRY_LOGIN_ATTEMPTS = env_int(
     "GANTRY_LOGIN_ATTEMPTS",
     5,
     minimum=1,
-    help="failed sign-ins for one user name from one address before the sign-in form (also the admin's) refuses",
+    help="failed sign-ins for one user name (from any address) before the sign-in form (also the admin's) refuses it",
+)
+GANTRY_LOGIN_ADDRESS_ATTEMPTS = env_int(
+    "GANTRY_LOGIN_ADDRESS_ATTEMPTS",
+    30,
+    minimum=1,
+    help="failed sign-ins from one address (for any user names) before the sign-in form refuses that address",
 )
 GANTRY_LOGIN_LOCKOUT_S = env_int(
     "GANTRY_LOGIN_LOCKOUT_S",
     900,
     minimum=1,
-    help="seconds the sign-in form refuses after `GANTRY_LOGIN_ATTEMPTS` failures",
+    help="seconds a count of failed sign-ins runs, and the form refuses once it reaches its limit",
 )
 
 GANTRY_DATA_DIR = Path(
