@@ -8,6 +8,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from common.private import private_file
 from common.version import gantry_version
 from controlplane.env import (
     env_bool,
@@ -158,6 +159,8 @@ DATABASES = {
     )
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    if str(DATABASES["default"]["NAME"]) not in ("", ":memory:"):
+        private_file(Path(DATABASES["default"]["NAME"]))  # it holds password hashes and Triton's secrets
     # The demo's worker and web server write concurrently: wait for the lock.
     DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
     # Take the write lock when a transaction begins: a deferred one that tries to
