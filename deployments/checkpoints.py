@@ -67,6 +67,13 @@ def inspect_checkpoint(path: Path, *, roots: list[Path], field_name: str = "path
         raise ValidationFailed({field_name: f"must be under one of the configured model roots ({allowed})"})
     if not path.is_dir():
         raise ValidationFailed({field_name: f"{path} is not a folder on this host"})
+    # Every file is resolved before any is opened: one that links out of the roots
+    # (config.json to /etc/passwd) is as far out of reach as a folder there.
+    entries = sorted(p for p in path.rglob("*") if not p.name.startswith(".") and (p.is_symlink() or p.is_file()))
+    for entry in entries:
+        if not under_roots(entry, roots):
+            raise ValidationFailed({field_name: f"{entry} resolves to {entry.resolve()}, outside the model roots"})
+    files = [p for p in entries if p.is_file()]
     config_path = path / "config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -76,11 +83,6 @@ def inspect_checkpoint(path: Path, *, roots: list[Path], field_name: str = "path
         raise ValidationFailed({field_name: f"{config_path} is not valid JSON: {exc}"}) from exc
     if not isinstance(config, dict):
         raise ValidationFailed({field_name: f"{config_path} must hold a JSON object"})
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-    for file in files:
-        # A file that links out of the roots is as far out of reach as a folder there.
-        if not under_roots(file, roots):
-            raise ValidationFailed({field_name: f"{file} resolves to {file.resolve()}, outside the model roots"})
     if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
         raise ValidationFailed({field_name: f"{path} holds no weights (*.safetensors or *.bin)"})
 

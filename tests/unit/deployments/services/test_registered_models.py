@@ -88,6 +88,19 @@ def test_a_file_that_links_out_of_the_model_roots_is_refused(tmp_path):
     ]
 
 
+def test_a_config_that_links_out_of_the_roots_is_refused_before_it_is_opened(tmp_path):
+    folder = factories.write_checkpoint(tmp_path / "root" / "ckpt", factories.LLAMA)
+    (folder / "config.json").unlink()
+    # Where the link points does not exist: opened, it would read as "no config.json".
+    outside = tmp_path / "elsewhere" / "config.json"
+    (folder / "config.json").symlink_to(outside)
+    with pytest.raises(ValidationFailed) as refused:
+        _inspected(folder)
+    assert refused.value.errors["path"] == [
+        f"{folder / 'config.json'} resolves to {outside}, outside the model roots"
+    ]
+
+
 def test_a_sentence_module_of_the_checkpoints_own_code_needs_trust(host, operator, tmp_path, minilm_path):
     import shutil
 
