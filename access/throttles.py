@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -19,10 +20,12 @@ from django.core.cache import caches
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
+from redis.exceptions import RedisError
 from rest_framework.request import Request
 from rest_framework.throttling import AnonRateThrottle, UserRateThrottle
 
 from access.models import SignInFailures
+from common.redis_async import loop_client
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,38 @@ class PerUser(_FailOpen, UserRateThrottle):
 
 class PerAddress(_FailOpen, AnonRateThrottle):
     setting = "GANTRY_API_THROTTLE_ANON"
+
+
+_door_redis_away = False
+
+
+async def door_throttled(who: str) -> int:
+    """Count a request of ``who`` (a user or a token) at a door that takes the
+    lean path before DRF (the generate action): seconds to wait when over
+    GANTRY_API_THROTTLE, else 0. Fixed windows in Redis shared by every
+    process; open while Redis is unreachable, as the API's throttles are
+    (said once in the log)."""
+    global _door_redis_away
+    rate = settings.GANTRY_API_THROTTLE
+    if rate == "off":
+        return 0
+    count_text, unit = rate.split("/")
+    allowed, period = int(count_text), {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit[0]]  # DRF's rate format
+    now = time.time()
+    start = int(now // period) * period
+    name = f"gantry:throttle:door:{who}:{start}"
+    try:
+        async with loop_client().pipeline(transaction=False) as pipe:
+            pipe.incr(name)
+            pipe.expire(name, period + 1)
+            count, _ = await pipe.execute()
+    except (RedisError, OSError) as exc:
+        if not _door_redis_away:
+            log.warning("throttle counters unreachable (%s); not limiting the generate action until Redis is back", exc)
+        _door_redis_away = True
+        return 0
+    _door_redis_away = False
+    return 0 if count <= allowed else max(1, math.ceil(start + period - now))
 
 
 def _login_limits(username: str, address: str) -> dict[str, int]:

@@ -379,6 +379,14 @@ GANTRY_GATEWAY_URL = env_str(
     help="where a host's worker reaches the gateway for load tests",
     shown="`http://127.0.0.1:8000` (`make demo`: its own web port)",
 ).rstrip("/")
+GANTRY_GATEWAY_LIMITS_WITHOUT_REDIS = env_str(
+    "GANTRY_GATEWAY_LIMITS_WITHOUT_REDIS",
+    "open",
+    help="while Redis is unreachable, keys with rate limits are served without them (`open`) or refused with 503"
+    " (`closed`)",
+)
+if GANTRY_GATEWAY_LIMITS_WITHOUT_REDIS not in ("open", "closed"):
+    raise ImproperlyConfigured("GANTRY_GATEWAY_LIMITS_WITHOUT_REDIS: must be open or closed")
 GANTRY_TRTLLM_EXAMPLES_DIR = env_str(
     "GANTRY_TRTLLM_EXAMPLES_DIR", "", help="native builds: TensorRT-LLM's `examples` folder"
 )

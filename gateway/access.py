@@ -18,6 +18,7 @@ from access.services import TOKEN_PREFIX
 from common.ttl_cache import TtlCache
 from common.words import a
 from deployments.models import DeploymentModel, ModelKind
+from deployments.permissions import can_operate
 from gateway.errors import GatewayError, model_not_found, not_ready
 from gateway.models import Alias, ApiKey
 from gateway.services import KEY_PREFIX
@@ -92,6 +93,9 @@ def _read_caller(digest: str) -> Caller | GatewayError:
         return _invalid_key(f"API key {key.prefix}… was revoked at {key.revoked_at:%Y-%m-%d %H:%M:%S} UTC.")
     if not key.owner.is_active:
         return _invalid_key(f"API key {key.prefix}… belongs to a deactivated user.")
+    if not can_operate(key.owner):
+        # A key is an operator's: it stops with its owner's role (within the cache's second).
+        return _invalid_key(f"API key {key.prefix}… belongs to a user who is no longer an operator.")
     return Caller(
         key_id=key.pk,
         all_aliases=key.all_aliases,

@@ -30,7 +30,7 @@ from deployments.models import ModelKind
 from gateway import schemas
 from gateway.access import DATABASE_AWAY, Caller, Target, authenticate, db, resolve, visible_aliases
 from gateway.errors import GatewayError, database_away, from_gantry
-from gateway.metering import admit, charge, usage
+from gateway.metering import Admission, admit, prompt_bound, settle, usage
 from inference.embeddings import embed_async, rerank_async
 from inference.generation import Outcome, Piece, Sampling, generate, prepare_generation
 
@@ -113,7 +113,6 @@ async def _completions(caller: Caller, body: Any, receive: Any, send: Any) -> No
 async def _generation(caller: Caller, data: dict[str, Any], receive: Any, send: Any, *, chat: bool) -> None:
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     target = await resolve(caller, data["model"], ModelKind.LLM, endpoint)
-    await admit(caller)
     context = target.route["context"] or 0
     default = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS
     sampling = Sampling(
@@ -132,6 +131,10 @@ async def _generation(caller: Caller, data: dict[str, Any], receive: Any, send: 
         )
     except GantryError as exc:
         raise from_gantry(exc, alias=target.alias) from exc
+    # The most this request can take: its rendered prompt and every token it may write.
+    admission = await admit(
+        caller, target.alias, reserve=prompt_bound(prepared.inputs["text_input"]) + prepared.max_tokens
+    )
     shape = _Shape(chat=chat, alias=target.alias, notice=prepared.notice)
     outcome = Outcome()
     prompt_param = "messages" if chat else "prompt"
@@ -142,18 +145,20 @@ async def _generation(caller: Caller, data: dict[str, Any], receive: Any, send: 
         try:
             first = await anext(pieces, None)
         except GantryError as exc:
-            _count(caller, target.alias, prompt=0, completion=0, failed=True)
+            _count(caller, target.alias, admission, failed=True)
             raise from_gantry(exc, alias=target.alias, prompt_param=prompt_param) from exc
         include_usage = data.get("stream_options", {}).get("include_usage", False)
-        events = _stream(caller, target, _resumed(first, pieces), outcome, shape, include_usage=include_usage)
+        events = _stream(
+            caller, target, admission, _resumed(first, pieces), outcome, shape, include_usage=include_usage
+        )
         await stream_events(send, receive, events)
         return
     try:
         text = "".join([piece.text async for piece in generate(prepared, stream=False, outcome=outcome)])
     except GantryError as exc:
-        _count(caller, target.alias, prompt=0, completion=outcome.completion_tokens, failed=True)
+        _count(caller, target.alias, admission, completion=outcome.completion_tokens, failed=True)
         raise from_gantry(exc, alias=target.alias, prompt_param=prompt_param) from exc
-    _count(caller, target.alias, prompt=outcome.prompt_tokens or 0, completion=outcome.completion_tokens, failed=False)
+    _count(caller, target.alias, admission, prompt=outcome.prompt_tokens or 0, completion=outcome.completion_tokens)
     await send_json(send, 200, shape.whole(text, outcome))
 
 
@@ -222,6 +227,7 @@ async def _resumed(first: Piece | None, rest: AsyncIterator[Piece]) -> AsyncIter
 async def _stream(
     caller: Caller,
     target: Target,
+    admission: Admission,
     pieces: AsyncIterator[Piece],
     outcome: Outcome,
     shape: _Shape,
@@ -244,8 +250,9 @@ async def _stream(
     finally:  # also when the client went away: Triton's request ends, and what was generated counts
         await pieces.aclose()
         _count(
-            caller, target.alias, prompt=outcome.prompt_tokens or 0, completion=outcome.completion_tokens, failed=failed
-        )
+            caller, target.alias, admission, prompt=outcome.prompt_tokens or 0, completion=outcome.completion_tokens,
+            failed=failed,
+        )  # fmt: skip
 
 
 def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
@@ -253,16 +260,20 @@ def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
     return {**chunk, "usage": None} if include_usage else chunk
 
 
-_charges: set[asyncio.Task] = set()
+_settlements: set[asyncio.Task] = set()
 
 
-def _count(caller: Caller, alias: str, *, prompt: int, completion: int, failed: bool) -> None:
-    """Count a request (finished, failed or abandoned) in the key's usage and its token limit."""
-    usage.count(caller.key_id, alias, prompt=prompt, completion=completion, failed=failed)
-    if prompt + completion:
-        task = asyncio.get_running_loop().create_task(charge(caller, prompt + completion))
-        _charges.add(task)
-        task.add_done_callback(_charges.discard)
+def _count(
+    caller: Caller, alias: str, admission: Admission, *, requests: int = 1, prompt: int = 0, completion: int = 0,
+    failed: bool = False,
+) -> None:  # fmt: skip
+    """Count a request (finished, failed or abandoned) in the key's usage, and settle
+    its token reservation to what it used."""
+    usage.count(caller.key_id, alias, requests=requests, prompt=prompt, completion=completion, failed=failed)
+    if admission.window:
+        task = asyncio.get_running_loop().create_task(settle(caller, admission, prompt + completion))
+        _settlements.add(task)
+        task.add_done_callback(_settlements.discard)
 
 
 # --- embeddings and rerank -------------------------------------------------------------
@@ -271,15 +282,17 @@ def _count(caller: Caller, alias: str, *, prompt: int, completion: int, failed: 
 async def _embeddings(caller: Caller, body: Any, receive: Any, send: Any) -> None:
     data = schemas.parse(schemas.EmbeddingIn, body)
     target = await resolve(caller, data["model"], ModelKind.EMBEDDING, "/v1/embeddings")
-    await admit(caller)
-    with _failures_counted(caller, target):
+    inputs = data["input"]
+    # One request per input; each may take its bytes and the two tokens around it.
+    admission = await admit(caller, target.alias, requests=len(inputs), reserve=prompt_bound(*inputs) + 2 * len(inputs))
+    with _failures_counted(caller, target, admission, requests=len(inputs)):
         vectors, tokens = await embed_async(
             endpoints=target.endpoints,
             model=target.triton_name,
-            texts=data["input"],
+            texts=inputs,
             max_batch_size=target.max_batch_size,
         )
-    _count(caller, target.alias, prompt=tokens, completion=0, failed=False)
+    _count(caller, target.alias, admission, requests=len(inputs), prompt=tokens)
     if data["encoding_format"] == "base64":
         encoded = [base64.b64encode(row.tobytes()).decode("ascii") for row in vectors]
     else:
@@ -299,13 +312,15 @@ async def _embeddings(caller: Caller, body: Any, receive: Any, send: Any) -> Non
 async def _rerank(caller: Caller, body: Any, receive: Any, send: Any) -> None:
     data = schemas.parse(schemas.RerankIn, body)
     target = await resolve(caller, data["model"], ModelKind.RERANKER, "/v1/rerank")
-    await admit(caller)
     documents = data["documents"]
-    with _failures_counted(caller, target):
+    # Each document is scored beside the query: both, and three tokens around them.
+    reserve = (prompt_bound(data["query"]) + 3) * len(documents) + prompt_bound(*documents)
+    admission = await admit(caller, target.alias, reserve=reserve)
+    with _failures_counted(caller, target, admission):
         scores, tokens = await rerank_async(
             endpoints=target.endpoints, model=target.triton_name, query=data["query"], documents=documents
         )
-    _count(caller, target.alias, prompt=tokens, completion=0, failed=False)
+    _count(caller, target.alias, admission, prompt=tokens)
     order = np.argsort(-scores, kind="stable")[: data.get("top_n") or len(documents)]
     results = []
     for index in order:
@@ -327,12 +342,13 @@ async def _rerank(caller: Caller, body: Any, receive: Any, send: Any) -> None:
 
 
 @contextmanager
-def _failures_counted(caller: Caller, target: Target) -> Iterator[None]:
-    """A model's refusal or an unreachable server: counted as a failed request, answered in OpenAI's shape."""
+def _failures_counted(caller: Caller, target: Target, admission: Admission, *, requests: int = 1) -> Iterator[None]:
+    """A model's refusal or an unreachable server: counted as failed (its reservation
+    returned), answered in OpenAI's shape."""
     try:
         yield
     except GantryError as exc:
-        _count(caller, target.alias, prompt=0, completion=0, failed=True)
+        _count(caller, target.alias, admission, requests=requests, failed=True)
         raise from_gantry(exc, alias=target.alias) from exc
 
 

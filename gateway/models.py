@@ -73,8 +73,13 @@ class Usage(models.Model):
     key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="usage")
     alias = models.CharField(max_length=128, help_text="The alias as the client sent it (kept if it is deleted).")
     day = models.DateField()
-    requests = models.PositiveBigIntegerField(default=0)
+    requests = models.PositiveBigIntegerField(
+        default=0, help_text="Requests served (an embeddings call: one per input)."
+    )
     failed = models.PositiveBigIntegerField(default=0, help_text="Requests answered with an error by the model.")
+    refused = models.PositiveBigIntegerField(
+        default=0, help_text="Requests refused by the key's rate limits (not counted in requests)."
+    )
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
 

@@ -167,6 +167,7 @@ def key_revoke(*, key_id: int, user: Any = None) -> ApiKey:
 class Tally:
     requests: int = 0
     failed: int = 0
+    refused: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -177,6 +178,7 @@ def usage_add(*, counts: dict[tuple[int, str, dt.date], Tally], last_used: dict[
         increments = {
             "requests": F("requests") + tally.requests,
             "failed": F("failed") + tally.failed,
+            "refused": F("refused") + tally.refused,
             "prompt_tokens": F("prompt_tokens") + tally.prompt_tokens,
             "completion_tokens": F("completion_tokens") + tally.completion_tokens,
         }

@@ -16,7 +16,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from access.models import secret_digest
 from access.services import bearer_secret, token_user, token_user_if_known
+from access.throttles import door_throttled
 from common import jsonbody
 from common.errors import GantryError
 from common.problems import problem
@@ -119,6 +121,11 @@ def _token_may_view_cached(key: str) -> bool | None:
     return None if user is MISSING else can_view(user)
 
 
+def token_identity(key: str) -> str:
+    """Whom a token's requests are throttled as: the token (its digest, never the secret)."""
+    return f"token:{secret_digest(key)[:24]}"
+
+
 def _token_may_view(key: str) -> bool:
     return can_view(token_user(key))
 
@@ -134,16 +141,22 @@ class Answer:
     status: int = 200
     body: dict[str, Any] | None = None
     events: AsyncIterator[str] | None = None
+    retry_after: int = 0  # seconds, with a 429
 
 
 async def generate_answer(
-    pk: int, raw: bytes, may_view: Callable[[], bool], known: Callable[[], bool | None] = lambda: None
+    pk: int, raw: bytes, may_view: Callable[[], bool], who: str, known: Callable[[], bool | None] = lambda: None
 ) -> Answer:
     """Validate a generate request, check who asks and start the generation.
 
     ``may_view`` and the route lookup go to a thread together (they read the
     database); when ``known`` already says who asks and the route is cached,
-    the request is prepared on the event loop without that trip."""
+    the request is prepared on the event loop without that trip. ``who`` (the
+    token, or the signed-in user) is throttled like the rest of the API."""
+    wait_s = await door_throttled(who)
+    if wait_s:
+        return Answer(429, problem(429, "throttled", f"Request was throttled. Expected available in {wait_s} seconds."),
+                      retry_after=wait_s)  # fmt: skip
     try:
         body = jsonbody.loads(raw)
     except jsonbody.InvalidJson as exc:
@@ -219,10 +232,16 @@ async def deployment_generate(request: HttpRequest, pk: int) -> HttpResponse:
         if refused is not None:
             return JsonResponse(problem(403, "permission_denied", "CSRF check failed: reload the page"), status=403)
     answer = await generate_answer(
-        pk, request.body, lambda: can_view(request.user) if token is None else _token_may_view(token)
+        pk,
+        request.body,
+        lambda: can_view(request.user) if token is None else _token_may_view(token),
+        who=f"user:{(await request.auser()).pk}" if token is None else token_identity(token),
     )
     if answer.events is None:
-        return JsonResponse(answer.body, status=answer.status)
+        response = JsonResponse(answer.body, status=answer.status)
+        if answer.retry_after:
+            response["Retry-After"] = str(answer.retry_after)
+        return response
     response = StreamingHttpResponse(answer.events, content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"

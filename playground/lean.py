@@ -19,7 +19,7 @@ from typing import Any
 from access.services import bearer_secret
 from common.asgi_io import BodyTooLarge, read_body, send_json, stream_events
 from common.problems import problem
-from playground.api import _token_may_view, _token_may_view_cached, generate_answer
+from playground.api import _token_may_view, _token_may_view_cached, generate_answer, token_identity
 
 GENERATE = re.compile(r"^/api/deployments/(\d+)/generate/$")
 
@@ -55,8 +55,11 @@ async def _generate(pk: int, token: str, receive: Any, send: Any) -> None:
         return
     if raw is None:
         return
-    answer = await generate_answer(pk, raw, lambda: _token_may_view(token), lambda: _token_may_view_cached(token))
+    answer = await generate_answer(
+        pk, raw, lambda: _token_may_view(token), token_identity(token), lambda: _token_may_view_cached(token)
+    )
     if answer.events is None:
-        await send_json(send, answer.status, answer.body)
+        headers = [(b"retry-after", str(answer.retry_after).encode())] if answer.retry_after else []
+        await send_json(send, answer.status, answer.body, headers=headers)
         return
     await stream_events(send, receive, answer.events)

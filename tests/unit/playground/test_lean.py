@@ -9,6 +9,7 @@ import pytest
 from asgiref.sync import async_to_sync
 
 from access.services import token_create
+from common.redis_async import forget_clients
 from playground.lean import InferenceRouter
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -60,3 +61,19 @@ def test_token_requests_for_generate_are_answered_by_the_lean_path(operator):
     _call(router, "GET", "/api/deployments/1/generate/", auth, b"")
     _call(router, "POST", "/api/deployments/1/embed/", auth, b"{}")
     assert reached_django == ["/api/deployments/1/generate/"] * 2 + ["/api/deployments/1/embed/"]
+
+
+def test_generate_requests_are_throttled_per_token_on_the_lean_path_and_per_user_on_djangos(operator, settings, client):  # noqa: ANN001
+    settings.GANTRY_API_THROTTLE = "3/minute"
+    forget_clients()
+    router = InferenceRouter(lambda *a: None)
+    auth = [(b"authorization", f"Bearer {token_create(user=operator, name='t').secret}".encode())]
+    codes = [_call(router, "POST", "/api/deployments/999999/generate/", auth, b"{}")[0] for _ in range(4)]
+    assert [c["status"] for c in codes] == [404, 404, 404, 429]
+    assert 1 <= int(dict(codes[-1]["headers"])[b"retry-after"]) <= 60
+    # Another token of the same user has its own count; a browser session its user's.
+    other = [(b"authorization", f"Bearer {token_create(user=operator, name='u').secret}".encode())]
+    assert _call(router, "POST", "/api/deployments/999999/generate/", other, b"{}")[0]["status"] == 404
+    client.force_login(operator)
+    answers = [client.post("/api/deployments/999999/generate/", {}, content_type="application/json") for _ in range(4)]
+    assert [a.status_code for a in answers] == [404, 404, 404, 429] and int(answers[-1]["Retry-After"]) > 0

@@ -96,9 +96,7 @@ def test_a_config_that_links_out_of_the_roots_is_refused_before_it_is_opened(tmp
     (folder / "config.json").symlink_to(outside)
     with pytest.raises(ValidationFailed) as refused:
         _inspected(folder)
-    assert refused.value.errors["path"] == [
-        f"{folder / 'config.json'} resolves to {outside}, outside the model roots"
-    ]
+    assert refused.value.errors["path"] == [f"{folder / 'config.json'} resolves to {outside}, outside the model roots"]
 
 
 def test_a_sentence_module_of_the_checkpoints_own_code_needs_trust(host, operator, tmp_path, minilm_path):
