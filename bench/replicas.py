@@ -9,8 +9,9 @@ real tritonserver). Run as root (namespaces); one run prints:
   replica directly. p50/p99 of each and the ratio (target: p99 3/1 under 1.1).
 - **throughput, 2 replicas in two namespaces against 1.** Concurrent clients
   embed through the gateway; requests/s of each side in alternating rounds
-  (target: at least 1.5x). Both sides' Tritons share this machine's cores, so
-  the ratio is bounded by them: the figure says how many there are.
+  (target: at least 1.5x). The namespace hosts share this machine's cores, so
+  each Triton runs one compute thread (OMP_NUM_THREADS=1): a replica is one
+  core's worth, as it would be one host's on separate machines.
 - **a host's SIGKILL.** Under load at concurrency 8, one host's worker and
   tritonserver are killed: the failed requests (target: none), the time until
   the survivors alone answer, and the time until a replacement is ready
@@ -28,6 +29,7 @@ import signal
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,18 +45,28 @@ def _django() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
     os.environ.setdefault("SECRET_KEY", "gantry-bench-replicas")
     os.environ.setdefault("DATABASE_URL", "sqlite:///:memory:")  # this process only starts others
+    # The fleet's processes take this environment: plain HTTP on loopback, and the
+    # packaged MiniLM registered from where pip put it.
+    os.environ.setdefault("GANTRY_PLAIN_HTTP", "1")
+    os.environ.setdefault("GANTRY_MODEL_ROOTS", "/")
+    # The namespace "hosts" share this machine's cores; separate hosts would each have
+    # their own. One compute thread per Triton keeps each replica to one core's worth:
+    # with torch's default (every core each), two CPU Tritons spin against each other.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import django
 
     django.setup()
 
 
-async def _embed(session, url: str, headers: dict, gateway: bool, i: int) -> float:  # noqa: ANN001
-    text = f"{SENTENCE} {i}"
+async def _embed(session, url: str, headers: dict, gateway: bool, i: int, load: tuple[int, int] = (1, 1)) -> float:  # noqa: ANN001
+    """One request of ``load``: (inputs, sentences per input)."""
+    inputs, length = load
+    texts = [" ".join([SENTENCE] * length) + f" {i}-{k}" for k in range(inputs)]
     if gateway:
-        body = {"model": url.rsplit("#", 1)[1], "input": [text], "encoding_format": "base64"}
+        body = {"model": url.rsplit("#", 1)[1], "input": texts, "encoding_format": "base64"}
         target = url.rsplit("#", 1)[0]
     else:
-        body = {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}],
+        body = {"inputs": [{"name": "TEXT", "shape": [len(texts), 1], "datatype": "BYTES", "data": texts}],
                 "parameters": {"binary_data_output": True}}  # fmt: skip
         target = url
     started = time.perf_counter()
@@ -65,13 +77,14 @@ async def _embed(session, url: str, headers: dict, gateway: bool, i: int) -> flo
     return (time.perf_counter() - started) * 1000
 
 
-async def _round(session, url: str, headers: dict, gateway: bool, clients: int, requests: int) -> tuple[list, float]:  # noqa: ANN001
+async def _round(session, url: str, headers: dict, gateway: bool, clients: int, requests: int,  # noqa: ANN001
+                 load: tuple[int, int]) -> tuple[list, float]:  # fmt: skip
     latencies: list[float] = []
     counter = iter(range(requests))
 
     async def client() -> None:
         for i in counter:
-            latencies.append(await _embed(session, url, headers, gateway, i))
+            latencies.append(await _embed(session, url, headers, gateway, i, load))
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
@@ -79,7 +92,7 @@ async def _round(session, url: str, headers: dict, gateway: bool, clients: int, 
 
 
 async def _compare(sides: dict[str, tuple[str, bool]], headers: dict, *, clients: int, requests: int,
-                   rounds: int) -> dict[str, dict]:  # fmt: skip
+                   rounds: int, load: tuple[int, int] = (1, 1)) -> dict[str, dict]:  # fmt: skip
     """Alternating rounds of each side (the order flips every round)."""
     import aiohttp
 
@@ -87,12 +100,12 @@ async def _compare(sides: dict[str, tuple[str, bool]], headers: dict, *, clients
     connector = aiohttp.TCPConnector(limit=clients * 2)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
         for url, gateway in sides.values():  # warm every path once
-            await _round(session, url, headers, gateway, clients, clients * 4)
+            await _round(session, url, headers, gateway, clients, clients * 4, load)
         order = list(sides)
         for n in range(rounds):
             for name in order if n % 2 == 0 else reversed(order):
                 url, gateway = sides[name]
-                latencies, seconds = await _round(session, url, headers, gateway, clients, requests)
+                latencies, seconds = await _round(session, url, headers, gateway, clients, requests, load)
                 results[name]["latencies"] += latencies
                 results[name]["seconds"] += seconds
                 results[name]["requests"] += len(latencies)
@@ -121,20 +134,21 @@ def _print_latency(results: dict, clients: int) -> None:
     for name, words in (("floor", "Triton directly (floor)"), ("one", "gateway, 1 replica"),
                         ("three", "gateway, 3 replicas")):  # fmt: skip
         lat = results[name]["latencies"]
-        print(f"{words:<28}{percentile(lat, 50):>10.2f}{percentile(lat, 99):>10.2f}")
+        print(f"{words:<28}{percentile(lat, 0.5):>10.2f}{percentile(lat, 0.99):>10.2f}")
     one, three = results["one"]["latencies"], results["three"]["latencies"]
-    print(f"p99 ratio 3/1: {percentile(three, 99) / percentile(one, 99):.3f} (target < 1.1); "
-          f"p50 ratio {percentile(three, 50) / percentile(one, 50):.3f}")  # fmt: skip
+    print(f"p99 ratio 3/1: {percentile(three, 0.99) / percentile(one, 0.99):.3f} (target < 1.1); "
+          f"p50 ratio {percentile(three, 0.5) / percentile(one, 0.5):.3f}")  # fmt: skip
 
 
-def _print_throughput(results: dict, clients: int) -> None:
+def _print_throughput(results: dict, clients: int, load: tuple[int, int]) -> None:
     rate = {name: r["requests"] / r["seconds"] for name, r in results.items()}
-    print(f"\nEmbeddings throughput through the gateway ({clients} clients, {os.cpu_count()} cores on this machine "
-          "shared by every Triton)")  # fmt: skip
-    for name, words in (("one", "1 replica"), ("two", "2 replicas (two namespaces)")):
+    print(f"\nEmbeddings throughput ({clients} clients, {load[0]} inputs of {load[1] * 12} words a request; "
+          f"{os.cpu_count()} cores here, one compute thread a Triton)")  # fmt: skip
+    for name, words in (("floor", "Triton directly (floor)"), ("one", "gateway, 1 replica"),
+                        ("two", "gateway, 2 replicas (two hosts)")):  # fmt: skip
         lat = results[name]["latencies"]
-        p50, p99 = percentile(lat, 50), percentile(lat, 99)
-        print(f"{words:<30}{rate[name]:>9.1f} req/s   p50 {p50:.1f} ms   p99 {p99:.1f} ms")
+        p50, p99 = percentile(lat, 0.5), percentile(lat, 0.99)
+        print(f"{words:<34}{rate[name]:>9.1f} req/s   p50 {p50:.1f} ms   p99 {p99:.1f} ms")
     print(f"ratio 2/1: {rate['two'] / rate['one']:.2f}x (target >= 1.5x)")
 
 
@@ -143,8 +157,10 @@ def main() -> int:
     parser.add_argument("--latency-requests", type=int, default=300, help="requests per side per latency round")
     parser.add_argument("--latency-rounds", type=int, default=4)
     parser.add_argument("--throughput-clients", type=int, default=16)
-    parser.add_argument("--throughput-requests", type=int, default=400, help="requests per side per round")
+    parser.add_argument("--throughput-requests", type=int, default=60, help="requests per side per round")
     parser.add_argument("--throughput-rounds", type=int, default=4)
+    parser.add_argument("--throughput-inputs", type=int, default=8, help="inputs per throughput request")
+    parser.add_argument("--throughput-length", type=int, default=4, help="sentences per input (~12 words each)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("bench/replicas.py needs root: its hosts are network namespaces", file=sys.stderr)
@@ -185,12 +201,12 @@ def main() -> int:
         assert http.post(f"{plane.base}/api/deployments/{three['id']}/scale/", json={"replicas": 2},
                          timeout=30).status_code == 202  # fmt: skip
         wait_for(lambda: len(plane.get(f"/api/deployments/{three['id']}/")["replica_set"]) == 2, 120, "scale to 2")
-        sides = {"one": sides["one"], "two": (f"{plane.base}/v1/embeddings#three", True)}
+        sides = {"floor": sides["floor"], "one": sides["one"], "two": (f"{plane.base}/v1/embeddings#three", True)}
         throughput = asyncio.run(
             _compare(sides, headers, clients=args.throughput_clients, requests=args.throughput_requests,
-                     rounds=args.throughput_rounds)
+                     rounds=args.throughput_rounds, load=(args.throughput_inputs, args.throughput_length))
         )  # fmt: skip
-        _print_throughput(throughput, args.throughput_clients)
+        _print_throughput(throughput, args.throughput_clients, (args.throughput_inputs, args.throughput_length))
 
         # Host B dies under load; its replica comes back on host C.
         failures, answered = asyncio.run(_kill_under_load(plane, three, headers, process, wait_for, folder))
@@ -200,7 +216,8 @@ def main() -> int:
         print(f"survivors alone answering: {answered['survivors_s']:.2f} s after the kill")
         print(
             f"full replica count again: {answered['restored_s']:.1f} s after the kill "
-            f"(target: grace + one start = {GRACE_S + start_s:.1f} s)"
+            f"(target: grace + one start = {GRACE_S + start_s:.1f} s idle); the replacement's own start under "
+            f"this load: {answered['replacement_start_s']:.1f} s"
         )
     return 0
 
@@ -211,16 +228,17 @@ async def _kill_under_load(plane, deployment: dict, headers: dict, process, wait
     counts = {"sent": 0, "failed": 0}
     stop = asyncio.Event()
     url = f"{plane.base}/v1/embeddings"
-    last_ok: list[float] = []
+    answered: list[tuple[float, float]] = []  # (sent, answered) of each success
 
     async def client(session) -> None:  # noqa: ANN001
         i = 0
         while not stop.is_set():
             i += 1
             counts["sent"] += 1
+            sent = time.monotonic()
             try:
                 await _embed(session, f"{url}#three", headers, True, i)
-                last_ok.append(time.monotonic())
+                answered.append((sent, time.monotonic()))
             except Exception:  # noqa: BLE001 - every failure counts, whatever it is
                 counts["failed"] += 1
 
@@ -231,10 +249,10 @@ async def _kill_under_load(plane, deployment: dict, headers: dict, process, wait
         os.killpg(plane.workers["host-b"].pid, signal.SIGKILL)
         os.killpg(int(server), signal.SIGKILL)
         killed = time.monotonic()
-        # The survivors alone answer from the first request sent after the kill that succeeds.
-        while not [t for t in last_ok if t > killed]:
+        # The survivors alone answer the first request sent after the kill that succeeds.
+        while not [end for sent, end in answered if sent > killed]:
             await asyncio.sleep(0.01)
-        survivors_s = min(t for t in last_ok if t > killed) - killed
+        survivors_s = min(end for sent, end in answered if sent > killed) - killed
 
         def restored() -> bool:
             rows = plane.get(f"/api/deployments/{deployment['id']}/")["replica_set"]
@@ -245,7 +263,12 @@ async def _kill_under_load(plane, deployment: dict, headers: dict, process, wait
         await asyncio.sleep(2)
         stop.set()
         await asyncio.gather(*clients)
-    return counts, {"survivors_s": survivors_s, "restored_s": restored_s}
+    # How much of that was the replacement's own start (launching to ready, under this load).
+    events = plane.get(f"/api/deployments/{deployment['id']}/events/?kind=replica.status&limit=500")["results"]
+    newest = max(e["data"]["replica"] for e in events)
+    at = {e["to_status"]: datetime.fromisoformat(e["at"]) for e in events if e["data"]["replica"] == newest}
+    start_s = (at["ready"] - at["launching"]).total_seconds()
+    return counts, {"survivors_s": survivors_s, "restored_s": restored_s, "replacement_start_s": start_s}
 
 
 if __name__ == "__main__":
