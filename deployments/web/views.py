@@ -17,6 +17,8 @@ from django.db.models import QuerySet
 from django.forms import Form
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils.html import format_html_join
 
 from common.errors import GantryError
 from deployments import selectors
@@ -77,18 +79,30 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     def color(deployment_id: int) -> str:
         return colors.setdefault(deployment_id, _SHARE_COLORS[len(colors) % len(_SHARE_COLORS)])
 
+    page_of = reverse("deployment", args=[0]).removesuffix("0/")
     for host in hosts:
         host.gpu_bars = []
         for gpu in host.gpus.all():
-            placed = [
-                {**share, "color": color(share["deployment_id"]), "percent": round(share["fraction"] * 100, 1)}
-                for share in shares.get((host.pk, gpu.index), [])
-            ]  # fmt: skip
+            placed = shares.get((host.pk, gpu.index), [])
             planned = sum(share["fraction"] for share in placed)
             used = gpu.memory_used_bytes / gpu.memory_total_bytes if gpu.memory_total_bytes else 0.0
+            # The segments are built here, not in the template: a page of hosts at fleet
+            # size carries some 2000 of them, and the template's per-variable cost was
+            # half the page's time (docs/performance.md).
+            label = ", ".join(f"{s['deployment']}/{s['model']} {round(s['fraction'] * 100, 1)}%" for s in placed)
+            segments = format_html_join(
+                "",
+                '<a class="segment" href="{}{}/" style="width: {}%; background: {}" title="{} r{} / {}: {}%">{}</a>',
+                (
+                    (page_of, s["deployment_id"], pct, color(s["deployment_id"]), s["deployment"], s["replica"],
+                     s["model"], pct, s["model"])
+                    for s in placed
+                    for pct in [round(s["fraction"] * 100, 1)]
+                ),
+            )  # fmt: skip
             host.gpu_bars.append(
-                {"gpu": gpu, "shares": placed, "planned_percent": round(planned * 100, 1),
-                 "used_percent": round(used * 100, 1)}
+                {"gpu": gpu, "label": label or "nothing placed", "segments": segments,
+                 "planned_percent": round(planned * 100, 1), "used_percent": round(used * 100, 1)}
             )  # fmt: skip
     return render(
         request,

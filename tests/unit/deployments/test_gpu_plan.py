@@ -87,7 +87,7 @@ def test_what_the_shares_leave_must_hold_every_processs_context(gpu_host, minilm
 def test_the_dashboard_bar_counts_instances(client, gpu_host, minilm, operator):
     deployment = _create("d", operator, 0.2, instance_count=2)
     deployments.deployment_start(deployment_id=deployment.pk, user=operator)
-    shares = selectors.gpu_shares([gpu_host], selectors.deployment_list())
+    shares = selectors.gpu_shares_on([gpu_host])
     assert [s["fraction"] for s in shares[(gpu_host.pk, 0)]] == [pytest.approx(0.4)]
 
 
