@@ -18,7 +18,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-gpu
+.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-gpu
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,6 +76,7 @@ bench: venv
 	$(MAKE) bench-live
 	$(MAKE) bench-pages
 	$(MAKE) bench-replicas
+	$(MAKE) bench-admission
 
 # The REST API at fleet scale: PostgreSQL (BENCH_DATABASE_URL), Redis and wrk.
 bench-api: venv
@@ -96,6 +97,11 @@ bench-pages: venv frontend
 
 bench-gateway: venv
 	$(PY) bench/gateway.py $(BENCH_GATEWAY_ARGS)
+
+# The gateway's admission of a key with limits (one Lua step) against a plain Redis INCR.
+bench-admission: venv
+	scripts/ensure-services.sh
+	$(PY) bench/admission.py
 
 # Replicas on three namespace hosts: added latency 3 vs 1, throughput 2 vs 1, a host's SIGKILL (root).
 bench-replicas: venv
