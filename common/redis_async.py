@@ -6,6 +6,7 @@ long on a Redis that has gone away."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import redis.asyncio as aioredis
 from django.conf import settings
@@ -22,6 +23,19 @@ def loop_client() -> aioredis.Redis:
     return client
 
 
+_scripts: dict[tuple[aioredis.Redis, str], Any] = {}
+
+
+def loop_script(source: str) -> Any:
+    """A Lua script on this loop's client, registered once (EVALSHA, loaded on first use)."""
+    client = loop_client()
+    script = _scripts.get((client, source))
+    if script is None:
+        script = _scripts[(client, source)] = client.register_script(source)
+    return script
+
+
 def forget_clients() -> None:
     """Drop every client (tests that change REDIS_URL or run a loop each)."""
     _clients.clear()
+    _scripts.clear()

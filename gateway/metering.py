@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from django.utils import timezone
 
-from common.redis_async import loop_client
+from common.redis_async import loop_client, loop_script
 from gateway.access import Caller, db
 from gateway.errors import GatewayError
 from gateway.services import Tally, usage_add
@@ -68,10 +68,6 @@ end
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5]))
 return {refused, requests, tokens}
 """
-
-
-def _admit_script() -> object:
-    return loop_client().register_script(_ADMIT)
 
 
 def _window() -> tuple[str, int]:
@@ -129,7 +125,7 @@ async def admit(caller: Caller, alias: str, *, requests: int = 1, reserve: int =
     reserve = reserve if caller.tokens_per_minute is not None else 0
     limits = [-1 if limit is None else limit for limit in (caller.requests_per_minute, caller.tokens_per_minute)]
     try:
-        refused, _used, tokens = await _admit_script()(  # type: ignore[operator]
+        refused, _used, tokens = await loop_script(_ADMIT)(
             keys=[f"gantry:gateway:rate:{caller.key_id}:{window}"], args=[*limits, requests, reserve, WINDOW_S * 2]
         )
     except (aioredis.RedisError, OSError) as exc:
