@@ -148,7 +148,8 @@ def test_a_new_generation_reaches_a_running_container_even_with_new_folders(
     stack: Stack, minilm_path: Path, image: str, engine, tmp_path: Path
 ):
     """The repository is rewritten beside the old one and swapped in by renaming,
-    and a new generation may name a checkpoint the container has never seen."""
+    and a new generation may name a checkpoint the container has never seen: a
+    new container, started first as a surge replica while the old one serves."""
     import shutil
 
     import requests
@@ -193,10 +194,21 @@ def test_a_new_generation_reaches_a_running_container_even_with_new_folders(
         wait_for(
             lambda: triton_config("minilm").get("max_batch_size") == 8, 30, "the container to serve the new config"
         )
-        # A checkpoint in a folder the container was not started with.
+        # A checkpoint in a folder the container was not started with: a new container.
+        # The host has room, so it surges: a second replica of generation 3 starts beside
+        # the first, which serves generation 2 until then and is retired after.
         moved = http.put(url + "models/", json={"models": [{"model": "elsewhere"}]}, timeout=30)
         assert moved.status_code == 202, moved.text
-        wait_for(ready_at(3), 300, "generation 3")
+
+        def surged() -> dict | None:
+            current = ready_at(3)()
+            rows = current["replica_set"] if current else []
+            return current if [(r["serial"], r["generation"]) for r in rows] == [(2, 3)] else None
+
+        wait_for(surged, 300, "generation 3 on a surge replica, the old one retired")
+        timeline = [e["message"] for e in http.get(url + "events/?limit=200", timeout=10).json()["results"]]
+        assert any("surge for generation 3" in m for m in timeline), timeline
+        assert any("r1" in m and "removed" in m for m in timeline), timeline
         assert triton_config("elsewhere")["parameters"]["checkpoint_path"]["string_value"] == str(copy.resolve())
         [container] = _containers(engine, stack)
         assert str(copy.resolve()) in {m["Source"] for m in container.attrs["Mounts"]}
