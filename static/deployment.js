@@ -127,7 +127,7 @@
         row.dataset.replica = r.serial;
         const gpus = Object.values(r.gpus).join(", ") || "CPU";
         const cells = [`r${r.serial}`, r.host, gpus, String(r.generation), null,
-          `${r.http_port}/${r.grpc_port}/${r.metrics_port}`, String(r.in_flight ?? 0), ejections[r.serial] ?? "0"];
+          `${r.http_port}/${r.grpc_port}/${r.metrics_port}`, (r.in_flight ?? 0).toFixed(1), ejections[r.serial] ?? "0"];
         cells.forEach((value, i) => {
           const cell = document.createElement("td");
           if (i === 4) {
@@ -245,8 +245,10 @@
         actionError.hidden = true;
         const form = new FormData(autoscaleForm);
         const number = (name) => (form.get(name) === "" ? null : Number(form.get(name)));
+        // Without a max, autoscaling is off and its min means nothing: it is not sent.
+        const max = number("max_replicas");
         const body = {
-          min_replicas: number("min_replicas"), max_replicas: number("max_replicas"), metric: form.get("metric"),
+          min_replicas: max === null ? null : number("min_replicas"), max_replicas: max, metric: form.get("metric"),
           target: number("target"), cooldown_s: number("cooldown_s"),
         };
         try {

@@ -127,6 +127,23 @@ def test_user_registers_plans_deploys_queries_changes_and_deletes_from_the_brows
     expect(page.locator("#server-log")).to_contain_text("successfully loaded 'minilm'", timeout=30_000)
     screenshot("deployment-ready")
 
+    # Autoscaling from the page: a bad bound is refused by field, good ones are said in words.
+    page.click("#autoscale summary")
+    form = page.locator("#autoscale-form")
+    form.locator("[name=min_replicas]").fill("3")
+    form.locator("[name=max_replicas]").fill("2")
+    form.locator("#autoscale-save").click()
+    expect(page.locator("#action-error")).to_contain_text("min_replicas")
+    form.locator("[name=min_replicas]").fill("1")
+    form.locator("[name=max_replicas]").fill("2")
+    form.locator("#autoscale-save").click()
+    expect(page.locator("#autoscale-words")).to_contain_text("1..2 replicas, holding 4 requests in flight per replica")
+    expect(page.locator("#events")).to_contain_text("autoscaling: 1..2 replicas", timeout=10_000)
+    screenshot("deployment-autoscale")
+    form.locator("[name=max_replicas]").fill("")
+    form.locator("#autoscale-save").click()
+    expect(page.locator("#autoscale-words")).to_have_text("off")
+
     # A new generation from the page's change form, applied in place; then rolled back from the generations.
     page.click("#change summary")
     change = page.locator("#change-form")

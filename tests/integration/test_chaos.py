@@ -18,7 +18,7 @@ import requests
 
 from controlplane.celery import host_worker_argv
 from controlplane.serving import web_argv
-from deployments.models import Deployment, Event, GpuHost, OutboxMessage
+from deployments.models import Deployment, Event, GpuHost, OutboxMessage, Replica
 from tests import factories
 from tests.integration.conftest import (
     PostgresServer,
@@ -332,8 +332,9 @@ def test_the_docker_runtime_ends_where_it_should_through_a_failed_restart_a_long
     docker_stack_on_own_redis: Stack, own_redis: RedisServer, minilm_path: Path, tmp_path: Path
 ):
     """One container deployment, three blows:
-    - a generation that needs a new container and fails to load in it: the last
-      good generation is put back in a container of its own, serving;
+    - a generation that needs a new container and fails to load in it (a surge
+      replica beside the serving one): rolled back, the surge replica removed,
+      and the first container serving throughout;
     - a reload whose model load outlasts the worker's Triton request timeout: it
       is waited for, not taken for a failure and rolled back;
     - Redis restarted, empty, under a load test through the gateway: the run
@@ -368,12 +369,17 @@ def test_the_docker_runtime_ends_where_it_should_through_a_failed_restart_a_long
         wait_for(lambda: ready_at(1), 300, "generation 1")
         first = factories.replica_row(deployment_id).runtime_handle
 
-        # 1. A new folder needs a new container; the broken checkpoint fails to load in it.
+        # 1. A new folder needs a new container; the broken checkpoint fails to load in it
+        #    (in a surge replica started beside the serving one).
         changed = http.put(url + "models/", json={"models": [{"model": "minilm"}, {"model": "broken"}]}, timeout=30)
         assert changed.status_code == 202, changed.text
         wait_for(lambda: _kinds(deployment_id=deployment_id) >= {"deployment.rollback"}, 300, "the rollback")
         wait_for(lambda: ready_at(1), 300, "generation 1 again")
-        assert factories.replica_row(deployment_id).runtime_handle not in ("", first)
+        # The host had room, so generation 2 went to a surge replica: r1 kept its
+        # container and served throughout, and the failed surge replica is removed.
+        assert factories.replica_row(deployment_id).runtime_handle == first
+        wait_for(lambda: _kinds(deployment_id=deployment_id) >= {"replica.removed"}, 60, "the surge's removal")
+        assert Replica.objects.filter(deployment_id=deployment_id).count() == 1
         rollback = Event.objects.get(deployment_id=deployment_id, kind="deployment.rollback")
         assert "generation 2 failed" in rollback.message and "tritonserver" in rollback.message
         revisions = http.get(url + "revisions/", timeout=30).json()["results"]

@@ -46,6 +46,6 @@ def test_the_api_refuses_a_deep_body_with_a_400_naming_the_rule(api, path: str) 
 
 def test_the_generate_door_refuses_a_deep_body_naming_the_rule() -> None:
     """Both doors of the generate action (the view and the lean token path) parse here first."""
-    answer = asyncio.run(generate_answer(1, DEEP, lambda: True))
+    answer = asyncio.run(generate_answer(1, DEEP, lambda: True, who="test"))
     assert answer.status == 400
     assert answer.body["errors"] == {"body": [f"must not nest deeper than {jsonbody.MAX_DEPTH} levels"]}
