@@ -257,9 +257,11 @@ def test_postgres_restarted_under_a_running_deployment_is_survived(
         time.sleep(3)  # a few of the agent's beats fail
         own_postgres.start()
 
-        wait_for(lambda: healthz_answers(base) and get(url).status_code == 200, 30, "the API to answer again")
+        # The connection pool retries with a doubling delay (1, 2, 4, 8, 16 s after the first
+        # failure), so on a busy machine its next try may come some 30 s after the return.
+        wait_for(lambda: healthz_answers(base) and get(url).status_code == 200, 60, "the API to answer again")
         events = lambda: [e["kind"] for e in get(f"/api/events/?host={host}&limit=100").json()["results"]]  # noqa: E731
-        wait_for(lambda: "host.agent_recovered" in events(), 30, "the agent to say it recovered")
+        wait_for(lambda: "host.agent_recovered" in events(), 60, "the agent to say it recovered")
         assert get(url).json()["status"] == "ready"
         assert process.servers_under(data_dir) == [(server, repository)]
         assert http.post(f"{base}{url}stop/").status_code == 202
