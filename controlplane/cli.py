@@ -170,8 +170,11 @@ def _join(args: argparse.Namespace) -> int:
     if refusal:
         sys.stderr.write(f"gantry join: {refusal}\n")
         return 2
+    key, certificate_request = hostjoin.channel_key(name)
     try:
-        joined = hostjoin.request_join(args.url, args.token, name=name, address=address)
+        joined = hostjoin.request_join(
+            args.url, args.token, name=name, address=address, certificate_request=certificate_request
+        )
         values = hostjoin.env_lines(
             joined, name=name, address=address, data_dir=Path(args.data_dir), model_roots=args.model_roots
         )
@@ -180,6 +183,7 @@ def _join(args: argparse.Namespace) -> int:
         return 2
     env_file = Path(args.config_dir) / hostjoin.ENV_FILE_NAME
     hostjoin.write_env_file(env_file, values)
+    hostjoin.write_channel(Path(args.data_dir), key, joined)
     hostjoin.prepare_data_dir(Path(args.data_dir), args.user)
     _say(f"joined as {joined['host']}: its own credentials and settings are in {env_file} (mode 0600)")
     checked = hostjoin.check_and_install(env_file)

@@ -212,7 +212,21 @@ GANTRY_HOST_NAME = env_str(
 GANTRY_HOST_ADDRESS = env_str(
     "GANTRY_HOST_ADDRESS",
     "127.0.0.1",
-    help="the address Triton servers on this host bind to, and the web side uses to reach them",
+    help="where the web tier reaches this host: its channel listens there (Triton servers bind loopback)",
+)
+GANTRY_CHANNEL_PORT = env_int(
+    "GANTRY_CHANNEL_PORT",
+    17443,
+    minimum=1,
+    maximum=65535,
+    help="the port of a GPU host's channel (mutual TLS to its Triton servers) on GANTRY_HOST_ADDRESS",
+)
+GANTRY_CHANNEL_CERT_HOURS = env_int(
+    "GANTRY_CHANNEL_CERT_HOURS",
+    720,
+    minimum=1,
+    maximum=24 * 398,
+    help="lifetime of the channel certificates Gantry's authority signs; renewed when two thirds are gone",
 )
 GANTRY_HEARTBEAT_INTERVAL = env_int(
     "GANTRY_HEARTBEAT_INTERVAL",

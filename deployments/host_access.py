@@ -28,8 +28,8 @@ from django.db import connection
 from common.errors import PermanentError, TransientError
 
 REDIS_RULES = ["on", "~*", "&*", "+@all", "-@admin", "-@dangerous", "+info"]
-# Tables a host never reads: signed-in users' sessions.
-WITHHELD_TABLES = ["django_session"]
+# Tables a host never reads: signed-in users' sessions, and the channel authority's key.
+WITHHELD_TABLES = ["django_session", "deployments_channelsecrets"]
 
 
 def _database_name() -> str:

@@ -53,6 +53,21 @@ class GpuHost(models.Model):
     broker_run_id = models.CharField(
         max_length=64, blank=True, help_text="The broker run this host's agent last saw (a change means a restart)."
     )
+    channel_port = models.PositiveIntegerField(
+        default=0, validators=[MaxValueValidator(65535)],
+        help_text="Where its channel (mutual TLS to its Triton servers) listens on its address; "
+        "0: none yet, or a host on loopback, whose servers are reached there.",
+    )  # fmt: skip
+    channel_request = models.TextField(
+        blank=True, help_text="A certificate request (PEM) from the host's agent, waiting to be signed."
+    )
+    channel_proof = models.TextField(
+        blank=True,
+        help_text="The request signed with the host's current key (hex): a renewal, not a first certificate.",
+    )
+    channel_revoked = models.BooleanField(
+        default=False, help_text="Its certificates are revoked: none is signed for it until it joins again."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -75,6 +90,53 @@ class GpuHost(models.Model):
     @property
     def jobs_queue(self) -> str:
         return jobs_queue(self.name)
+
+
+class ChannelAuthority(models.Model):
+    """Gantry's certificate authority for the channel to GPU hosts (one row): its
+    certificate and revocation list, which hosts read. Its key is in
+    ChannelSecrets, which hosts cannot read."""
+
+    certificate = models.TextField(help_text="The authority's certificate (PEM).")
+    revocation_list = models.TextField(help_text="The current revocation list (PEM), signed by the authority.")
+    revocation_number = models.PositiveBigIntegerField(default=1, help_text="Grows with every new revocation list.")
+    revocation_signed_at = models.DateTimeField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"channel authority (revocation list {self.revocation_number})"
+
+
+class ChannelSecrets(models.Model):
+    """The authority's private key and the web tier's (one row). Withheld from
+    hosts' database roles (deployments.host_access.WITHHELD_TABLES)."""
+
+    authority_key = models.TextField()
+    client_key = models.TextField(blank=True, help_text="The web tier's key; its certificate is a ChannelCertificate.")
+
+    def __str__(self) -> str:
+        return "channel secrets"
+
+
+class ChannelCertificate(models.Model):
+    """A certificate the authority signed: a host's (a TLS server) or, with no
+    host, the web tier's (a TLS client)."""
+
+    host = models.ForeignKey(
+        GpuHost, null=True, blank=True, on_delete=models.CASCADE, related_name="certificates",
+        help_text="The host it names; empty: the web tier's client certificate.",
+    )  # fmt: skip
+    serial = models.CharField(max_length=40, unique=True, help_text="Its serial number, in hex.")
+    certificate = models.TextField(help_text="PEM.")
+    not_after = models.DateTimeField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+
+    def __str__(self) -> str:
+        return f"{self.host or 'web tier'} {self.serial}"
 
 
 class HostJoinToken(models.Model):

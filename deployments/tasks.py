@@ -5,14 +5,15 @@ from __future__ import annotations
 from celery import shared_task
 
 from deployments import outbox, queues
-from deployments.services import autoscale, builds, host_join, hosts, replicas
+from deployments.services import autoscale, builds, channel, host_join, hosts, replicas
 
 
 @shared_task(name=queues.SWEEP_HOSTS)
 def sweep_hosts() -> list[str]:
     """Hosts that missed their beats go offline; replicas on hosts gone for the
     grace period are lost and replaced on hosts with room; deployments with
-    autoscaling on are scaled to their load; builds whose worker
+    autoscaling on are scaled to their load; hosts' certificate requests are
+    signed (or refused); builds whose worker
     went quiet fail; tasks left in the outbox by a broker outage are sent (for
     hosts whose agent is down too, so they are queued for its return)."""
     builds.builds_reap()
@@ -20,6 +21,8 @@ def sweep_hosts() -> list[str]:
     offline = hosts.hosts_sweep()
     replicas.replace_lost(source="system")
     autoscale.deployments_autoscale()
+    channel.channel_requests_sign()
+    channel.revocation_list_refresh()
     return offline
 
 

@@ -31,10 +31,13 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
+from common import pki
 from common.errors import TransientError
 from deployments.models import Replica
+from deployments.services.channel import client_context
 from deployments.services.replicas import record_replica_event
 from deployments.states import ANSWERING
+from triton_server.client import Channel
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,34 +48,50 @@ class Endpoint:
     """One answering replica of a deployment, as a request reaches it."""
 
     replica_id: int
-    url: str  # host:port of its Triton's HTTP endpoint
+    url: str  # host:port: its Triton's HTTP endpoint on loopback, or its host's channel
     label: str  # "r2 on gpu-02", for words
     queue_ms: float = 0.0
     stale: bool = False  # its host stopped beating: tried only when no other replica is left
+    channel: Channel | None = None  # a replica on another host: through that host's channel
 
 
 def answering(deployment_id: int) -> list[Endpoint]:
     """The deployment's replicas that answer requests now (ready or degraded), in
     one query. Those on a host that stopped beating are marked stale: its server
-    may be gone with it, or may serve on without its worker."""
+    may be gone with it, or may serve on without its worker.
+
+    A host on loopback is this machine: its servers are reached there. Any
+    other is reached through its channel (mutual TLS); one without a channel
+    yet, or whose certificates are revoked, is not reached at all."""
     beaten = timezone.now() - timedelta(
         seconds=settings.GANTRY_HEARTBEAT_INTERVAL * settings.GANTRY_HOST_OFFLINE_AFTER_BEATS
     )
     rows = (
-        Replica.objects.filter(deployment_id=deployment_id, status__in=ANSWERING)
+        Replica.objects.filter(deployment_id=deployment_id, status__in=ANSWERING, host__channel_revoked=False)
         .order_by("serial")
-        .values_list("pk", "serial", "host__name", "host__address", "http_port", "queue_ms", "host__last_heartbeat")
-    )
-    return [
-        Endpoint(
-            replica_id=pk,
-            url=f"{address}:{port}",
-            label=f"r{serial} on {host}",
-            queue_ms=queue_ms,
-            stale=beat is None or beat < beaten,
-        )  # fmt: skip
-        for pk, serial, host, address, port, queue_ms, beat in rows
-    ]
+        .values_list(
+            "pk", "serial", "host_id", "host__name", "host__address", "host__channel_port", "http_port", "queue_ms",
+            "host__last_heartbeat",
+        )
+    )  # fmt: skip
+    found = []
+    for pk, serial, host_id, host, address, channel_port, port, queue_ms, beat in rows:
+        channel = None
+        if not pki.is_loopback(address):
+            if not channel_port:
+                continue
+            channel = Channel(server_name=pki.server_name(host_id, port), context=client_context())
+        found.append(
+            Endpoint(
+                replica_id=pk,
+                url=f"{address}:{channel_port}" if channel else f"{address}:{port}",
+                label=f"r{serial} on {host}",
+                queue_ms=queue_ms,
+                stale=beat is None or beat < beaten,
+                channel=channel,
+            )
+        )
+    return found
 
 
 @dataclass
@@ -241,11 +260,3 @@ async def call(endpoints: list[Endpoint], request: Callable[[Endpoint], Awaitabl
     while True:
         with tries.attempt() as endpoint:
             return await request(endpoint)
-
-
-def call_sync(endpoints: list[Endpoint], request: Callable[[Endpoint], T]) -> T:
-    """``call`` for synchronous callers (the REST API's embed and rerank)."""
-    tries = Tries(endpoints)
-    while True:
-        with tries.attempt() as endpoint:
-            return request(endpoint)

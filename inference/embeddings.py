@@ -5,18 +5,16 @@ playground's API, by route for the gateway."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
+from asgiref.sync import async_to_sync
 
 from common.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments.models import Deployment, DeploymentModel, ModelKind
-from inference.balancing import Endpoint, answering, call, call_sync
-from triton_server.client import TritonClient, infer_async
+from inference.balancing import Endpoint, answering, call
+from triton_server.client import infer_async
 
-T = TypeVar("T")
 MAX_TEXTS = 64
 MAX_TEXT_CHARS = 4000
 
@@ -45,26 +43,12 @@ def _ready_placement(deployment_id: int, kind: str, model: str) -> tuple[list[En
     return endpoints, placement
 
 
-def _on_replica(endpoints: list[Endpoint], request: Callable[[TritonClient], T]) -> T:
-    def run(endpoint: Endpoint) -> T:
-        client = TritonClient(endpoint.url)
-        try:
-            return request(client)
-        finally:
-            client.close()
-
-    return call_sync(endpoints, run)
-
-
 def embed_texts(*, deployment_id: int, texts: list[str], model: str = "") -> EmbeddingResult:
     """Embeddings of ``texts`` from an embedding model of a ready deployment, and their cosine similarities."""
     endpoints, placement = _ready_placement(deployment_id, ModelKind.EMBEDDING, model)
     name = placement.triton_name
-    # Triton refuses a batch above the model's max_batch_size: send it in batches that fit.
-    step = placement.max_batch_size
-    vectors = _on_replica(
-        endpoints,
-        lambda client: np.concatenate([client.embed(name, texts[i : i + step]) for i in range(0, len(texts), step)]),
+    vectors, _ = async_to_sync(embed_async)(
+        endpoints=endpoints, model=name, texts=texts, max_batch_size=placement.max_batch_size
     )
     # Rows are L2-normalized by the model; normalize again so any embedder's output compares fairly.
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -87,7 +71,7 @@ def rerank_passages(*, deployment_id: int, query: str, passages: list[str], mode
     """Scores of ``passages`` for ``query`` from a reranker of a ready deployment, best first in ``order``."""
     endpoints, placement = _ready_placement(deployment_id, ModelKind.RERANKER, model)
     name = placement.triton_name
-    scores = _on_replica(endpoints, lambda client: client.rerank(name, query, passages))
+    scores, _ = async_to_sync(rerank_async)(endpoints=endpoints, model=name, query=query, documents=passages)
     return RerankResult(
         model=name,
         scores=[round(float(score), 6) for score in scores],
@@ -106,7 +90,9 @@ async def embed_async(
     batches = [np.array([[t] for t in texts[i : i + step]], dtype=object) for i in range(0, len(texts), step)]
 
     async def request(endpoint: Endpoint) -> list[dict[str, np.ndarray]]:
-        return await asyncio.gather(*(infer_async(endpoint.url, model, {"TEXT": batch}) for batch in batches))
+        return await asyncio.gather(
+            *(infer_async(endpoint.url, model, {"TEXT": batch}, endpoint.channel) for batch in batches)
+        )
 
     outputs = await call(endpoints, request)
     vectors = np.concatenate([o["EMBEDDING"] for o in outputs]).astype("<f4", copy=False)
@@ -119,6 +105,6 @@ async def rerank_async(
     """The reranker's score of each of ``documents`` for ``query`` (on the best of
     ``endpoints``), and the tokens they took."""
     inputs = {"QUERY": np.array([[query]], dtype=object), "PASSAGES": np.array([documents], dtype=object)}
-    output = await call(endpoints, lambda endpoint: infer_async(endpoint.url, model, inputs))
+    output = await call(endpoints, lambda endpoint: infer_async(endpoint.url, model, inputs, endpoint.channel))
     tokens = int(output["NUM_TOKENS"].sum()) if "NUM_TOKENS" in output else 0
     return output["SCORES"].reshape(-1), tokens

@@ -248,7 +248,7 @@ async def _replica_stream(prepared: Prepared, inputs: dict[str, Any]) -> AsyncIt
         endpoint = tries.next()
         answered = False
         try:
-            async for event in generate_stream(endpoint.url, prepared.model, inputs):
+            async for event in generate_stream(endpoint.url, prepared.model, inputs, endpoint.channel):
                 answered = True
                 yield event
         except TransientError as error:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -30,6 +31,22 @@ from common.errors import ContextExceeded, PermanentError, TransientError
 ADMIN_HEADER = "gantry-admin-key"
 _CONNECT_TIMEOUT_S = 5.0
 _NETWORK_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Channel:
+    """How the web tier reaches a Triton on another host: that host's channel
+    (mutual TLS, common.pki), asked for the server by name."""
+
+    server_name: str  # p<port>.h<host id>.gantry
+    context: ssl.SSLContext
+
+
+def _target(url: str, channel: Channel | None) -> tuple[str, dict[str, Any]]:
+    """The base URL and aiohttp's TLS options for a server at ``url`` (host:port)."""
+    if channel is None:
+        return f"http://{url}", {}
+    return f"https://{url}", {"ssl": channel.context, "server_hostname": channel.server_name}
 
 
 @dataclass(frozen=True)
@@ -131,14 +148,6 @@ class TritonClient:
         batch = np.array([[t.encode("utf-8")] for t in texts], dtype=object)
         return self._infer(model, {"TEXT": batch}, "EMBEDDING")
 
-    def rerank(self, model: str, query: str, passages: list[str]) -> np.ndarray:
-        """One relevance score per passage from a Gantry reranker model."""
-        inputs = {
-            "QUERY": np.array([[query.encode("utf-8")]], dtype=object),
-            "PASSAGES": np.array([[p.encode("utf-8") for p in passages]], dtype=object),
-        }
-        return self._infer(model, inputs, "SCORES")[0]
-
     def _infer(self, model: str, arrays: dict[str, np.ndarray], output: str) -> np.ndarray:
         requests = []
         for name, array in arrays.items():
@@ -174,7 +183,9 @@ def _session() -> aiohttp.ClientSession:
     return session
 
 
-async def generate_stream(url: str, model: str, inputs: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+async def generate_stream(
+    url: str, model: str, inputs: dict[str, Any], channel: Channel | None = None
+) -> AsyncIterator[dict[str, Any]]:
     """Each response of ``model`` for ``inputs`` (the generate interface's fields),
     as Triton streams them. Leaving the loop early closes the connection, which
     Triton turns into a cancelled request (the model stops generating).
@@ -182,9 +193,11 @@ async def generate_stream(url: str, model: str, inputs: dict[str, Any]) -> Async
     PermanentError when Triton refuses the request (bad input, unknown model),
     TransientError when the server cannot be reached or fails mid-way.
     """
-    endpoint = f"http://{url}/v2/models/{model}/generate_stream"
+    base, tls = _target(url, channel)
     try:
-        response = await _session().post(endpoint, data=orjson.dumps(inputs), headers=_JSON)
+        response = await _session().post(
+            f"{base}/v2/models/{model}/generate_stream", data=orjson.dumps(inputs), headers=_JSON, **tls
+        )
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
         raise TransientError(f"{model}: server unreachable at {url}: {exc}") from exc
     finished = False
@@ -236,7 +249,9 @@ def _refused(message: str) -> PermanentError:
 # --- tensor inference from the event loop (the gateway) --------------------------------
 
 
-async def infer_async(url: str, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+async def infer_async(
+    url: str, model: str, inputs: dict[str, np.ndarray], channel: Channel | None = None
+) -> dict[str, np.ndarray]:
     """Every output of ``model`` for ``inputs`` (numpy arrays; object arrays are
     BYTES), through the pooled session. Outputs come back in Triton's binary
     tensor extension, so a batch of embeddings is never printed as JSON numbers.
@@ -246,9 +261,11 @@ async def infer_async(url: str, model: str, inputs: dict[str, np.ndarray]) -> di
     """
     header: dict[str, Any] = {"inputs": [_json_tensor(name, array) for name, array in inputs.items()]}
     header["parameters"] = {"binary_data_output": True}
-    endpoint = f"http://{url}/v2/models/{model}/infer"
+    base, tls = _target(url, channel)
     try:
-        async with _session().post(endpoint, data=json.dumps(header).encode()) as response:
+        async with _session().post(
+            f"{base}/v2/models/{model}/infer", data=json.dumps(header).encode(), **tls
+        ) as response:
             body = await response.read()
             if response.status != 200:
                 raise _refusal(model, response.status, body.decode("utf-8", "replace"))

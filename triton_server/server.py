@@ -18,6 +18,11 @@ EXIT_TIMEOUT_S = 5
 STOP_GRACE_S = EXIT_TIMEOUT_S + 15
 
 
+# Where every Triton server listens: HTTP, gRPC and metrics on loopback only.
+# Other machines reach a host's servers through its channel (workers.channel).
+LOCAL = "127.0.0.1"
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     deployment_id: int
@@ -28,7 +33,7 @@ class LaunchSpec:
     grpc_port: int
     metrics_port: int
     log_path: Path
-    bind_address: str = "127.0.0.1"
+    bind_address: str = LOCAL
     image: str = ""  # docker only
     gpu_ids: tuple[int, ...] = ()
     ulimits: tuple[tuple[str, int, int], ...] = ()  # docker only: (name, soft, hard)

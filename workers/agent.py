@@ -1,7 +1,8 @@
 """The host agent: runs inside the worker that consumes this host's queue.
 
 On start and then every GANTRY_HEARTBEAT_INTERVAL seconds it reports the
-host's name, address and GPU inventory (NVML), sends what waits in the outbox
+host's name, address and GPU inventory (NVML), keeps the host's channel
+certificate (workers.channel), sends what waits in the outbox
 for this host (workers.broker), and reconciles the host's deployments with the
 servers that really run here; between beats it checks every second that the
 servers it shows as serving still run. None of it needs the broker: the database is the
@@ -22,7 +23,7 @@ from django.db import close_old_connections
 
 from deployments.queues import host_queue
 from deployments.services import hosts
-from workers import broker, nvml
+from workers import broker, channel, nvml
 from workers.deploy import reconcile as deploy_reconcile
 from workers.engines import executors
 from workers.engines import reconcile as build_reconcile
@@ -51,7 +52,7 @@ def beat_once() -> None:
     if _beats % BUILDERS_EVERY_BEATS == 0:
         _builders = executors.builders_report()
     _beats += 1
-    hosts.host_heartbeat(
+    host = hosts.host_heartbeat(
         name=settings.GANTRY_HOST_NAME,
         address=settings.GANTRY_HOST_ADDRESS,
         driver_version=inventory.driver_version,
@@ -61,6 +62,7 @@ def beat_once() -> None:
         gpus=inventory.gpus,
         builders=_builders,
     )
+    channel.keep_certificate(host.pk)
     if not _adopted:
         # A task the previous worker was running died with it, and Redis hands its
         # message back only after the visibility timeout: send those again now.

@@ -149,21 +149,20 @@ def _aiperf() -> Finding:
 
 
 def _ports() -> Finding:
+    from triton_server.server import LOCAL
     from workers.runtimes.base import busy_ports
 
     low, high = settings.GANTRY_TRITON_PORT_RANGE
-    busy = busy_ports(settings.GANTRY_HOST_ADDRESS, list(range(low, high + 1)))
+    busy = busy_ports(LOCAL, list(range(low, high + 1)))
     free = high - low + 1 - len(busy)
     if free < 3:
         return Finding(
             "Triton ports",
             MISSING,
-            f"{free} of {low}-{high} free on {settings.GANTRY_HOST_ADDRESS}",
+            f"{free} of {low}-{high} free on {LOCAL}",
             "set GANTRY_TRITON_PORT_RANGE to a free range (three ports per deployment)",
         )
-    return Finding(
-        "Triton ports", OK, f"{free} of {low}-{high} free: {free // 3} deployments on {settings.GANTRY_HOST_ADDRESS}"
-    )
+    return Finding("Triton ports", OK, f"{free} of {low}-{high} free: {free // 3} deployments on {LOCAL}")
 
 
 CHECKS: list[Callable[[], Finding]] = [

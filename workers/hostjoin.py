@@ -47,9 +47,13 @@ def plain_http_refusal(url: str) -> str:
     )
 
 
-def request_join(url: str, token: str, *, name: str, address: str, timeout_s: float = 30) -> dict:
-    """POST the token to ``<url>/api/hosts/join/``; the control plane's answer."""
-    body = json.dumps({"token": token, "name": name, "address": address}).encode()
+def request_join(
+    url: str, token: str, *, name: str, address: str, certificate_request: str = "", timeout_s: float = 30
+) -> dict:
+    """POST the token (and the channel's certificate request) to
+    ``<url>/api/hosts/join/``; the control plane's answer."""
+    body = {"token": token, "name": name, "address": address, "certificate_request": certificate_request}
+    body = json.dumps(body).encode()
     request = urllib.request.Request(
         f"{url.rstrip('/')}/api/hosts/join/",
         data=body,
@@ -103,8 +107,28 @@ def write_env_file(path: Path, values: dict[str, str]) -> None:
     os.replace(partial, path)
 
 
+def channel_key(name: str) -> tuple[str, str]:
+    """A new key for the host's channel (PEM) and its certificate request."""
+    from common import pki
+
+    key = pki.new_key()
+    return pki.key_pem(key), pki.request(key, name)
+
+
+def write_channel(data_dir: Path, key: str, joined: dict) -> None:
+    """The channel's key, the certificate the control plane signed and its trust,
+    where the channel reads them (workers.channel; folder 0700, files 0600)."""
+    from workers.channel import install
+
+    if not joined.get("certificate"):
+        return
+    place = data_dir / "channel"
+    place.mkdir(parents=True, exist_ok=True, mode=0o700)
+    install(place, key=key, certificate=joined["certificate"], trust=joined["trust"])
+
+
 def prepare_data_dir(path: Path, user: str) -> None:
-    """The data folder (and its models/), owned by the worker's user when run as root."""
+    """The data folder (its models/ and channel/), owned by the worker's user when run as root."""
     (path / "models").mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         return
@@ -114,8 +138,10 @@ def prepare_data_dir(path: Path, user: str) -> None:
         owner = pwd.getpwnam(user)
     except KeyError:
         return  # the unit names a user that does not exist yet; systemd will say so
-    for folder in (path, path / "models"):
-        os.chown(folder, owner.pw_uid, owner.pw_gid)
+    channel = path / "channel"
+    owned = [path, path / "models", *([channel, *channel.iterdir()] if channel.is_dir() else [])]
+    for item in owned:
+        os.chown(item, owner.pw_uid, owner.pw_gid)
 
 
 def read_env_file(path: Path) -> dict[str, str]:

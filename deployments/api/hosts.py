@@ -51,6 +51,8 @@ class HostOut(serializers.ModelSerializer):
             "cuda_version",
             "nvml_error",
             "agent_version",
+            "channel_port",
+            "channel_revoked",
             "queue",
             "jobs_queue",
             "gpus",
@@ -130,8 +132,12 @@ class JoinIn(StrictSerializer):
     token = serializers.CharField(max_length=128)
     name = serializers.CharField(max_length=63, help_text="The host's name; its queues are gpu.<name>.")
     address = serializers.CharField(
-        required=False, allow_blank=True, max_length=255, help_text="Where clients reach its Triton servers."
+        required=False, allow_blank=True, max_length=255, help_text="Where the web tier reaches its channel."
     )
+    certificate_request = serializers.CharField(
+        required=False, allow_blank=True, max_length=8000,
+        help_text="A PEM certificate request for its channel key (P-256): signed in the same step.",
+    )  # fmt: skip
 
 
 class JoinedOut(serializers.Serializer):
@@ -139,6 +145,8 @@ class JoinedOut(serializers.Serializer):
     database_url = serializers.CharField(help_text="PostgreSQL with the host's own role.")
     redis_url = serializers.CharField(help_text="Redis with the host's own ACL user.")
     settings = serializers.DictField(child=serializers.CharField(allow_blank=True))
+    certificate = serializers.CharField(help_text="Its channel certificate (PEM); empty without a request.")
+    trust = serializers.CharField(help_text="The channel authority's certificate and revocation list (PEM).")
 
 
 class HostJoin(APIView):
@@ -156,23 +164,27 @@ class HostJoin(APIView):
             name=body["name"],
             address=body.get("address", ""),
             gateway_url=request.build_absolute_uri("/").rstrip("/"),
+            certificate_request=body.get("certificate_request", ""),
         )
         out = {
             "host": joined.host.name,
             "database_url": joined.database_url,
             "redis_url": joined.redis_url,
             "settings": joined.settings,
+            "certificate": joined.certificate,
+            "trust": joined.trust,
         }
         return Response(JoinedOut(out).data, status=201)
 
 
 class RevokedOut(serializers.Serializer):
-    revoked = serializers.IntegerField(help_text="Credentials revoked (0: it had none).")
+    revoked = serializers.IntegerField(help_text="Credentials and channel certificates revoked (0: it had none).")
 
 
 class HostRevoke(APIView):
     """POST /api/hosts/<name>/revoke/: the host's database role and Redis user are
-    removed and its connections closed (admins). It joins again with a new token."""
+    removed and its connections closed, and its channel certificates are revoked
+    (admins). It joins again with a new token."""
 
     permission_classes = [Admins]
 

@@ -17,10 +17,12 @@ from django.db import transaction
 from django.utils import timezone
 
 from access.models import secret_digest
+from common import pki
 from common.errors import NotFound, PermissionDenied, ValidationFailed
 from deployments import events, host_access
 from deployments.models import GpuHost, HostCredential, HostJoinToken, slug_validator
 from deployments.permissions import can_admin
+from deployments.services import channel
 
 TOKEN_PREFIX = "gj-"
 JOIN_TOKEN_MINUTES_MAX = 7 * 24 * 60
@@ -42,6 +44,8 @@ class Joined:
     database_url: str
     redis_url: str
     settings: dict[str, str]
+    certificate: str = ""  # its channel certificate (PEM), signed for the request it sent
+    trust: str = ""  # the channel authority's certificate and revocation list (PEM)
 
 
 def _require_admin(user: Any) -> None:
@@ -126,16 +130,23 @@ def _revoke(credential: HostCredential) -> None:
     HostCredential.objects.filter(pk=credential.pk, revoked_at=None).update(revoked_at=timezone.now())
 
 
-def host_join(*, token: str, name: str, address: str, gateway_url: str) -> Joined:
+def host_join(*, token: str, name: str, address: str, gateway_url: str, certificate_request: str = "") -> Joined:
     """Trade a join token for the host's own credentials and register the host.
 
     A host that joined before gets new credentials, and its old ones stop
     working. The role and the token's use commit together; the Redis user is
     given before the commit, and the sync removes it should the commit fail.
+    With ``certificate_request`` (PEM), the host's channel certificate is
+    signed in the same step, and its earlier certificates are revoked.
     """
     name = _valid_host_name(name, "name")
     if address and (len(address) > 255 or any(c.isspace() for c in address)):
         raise ValidationFailed({"address": "must be a host name or an IP address, at most 255 characters"})
+    if certificate_request:
+        try:
+            pki.load_request(certificate_request)
+        except pki.BadRequest as exc:
+            raise ValidationFailed({"certificate_request": str(exc)}) from None
     serial = secrets.token_hex(3)
     password, redis_password = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     with transaction.atomic():
@@ -164,6 +175,7 @@ def host_join(*, token: str, name: str, address: str, gateway_url: str) -> Joine
             message=f"{name} joined with its own database role {credential.database_role} "
             f"and Redis user {credential.redis_user}" + ("" if created else " (its earlier ones are revoked)"),
         )
+        issued = channel.host_certificate_issue(host, certificate_request) if certificate_request else None
     database_url = settings.GANTRY_JOIN_DATABASE_URL or _database_url()
     redis_url = settings.GANTRY_JOIN_REDIS_URL or settings.REDIS_URL
     return Joined(
@@ -171,6 +183,8 @@ def host_join(*, token: str, name: str, address: str, gateway_url: str) -> Joine
         database_url=_with_credentials(database_url, credential.database_role, password),
         redis_url=_with_credentials(redis_url, credential.redis_user, redis_password),
         settings=_shared_settings(gateway_url),
+        certificate=issued.certificate if issued else "",
+        trust=channel.trust_pem(channel.authority()[0]) if issued else "",
     )
 
 
@@ -190,15 +204,17 @@ def host_credentials_revoke(*, user: Any, host_name: str) -> int:
         active = list(HostCredential.objects.filter(host=host, revoked_at=None))
         for credential in active:
             _revoke(credential)
-        if active:
+        certificates = channel.host_certificates_revoke(host)
+        if active or certificates:
             events.record(
                 kind="host.revoked",
                 source=events.source_of(user),
                 actor=user,
                 host=host,
-                message=f"{host_name}'s credentials are revoked: it can no longer reach the database or Redis",
+                message=f"{host_name}'s credentials and channel certificates are revoked: it can no longer reach "
+                "the database or Redis, and the web tier no longer reaches its Triton servers",
             )
-    return len(active)
+    return len(active) + certificates
 
 
 def host_access_sync() -> int:

@@ -28,7 +28,7 @@ from triton_server.config import (
     TrtllmSpec,
 )
 from triton_server.repository import ModelSpec
-from triton_server.server import LaunchSpec
+from triton_server.server import LOCAL, LaunchSpec
 from workers.engines.verify import engine_files_problem
 from workers.runtimes.base import Runtime
 from workers.runtimes.docker import DockerRuntime
@@ -227,7 +227,7 @@ def _kv_share(placement: DeploymentModel) -> float:
 def triton_client(replica: Replica) -> TritonClient:
     """A client of the replica's server on this host, allowed its admin APIs."""
     return TritonClient(
-        f"{settings.GANTRY_HOST_ADDRESS}:{replica.http_port}",
+        f"{LOCAL}:{replica.http_port}",
         replica.deployment.admin_secret,
         load_timeout_s=settings.GANTRY_TRITON_READY_TIMEOUT,
         network_timeout_s=settings.GANTRY_TRITON_REQUEST_TIMEOUT,
@@ -271,7 +271,6 @@ def launch_spec(replica: Replica) -> LaunchSpec:
         grpc_port=replica.grpc_port,
         metrics_port=replica.metrics_port,
         log_path=paths.log,
-        bind_address=settings.GANTRY_HOST_ADDRESS,
         image=deployment.image,
         gpu_ids=server_gpus(replica),
         ulimits=tuple(settings.GANTRY_DOCKER_ULIMITS),

@@ -7,13 +7,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from django.conf import settings
-
 from common.errors import TransientError
 from deployments.models import Replica
 from deployments.services import replicas, telemetry
 from triton_server import metrics
-from triton_server.server import LaunchSpec
+from triton_server.server import LOCAL, LaunchSpec
 from workers import nvml
 from workers.jobs import source
 from workers.runtimes.base import Runtime
@@ -109,7 +107,7 @@ def collect_metrics(
     """Scrape the server's metrics port once and store per-model rates, GPU
     figures and each model's GPU memory as NVML sees it (``memory``, from
     process_memory)."""
-    url = f"http://{settings.GANTRY_HOST_ADDRESS}:{replica.metrics_port}/metrics"
+    url = f"http://{LOCAL}:{replica.metrics_port}/metrics"
     try:
         current = metrics.scrape(url)
     except TransientError as exc:

@@ -30,6 +30,7 @@ from deployments.models import Deployment, DeploymentModel, DeploymentStatus
 from loadtests import services
 from loadtests import workload as workloads
 from loadtests.models import LoadTest, RunStatus
+from triton_server.server import LOCAL
 from workers import native_bench, nvml, processes
 from workers.engines.executors import NativeExecutor
 from workers.jobs import JobFailed, run_job, source
@@ -129,7 +130,7 @@ def _run(run: LoadTest) -> None:
     local = deployment.replica_set.filter(host_id=run.host_id).order_by("serial").first()
     if local is None:
         raise JobFailed(f"{deployment.name} has no replica on {settings.GANTRY_HOST_NAME} any more")
-    triton = f"http://{settings.GANTRY_HOST_ADDRESS}:{local.http_port}"
+    triton = f"http://{LOCAL}:{local.http_port}"
     for index, (target, level) in enumerate(plan):
         step = Step(target=target, level=level, index=index, total=len(plan))
         try:
@@ -280,7 +281,7 @@ def _generate(
     local = deployment.replica_set.filter(host_id=run.host_id).order_by("serial").first()
     if local is None:
         raise JobFailed(f"{deployment.name} has no replica on {settings.GANTRY_HOST_NAME} any more")
-    sampler = ServerSampler(url=f"http://{settings.GANTRY_HOST_ADDRESS}:{local.metrics_port}/metrics")
+    sampler = ServerSampler(url=f"http://{LOCAL}:{local.metrics_port}/metrics")
     sampler.sample(force=True)
     started_at = timezone.now()
     tail: deque[str] = deque(maxlen=40)

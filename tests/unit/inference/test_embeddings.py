@@ -8,9 +8,21 @@ import numpy as np
 import pytest
 
 from common.errors import InvalidTransition, ValidationFailed
+from inference import embeddings
 from inference.embeddings import embed_texts, rerank_passages
 from tests import factories
-from triton_server.client import TritonClient
+
+
+def triton_answers(monkeypatch, answer) -> list:  # noqa: ANN001
+    """Triton's answers at the client seam (inference.embeddings.infer_async): ``answer(model, inputs)``."""
+    asked = []
+
+    async def infer(url, model, inputs, channel=None):  # noqa: ANN001, ANN202
+        asked.append((model, inputs))
+        return answer(model, inputs)
+
+    monkeypatch.setattr(embeddings, "infer_async", infer)
+    return asked
 
 
 @pytest.fixture
@@ -21,10 +33,9 @@ def ready(minilm, operator):  # noqa: ANN001, ANN201
 
 def test_embeddings_come_with_cosine_similarities(ready, monkeypatch):
     vectors = np.array([[3.0, 4.0], [6.0, 8.0], [4.0, -3.0]], dtype=np.float32)
-    asked = []
-    monkeypatch.setattr(TritonClient, "embed", lambda self, model, texts: asked.append((model, texts)) or vectors)
+    asked = triton_answers(monkeypatch, lambda model, inputs: {"EMBEDDING": vectors})
     result = embed_texts(deployment_id=ready.pk, texts=["a", "b", "c"])
-    assert asked == [("minilm", ["a", "b", "c"])]
+    assert [(model, inputs["TEXT"].reshape(-1).tolist()) for model, inputs in asked] == [("minilm", ["a", "b", "c"])]
     assert result.model == "minilm"
     assert result.embeddings[0] == [3.0, 4.0]
     assert result.similarity[0] == pytest.approx([1.0, 1.0, 0.0])
@@ -36,10 +47,10 @@ def test_rerank_orders_passages_best_first_and_keeps_ties_stable(ready, monkeypa
     factories.registered_model(name="ranker", kind="reranker", path=minilm_path, host=host)
     with_ranker = factories.deployment(host=host, models=["ranker"], name="r")
     factories.deployment_in(with_ranker, "launching", "loading", "ready")
-    monkeypatch.setattr(TritonClient, "rerank", lambda self, model, query, passages: np.array([0.1, 0.9, 0.1, 0.5]))
+    triton_answers(monkeypatch, lambda model, inputs: {"SCORES": np.array([[0.1, 0.9, 0.1, 0.5]], dtype=np.float32)})
     result = rerank_passages(deployment_id=with_ranker.pk, query="q", passages=["w", "x", "y", "z"])
     assert result.order == [1, 3, 0, 2]
-    assert result.scores == [0.1, 0.9, 0.1, 0.5]
+    assert result.scores == pytest.approx([0.1, 0.9, 0.1, 0.5])
 
 
 def test_a_deployment_that_is_not_ready_is_refused(minilm, operator):
@@ -59,14 +70,12 @@ def test_a_model_the_deployment_does_not_serve_is_named(ready):
 def test_more_texts_than_the_model_batches_go_to_triton_in_batches(minilm, operator, monkeypatch):
     deployment = factories.deployment(host=minilm.host, user=operator, max_batch_size=4)
     factories.deployment_in(deployment, "launching", "loading", "ready")
-    sizes = []
 
-    def embed(self, model, texts):  # noqa: ANN001, ANN202
-        sizes.append(len(texts))
-        return np.array([[float(len(t)), 1.0] for t in texts], dtype=np.float32)
+    def embed(model, inputs):  # noqa: ANN001, ANN202
+        return {"EMBEDDING": np.array([[float(len(t)), 1.0] for t in inputs["TEXT"].reshape(-1)], dtype=np.float32)}
 
-    monkeypatch.setattr(TritonClient, "embed", embed)
+    asked = triton_answers(monkeypatch, embed)
     texts = [f"text {'x' * i}" for i in range(10)]
     result = embed_texts(deployment_id=deployment.pk, texts=texts)
-    assert sizes == [4, 4, 2]
+    assert [len(inputs["TEXT"]) for _, inputs in asked] == [4, 4, 2]
     assert [row[0] for row in result.embeddings] == [float(len(t)) for t in texts]
