@@ -12,13 +12,6 @@ WORKDIR /src
 COPY package.json package-lock.json ./
 RUN npm ci --omit=dev --no-audit --no-fund
 
-# The library that keeps Triton's admin secret off its command line
-# (triton_server/secret.py), built here: the image has no compiler.
-FROM ${PYTHON_BASE} AS secretlib
-RUN command -v gcc || (apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*)
-COPY triton_server/argv_secret.c /src/
-RUN gcc -shared -fPIC -O2 -o "/src/gantry-argv-secret-$(sha256sum /src/argv_secret.c | cut -c1-12).so" /src/argv_secret.c -ldl
-
 FROM ${PYTHON_BASE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 GANTRY_DATA_DIR=/var/lib/gantry
@@ -43,7 +36,6 @@ COPY access access
 COPY deployments deployments
 COPY gateway gateway
 COPY workers workers
-COPY --from=secretlib /src/gantry-argv-secret-*.so triton_server/
 COPY playground playground
 COPY loadtests loadtests
 RUN pip install --no-cache-dir --no-deps .

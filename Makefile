@@ -18,7 +18,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-gpu
+.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-gpu
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,6 +68,7 @@ BENCH_LIVE_ARGS ?=
 BENCH_PAGES_ARGS ?=
 BENCH_DECODE_ARGS ?=
 BENCH_REPLICAS_ARGS ?=
+BENCH_CHANNEL_ARGS ?=
 bench: venv
 	$(PY) bench/generate.py $(BENCH_ARGS)
 	$(PY) bench/gateway.py $(BENCH_GATEWAY_ARGS)
@@ -77,6 +78,7 @@ bench: venv
 	$(MAKE) bench-pages
 	$(MAKE) bench-replicas
 	$(MAKE) bench-admission
+	$(MAKE) bench-channel
 
 # The REST API at fleet scale: PostgreSQL (BENCH_DATABASE_URL), Redis and wrk.
 bench-api: venv
@@ -102,6 +104,10 @@ bench-gateway: venv
 bench-admission: venv
 	scripts/ensure-services.sh
 	$(PY) bench/admission.py
+
+# The channel's mutual TLS against plain HTTP to the same Triton in a network namespace (root).
+bench-channel: venv
+	$(PY) bench/channel.py $(BENCH_CHANNEL_ARGS)
 
 # Replicas on three namespace hosts: added latency 3 vs 1, throughput 2 vs 1, a host's SIGKILL (root).
 bench-replicas: venv

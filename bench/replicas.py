@@ -6,7 +6,8 @@ real tritonserver). Run as root (namespaces); one run prints:
 - **added latency, 3 replicas against 1.** One client embeds through the
   gateway to an alias of a deployment of one replica and to one of three, in
   alternating rounds; beside them the floor, Triton's infer on that one
-  replica directly. p50/p99 of each and the ratio (target: p99 3/1 under 1.1).
+  replica directly (through its host's channel, the only way in). p50/p99
+  of each and the ratio (target: p99 3/1 under 1.1).
 - **throughput, 2 replicas in two namespaces against 1.** Concurrent clients
   embed through the gateway; requests/s of each side in alternating rounds
   (target: at least 1.5x). The namespace hosts share this machine's cores, so
@@ -39,6 +40,8 @@ from bench.harness import percentile  # noqa: E402
 
 GRACE_S = 10
 SENTENCE = "Gantry serves every model it deploys through one gateway."
+# How the floor reaches Triton on host A: its channel (Triton binds loopback), as the web tier does.
+_FLOOR_TLS: dict = {}
 
 
 def _django() -> None:
@@ -70,7 +73,9 @@ async def _embed(session, url: str, headers: dict, gateway: bool, i: int, load: 
                 "parameters": {"binary_data_output": True}}  # fmt: skip
         target = url
     started = time.perf_counter()
-    async with session.post(target, json=body, headers=headers if gateway else {}) as response:
+    async with session.post(
+        target, json=body, headers=headers if gateway else {}, **({} if gateway else _FLOOR_TLS)
+    ) as response:
         await response.read()
         if response.status != 200:
             raise RuntimeError(f"{target}: {response.status}")
@@ -131,7 +136,7 @@ def _print_latency(results: dict, clients: int) -> None:
     print(f"\nGateway added latency, 3 replicas against 1 ({clients} client, {results['one']['requests']} "
           "requests a side)")  # fmt: skip
     print(f"{'side':<28}{'p50 ms':>10}{'p99 ms':>10}")
-    for name, words in (("floor", "Triton directly (floor)"), ("one", "gateway, 1 replica"),
+    for name, words in (("floor", "Triton via channel (floor)"), ("one", "gateway, 1 replica"),
                         ("three", "gateway, 3 replicas")):  # fmt: skip
         lat = results[name]["latencies"]
         print(f"{words:<28}{percentile(lat, 0.5):>10.2f}{percentile(lat, 0.99):>10.2f}")
@@ -144,12 +149,30 @@ def _print_throughput(results: dict, clients: int, load: tuple[int, int]) -> Non
     rate = {name: r["requests"] / r["seconds"] for name, r in results.items()}
     print(f"\nEmbeddings throughput ({clients} clients, {load[0]} inputs of {load[1] * 12} words a request; "
           f"{os.cpu_count()} cores here, one compute thread a Triton)")  # fmt: skip
-    for name, words in (("floor", "Triton directly (floor)"), ("one", "gateway, 1 replica"),
+    for name, words in (("floor", "Triton via channel (floor)"), ("one", "gateway, 1 replica"),
                         ("two", "gateway, 2 replicas (two hosts)")):  # fmt: skip
         lat = results[name]["latencies"]
         p50, p99 = percentile(lat, 0.5), percentile(lat, 0.99)
         print(f"{words:<34}{rate[name]:>9.1f} req/s   p50 {p50:.1f} ms   p99 {p99:.1f} ms")
     print(f"ratio 2/1: {rate['two'] / rate['one']:.2f}x (target >= 1.5x)")
+
+
+def _floor_tls(plane, http_port: int) -> dict:  # noqa: ANN001
+    """aiohttp's TLS options for Triton on host A through its channel, with the web tier's certificate."""
+    import json
+
+    from common import pki
+    from tests.integration.conftest import manage
+
+    script = (
+        "import json; from deployments.services import channel as c; from deployments.models import GpuHost as H; "
+        "k, cert = c.client_certificate(); h = H.objects.get(name='host-a'); "
+        "print(json.dumps({'key': k, 'cert': cert, 'trust': c.trust_pem(c.authority()[0]), 'host': h.pk, "
+        "'port': h.channel_port}))"
+    )
+    material = json.loads(manage(plane.control_env, "shell", "-c", script).splitlines()[-1])
+    context = pki.context(server=False, key=material["key"], certificate=material["cert"], trust=material["trust"])
+    return {"ssl": context, "server_hostname": pki.server_name(material["host"], http_port), "port": material["port"]}
 
 
 def main() -> int:
@@ -188,8 +211,9 @@ def main() -> int:
         headers = {"Authorization": f"Bearer {key.json()['key']}"}
         replica = plane.get(f"/api/deployments/{one['id']}/")["replica_set"][0]
         address = plane.hosts["host-a"].address
+        _FLOOR_TLS.update(_floor_tls(plane, replica["http_port"]))
         sides = {
-            "floor": (f"http://{address}:{replica['http_port']}/v2/models/minilm/infer", False),
+            "floor": (f"https://{address}:{_FLOOR_TLS.pop('port')}/v2/models/minilm/infer", False),
             "one": (f"{plane.base}/v1/embeddings#one", True),
             "three": (f"{plane.base}/v1/embeddings#three", True),
         }

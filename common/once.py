@@ -9,7 +9,7 @@ from pathlib import Path
 
 def make_once(folder: Path, done: Callable[[], bool], make: Callable[[], None]) -> None:
     """``make()`` unless ``done()``, under a file lock in ``folder``: what a host
-    prepares for its servers (the backends folder, the secret library) is made
+    prepares for its servers (the backends folder) is made
     once, whichever of its worker processes asks first."""
     if done():
         return

@@ -36,7 +36,7 @@ DB_INT_MAX = 2**63 - 1
 class GpuHost(models.Model):
     name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
     address = models.CharField(
-        max_length=255, blank=True, help_text="Where clients reach Triton servers on this host (GANTRY_HOST_ADDRESS)."
+        max_length=255, blank=True, help_text="Where the web tier reaches this host's channel (GANTRY_HOST_ADDRESS)."
     )
     driver_version = models.CharField(max_length=64, blank=True)
     cuda_version = models.CharField(max_length=32, blank=True)

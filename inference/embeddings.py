@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 from asgiref.sync import async_to_sync
 
-from common.errors import InvalidTransition, NotFound, ValidationFailed
+from common.errors import InvalidTransition, NotFound, TransientError, ValidationFailed
 from deployments.models import Deployment, DeploymentModel, ModelKind
+from deployments.states import ANSWERING
 from inference.balancing import Endpoint, answering, call
 from triton_server.client import infer_async
 
@@ -32,6 +33,8 @@ def _ready_placement(deployment_id: int, kind: str, model: str) -> tuple[list[En
     if deployment is None:
         raise NotFound(f"deployment {deployment_id} does not exist")
     endpoints = answering(deployment_id)
+    if not endpoints and deployment.status in ANSWERING:
+        raise TransientError(f"{deployment.name}: none of its replicas can be reached now (host offline or revoked)")
     if not endpoints:
         raise InvalidTransition(f"{deployment.name} is {deployment.status}; start it and wait until it is ready")
     candidates = deployment.placements.filter(registered_model__kind=kind)

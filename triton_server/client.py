@@ -183,6 +183,13 @@ def _session() -> aiohttp.ClientSession:
     return session
 
 
+async def close_session() -> None:
+    """Close this event loop's pooled session (a script's loop ending; servers keep theirs)."""
+    session = _sessions.pop(asyncio.get_running_loop(), None)
+    if session is not None:
+        await session.close()
+
+
 async def generate_stream(
     url: str, model: str, inputs: dict[str, Any], channel: Channel | None = None
 ) -> AsyncIterator[dict[str, Any]]:

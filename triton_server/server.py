@@ -1,14 +1,21 @@
 """What a tritonserver is started from (LaunchSpec) and its command line,
-whatever runs it (a local process, a container, MPI ranks): explicit model control, the deployment's own ports, and
-the admin APIs restricted to Gantry's per-deployment secret (by a token:
-triton_server.secret says how the secret reaches the server)."""
+whatever runs it (a local process, a container, MPI ranks): explicit model
+control, the deployment's own ports on loopback, and the admin APIs
+restricted to Gantry's per-deployment secret.
+
+The secret is on the command line: tritonserver takes its restricted-API
+rule only there. Other machines cannot reach the server at all (it binds
+loopback; the host's channel forwards only the web tier), and a host
+shared with other users hides processes' command lines with hidepid on
+/proc, which ``gantry check`` looks for (docs/security.md says why this
+replaced the library that used to swap the secret in after start)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_server.secret import restricted_api_args
+from triton_server.client import ADMIN_HEADER
 
 # On SIGTERM tritonserver waits this long for open client connections (a
 # keep-alive connection of the gateway, say) before it exits; its default of
@@ -45,6 +52,14 @@ class LaunchSpec:
     world_size: int = 1  # > 1: one MPI rank per GPU of a multi-GPU engine
     engine_models: list[str] = field(default_factory=list)  # what ranks above 0 load
     replica_id: int = 0  # the replica this server is (0: none recorded, as in a bench)
+
+
+def restricted_api_args(secret: str) -> list[str]:
+    """The model-repository and logging APIs restricted to requests carrying ``secret``."""
+    if not secret:
+        return []
+    rule = f"model-repository,logging:{ADMIN_HEADER}={secret}"
+    return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
 
 
 def tritonserver_args(spec: LaunchSpec) -> list[str]:

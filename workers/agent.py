@@ -63,6 +63,7 @@ def beat_once() -> None:
         builders=_builders,
     )
     channel.keep_certificate(host.pk)
+    channel.ensure_running()
     if not _adopted:
         # A task the previous worker was running died with it, and Redis hands its
         # message back only after the visibility timeout: send those again now.

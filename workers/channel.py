@@ -1,9 +1,9 @@
 """A GPU host's channel: the one way another machine reaches its Triton servers.
 
 Every Triton server binds loopback (triton_server.server.LOCAL). A host whose
-address is not loopback runs this channel beside its workers
-(workers.hostworker): a TLS 1.3 server on GANTRY_HOST_ADDRESS:GANTRY_CHANNEL_PORT
-that
+address is not loopback runs this channel, started by its agent and outliving
+a worker's restart as Triton servers do (``ensure_running``): a TLS 1.3
+server on GANTRY_HOST_ADDRESS:GANTRY_CHANNEL_PORT that
 
 - presents the host's certificate from Gantry's authority (common.pki), named
   for this host;
@@ -11,9 +11,11 @@ that
   tier (a host's certificate cannot be used as a client), and checks the
   authority's revocation list;
 - forwards the connection to the Triton HTTP port the client named
-  (``p<port>.h<host id>.gantry``), on loopback, and to nothing else: a port
-  outside GANTRY_TRITON_PORT_RANGE, or a server's gRPC or metrics port, is
-  refused. Metrics are scraped on the host itself (workers.deploy.telemetry).
+  (``p<port>.h<host id>.gantry``), on loopback, and to nothing else: only the
+  HTTP ports of this host's replicas are forwarded (the agent writes them
+  down, ``allow``); a server's gRPC or metrics port, or any other program's
+  port, is refused. Metrics are scraped on the host itself
+  (workers.deploy.telemetry).
 
 The host agent keeps the certificate (``keep_certificate``, every beat): it
 leaves a certificate request on the host's row when it has none or two thirds
@@ -30,6 +32,7 @@ import logging
 import os
 import signal
 import ssl
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,9 +42,10 @@ from django.utils import timezone
 
 from common import pki
 from triton_server.server import LOCAL
+from workers import processes
 
 log = logging.getLogger(__name__)
-KEY, CERT, TRUST, NEXT_KEY = "key.pem", "cert.pem", "trust.pem", "next-key.pem"
+KEY, CERT, TRUST, NEXT_KEY, PORTS = "key.pem", "cert.pem", "trust.pem", "next-key.pem", "ports"
 # How often the channel looks at its files for a renewal or a new revocation list.
 RELOAD_EVERY_S = 1.0
 # A refused request is asked again after this long (the refusal is on the host's timeline).
@@ -110,6 +114,18 @@ def keep_certificate(host_id: int) -> None:
 
     port = _keep(host_id)
     GpuHost.objects.filter(pk=host_id).exclude(channel_port=port).update(channel_port=port)
+    allow(host_id)
+
+
+def allow(host_id: int) -> None:
+    """Write down the HTTP ports of this host's replicas: all the channel forwards to
+    (every beat, and before a server starts)."""
+    from deployments.models import Replica
+
+    if not wanted():
+        return
+    ports = sorted(Replica.objects.filter(host_id=host_id).values_list("http_port", flat=True))
+    _write(folder() / PORTS, "".join(f"{port}\n" for port in ports))
 
 
 def _keep(host_id: int) -> int:
@@ -147,22 +163,25 @@ def _keep(host_id: int) -> int:
 # --- the channel itself ---------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass
 class Rules:
-    """What the channel forwards: connections for ``host_id``'s Triton HTTP ports."""
+    """What the channel forwards: connections for ``host_id``'s replicas' HTTP ports."""
 
-    host_id: int
-    low: int
-    high: int
+    host_id: int = 0
+    ports: frozenset[int] = frozenset()
 
     def port_for(self, server_name: str | None) -> int | None:
         parsed = pki.parse_server_name(server_name or "")
-        if parsed is None or parsed[0] != self.host_id:
+        if parsed is None or parsed[0] != self.host_id or parsed[1] not in self.ports:
             return None
-        port = parsed[1]
-        if not self.low <= port <= self.high or (port - self.low) % 3 != 0:
-            return None  # only a server's HTTP port (allocate_ports hands out HTTP, gRPC, metrics)
-        return port
+        return parsed[1]
+
+
+def _ports(place: Path) -> frozenset[int]:
+    try:
+        return frozenset(int(line) for line in (place / PORTS).read_text().split())
+    except (OSError, ValueError):
+        return frozenset()
 
 
 class _Pipe(asyncio.Protocol):
@@ -259,30 +278,31 @@ def _stamp(place: Path) -> tuple[float, ...]:
     return tuple((place / name).stat().st_mtime_ns if (place / name).exists() else 0 for name in (KEY, CERT, TRUST))
 
 
-async def serve(address: str, port: int, place: Path, port_range: tuple[int, int]) -> None:
+async def serve(address: str, port: int, place: Path) -> None:
     """Listen until cancelled; a change of the files starts a listener with the
-    new context before the old one closes (connections already open stay)."""
+    new context before the old one closes (connections already open stay).
+    The ports it forwards to are read again every RELOAD_EVERY_S."""
     loop = asyncio.get_running_loop()
     listener: asyncio.AbstractServer | None = None
     seen: tuple[float, ...] = ()
+    rules = Rules()
     try:
         while True:
+            rules.ports = _ports(place)
             stamp = _stamp(place)
             if stamp != seen and all(stamp):
                 try:
-                    context, host_id = server_context(place)
+                    context, rules.host_id = server_context(place)
                 except (OSError, ValueError, ssl.SSLError, StopIteration) as exc:
                     log.warning("channel: the certificate files are not usable yet: %s", exc)
                 else:
-                    rules = Rules(host_id, *port_range)
                     fresh = await loop.create_server(
-                        lambda rules=rules: _Client(rules), address, port, ssl=context, reuse_port=True,
-                        ssl_handshake_timeout=10,
-                    )  # fmt: skip
+                        lambda: _Client(rules), address, port, ssl=context, reuse_port=True, ssl_handshake_timeout=10
+                    )
                     if listener is not None:
                         listener.close()
                     listener = fresh
-                    log.info("channel: listening on %s:%s for host %s", address, port, host_id)
+                    log.info("channel: listening on %s:%s for host %s", address, port, rules.host_id)
                     seen = stamp
             await asyncio.sleep(RELOAD_EVERY_S)
     finally:
@@ -290,12 +310,46 @@ async def serve(address: str, port: int, place: Path, port_range: tuple[int, int
             listener.close()
 
 
-def main() -> None:
-    """The channel process (forked by workers.hostworker): until SIGTERM."""
-    import django
+def argv() -> list[str]:
+    """The channel's command line under this host's settings."""
+    return [sys.executable, "-m", "workers.channel", settings.GANTRY_HOST_ADDRESS, str(settings.GANTRY_CHANNEL_PORT)]
 
-    django.setup()
+
+def ensure_running() -> None:
+    """Start the channel unless it runs under these settings (the host agent,
+    every beat). It runs in its own session and working folder, as Triton
+    servers do, so a worker's restart or crash does not cut serving, and a new
+    worker finds it there (a channel under other settings is replaced)."""
+    if not wanted():
+        return
+    place, wanted_argv = folder(), argv()
+    running = processes.working_in(place)
+    for pid in running:
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1] == [a.encode() for a in wanted_argv]:
+                return
+        except OSError:
+            continue
+    for pid in running:
+        processes.terminate_group(os.getpgid(pid), grace_s=5)
+    code = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH", "")]))}
+    with open(Path(settings.GANTRY_DATA_DIR) / "channel.log", "ab") as log_file:
+        started = processes.start_group(wanted_argv, env=env, cwd=place, stdout=log_file)
+    log.info("channel started (pid %s) on %s:%s", started.pid, *wanted_argv[3:5])
+
+
+def stop_under(data_dir: Path) -> None:
+    """Stop the channel of the host whose data folder is ``data_dir`` (tests, a host's removal)."""
+    for pid in processes.working_in(data_dir / "channel"):
+        with contextlib.suppress(ProcessLookupError):
+            processes.terminate_group(os.getpgid(pid), grace_s=5)
+
+
+def main(arguments: list[str]) -> int:
+    """The channel process: ``ADDRESS PORT``, in its folder, until SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    address, port = arguments
     with contextlib.suppress(ImportError):
         import uvloop
 
@@ -307,8 +361,11 @@ def main() -> None:
         for number in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(number, task.cancel)  # type: ignore[union-attr]
         with contextlib.suppress(asyncio.CancelledError):
-            await serve(
-                settings.GANTRY_HOST_ADDRESS, settings.GANTRY_CHANNEL_PORT, folder(), settings.GANTRY_TRITON_PORT_RANGE
-            )
+            await serve(address, int(port), Path.cwd())
 
     asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

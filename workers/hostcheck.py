@@ -8,7 +8,6 @@ allow-listed images, AIPerf); ``gantry join`` runs it.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,16 +123,25 @@ def _tritonserver() -> Finding:
     return Finding("tritonserver", OK, str(binary))
 
 
-def _compiler() -> Finding:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        return Finding(
-            "C compiler",
-            MISSING,
-            "no cc or gcc on PATH",
-            "install gcc (Debian: apt-get install gcc): Triton servers load a library Gantry compiles",
+def _hidden_processes(mounts: Path = Path("/proc/mounts")) -> Finding:
+    """Whether other users can read this host's command lines, Triton's admin secret among them."""
+    try:
+        options = next(
+            (line.split()[3] for line in mounts.read_text().splitlines() if line.split()[1:2] == ["/proc"]), ""
         )
-    return Finding("C compiler", OK, compiler)
+    except OSError as exc:
+        return Finding("/proc hidepid", WARN, f"cannot read {mounts}: {exc}")
+    hidden = any(
+        option in ("hidepid=2", "hidepid=invisible", "hidepid=1", "hidepid=noaccess") for option in options.split(",")
+    )
+    if hidden:
+        return Finding("/proc hidepid", OK, f"other users cannot read the worker's processes ({options})")
+    return Finding(
+        "/proc hidepid",
+        WARN,
+        "every local user can read each process's command line, Triton's admin secret among them",
+        "on a host shared with other users: mount -o remount,hidepid=invisible /proc (and in /etc/fstab)",
+    )
 
 
 def _aiperf() -> Finding:
@@ -172,7 +180,7 @@ CHECKS: list[Callable[[], Finding]] = [
     _nvml,
     _images,
     _tritonserver,
-    _compiler,
+    _hidden_processes,
     _aiperf,
     _ports,
 ]

@@ -1,18 +1,16 @@
 """A GPU host's worker: two Celery workers under one process, so that control
-work never waits behind a long job, and the host's channel.
+work never waits behind a long job.
 
 - The control worker consumes the host's control queue (launch, stop, apply,
   inspect, forget) and runs the host agent (workers.agent).
 - The jobs worker consumes the host's jobs queue (engine builds and load tests,
   which may run for an hour).
-- The channel (workers.channel), on a host whose GANTRY_HOST_ADDRESS is not
-  loopback: the only way another machine reaches its Triton servers.
 
 Celery's slots are per worker, not per queue: one worker consuming both queues
 would let a build and a load test hold every slot while a Stop waits. Both
 workers are forked from this process and stay in its process group, so
 signalling the group stops all of it. A SIGTERM or SIGINT here is passed on to
-each as a warm shutdown. If any of them exits, the others are stopped and this
+both as a warm shutdown. If either worker exits, the other is stopped and this
 process exits with the first one's status, so whatever supervises the worker
 (systemd, compose, the demo) restarts a whole one. Each worker dies with this
 process (PR_SET_PDEATHSIG), even if it is killed outright. As a container's
@@ -29,7 +27,6 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
 
 from deployments.queues import host_queue, jobs_queue
 
@@ -37,7 +34,7 @@ from deployments.queues import host_queue, jobs_queue
 # build beside a load test.
 CONTROL_SLOTS = 2
 JOB_SLOTS = 2
-# How long a worker gets to finish its tasks once another one has died.
+# How long a worker gets to finish its tasks once the other one has died.
 STOP_GRACE_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
@@ -59,8 +56,7 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _fork(entry: Callable[[], None]) -> int:
-    """A child running ``entry``, which dies with this process."""
+def _fork_celery(arguments: list[str]) -> int:
     parent = os.getpid()
     pid = os.fork()
     if pid:
@@ -70,7 +66,10 @@ def _fork(entry: Callable[[], None]) -> int:
         for number in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
             signal.signal(number, signal.SIG_DFL)
         _die_with_parent(parent)
-        entry()
+        from celery.__main__ import main as celery_main
+
+        sys.argv = ["celery", *arguments]
+        celery_main()
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
@@ -83,36 +82,12 @@ def _fork(entry: Callable[[], None]) -> int:
     return pid  # never reached
 
 
-def _celery(arguments: list[str]) -> Callable[[], None]:
-    def entry() -> None:
-        from celery.__main__ import main as celery_main
-
-        sys.argv = ["celery", *arguments]
-        celery_main()
-
-    return entry
-
-
-def _channel() -> None:
-    from workers import channel
-
-    channel.main()
-
-
-def _wants_channel() -> bool:
-    from common.pki import is_loopback
-
-    return not is_loopback(os.environ.get("GANTRY_HOST_ADDRESS", "127.0.0.1"))
-
-
 def run(host_name: str, extra: list[str]) -> int:
     """Run the host's two workers until one exits or a stop is asked for."""
     workers = {
-        _fork(_celery(celery_arguments(host_name, jobs=jobs, extra=extra))): name
+        _fork_celery(celery_arguments(host_name, jobs=jobs, extra=extra)): name
         for jobs, name in ((False, "control worker"), (True, "jobs worker"))
     }
-    if _wants_channel():
-        workers[_fork(_channel)] = "channel"
     stopping = False
 
     def stop(signum: int, _frame: object) -> None:
@@ -128,7 +103,7 @@ def run(host_name: str, extra: list[str]) -> int:
     first = os.waitstatus_to_exitcode(status)
     name = workers.pop(pid)
     if not stopping:
-        sys.stderr.write(f"gantry worker: the {name} exited ({first}); stopping the others\n")
+        sys.stderr.write(f"gantry worker: the {name} exited ({first}); stopping the other\n")
         for other in workers:
             _signal(other, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S

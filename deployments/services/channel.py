@@ -211,7 +211,7 @@ def revocation_list_refresh() -> bool:
 # --- the web tier's side -----------------------------------------------------------
 
 
-def _client_certificate() -> tuple[str, str]:
+def client_certificate() -> tuple[str, str]:
     """The web tier's key and certificate (PEM), made or renewed when due."""
     authority()
     with transaction.atomic():
@@ -247,7 +247,7 @@ class _ClientContext:
         with self._lock:
             if self._context is not None and time.monotonic() - self._read_at < CONTEXT_TTL_S:
                 return self._context
-            key_pem, certificate = _client_certificate()
+            key_pem, certificate = client_certificate()
             row = ChannelAuthority.objects.get(pk=1)
             identity = (row.revocation_number, certificate)
             if identity != self._key or self._context is None:

@@ -33,6 +33,7 @@ from access.services import token_create
 from controlplane.celery import host_worker_argv
 from controlplane.serving import live_argv, web_argv
 from deployments.models import GpuHost
+from workers import channel
 from workers.runtimes import process
 from workers.runtimes.base import busy_ports
 
@@ -407,6 +408,7 @@ def make_stack(
         # Whatever a failed test left serving: stop it by process id.
         for handle, repository in process.servers_under(data_dir):
             process.stop(handle, repository)
+        channel.stop_under(data_dir)
         # Let PostgreSQL notice the stopped processes' sessions end, so the
         # test database can be flushed and dropped.
         wait_for(lambda: _other_sessions() == 0, 15, "the stopped processes' database sessions to close")
@@ -454,6 +456,7 @@ def clean_up(data_dirs: list[Path], logs: Path) -> None:
     for data_dir in data_dirs:
         for handle, repository in process.servers_under(data_dir):
             process.stop(handle, repository)
+        channel.stop_under(data_dir)
     for log in sorted(logs.iterdir()):
         sys.stderr.write(f"--- {log.name} (last lines) ---\n" + log.read_text(errors="replace")[-3000:] + "\n")
 

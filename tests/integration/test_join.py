@@ -1,8 +1,9 @@
 """A GPU host joins in one step, for real: a host in a network namespace of its
 own (PostgreSQL and Redis reached over a veth pair, by password) runs
 `gantry join URL TOKEN` with nothing configured, gets a database role and a
-Redis user of its own, and its worker serves a deployment with them. Revoking
-them cuts the host off; the control plane's own passwords never reach it."""
+Redis user of its own and its channel's certificate, and its worker serves a
+deployment with them through the channel. Revoking them cuts the host off;
+the control plane's own passwords never reach it."""
 
 from __future__ import annotations
 
@@ -148,10 +149,20 @@ def test_a_host_joins_with_one_command_serves_with_its_own_credentials_and_is_cu
             shown = lambda: get(f"/api/deployments/{deployment}/")["shown_status"]  # noqa: E731
             wait_for(lambda: shown() == "ready", 240, "the deployment on the joined host")
             answer = http.post(f"{base}/api/deployments/{deployment}/embed/", json={"texts": ["joined"]}, timeout=30)
-            assert answer.status_code == 200 and len(answer.json()["embeddings"][0]) == 384
+            assert answer.status_code == 200 and len(answer.json()["embeddings"][0]) == 384, answer.text
 
-            # Revoked: the worker is cut off from both, and the host goes offline.
-            assert http.post(f"{base}/api/hosts/gpu-j/revoke/", timeout=30).json() == {"revoked": 1}
+            # The channel's key, certificate and trust came with the join, private to the host.
+            assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in (host_dir / "channel").glob("*.pem")} == {
+                "key.pem": 0o600, "cert.pem": 0o600, "trust.pem": 0o600}  # fmt: skip
+            assert "signed (joined)" in " ".join(
+                e["message"] for e in get("/api/events/?host=gpu-j&kind=host.certificate")["results"]
+            )
+
+            # Revoked (its credentials and its certificate): the worker is cut off from the
+            # database, Redis and the web tier, and the host goes offline.
+            assert http.post(f"{base}/api/hosts/gpu-j/revoke/", timeout=30).json() == {"revoked": 2}
+            gone = http.post(f"{base}/api/deployments/{deployment}/embed/", json={"texts": ["joined"]}, timeout=30)
+            assert gone.status_code == 503 and "none of its replicas can be reached" in gone.text, gone.text
             with pytest.raises(psycopg.OperationalError):
                 psycopg.connect(host_settings["DATABASE_URL"])
             kinds = lambda: [e["kind"] for e in get("/api/events/?host=gpu-j&limit=100")["results"]]  # noqa: E731

@@ -29,7 +29,7 @@ from deployments.services import deployments as deployment_services
 from triton_server.config import CONFIG_FILE
 from triton_server.repository import ModelSpec, write_repository
 from triton_server.server import LaunchSpec
-from workers import nvml
+from workers import channel, nvml
 from workers.deploy.plan import (
     current_status,
     deployment_root,
@@ -149,6 +149,7 @@ def _start_server(replica_id: int) -> tuple[Replica, Runtime, str, LaunchSpec] |
             "by another program; give the replica other ports"
         )
     write_repository(spec.repository, specs)
+    channel.allow(replica.host_id)  # the host's channel forwards to the new server's port
     handle = runtime.start(spec)
     try:
         states.replica_transition(

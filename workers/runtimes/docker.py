@@ -23,8 +23,6 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import DeviceRequest, Mount, Ulimit
 
 from common.errors import PermanentError, TransientError
-from triton_server import secret
-from triton_server.secret import SecretFiles
 from triton_server.server import STOP_GRACE_S, LaunchSpec, server_command, server_settings
 from workers.runtimes.base import MAX_LOG_LINES, ServerExit
 
@@ -55,11 +53,8 @@ def container_name(spec: LaunchSpec, host_name: str) -> str:
     return f"gantry-{host_name}-deployment-{spec.deployment_id}-replica-{spec.replica_id}"
 
 
-def run_options(spec: LaunchSpec, host_name: str, secret_files: SecretFiles | None = None) -> dict:
-    """Everything ``containers.run`` gets, for review and tests: no free-form flags.
-    ``secret_files``: how the admin secret reaches the server (triton_server.secret):
-    the library is mounted read-only at its host path; the rule file lies in the
-    deployment's folder, mounted already."""
+def run_options(spec: LaunchSpec, host_name: str) -> dict:
+    """Everything ``containers.run`` gets, for review and tests: no free-form flags."""
     # The deployment's folder, not the repository in it: a new generation's
     # repository is written beside the old one and renamed into place, which a
     # mount of the repository folder itself would never see.
@@ -67,10 +62,6 @@ def run_options(spec: LaunchSpec, host_name: str, secret_files: SecretFiles | No
     mounts = [Mount(target=str(folder), source=str(folder), type="bind", read_only=True)]
     mounts += [Mount(target=str(path), source=str(path), type="bind", read_only=True) for path in spec.read_only_mounts]
     environment = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HOME": "/tmp", **spec.extra_env}
-    if secret_files is not None:
-        library = str(secret_files.library)
-        mounts.append(Mount(target=library, source=library, type="bind", read_only=True))
-        environment.update(secret_files.environment(spec.extra_env.get("LD_PRELOAD", "")))
     options = {
         "image": spec.image,
         "command": server_command(spec),
@@ -126,14 +117,13 @@ class DockerRuntime:
         self.data_dir = data_dir
 
     def start(self, spec: LaunchSpec) -> str:
-        secret_files = secret.prepare(spec.admin_secret, spec.repository.parent, self.data_dir)
         client = _client()
         try:
             for attempt in range(5):
                 # A container of this name left by an earlier attempt is ours: replace it.
                 _remove_and_wait(client, container_name(spec, self.host_name))
                 try:
-                    container = client.containers.run(**run_options(spec, self.host_name, secret_files))
+                    container = client.containers.run(**run_options(spec, self.host_name))
                     break
                 except APIError as exc:
                     # Docker may still be removing the old container of this name.

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from common.errors import PermanentError, TransientError
 from common.once import make_once
-from triton_server import secret
 from triton_server.server import STOP_GRACE_S, LaunchSpec, server_settings, tritonserver_args
 from workers import processes
 from workers.runtimes.base import MAX_LOG_LINES, ServerExit
@@ -102,9 +101,6 @@ def start(spec: LaunchSpec, *, data_dir: Path) -> str:
     """Start tritonserver for ``spec``; return its handle (the process id)."""
     backends = prepare_backends(data_dir)
     env = server_environment(spec.extra_env)
-    secret_files = secret.prepare(spec.admin_secret, spec.repository.parent, data_dir)
-    if secret_files is not None:
-        env.update(secret_files.environment(env.get("LD_PRELOAD", "")))
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(spec.log_path, "ab") as log_file:
         try:

@@ -133,3 +133,14 @@ def test_the_systemd_unit_restarts_gantry_always_and_systemd_accepts_it(tmp_path
         unit.write_text(unit.read_text().replace("/etc/gantry/gantry.env", str(tmp_path / "gantry.env")))
         verified = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
         assert verified.returncode == 0, verified.stderr
+
+
+def test_check_warns_when_other_users_can_read_command_lines(tmp_path: Path):
+    from workers.hostcheck import OK, WARN, _hidden_processes
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("sysfs /sys sysfs rw 0 0\nproc /proc proc rw,nosuid,nodev,noexec,relatime 0 0\n")
+    open_proc = _hidden_processes(mounts)
+    assert open_proc.state == WARN and "admin secret" in open_proc.detail and "hidepid=invisible" in open_proc.fix
+    mounts.write_text("proc /proc proc rw,nosuid,nodev,noexec,relatime,hidepid=invisible 0 0\n")
+    assert _hidden_processes(mounts).state == OK

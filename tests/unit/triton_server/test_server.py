@@ -1,17 +1,43 @@
-"""tritonserver's command line: restricted admin APIs, MPI ranks."""
+"""tritonserver's command line: loopback, restricted admin APIs (checked on a
+real server, the pytriton wheel's), MPI ranks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import requests
+
 from tests import factories
-from triton_server.server import LaunchSpec, server_command, tritonserver_args
+from tests.integration.conftest import free_ports, wait_for
+from triton_server.server import LOCAL, LaunchSpec, server_command, tritonserver_args
+from workers.runtimes import process
 
 
-def test_repository_and_logging_apis_are_restricted_by_a_token_not_the_secret():
-    spec = factories.launch_spec(admin_secret="s3cret")
-    args = tritonserver_args(spec)
-    assert "--http-restricted-api=@gantry-admin-rule@" in args
-    assert "--grpc-restricted-protocol=@gantry-admin-rule@" in args
-    assert not [arg for arg in args if "s3cret" in arg]
+def test_a_real_server_binds_loopback_and_answers_its_admin_apis_only_with_the_secret(tmp_path: Path):
+    (tmp_path / "repository").mkdir()
+    port = free_ports(3)
+    spec = factories.launch_spec(
+        tmp_path, models=[], http_port=port, grpc_port=port + 1, metrics_port=port + 2, admin_secret="s3cret-value"
+    )
+    assert spec.bind_address == LOCAL
+    handle = process.start(spec, data_dir=tmp_path)  # as the process runtime starts every server
+    try:
+        index = f"http://127.0.0.1:{spec.http_port}/v2/repository/index"
+        wait_for(lambda: _answers(f"http://127.0.0.1:{spec.http_port}/v2/health/live"), 30, "tritonserver")
+        assert requests.post(index, timeout=5).status_code == 403
+        assert requests.post(index, headers={"gantry-admin-key": "guessed"}, timeout=5).status_code == 403
+        assert requests.post(index, headers={"gantry-admin-key": "s3cret-value"}, timeout=5).status_code == 200
+        environ = Path(f"/proc/{handle}/environ").read_bytes()
+        assert b"s3cret-value" not in environ  # what model stubs inherit
+    finally:
+        process.stop(handle, spec.repository, grace_s=10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=1).ok
+    except requests.ConnectionError:
+        return False
 
 
 def test_multi_gpu_engine_runs_one_mpi_rank_per_gpu():

@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 from tests import factories
-from triton_server.secret import SecretFiles
 from triton_server.server import LaunchSpec
 from workers.runtimes.docker import BuildContainerSpec, build_run_options, run_options
 
@@ -61,15 +60,14 @@ def test_container_is_host_networked_labelled_and_read_only():
     assert "device_requests" not in options
 
 
-def test_the_secret_reaches_the_container_by_file_and_library_not_command_or_environment():
-    library = "/var/gantry/triton/gantry-argv-secret-1.so"
-    files = SecretFiles(library=Path(library), rule=Path("/data/deployments/7-x/admin-rule"))
+def test_the_secret_restricts_the_admin_apis_and_stays_out_of_the_environment():
     spec = _spec(admin_secret="s3cret", extra_env={"LD_PRELOAD": "/usr/lib/libtcmalloc.so"})
-    options = run_options(spec, "gpu-01", files)
-    assert "s3cret" not in repr(options)  # what docker inspect would show
-    assert options["environment"]["LD_PRELOAD"] == f"{library}:/usr/lib/libtcmalloc.so"
-    assert options["environment"]["GANTRY_SECRET_FILE"] == "/data/deployments/7-x/admin-rule"  # in the mounted folder
-    assert (library, library, True) in [(m["Source"], m["Target"], m["ReadOnly"]) for m in options["mounts"]]
+    options = run_options(spec, "gpu-01")
+    rule = "model-repository,logging:gantry-admin-key=s3cret"
+    assert f"--http-restricted-api={rule}" in options["command"]
+    assert f"--grpc-restricted-protocol={rule}" in options["command"]
+    assert "s3cret" not in repr(options["environment"])  # model stubs inherit the environment, not argv
+    assert options["environment"]["LD_PRELOAD"] == "/usr/lib/libtcmalloc.so"
 
 
 def test_gpus_go_through_device_requests():
