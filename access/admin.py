@@ -8,7 +8,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from access import services
-from access.models import ApiToken, IdempotentRequest
+from access.models import ApiToken, ExternalIdentity, IdempotentRequest
 
 
 @admin.register(ApiToken)
@@ -37,4 +37,19 @@ class IdempotentRequestAdmin(admin.ModelAdmin):
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: IdempotentRequest | None = None) -> bool:
+        return False
+
+
+@admin.register(ExternalIdentity)
+class ExternalIdentityAdmin(admin.ModelAdmin):
+    """Who signs in through the OpenID provider, as which user (deactivate the user to keep them out)."""
+
+    list_display = ["user", "issuer", "subject", "created_at"]
+    search_fields = ["user__username", "subject"]
+    readonly_fields = ["user", "issuer", "subject", "created_at"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: ExternalIdentity | None = None) -> bool:
         return False

@@ -90,3 +90,19 @@ class SignInFailures(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key}: {self.failures}"
+
+
+class ExternalIdentity(models.Model):
+    """A person an OpenID provider signs in (access.oidc): known by the provider's
+    issuer and subject, never by a name or an e-mail the provider could reuse."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="external_identities")
+    issuer = models.CharField(max_length=255)
+    subject = models.CharField(max_length=255)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["issuer", "subject"], name="one_user_per_external_identity")]
+
+    def __str__(self) -> str:
+        return f"{self.subject} at {self.issuer}"

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from django import forms
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
@@ -15,7 +16,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
 
-from access import services, throttles
+from access import oidc, services, throttles
 from access.api import visible_tokens
 from common.errors import GantryError
 from deployments.web.forms import show_refusal
@@ -76,6 +77,12 @@ class LoginView(auth_views.LoginView):
             response["Retry-After"] = str(left)
             return response
         return super().post(request, *args, **kwargs)
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        context["sso_name"] = settings.GANTRY_OIDC_NAME if oidc.enabled() else ""
+        context.setdefault("refused", self.request.session.pop(oidc.REFUSAL, ""))
+        return context
 
     def form_invalid(self, form: Any) -> HttpResponse:
         throttles.login_failed(self.request.POST.get("username", ""), self.request.META.get("REMOTE_ADDR", ""))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -112,6 +113,37 @@ GANTRY_LOGIN_LOCKOUT_S = env_int(
     900,
     minimum=1,
     help="seconds a count of failed sign-ins runs, and the form refuses once it reaches its limit",
+)
+
+# Single sign-on (OpenID Connect, access/oidc.py): off while GANTRY_OIDC_ISSUER is empty.
+GANTRY_OIDC_ISSUER = env_str(
+    "GANTRY_OIDC_ISSUER",
+    "",
+    help="the OpenID provider's issuer URL (its /.well-known/openid-configuration is read); empty: no single sign-on",
+)
+GANTRY_OIDC_CLIENT_ID = env_str("GANTRY_OIDC_CLIENT_ID", "", help="Gantry's client id at the OpenID provider")
+GANTRY_OIDC_CLIENT_SECRET = env_str(
+    "GANTRY_OIDC_CLIENT_SECRET",
+    "",
+    help="Gantry's client secret at the OpenID provider (or GANTRY_OIDC_CLIENT_SECRET_FILE)",
+)
+GANTRY_OIDC_NAME = env_str(
+    "GANTRY_OIDC_NAME", "single sign-on", help="the provider's name on the sign-in page's button"
+)
+GANTRY_OIDC_GROUPS_CLAIM = env_str(
+    "GANTRY_OIDC_GROUPS_CLAIM", "groups", help="the ID token or userinfo claim that lists a user's groups"
+)
+GANTRY_OIDC_ADMIN_GROUPS = env_list(
+    "GANTRY_OIDC_ADMIN_GROUPS", [], help="provider groups whose members get Gantry's admin role"
+)
+GANTRY_OIDC_OPERATOR_GROUPS = env_list(
+    "GANTRY_OIDC_OPERATOR_GROUPS", [], help="provider groups whose members get the operator role"
+)
+GANTRY_OIDC_VIEWER_GROUPS = env_list(
+    "GANTRY_OIDC_VIEWER_GROUPS",
+    [],
+    help="provider groups whose members may sign in as viewers (`*`: every user the provider signs in); "
+    "a user in none of the three groups is refused",
 )
 
 GANTRY_DATA_DIR = Path(
@@ -476,7 +508,29 @@ TEMPLATES = [
 AUTHENTICATION_BACKENDS = [
     "django.contrib.auth.backends.ModelBackend",
     "access.admin_site.AdminGroupBackend",
+    "access.oidc.Backend",  # single sign-on; answers nothing while GANTRY_OIDC_ISSUER is empty
 ]
+if GANTRY_OIDC_ISSUER:
+    _issuer = urlsplit(GANTRY_OIDC_ISSUER)
+    if _issuer.scheme not in ("https", "http") or not _issuer.hostname:
+        raise ImproperlyConfigured(f"GANTRY_OIDC_ISSUER: {GANTRY_OIDC_ISSUER!r} is not an http(s) URL")
+    if _issuer.scheme == "http" and not (GANTRY_PLAIN_HTTP or _issuer.hostname in ("localhost", "127.0.0.1", "::1")):
+        raise ImproperlyConfigured(
+            "GANTRY_OIDC_ISSUER must be https:// (tokens cross it), unless GANTRY_PLAIN_HTTP is set"
+        )
+    if not (GANTRY_OIDC_CLIENT_ID and GANTRY_OIDC_CLIENT_SECRET):
+        raise ImproperlyConfigured(
+            "GANTRY_OIDC_ISSUER is set: GANTRY_OIDC_CLIENT_ID and GANTRY_OIDC_CLIENT_SECRET are required"
+        )
+# mozilla-django-oidc's own settings, from Gantry's (access/oidc.py reads the provider's endpoints by discovery).
+OIDC_RP_CLIENT_ID = GANTRY_OIDC_CLIENT_ID
+OIDC_RP_CLIENT_SECRET = GANTRY_OIDC_CLIENT_SECRET
+OIDC_RP_SIGN_ALGO = "RS256"
+OIDC_RP_SCOPES = "openid email profile"
+OIDC_USE_PKCE = True
+OIDC_AUTHENTICATE_CLASS = "access.oidc.Authenticate"
+OIDC_CALLBACK_CLASS = "access.oidc.Callback"
+LOGIN_REDIRECT_URL_FAILURE = "/login/?sso=failed"
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

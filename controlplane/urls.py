@@ -13,6 +13,7 @@ urlpatterns = [
     path("login/", LoginView.as_view(), name="login"),
     path("healthz", healthz, name="healthz"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("oidc/", include("mozilla_django_oidc.urls")),  # single sign-on (access/oidc.py)
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     # The docs are pages: a signed-out visitor is sent to sign in (the schema itself answers 401).
     path("api/docs/", login_required(SpectacularSwaggerView.as_view(url_name="api-schema")), name="api-docs"),

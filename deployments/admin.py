@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.contrib import admin
 
 from deployments.models import (
+    ChannelCertificate,
     Deployment,
     DeploymentModel,
     EngineBuild,
@@ -42,7 +43,7 @@ class GpuInline(admin.TabularInline):
 
 @admin.register(GpuHost)
 class GpuHostAdmin(ReadOnlyAdmin):
-    list_display = ["name", "address", "last_heartbeat", "driver_version", "cuda_version"]
+    list_display = ["name", "address", "channel_port", "channel_revoked", "last_heartbeat", "driver_version"]
     search_fields = ["name", "address"]
     inlines = [GpuInline]
 
@@ -54,6 +55,15 @@ class HostCredentialAdmin(ReadOnlyAdmin):
     list_display = ["host", "database_role", "redis_user", "created_at", "revoked_at"]
     list_filter = ["revoked_at"]
     exclude = ["redis_password_sha256"]
+
+
+@admin.register(ChannelCertificate)
+class ChannelCertificateAdmin(ReadOnlyAdmin):
+    """What Gantry's channel authority signed (revoke a host through the API or `gantry`)."""
+
+    list_display = ["serial", "host", "created_at", "not_after", "revoked_at"]
+    list_filter = ["revoked_at"]
+    search_fields = ["serial", "host__name"]
 
 
 @admin.register(HostJoinToken)

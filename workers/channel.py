@@ -333,7 +333,8 @@ def ensure_running() -> None:
     for pid in running:
         processes.terminate_group(os.getpgid(pid), grace_s=5)
     code = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH", "")]))}
+    # Only what it needs: no database, broker or secret key (processes.child_environment).
+    env = processes.child_environment({"PYTHONPATH": str(code)})
     with open(Path(settings.GANTRY_DATA_DIR) / "channel.log", "ab") as log_file:
         started = processes.start_group(wanted_argv, env=env, cwd=place, stdout=log_file)
     log.info("channel started (pid %s) on %s:%s", started.pid, *wanted_argv[3:5])

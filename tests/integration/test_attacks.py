@@ -10,8 +10,13 @@ shown closed.
 - An embeddings call of many inputs counts one request per input.
 
 (The generate action's throttle: tests/unit/playground/test_lean.py; the
-sign-in lockout: tests/unit/access/test_limits.py; server environments:
-tests/integration/test_end_to_end.py.)
+sign-in lockout: tests/unit/access/test_limits.py; server environments, and
+every Triton port bound to loopback: tests/integration/test_end_to_end.py;
+Triton's ports and the channel tried from another address, and a revoked
+host cut off: tests/integration/test_channel.py; the channel's refusals of
+strangers, hosts' certificates and other ports:
+tests/unit/workers/test_channel.py; a provider's person taking a local
+account's name: tests/unit/access/test_oidc.py.)
 """
 
 from __future__ import annotations
