@@ -102,7 +102,7 @@ def installed(place: Path, host_id: int) -> tuple[pki.x509.Certificate, str] | N
     return certificate, key
 
 
-_asked: dict[str, float] = {}
+_asked: dict[bytes, float] = {}  # when each pending key was last asked for
 
 
 def keep_certificate(host_id: int) -> None:
@@ -152,11 +152,12 @@ def _keep(host_id: int) -> int:
             (place / NEXT_KEY).unlink()
             log.info("channel certificate %s installed, valid until %s", row.serial, row.not_after)
             return settings.GANTRY_CHANNEL_PORT
-    request = pki.request(next_key, host.name)
-    if not host.channel_request and time.monotonic() - _asked.get(request, -ASK_AGAIN_S) >= ASK_AGAIN_S:
+    asked = pki.public_bytes(next_key)  # (a request's signature differs every time it is made)
+    if not host.channel_request and time.monotonic() - _asked.get(asked, -ASK_AGAIN_S) >= ASK_AGAIN_S:
+        request = pki.request(next_key, host.name)
         proof = pki.prove(pki.load_key(current[1]), request) if current is not None else ""
         GpuHost.objects.filter(pk=host_id, channel_request="").update(channel_request=request, channel_proof=proof)
-        _asked[request] = time.monotonic()
+        _asked[asked] = time.monotonic()
     return settings.GANTRY_CHANNEL_PORT if current is not None else 0
 
 

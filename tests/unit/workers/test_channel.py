@@ -276,3 +276,16 @@ def _wait(predicate, timeout_s: float = 10) -> None:  # noqa: ANN001
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
+
+
+def test_a_refused_request_is_not_asked_again_every_beat(remote: GpuHost) -> None:
+    _signed(remote)
+    ChannelCertificate.objects.filter(host=remote).update(not_after=timezone.now() - timedelta(minutes=1))
+    (channel.folder() / "cert.pem").unlink()  # as if it expired on the host too
+    channel.keep_certificate(remote.pk)
+    assert _row(remote).channel_request  # asked...
+    assert authority.channel_requests_sign() == 0  # ...and refused: an expired host joins again
+    assert "expired" in Event.objects.get(kind="host.certificate_refused", host=remote).message
+    for _ in range(3):
+        channel.keep_certificate(remote.pk)
+    assert _row(remote).channel_request == "" and _row(remote).channel_port == 0
