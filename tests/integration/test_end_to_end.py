@@ -109,7 +109,11 @@ def test_deployment_goes_ready_serves_embeddings_and_stops_cleanly(stack: Stack,
     # Every port of the server binds loopback only (the web tier on another machine goes
     # through the host's channel), and the secret is in no environment model code inherits.
     listening = subprocess.run(["ss", "-Htlnp"], capture_output=True, text=True, check=True).stdout
-    ours = [line.split()[3] for line in listening.splitlines() if f"pid={pid}," in line]
+    ours = [
+        line.split()[3].replace("[::ffff:127.0.0.1]", "127.0.0.1")
+        for line in listening.splitlines()
+        if f"pid={pid}," in line
+    ]  # fmt: skip (gRPC listens on IPv4-mapped IPv6: loopback all the same)
     assert sorted(ours) == sorted(f"127.0.0.1:{p}" for p in (row.http_port, row.grpc_port, row.metrics_port)), ours
     stubs = set(processes.group_members(pid)) - {pid}
     assert stubs, "the python model runs in a stub process of the server"
