@@ -58,6 +58,19 @@ def parse_server_name(name: str) -> tuple[int, int] | None:
     return (int(match.group(2)), int(match.group(1))) if match else None
 
 
+def host_of(certificate: x509.Certificate) -> int | None:
+    """The host id a host's certificate names (``*.h<id>.gantry``), or None."""
+    try:
+        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    for name in names.get_values_for_type(x509.DNSName):
+        match = re.match(rf"^\*\.h(\d{{1,18}})\.{SUFFIX}$", name)
+        if match:
+            return int(match.group(1))
+    return None
+
+
 def new_key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(_CURVE)
 

@@ -92,10 +92,7 @@ def installed(place: Path, host_id: int) -> tuple[pki.x509.Certificate, str] | N
         key = (place / KEY).read_text()
     except (OSError, ValueError):
         return None
-    names = certificate.extensions.get_extension_for_class(pki.x509.SubjectAlternativeName).value
-    if pki.public_bytes(certificate) != pki.public_bytes(pki.load_key(key)):
-        return None
-    if f"*.h{host_id}.{pki.SUFFIX}" not in names.get_values_for_type(pki.x509.DNSName):
+    if pki.public_bytes(certificate) != pki.public_bytes(pki.load_key(key)) or pki.host_of(certificate) != host_id:
         return None
     if pki.not_after(certificate) <= timezone.now():
         return None
@@ -262,9 +259,9 @@ def _remember_name(ssl_object: ssl.SSLObject, name: str | None, _context: ssl.SS
 
 def server_context(place: Path) -> tuple[ssl.SSLContext, int]:
     """The channel's TLS context from its files, and the host id its certificate names."""
-    certificate = pki.load_cert((place / CERT).read_text())
-    names = certificate.extensions.get_extension_for_class(pki.x509.SubjectAlternativeName).value
-    host_id = next(int(n.split(".")[1][1:]) for n in names.get_values_for_type(pki.x509.DNSName))
+    host_id = pki.host_of(pki.load_cert((place / CERT).read_text()))
+    if host_id is None:
+        raise ValueError(f"{place / CERT} names no host")
     made = pki.context(
         server=True,
         key=(place / KEY).read_text(),
@@ -294,7 +291,7 @@ async def serve(address: str, port: int, place: Path) -> None:
             if stamp != seen and all(stamp):
                 try:
                     context, rules.host_id = server_context(place)
-                except (OSError, ValueError, ssl.SSLError, StopIteration) as exc:
+                except (OSError, ValueError, ssl.SSLError) as exc:
                     log.warning("channel: the certificate files are not usable yet: %s", exc)
                 else:
                     fresh = await loop.create_server(

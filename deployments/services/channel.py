@@ -212,24 +212,35 @@ def revocation_list_refresh() -> bool:
 
 
 def client_certificate() -> tuple[str, str]:
-    """The web tier's key and certificate (PEM), made or renewed when due."""
+    """The web tier's key and certificate (PEM), made or renewed when due (under
+    a lock, so one web process does it)."""
     authority()
+    usable = _client_certificate_usable(ChannelSecrets.objects.get(pk=1))
+    if usable is not None:
+        return usable
     with transaction.atomic():
         secrets = ChannelSecrets.objects.select_for_update().get(pk=1)
-        latest = ChannelCertificate.objects.filter(host=None, revoked_at=None).order_by("-created_at", "-pk").first()
-        if (
-            secrets.client_key
-            and latest is not None
-            and not pki.renewal_due(pki.load_cert(latest.certificate), timezone.now())
-            and pki.public_bytes(pki.load_cert(latest.certificate))
-            == pki.public_bytes(pki.load_key(secrets.client_key))
-        ):
-            return secrets.client_key, latest.certificate
+        usable = _client_certificate_usable(secrets)  # another process may have renewed it meanwhile
+        if usable is not None:
+            return usable
         key = pki.new_key()
         request = pki.load_request(pki.request(key, CLIENT_NAME))
         issued = _sign(request, common=CLIENT_NAME, host=None)
         ChannelSecrets.objects.filter(pk=1).update(client_key=pki.key_pem(key))
         return pki.key_pem(key), issued.certificate
+
+
+def _client_certificate_usable(secrets: ChannelSecrets) -> tuple[str, str] | None:
+    """The web tier's key and newest certificate, unless missing, mismatched or due for renewal."""
+    latest = ChannelCertificate.objects.filter(host=None, revoked_at=None).order_by("-created_at", "-pk").first()
+    if not secrets.client_key or latest is None:
+        return None
+    certificate = pki.load_cert(latest.certificate)
+    if pki.renewal_due(certificate, timezone.now()):
+        return None
+    if pki.public_bytes(certificate) != pki.public_bytes(pki.load_key(secrets.client_key)):
+        return None
+    return secrets.client_key, latest.certificate
 
 
 class _ClientContext:
