@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -25,7 +24,7 @@ from rest_framework.request import Request
 from rest_framework.throttling import AnonRateThrottle, UserRateThrottle
 
 from access.models import SignInFailures
-from common.redis_async import loop_client
+from common.redis_async import Reach, fixed_window, loop_client
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,12 @@ class PerAddress(_FailOpen, AnonRateThrottle):
     setting = "GANTRY_API_THROTTLE_ANON"
 
 
-_door_redis_away = False
+_door_reach = Reach(
+    log,
+    lambda exc: f"throttle counters unreachable ({exc}); not limiting the generate action until Redis is back",
+    "throttle counters reachable again; the generate action is limited again",
+    logging.WARNING,
+)
 
 
 async def door_throttled(who: str) -> int:
@@ -68,14 +72,12 @@ async def door_throttled(who: str) -> int:
     GANTRY_API_THROTTLE, else 0. Fixed windows in Redis shared by every
     process; open while Redis is unreachable, as the API's throttles are
     (said once in the log)."""
-    global _door_redis_away
     rate = settings.GANTRY_API_THROTTLE
     if rate == "off":
         return 0
     count_text, unit = rate.split("/")
     allowed, period = int(count_text), {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit[0]]  # DRF's rate format
-    now = time.time()
-    start = int(now // period) * period
+    start, left = fixed_window(period)
     name = f"gantry:throttle:door:{who}:{start}"
     try:
         async with loop_client().pipeline(transaction=False) as pipe:
@@ -83,12 +85,10 @@ async def door_throttled(who: str) -> int:
             pipe.expire(name, period + 1)
             count, _ = await pipe.execute()
     except (RedisError, OSError) as exc:
-        if not _door_redis_away:
-            log.warning("throttle counters unreachable (%s); not limiting the generate action until Redis is back", exc)
-        _door_redis_away = True
+        _door_reach.lost(exc, "the generate action's throttle")
         return 0
-    _door_redis_away = False
-    return 0 if count <= allowed else max(1, math.ceil(start + period - now))
+    _door_reach.reached()
+    return 0 if count <= allowed else left
 
 
 def _login_limits(username: str, address: str) -> dict[str, int]:

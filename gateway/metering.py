@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -35,7 +34,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from django.utils import timezone
 
-from common.redis_async import loop_client, loop_script
+from common.redis_async import Reach, fixed_window, loop_client, loop_script
 from gateway.access import Caller, db
 from gateway.errors import GatewayError
 from gateway.services import Tally, usage_add
@@ -71,33 +70,20 @@ return {refused, requests, tokens}
 
 
 def _window() -> tuple[str, int]:
-    now = time.time()
-    start = int(now // WINDOW_S) * WINDOW_S
-    return str(start), max(1, int(start + WINDOW_S - now + 0.999))
+    start, left = fixed_window(WINDOW_S)
+    return str(start), left
 
 
-class _RedisState:
-    """Whether the last call reached Redis: a change is logged once, not per request."""
-
-    away = False
-
-    def lost(self, what: str, exc: Exception) -> None:
-        if not self.away:
-            self.away = True
-            policy = settings.GANTRY_GATEWAY_LIMITS_WITHOUT_REDIS
-            log.error(
-                "gateway rate limits: Redis unreachable (%s); %s until it is back (GANTRY_GATEWAY_LIMITS_WITHOUT_REDIS"
-                "=%s)", exc, "serving without limits" if policy == "open" else "refusing keys with limits", policy,
-            )  # fmt: skip
-        log.debug("gateway %s without Redis: %s", what, exc)
-
-    def reached(self) -> None:
-        if self.away:
-            self.away = False
-            log.warning("gateway rate limits: Redis is back; limits apply again")
+def _lost(exc: Exception) -> str:
+    policy = settings.GANTRY_GATEWAY_LIMITS_WITHOUT_REDIS
+    doing = "serving without limits" if policy == "open" else "refusing keys with limits"
+    return (
+        f"gateway rate limits: Redis unreachable ({exc}); {doing} until it is back "
+        f"(GANTRY_GATEWAY_LIMITS_WITHOUT_REDIS={policy})"
+    )
 
 
-redis_state = _RedisState()
+redis_state = Reach(log, _lost, "gateway rate limits: Redis is back; limits apply again", logging.ERROR)
 
 
 @dataclass(frozen=True)
@@ -129,7 +115,7 @@ async def admit(caller: Caller, alias: str, *, requests: int = 1, reserve: int =
             keys=[f"gantry:gateway:rate:{caller.key_id}:{window}"], args=[*limits, requests, reserve, WINDOW_S * 2]
         )
     except (aioredis.RedisError, OSError) as exc:
-        redis_state.lost("admission", exc)
+        redis_state.lost(exc, "admission")
         if settings.GANTRY_GATEWAY_LIMITS_WITHOUT_REDIS == "closed":
             raise GatewayError(
                 503, "This key's rate limits cannot be checked now (the gateway's Redis is unreachable); try again "
@@ -174,7 +160,7 @@ async def settle(caller: Caller, admission: Admission, used: int) -> None:
             pipe.expire(name, WINDOW_S * 2)
             await pipe.execute()
     except (aioredis.RedisError, OSError) as exc:
-        redis_state.lost("settlement", exc)
+        redis_state.lost(exc, "settlement")
 
 
 class _Usage:
