@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,10 +48,6 @@ input [{ name: "IN", data_type: TYPE_FP32, dims: [ 16 ] }]
 output [{ name: "OUT", data_type: TYPE_FP32, dims: [ 16 ] }]
 instance_group [{ kind: KIND_CPU, count: 1 }]
 """
-
-
-def _ip(*argv: str) -> None:
-    subprocess.run(["ip", *argv], check=True, capture_output=True, timeout=30)
 
 
 def _certificates(folder: Path, host_id: int) -> tuple[str, str, str]:
@@ -121,25 +115,15 @@ def main() -> int:
 
     django.setup()
     from common import pki
+    from tests.integration.conftest import namespaces
     from triton_server.client import Channel
+    from workers import processes
     from workers.runtimes import process
 
-    tag, subnet = uuid.uuid4().hex[:6], random.randrange(1, 250)
-    name, outside, inside = f"gantry-bench-{tag}", f"gb{tag}o", f"gb{tag}i"
-    gateway, address = f"10.78.{subnet}.1", f"10.78.{subnet}.2"  # apart from the tests' 10.77/16
     started: list[subprocess.Popen] = []
-    with tempfile.TemporaryDirectory(prefix="gantry-bench-channel-") as folder:
-        root = Path(folder)
+    with tempfile.TemporaryDirectory(prefix="gantry-bench-channel-") as folder, namespaces(1) as (namespace,):
+        root, name, address = Path(folder), namespace.name, namespace.address
         try:
-            _ip("netns", "add", name)
-            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
-            _ip("link", "set", inside, "netns", name)
-            _ip("addr", "add", f"{gateway}/30", "dev", outside)
-            _ip("link", "set", outside, "up")
-            _ip("-n", name, "addr", "add", f"{address}/30", "dev", inside)
-            _ip("-n", name, "link", "set", inside, "up")
-            _ip("-n", name, "link", "set", "lo", "up")
-
             model = root / "repository" / MODEL
             (model / "1").mkdir(parents=True)
             (model / "1" / "model.py").write_text(_MODEL_PY)
@@ -156,7 +140,7 @@ def main() -> int:
             with open(root / "channel.log", "wb") as log:
                 (root / "channel" / "ports").write_text(f"{http_port}\n")
                 channel_argv = [sys.executable, "-m", "workers.channel", address, str(channel_port)]
-                env = {**os.environ, "PYTHONPATH": str(ROOT)}
+                env = processes.child_environment({"PYTHONPATH": str(ROOT)})
                 started.append(subprocess.Popen(["ip", "netns", "exec", name, *channel_argv], stdout=log, stderr=log,
                                                 cwd=root / "channel", env=env))  # fmt: skip
             context = pki.context(server=False, key=key, certificate=certificate, trust=trust)
@@ -173,7 +157,6 @@ def main() -> int:
                     child.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     child.kill()
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
     plain, channel = results["plain"], results["channel"]
     print(f"\nThe channel's mutual TLS against plain HTTP to the same Triton in another namespace "
           f"(1 client, {len(plain)} requests a side, {os.cpu_count()} cores here)")  # fmt: skip

@@ -166,8 +166,8 @@ def _floor_tls(plane, http_port: int) -> dict:  # noqa: ANN001
 
     script = (
         "import json; from deployments.services import channel as c; from deployments.models import GpuHost as H; "
-        "k, cert = c.client_certificate(); h = H.objects.get(name='host-a'); "
-        "print(json.dumps({'key': k, 'cert': cert, 'trust': c.trust_pem(c.authority()[0]), 'host': h.pk, "
+        "a, k, cert = c.client_certificate(); h = H.objects.get(name='host-a'); "
+        "print(json.dumps({'key': k, 'cert': cert, 'trust': c.trust_pem(a), 'host': h.pk, "
         "'port': h.channel_port}))"
     )
     material = json.loads(manage(plane.control_env, "shell", "-c", script).splitlines()[-1])

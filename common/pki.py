@@ -132,7 +132,7 @@ def new_authority(now: datetime, years: int = 10) -> tuple[ec.EllipticCurvePriva
                 decipher_only=False,
             ),
             critical=True,
-        )  # fmt: skip
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )

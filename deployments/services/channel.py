@@ -211,23 +211,23 @@ def revocation_list_refresh() -> bool:
 # --- the web tier's side -----------------------------------------------------------
 
 
-def client_certificate() -> tuple[str, str]:
-    """The web tier's key and certificate (PEM), made or renewed when due (under
-    a lock, so one web process does it)."""
-    authority()
-    usable = _client_certificate_usable(ChannelSecrets.objects.get(pk=1))
+def client_certificate() -> tuple[ChannelAuthority, str, str]:
+    """The authority (its trust), and the web tier's key and certificate (PEM),
+    made or renewed when due (under a lock, so one web process does it)."""
+    row, secrets = authority()
+    usable = _client_certificate_usable(secrets)
     if usable is not None:
-        return usable
+        return row, *usable
     with transaction.atomic():
         secrets = ChannelSecrets.objects.select_for_update().get(pk=1)
         usable = _client_certificate_usable(secrets)  # another process may have renewed it meanwhile
         if usable is not None:
-            return usable
+            return row, *usable
         key = pki.new_key()
         request = pki.load_request(pki.request(key, CLIENT_NAME))
         issued = _sign(request, common=CLIENT_NAME, host=None)
         ChannelSecrets.objects.filter(pk=1).update(client_key=pki.key_pem(key))
-        return pki.key_pem(key), issued.certificate
+        return row, pki.key_pem(key), issued.certificate
 
 
 def _client_certificate_usable(secrets: ChannelSecrets) -> tuple[str, str] | None:
@@ -258,8 +258,7 @@ class _ClientContext:
         with self._lock:
             if self._context is not None and time.monotonic() - self._read_at < CONTEXT_TTL_S:
                 return self._context
-            key_pem, certificate = client_certificate()
-            row = ChannelAuthority.objects.get(pk=1)
+            row, key_pem, certificate = client_certificate()
             identity = (row.revocation_number, certificate)
             if identity != self._key or self._context is None:
                 self._context = pki.context(server=False, key=key_pem, certificate=certificate, trust=trust_pem(row))
