@@ -11,6 +11,7 @@ import http.server
 import socket
 import ssl
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -143,13 +144,23 @@ class _Answer(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def triton() -> int:
-    """A plain HTTP server on loopback standing in for a Triton HTTP port."""
+def _http_server() -> Iterator[int]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server.server_address[1]
     server.shutdown()
+
+
+@pytest.fixture
+def triton() -> Iterator[int]:
+    """A plain HTTP server on loopback standing in for a Triton HTTP port."""
+    yield from _http_server()
+
+
+@pytest.fixture
+def stranger() -> Iterator[int]:
+    """Another program's HTTP server on loopback, answering anyone who reaches it."""
+    yield from _http_server()
 
 
 class _Channel:
@@ -202,7 +213,9 @@ def _refused(port: int, server_name: str, context: ssl.SSLContext) -> str:
     raise AssertionError(f"{server_name} answered")
 
 
-def test_the_channel_forwards_only_the_web_tiers_requests_for_triton_http_ports(remote: GpuHost, triton: int) -> None:
+def test_the_channel_forwards_only_the_web_tiers_requests_for_triton_http_ports(
+    remote: GpuHost, triton: int, stranger: int
+) -> None:
     _signed(remote)
     place = channel.folder()
     (place / "ports").write_text(f"{triton}\n")  # as allow() writes this host's replicas' HTTP ports
@@ -213,10 +226,15 @@ def test_the_channel_forwards_only_the_web_tiers_requests_for_triton_http_ports(
         _wait(lambda: _answers(running.port, name, client))
         status, body = _get(running.port, name, client)
         assert (status, body) == (200, f"triton on {triton}")
-        # A server's gRPC port, any other port, another host's name: closed.
-        for other in (pki.server_name(remote.pk, triton + 1), pki.server_name(remote.pk, 5432),
+        # Another program's port, answering on loopback, is not forwarded to (nor a server's
+        # gRPC port); nor is a name for another host, even from a client that skips its
+        # own name check.
+        _, key, certificate = authority.client_certificate()
+        unchecked = pki.context(server=False, key=key, certificate=certificate, trust=(place / "trust.pem").read_text())
+        unchecked.check_hostname = False
+        for other in (pki.server_name(remote.pk, stranger), pki.server_name(remote.pk, triton + 1),
                       pki.server_name(remote.pk + 1, triton)):  # fmt: skip
-            assert _refused(running.port, other, client)
+            assert _refused(running.port, other, unchecked)
         # No client certificate, or a host's certificate as the client: the handshake fails.
         bare = ssl.create_default_context(cafile=str(place / "trust.pem"))
         bare.check_hostname = False
