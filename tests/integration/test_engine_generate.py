@@ -16,6 +16,7 @@ import asyncio
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,11 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _mine(path: Path, before: int, match: Callable[[dict], bool]) -> dict | None:
+    """The first record since `before` that this test's request wrote."""
+    return next((r for r in _records(path)[before:] if match(r)), None)
+
+
 def _stream(url: str, model: str, body: dict) -> list[dict]:
     with requests.post(f"http://{url}/v2/models/{model}/generate_stream", json={**body, "stream": True},
                        stream=True, timeout=30) as answer:  # fmt: skip
@@ -154,7 +160,8 @@ def test_sampling_fields_and_stop_words_reach_the_engine_and_a_stop_string_ends_
     events = _stream(url, "sp", body)
     # The text ends before the stop string, whatever the engine does with its token ids.
     assert "".join(e["text_output"] for e in events) == "gantry serves every "
-    seen = wait_for(lambda: next((r for r in _records(record)[before:] if r["streaming"]), None), 10, "the record")
+    # A record is written when the engine's request ends, so an earlier test's may land after `before`.
+    seen = wait_for(lambda: _mine(record, before, lambda r: r["streaming"] and r["stop_words_list"]), 10, "the record")
     assert seen["temperature"] == [0.5] and seen["random_seed"] == [9] and seen["runtime_top_k"] == [5]
     assert seen["repetition_penalty"] == pytest.approx([1.1]) and seen["runtime_top_p"] == pytest.approx([0.9])
     # [ids of "model"..., then each stop string's end offset]: one stop string of n tokens.
@@ -175,7 +182,7 @@ def test_a_client_that_goes_away_cancels_the_engine_request(engine):
         for _ in range(3):
             next(lines)
     started = time.monotonic()
-    seen = wait_for(lambda: next(iter(_records(record)[before:]), None), 15, "the engine's record")
+    seen = wait_for(lambda: _mine(record, before, lambda r: r["request_output_len"] == 80), 15, "the engine's record")
     # 80 tokens at 0.05 s would take 4 s: the engine stopped well before.
     assert seen["cancelled"] is True and seen["sent"] < 60, seen
     assert time.monotonic() - started < 4
