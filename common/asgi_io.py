@@ -40,6 +40,19 @@ async def send_json(send: Any, status: int, body: Any, headers: list[tuple[bytes
     await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 
+async def send_bytes(
+    send: Any,
+    status: int,
+    body: bytes,
+    content_type: str,
+    *,
+    headers: list[tuple[bytes, bytes]] = (),  # type: ignore[assignment]
+) -> None:
+    start = [(b"content-type", content_type.encode()), *headers]
+    await send({"type": "http.response.start", "status": status, "headers": start})
+    await send({"type": "http.response.body", "body": body})
+
+
 async def stream_events(send: Any, receive: Any, events: AsyncIterator[bytes | str]) -> None:
     """Send ``events`` as a server-sent event stream as they come. A client that
     goes away stops the stream; closing ``events`` closes Triton's connection,

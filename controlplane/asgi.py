@@ -6,6 +6,7 @@
   answers by ``DjangoDoors``: sync views in WSGI mode on a thread pool, async
   views (the streamed generate action) by its ASGI handler;
 - ``websocket_application``: the Channels consumers (the live server);
+- both answer GET /metrics with the scrape token (controlplane.metrics);
 - ``application``: both in one process, for a single-process setup.
 """
 
@@ -31,6 +32,8 @@ from django.conf import settings  # noqa: E402
 from django.core.wsgi import get_wsgi_application  # noqa: E402
 from django.urls import Resolver404, resolve  # noqa: E402
 
+from common.asgi_io import send_bytes  # noqa: E402
+from controlplane.metrics import ControlPlane, MetricsDoor  # noqa: E402
 from deployments.routing import websocket_urlpatterns  # noqa: E402
 from deployments.ws_auth import TokenOrSessionAuthMiddlewareStack  # noqa: E402
 from gateway.app import GatewayRouter  # noqa: E402
@@ -65,7 +68,11 @@ def _async_view(scope: dict[str, Any]) -> bool:
         return False
 
 
-http_application = GatewayRouter(InferenceRouter(DjangoDoors()))
+async def _not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await send_bytes(send, 404, b"the live server answers websockets and /metrics only\n", "text/plain")
+
+
+http_application = MetricsDoor(GatewayRouter(InferenceRouter(DjangoDoors())), ControlPlane())
 _websockets = AllowedHostsOriginValidator(TokenOrSessionAuthMiddlewareStack(URLRouter(websocket_urlpatterns)))
-websocket_application = ProtocolTypeRouter({"websocket": _websockets})
+websocket_application = ProtocolTypeRouter({"websocket": _websockets, "http": MetricsDoor(_not_found)})
 application = ProtocolTypeRouter({"http": http_application, "websocket": _websockets})

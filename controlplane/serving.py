@@ -20,6 +20,8 @@ import socket
 
 from uvicorn_worker import UvicornWorker
 
+from common import metrics_folder
+
 # Collect the youngest objects every 50 000 allocations instead of 700, and
 # the older generations as rarely as before relative to it.
 GC_THRESHOLDS = (50_000, 20, 100)
@@ -76,7 +78,24 @@ def web_argv(python: str, *, bind: str, port: int, workers: int | None = None) -
         # A streamed generation may be silent for long: uvicorn workers heartbeat
         # on their own, so this only catches a worker that is truly stuck.
         "--timeout", "120", "--graceful-timeout", "30",
+        # on_starting and child_exit below: the processes' shared metrics folder.
+        "--config", "python:controlplane.serving",
     ]  # fmt: skip
+
+
+def on_starting(server: object) -> None:
+    """gunicorn's master, before its workers start: their metrics folder."""
+    metrics_folder.prepare("gantry-web-metrics-")
+
+
+def on_exit(server: object) -> None:
+    metrics_folder.remove_made()
+
+
+def child_exit(server: object, worker: object) -> None:
+    from common import metrics
+
+    metrics.process_exited(worker.pid)  # type: ignore[attr-defined]
 
 
 def port_taken(bind: str, port: int) -> bool:

@@ -253,6 +253,20 @@ GANTRY_CHANNEL_PORT = env_int(
     maximum=65535,
     help="the port of a GPU host's channel (mutual TLS to its Triton servers) on GANTRY_HOST_ADDRESS",
 )
+GANTRY_METRICS_TOKEN = env_str(
+    "GANTRY_METRICS_TOKEN",
+    "",
+    help="the bearer token Prometheus sends to read /metrics on web, live and each host's worker "
+    "(or GANTRY_METRICS_TOKEN_FILE); empty: no metrics are kept and /metrics answers 404",
+)
+GANTRY_WORKER_METRICS_PORT = env_int(
+    "GANTRY_WORKER_METRICS_PORT",
+    17444,
+    minimum=0,
+    maximum=65535,
+    help="the port of a host worker's /metrics on GANTRY_HOST_ADDRESS (its own figures, and its Triton "
+    "servers' and GPUs' relabelled by deployment, replica and model); 0: none",
+)
 GANTRY_CHANNEL_CERT_HOURS = env_int(
     "GANTRY_CHANNEL_CERT_HOURS",
     720,

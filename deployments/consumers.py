@@ -11,6 +11,7 @@ from typing import Any
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from common import metrics
 from deployments import events
 from deployments.models import Deployment, EngineBuild
 from deployments.permissions import can_view
@@ -24,6 +25,7 @@ SKIPPED_BATCH = 200
 
 class LiveConsumer(AsyncJsonWebsocketConsumer):
     group: str = ""
+    last_seq: int | None = None  # the last number this socket got: a jump is messages the layer dropped
     watch: frozenset[int] | None = None  # the dashboard's deployments in view (None: all)
     skipped: list[int]
 
@@ -43,13 +45,16 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             self.group = group_of(kwargs["pk"])
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
+        metrics.gauge_add(metrics.LIVE_SOCKETS, 1)
         # Read after joining: every later number reaches this socket, or shows as a gap.
         seq = await events.current_seq(self.channel_layer.connection(0), self.group)
+        self.last_seq = seq
         await self.send_json({"type": "hello", "group": self.group, "seq": seq})
 
     async def disconnect(self, code: int) -> None:
         if self.group:
             await self.channel_layer.group_discard(self.group, self.channel_name)
+            metrics.gauge_add(metrics.LIVE_SOCKETS, -1)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         """Only the dashboard's {"watch": [deployment ids in view]}: commands go through the REST API."""
@@ -65,6 +70,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
 
     async def gantry_message(self, message: dict[str, Any]) -> None:
         payload = message["payload"]
+        self._count(payload.get("seq"))
         deployment = payload.get("deployment")
         if self.watch is not None and deployment is not None and deployment not in self.watch:
             # Not in view: left out, and its number named so the page sees no gap.
@@ -78,3 +84,12 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             payload = {**payload, "skipped": self.skipped}
             self.skipped = []
         await self.send_json(payload)
+
+    def _count(self, seq: Any) -> None:
+        """One message more for /metrics, and those its number says never came."""
+        if not isinstance(seq, int):
+            return
+        if self.last_seq is not None and seq > self.last_seq + 1:
+            metrics.count(metrics.LIVE_MESSAGES_LOST, "socket", amount=seq - self.last_seq - 1)
+        self.last_seq = max(seq, self.last_seq or 0)
+        metrics.count(metrics.LIVE_MESSAGES)

@@ -30,6 +30,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import transaction
 
+from common import metrics
 from deployments.models import Deployment, Event, GpuHost
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class Publisher:
             try:
                 await self._send(client, layer, groups, payload)
             except Exception:  # noqa: BLE001 - delivery is best effort; the database holds the truth
+                metrics.count(metrics.LIVE_MESSAGES_LOST, "publisher")
                 if failing_since is None:
                     failing_since = time.monotonic()
                     log.warning("could not publish to %s; dropping live messages until Redis answers", groups)

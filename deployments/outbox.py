@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable
 from queue import SimpleQueue
 from typing import Any
@@ -41,6 +42,8 @@ SUBJECTS: dict[str, tuple[type, str]] = {
 }
 # A task sent this long after it was asked for (or after the broker refused it) is noted on the timeline.
 NOTE_DELAY_S = 5.0
+# A task's header naming when the broker took it (epoch seconds).
+SENT_AT_HEADER = "gantry_sent_at"
 # A message the broker refuses this many times while answering others is parked (a dead letter).
 PARK_AFTER = 3
 
@@ -136,7 +139,11 @@ def send(*, ids: Iterable[int] | None = None, host_name: str | None = None) -> i
             try:
                 # No retries here: a down broker must not hold a request (or a
                 # row lock) for seconds; relay tries again on the next beat.
-                current_app.send_task(message.task, args=message.args, queue=message.queue, retry=False)
+                # SENT_AT_HEADER: how long a task has waited in the queue (controlplane.metrics).
+                current_app.send_task(
+                    message.task, args=message.args, queue=message.queue, retry=False,
+                    headers={SENT_AT_HEADER: time.time()},
+                )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - any broker failure leaves the message waiting
                 if not _broker_answers():
                     _failed(message, exc, park=False)

@@ -19,11 +19,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from common import jsonbody
+from common import jsonbody, metrics
 from common.asgi_io import BodyTooLarge, read_body, send_json, stream_events
 from common.errors import GantryError
 from deployments.models import ModelKind
@@ -52,20 +54,74 @@ class GatewayRouter:
             await self.inner(scope, receive, send)
 
 
+@dataclass
+class _Seen:
+    """What /metrics says of one gateway request (common.metrics.observe_door)."""
+
+    started: float = field(default_factory=time.monotonic)
+    code: int = 0
+    key: str = ""
+    alias: str = ""
+    model: str = ""
+    outcome: Outcome | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def observe(self) -> None:
+        outcome = self.outcome
+        metrics.observe_door(
+            door="gateway", alias=self.alias, key=self.key, model=self.model, code=self.code or 500,
+            duration_s=time.monotonic() - self.started,
+            first_token_s=None if outcome is None or outcome.first_token_at is None or not outcome.streamed
+            else outcome.first_token_at - self.started,
+            inter_token_s=None if outcome is None else outcome.inter_token_s,
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+        )  # fmt: skip
+
+
+_seen: ContextVar[_Seen] = ContextVar("gateway_seen")
+
+
 async def handle(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if not metrics.enabled():
+        await _handle(scope, receive, send)
+        return
+    seen = _Seen()
+    _seen.set(seen)
+
+    async def send_seen(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            seen.code = message["status"]
+        await send(message)
+
+    try:
+        await _handle(scope, receive, send_seen)
+    finally:
+        seen.observe()
+
+
+def _note(**labels: Any) -> None:
+    """Name this request's key, alias, model or outcome for /metrics (while it is on)."""
+    seen = _seen.get(None)
+    if seen is not None:
+        for name, value in labels.items():
+            setattr(seen, name, value)
+
+
+async def _handle(scope: dict[str, Any], receive: Any, send: Any) -> None:
     path, method = scope["path"], scope["method"]
     try:
         if path.startswith("/v1/models"):
             if method != "GET":
                 raise GatewayError(405, f"{method} is not allowed on {path}; use GET", code="method_not_allowed")
-            await _models(await authenticate(scope["headers"]), path, send)
+            await _models(await _authenticate(scope["headers"]), path, send)
             return
         handler = _POST.get(path)
         if handler is None:
             raise GatewayError(404, f"Unknown endpoint {method} {path}.", code="unknown_url")
         if method != "POST":
             raise GatewayError(405, f"{method} is not allowed on {path}; use POST", code="method_not_allowed")
-        caller = await authenticate(scope["headers"])
+        caller = await _authenticate(scope["headers"])
         raw = await read_body(receive)
         if raw is None:
             return
@@ -81,6 +137,18 @@ async def handle(scope: dict[str, Any], receive: Any, send: Any) -> None:
     except DATABASE_AWAY:
         away = database_away()
         await send_json(send, away.status, away.body(), away.headers())
+
+
+async def _authenticate(headers: list[tuple[bytes, bytes]]) -> Caller:
+    caller = await authenticate(headers)
+    _note(key=str(caller.key_id))
+    return caller
+
+
+async def _resolve(caller: Caller, name: str, kind: str, endpoint: str) -> Target:
+    target = await resolve(caller, name, kind, endpoint)
+    _note(alias=target.alias, model=target.triton_name)
+    return target
 
 
 # --- /v1/models ------------------------------------------------------------------------
@@ -112,7 +180,7 @@ async def _completions(caller: Caller, body: Any, receive: Any, send: Any) -> No
 
 async def _generation(caller: Caller, data: dict[str, Any], receive: Any, send: Any, *, chat: bool) -> None:
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-    target = await resolve(caller, data["model"], ModelKind.LLM, endpoint)
+    target = await _resolve(caller, data["model"], ModelKind.LLM, endpoint)
     context = target.route["context"] or 0
     default = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS
     sampling = Sampling(
@@ -137,6 +205,7 @@ async def _generation(caller: Caller, data: dict[str, Any], receive: Any, send: 
     )
     shape = _Shape(chat=chat, alias=target.alias, notice=prepared.notice)
     outcome = Outcome()
+    _note(outcome=outcome)
     prompt_param = "messages" if chat else "prompt"
     if data["stream"]:
         # The first piece before the stream's headers: a refusal (a prompt beyond the
@@ -269,6 +338,7 @@ def _count(
 ) -> None:  # fmt: skip
     """Count a request (finished, failed or abandoned) in the key's usage, and settle
     its token reservation to what it used."""
+    _note(prompt_tokens=prompt, completion_tokens=completion)
     usage.count(caller.key_id, alias, requests=requests, prompt=prompt, completion=completion, failed=failed)
     if admission.window:
         task = asyncio.get_running_loop().create_task(settle(caller, admission, prompt + completion))
@@ -281,7 +351,7 @@ def _count(
 
 async def _embeddings(caller: Caller, body: Any, receive: Any, send: Any) -> None:
     data = schemas.parse(schemas.EmbeddingIn, body)
-    target = await resolve(caller, data["model"], ModelKind.EMBEDDING, "/v1/embeddings")
+    target = await _resolve(caller, data["model"], ModelKind.EMBEDDING, "/v1/embeddings")
     inputs = data["input"]
     # One request per input; each may take its bytes and the two tokens around it.
     admission = await admit(caller, target.alias, requests=len(inputs), reserve=prompt_bound(*inputs) + 2 * len(inputs))
@@ -311,7 +381,7 @@ async def _embeddings(caller: Caller, body: Any, receive: Any, send: Any) -> Non
 
 async def _rerank(caller: Caller, body: Any, receive: Any, send: Any) -> None:
     data = schemas.parse(schemas.RerankIn, body)
-    target = await resolve(caller, data["model"], ModelKind.RERANKER, "/v1/rerank")
+    target = await _resolve(caller, data["model"], ModelKind.RERANKER, "/v1/rerank")
     documents = data["documents"]
     # Each document is scored beside the query: both, and three tokens around them.
     reserve = (prompt_bound(data["query"]) + 3) * len(documents) + prompt_bound(*documents)

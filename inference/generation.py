@@ -18,7 +18,7 @@ from typing import Any
 
 from common.errors import InvalidTransition, NotFound, TransientError, ValidationFailed
 from common.ttl_cache import TtlCache
-from deployments import chat_template
+from deployments import chat_template, live_figures
 from deployments.gpu_plan import transformers_max_seq_len
 from deployments.models import GENERATIVE_BACKENDS, Backend, Deployment, DeploymentModel
 from inference.balancing import Endpoint, Tries, answering, finish
@@ -71,10 +71,23 @@ class Outcome:
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     ended: float | None = None
+    replica_id: int | None = None  # the replica that answered
 
     @property
     def time_to_first_token_ms(self) -> float | None:
         return None if self.first_token_at is None else round((self.first_token_at - self.started) * 1000, 2)
+
+    @property
+    def first_token_s(self) -> float | None:
+        """Streamed: seconds from the start to the first token (unknown to a whole answer's client)."""
+        return None if self.first_token_at is None or not self.streamed else self.first_token_at - self.started
+
+    @property
+    def inter_token_s(self) -> float | None:
+        """Streamed: the mean time between tokens after the first (AIPerf's inter-token latency)."""
+        if self.first_token_at is None or not self.streamed or self.completion_tokens < 2:
+            return None
+        return ((self.ended or time.monotonic()) - self.first_token_at) / (self.completion_tokens - 1)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -225,27 +238,37 @@ async def generate(prepared: Prepared, *, stream: bool, outcome: Outcome) -> Asy
     fails before its first response is retried once on another, never after.
     """
     outcome.streamed = stream
-    async for event in _replica_stream(prepared, {**prepared.inputs, "stream": stream}):
-        text = _text(event.get("text_output"))
-        added = int(_first(event.get("num_output_tokens"), 0))
-        prompt_tokens = _first(event.get("num_input_tokens"), None)
-        if prompt_tokens is not None:
-            outcome.prompt_tokens = int(prompt_tokens)
-        outcome.completion_tokens += added
-        if (text or added) and outcome.first_token_at is None:
-            outcome.first_token_at = time.monotonic()
-        if text:
-            yield Piece(text=text, tokens=added)
-    outcome.ended = time.monotonic()
-    outcome.finish_reason = "length" if outcome.completion_tokens >= prepared.max_tokens else "stop"
+    try:
+        async for event in _replica_stream(prepared, {**prepared.inputs, "stream": stream}, outcome):
+            text = _text(event.get("text_output"))
+            added = int(_first(event.get("num_output_tokens"), 0))
+            prompt_tokens = _first(event.get("num_input_tokens"), None)
+            if prompt_tokens is not None:
+                outcome.prompt_tokens = int(prompt_tokens)
+            outcome.completion_tokens += added
+            if (text or added) and outcome.first_token_at is None:
+                outcome.first_token_at = time.monotonic()
+            if text:
+                yield Piece(text=text, tokens=added)
+        outcome.ended = time.monotonic()
+        outcome.finish_reason = "length" if outcome.completion_tokens >= prepared.max_tokens else "stop"
+    finally:  # finished, failed or abandoned: what the replica's users saw
+        if outcome.replica_id is not None and outcome.completion_tokens:
+            live_figures.record_soon(
+                replica_id=outcome.replica_id, model=prepared.model, first_token_s=outcome.first_token_s,
+                inter_token_s=outcome.inter_token_s, tokens=outcome.completion_tokens,
+            )  # fmt: skip
 
 
-async def _replica_stream(prepared: Prepared, inputs: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+async def _replica_stream(
+    prepared: Prepared, inputs: dict[str, Any], outcome: Outcome
+) -> AsyncIterator[dict[str, Any]]:
     """Triton's responses from the best replica; one that fails before its first
     response is replaced once by another (inference.balancing.Tries)."""
     tries = Tries(prepared.endpoints)
     while True:
         endpoint = tries.next()
+        outcome.replica_id = endpoint.replica_id
         answered = False
         try:
             async for event in generate_stream(endpoint.url, prepared.model, inputs, endpoint.channel):

@@ -17,6 +17,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from common import metrics
 from common.errors import ConfirmationRequired, InvalidTransition, NotFound, ValidationFailed
 from common.version import gantry_version
 from deployments import events, jobs, outbox, queues, trtllm
@@ -429,9 +430,12 @@ def run_finish(*, run_id: int, status: str, message: str, source: str) -> LoadTe
     if status == RunStatus.SUCCEEDED and run.status == RunStatus.CANCELLING:
         status = RunStatus.CANCELLED  # it finished as the cancel arrived
     try:
-        return run_transition(run_id=run_id, to=status, source=source, message=message)
+        ended = run_transition(run_id=run_id, to=status, source=source, message=message)
     except InvalidTransition:
         return None
+    if run.started_at is not None:
+        metrics.observe(metrics.LOADTEST_DURATION, (timezone.now() - run.started_at).total_seconds(), status)
+    return ended
 
 
 def runs_reap(*, stale_after_s: int = STALE_AFTER_S) -> int:

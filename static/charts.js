@@ -13,6 +13,10 @@ Gantry.metricCharts = (container, deploymentId) => {
     { key: "failure_rate", kind: "model", title: "Failures / s", unit: "/s" },
     { key: "queue_ms", kind: "model", title: "Queue time per request (ms)", unit: " ms" },
     { key: "compute_ms", kind: "model", title: "Compute time per request (ms)", unit: " ms" },
+    { key: "ttft_p99_ms", kind: "model", title: "Time to first token p99 (ms)", unit: " ms" },
+    { key: "itl_p99_ms", kind: "model", title: "Inter-token latency p99 (ms)", unit: " ms" },
+    { key: "tokens_per_s", kind: "model", title: "Generated tokens / s", unit: "/s" },
+    { key: "kv_cache_used_fraction", kind: "model", title: "KV cache used (%)", unit: "%", scale: 100 },
     { key: "utilization", kind: "gpu", title: "GPU utilization (%)", unit: "%", scale: 100 },
     { key: "memory_used_bytes", kind: "gpu", title: "GPU memory used (GB)", unit: " GB", scale: 1e-9 },
   ];

@@ -175,6 +175,14 @@
       if (at) renderMetrics(at, Object.fromEntries(Object.entries(latest).map(([k, s]) => [k, s.values])));
       if (charts) await charts.load();
     }
+    // Replicas whose last scrape failed: the cause above the charts, not a flat line.
+    const failedScrapes = new Map();
+    function showScrapeProblems() {
+      const problem = document.getElementById("metrics-problem");
+      problem.hidden = failedScrapes.size === 0;
+      problem.textContent = [...failedScrapes.values()].map((e) =>
+        `Replica r${e.replica}: no figures since ${new Date(e.at).toLocaleTimeString()}: ${e.cause}`).join(" ");
+    }
     const chartBox = document.getElementById("charts");
     const charts = chartBox && window.uPlot ? Gantry.metricCharts(chartBox, id) : null;
     live(`/ws/deployments/${id}/`, {
@@ -187,11 +195,23 @@
         if (event.type === "metrics") {
           renderMetrics(event.at, event.models);
           if (charts) charts.push(event);
+          failedScrapes.delete(event.replica_id);
+          showScrapeProblems();
+        }
+        if (event.type === "metrics_failed") {
+          failedScrapes.set(event.replica_id, event);
+          showScrapeProblems();
         }
         if (event.type === "log") appendLog(event.lines);
         if (event.type === "models") {
           Object.assign(readiness, event.ready);
           showReadiness(badge.textContent);
+          // Why a replica's models are not ready, as Triton says it (refused, timed out, a load error).
+          const cause = document.getElementById("readiness-cause");
+          if (event.replica && event.replica.cause !== undefined) {
+            cause.hidden = !event.replica.cause;
+            cause.textContent = event.replica.cause ? `Replica r${event.replica.serial}: ${event.replica.cause}` : "";
+          }
         }
         if (event.type === "host") render(await api("GET", `/api/deployments/${id}/`));  // its host went or came back
         // Load tests of this deployment follow its group; their section listens (static/loadtests.js).
@@ -410,8 +430,12 @@
     const memory = (value) => (value === undefined ? "–" : `${(value / 2 ** 30).toFixed(2)} GiB`);
     body.replaceChildren(...Object.entries(models).map(([name, m]) => {
       const row = document.createElement("tr");
+      const pair = (p50, p99) => (p50 === undefined ? "–" : `${format(p50, 1)} / ${format(p99, 1)}`);
+      const share = (value) => (value === undefined ? "–" : `${(value * 100).toFixed(1)}%`);
       row.append(text("td", name), text("td", format(m.request_rate, 2)), text("td", format(m.failure_rate, 2)),
                  text("td", format(m.queue_ms, 2)), text("td", format(m.compute_ms, 2)),
+                 text("td", pair(m.ttft_p50_ms, m.ttft_p99_ms)), text("td", pair(m.itl_p50_ms, m.itl_p99_ms)),
+                 text("td", format(m.tokens_per_s, 1)), text("td", share(m.kv_cache_used_fraction)),
                  text("td", format(m.requests_total, 0)), text("td", format(m.failures_total, 0)),
                  text("td", memory(m.gpu_memory_bytes)));
       return row;

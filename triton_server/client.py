@@ -54,10 +54,21 @@ class Readiness:
     live: bool
     ready: bool
     models: dict[str, bool]
+    cause: str = ""  # why the server or a model is not ready, in words ("" when all are)
 
     @property
     def all_models_ready(self) -> bool:
         return bool(self.models) and all(self.models.values())
+
+
+def _unreachable(exc: BaseException) -> str:
+    """A failed call in words: refused, timed out, or Triton's own error."""
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, ConnectionRefusedError) or "refused" in text.lower():
+        return "connection refused (is it running?)"
+    if isinstance(exc, TimeoutError) or "timed out" in text.lower() or "timeout" in text.lower():
+        return f"timed out ({text})"
+    return text
 
 
 class TritonClient:
@@ -93,9 +104,32 @@ class TritonClient:
             live = self._client.is_server_live()
             ready = live and self._client.is_server_ready()
             status = {name: live and self._client.is_model_ready(name) for name in models}
+        except (InferenceServerException, OSError, ConnectionError) as exc:
+            cause = f"the server at {self.url} did not answer: {_unreachable(exc)}"
+            return Readiness(live=False, ready=False, models={name: False for name in models}, cause=cause)
+        missing = [name for name, ok in status.items() if not ok]
+        if not live:
+            cause = "the server says it is not live"
+        elif missing:
+            reasons = self._reasons()
+            cause = "; ".join(f"{name} {reasons.get(name) or 'is not ready'}" for name in missing)
+        else:
+            cause = "" if ready else "the server says it is not ready"
+        return Readiness(live=live, ready=ready, models=status, cause=cause)
+
+    def _reasons(self) -> dict[str, str]:
+        """Each model's state and Triton's reason for it, from the repository index
+        (it needs the admin secret; without it, none)."""
+        try:
+            index = self._client.get_model_repository_index(headers=self._admin_headers)
         except (InferenceServerException, OSError, ConnectionError):
-            return Readiness(live=False, ready=False, models={name: False for name in models})
-        return Readiness(live=live, ready=ready, models=status)
+            return {}
+        return {
+            entry["name"]: f"is {entry.get('state', 'unknown').lower()}"
+            + (f": {entry['reason']}" if entry.get("reason") else "")
+            for entry in index
+            if isinstance(entry, dict) and "name" in entry
+        }
 
     def wait_until_ready(
         self,
@@ -124,7 +158,9 @@ class TritonClient:
             if time.monotonic() >= deadline:
                 missing = [name for name, ok in state.models.items() if not ok]
                 raise TransientError(
-                    f"not ready after {timeout_s:.0f}s (server live={state.live}, models not ready: {missing})"
+                    f"not ready after {timeout_s:.0f}s (server live={state.live}, models not ready: {missing}"
+                    + (f"; {state.cause}" if state.cause else "")
+                    + ")"
                 )
             time.sleep(poll_s)
 

@@ -25,6 +25,8 @@ _MODEL_COUNTERS = {
     "nv_inference_pending_request_count": "pending",  # a gauge: requests Triton holds now
 }
 _KV_CACHE_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"
+# What Gantry's causal-LM python model reports of its slot KV cache (kind: used, capacity).
+KV_CACHE_TOKENS = "gantry_kv_cache_tokens"
 _GPU_GAUGES = {
     "nv_gpu_utilization": "utilization",
     "nv_gpu_memory_used_bytes": "memory_used_bytes",
@@ -50,11 +52,15 @@ class Scrape:
     gpus: dict[str, dict[str, float]] = field(default_factory=dict)  # by GPU uuid
     # TensorRT-LLM's paged KV cache, summed over its models: max, free, used blocks (where present).
     kv_cache_blocks: dict[str, float] = field(default_factory=dict)
+    # Per model, its KV cache's used and capacity: a python model's tokens (gantry_kv_cache_tokens),
+    # or an engine's blocks (under the generate model in front of it).
+    kv_cache_tokens: dict[str, dict[str, float]] = field(default_factory=dict)
+    text: str = ""  # the exposition as read, for the host's re-export (workers.exporter)
 
 
 def parse(text: str, *, at: float | None = None) -> Scrape:
     """Counters summed over versions (and failure reasons) per model; gauges per GPU."""
-    result = Scrape(at=time.time() if at is None else at)
+    result = Scrape(at=time.time() if at is None else at, text=text)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             # prometheus_client strips a counter family's _total; samples keep their own names.
@@ -68,6 +74,15 @@ def parse(text: str, *, at: float | None = None) -> Scrape:
             elif name == _KV_CACHE_BLOCKS and sample.labels.get("kv_cache_block_type") in ("max", "free", "used"):
                 kind = sample.labels["kv_cache_block_type"]
                 result.kv_cache_blocks[kind] = result.kv_cache_blocks.get(kind, 0.0) + sample.value
+                if kind != "free":  # the engine's use, shown on the generate model in front of it
+                    found = result.kv_cache_tokens.setdefault(
+                        sample.labels.get("model", "").removesuffix("-engine"), {}
+                    )
+                    key = "capacity" if kind == "max" else "used"
+                    found[key] = found.get(key, 0.0) + sample.value
+            elif name == KV_CACHE_TOKENS and "model" in sample.labels and "kind" in sample.labels:
+                found = result.kv_cache_tokens.setdefault(sample.labels["model"], {})  # summed over instances
+                found[sample.labels["kind"]] = found.get(sample.labels["kind"], 0.0) + sample.value
     return result
 
 
@@ -101,5 +116,8 @@ def derive(previous: Scrape | None, current: Scrape) -> dict[str, dict[str, floa
             values["queue_ms"] = (now.queue_us - before.queue_us) / requests / 1000 if requests else 0.0
             values["compute_ms"] = (now.compute_us - before.compute_us) / requests / 1000 if requests else 0.0
             values["concurrency"] = max(0.0, now.request_us - before.request_us) / 1e6 / elapsed
+        tokens = current.kv_cache_tokens.get(model, {})
+        if tokens.get("capacity"):
+            values["kv_cache_used_fraction"] = tokens.get("used", 0.0) / tokens["capacity"]
         derived[model] = {key: round(value, 4) for key, value in values.items()}
     return derived

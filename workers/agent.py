@@ -17,13 +17,14 @@ import logging
 import threading
 import time
 
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import task_postrun, worker_ready, worker_shutdown
 from django.conf import settings
 from django.db import close_old_connections
 
+from common import metrics
 from deployments.queues import host_queue
 from deployments.services import hosts
-from workers import broker, channel, nvml
+from workers import broker, channel, exporter, nvml
 from workers.deploy import reconcile as deploy_reconcile
 from workers.engines import executors
 from workers.engines import reconcile as build_reconcile
@@ -43,6 +44,7 @@ _beats = 0
 _builders: dict = {}
 _broker = broker.BrokerWatch()
 _adopted = False
+_metrics_server = None  # the host's /metrics (workers.exporter), started with the agent
 
 
 def beat_once() -> None:
@@ -75,6 +77,7 @@ def beat_once() -> None:
         deploy_reconcile.adopt_servers()
         _adopted = True
     _broker.beat()
+    exporter.keep_gpus(inventory.gpus)
     deploy_reconcile.reconcile_host(inventory)
     deploy_reconcile.relaunch_failed()
     build_reconcile.reconcile_builds()
@@ -128,8 +131,16 @@ def _start_agent(sender, **kwargs) -> None:  # noqa: ANN001
     if host_queue(settings.GANTRY_HOST_NAME) not in queues:
         return
     _stop.clear()
+    global _metrics_server
+    if _metrics_server is None:
+        _metrics_server = exporter.serve(settings.GANTRY_HOST_ADDRESS, settings.GANTRY_WORKER_METRICS_PORT)
     threading.Thread(target=run_forever, name="gantry-host-agent", daemon=True).start()
     log.info("host agent started for %s", settings.GANTRY_HOST_NAME)
+
+
+@task_postrun.connect
+def _count_task(sender=None, state: str | None = None, **kwargs) -> None:  # noqa: ANN001, ANN003
+    metrics.count(metrics.WORKER_TASKS, getattr(sender, "name", "unknown"), state or "unknown")
 
 
 @worker_shutdown.connect

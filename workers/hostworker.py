@@ -28,6 +28,7 @@ import sys
 import time
 import traceback
 
+from common import metrics_folder
 from deployments.queues import host_queue, jobs_queue
 
 # Slots per worker: control work is short and rarely concurrent; jobs are a
@@ -84,6 +85,15 @@ def _fork_celery(arguments: list[str]) -> int:
 
 def run(host_name: str, extra: list[str]) -> int:
     """Run the host's two workers until one exits or a stop is asked for."""
+    # Both workers and their children write Prometheus samples there; the agent's /metrics reads them all.
+    metrics_folder.prepare("gantry-worker-metrics-")
+    try:
+        return _run(host_name, extra)
+    finally:
+        metrics_folder.remove_made()
+
+
+def _run(host_name: str, extra: list[str]) -> int:
     workers = {
         _fork_celery(celery_arguments(host_name, jobs=jobs, extra=extra)): name
         for jobs, name in ((False, "control worker"), (True, "jobs worker"))

@@ -43,6 +43,10 @@ def read_inventory() -> Inventory:
                 utilization = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
             except pynvml.NVMLError:
                 utilization = 0
+            try:
+                power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000  # milliwatts
+            except pynvml.NVMLError:
+                power = 0.0
             gpus.append(
                 GpuReport(
                     index=index,
@@ -52,6 +56,7 @@ def read_inventory() -> Inventory:
                     memory_total_bytes=int(memory.total),
                     memory_used_bytes=int(memory.used),
                     utilization_percent=int(utilization),
+                    power_watts=float(power),
                 )
             )
         return Inventory(gpus=gpus, driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}")

@@ -17,6 +17,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from common import metrics
 from common.errors import InvalidTransition, NotFound, ValidationFailed
 from deployments import build_spec, events, outbox, queues, selectors, states
 from deployments.models import BuildExecutor, BuildLogLine, EngineBuild, GpuHost, RegisteredModel
@@ -265,9 +266,12 @@ def build_finish(*, build_id: int, to: str, source: str, message: str, **fields:
         to, message = B.CANCELLED, "cancelled (the engine it finished is kept on disk but not recorded)"
         fields = {}
     try:
-        return states.build_transition(build_id=build_id, to=to, source=source, message=message, **fields)
+        build = states.build_transition(build_id=build_id, to=to, source=source, message=message, **fields)
     except InvalidTransition:
         return None
+    if build.started_at is not None:
+        metrics.observe(metrics.BUILD_DURATION, (timezone.now() - build.started_at).total_seconds(), to)
+    return build
 
 
 def build_files_missing(*, build_id: int, problem: str, source: str) -> bool:

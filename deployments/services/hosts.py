@@ -24,6 +24,7 @@ class GpuReport:
     memory_total_bytes: int
     memory_used_bytes: int = 0
     utilization_percent: int = 0
+    power_watts: float = 0.0
 
 
 def host_heartbeat(

@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from deployments import events
 from deployments.models import BuildLogLine, DeploymentModel, LogLine, MetricSample, Replica
+from deployments.services import replicas
 from deployments.states import SERVING
 
 
@@ -52,13 +53,46 @@ def metrics_record(
     MetricSample.objects.filter(deployment_id=deployment_id, at__lt=cutoff).delete()
     events.publish(
         events.deployment_group(deployment_id),
-        {"type": "metrics", "deployment": deployment_id, "at": now.isoformat(), "models": models, "gpus": gpus},
+        {
+            "type": "metrics",
+            "deployment": deployment_id,
+            "replica_id": replica_id,
+            "at": now.isoformat(),
+            "models": models,
+            "gpus": gpus,
+        },  # fmt: skip
     )
     # The dashboard's sparkline: the deployment's requests per second, all models together.
     events.publish(
         events.DASHBOARD_GROUP,
         {"type": "rate", "deployment": deployment_id, "at": now.isoformat(), "request_rate": request_rate(models)},
     )
+
+
+def metrics_unreadable(*, replica_id: int, cause: str, source: str, said: bool = False) -> None:
+    """A replica's metrics port did not answer its scrape: the cause on the page
+    every beat, and on the timeline once (``said``: already there)."""
+    replica = Replica.objects.filter(pk=replica_id).values("deployment_id", "serial").first()
+    if replica is None:
+        return
+    if not said:
+        replicas.record_replica_event(
+            replica_id=replica_id, kind="deployment.metrics_unreadable", source=source,
+            message=f"its metrics cannot be read ({cause}); its charts have a gap until they can",
+        )  # fmt: skip
+    events.publish(
+        events.deployment_group(replica["deployment_id"]),
+        {"type": "metrics_failed", "deployment": replica["deployment_id"], "replica": replica["serial"],
+         "replica_id": replica_id,
+         "at": timezone.now().isoformat(), "cause": cause},
+    )  # fmt: skip
+
+
+def metrics_readable(*, replica_id: int, source: str) -> None:
+    replicas.record_replica_event(
+        replica_id=replica_id, kind="deployment.metrics_readable", source=source,
+        message="its metrics are read again",
+    )  # fmt: skip
 
 
 def request_rate(models: dict[str, dict[str, float]]) -> float:
@@ -81,7 +115,7 @@ def request_rates(*, minutes: int, ids: list[int] | None = None) -> dict[int, li
     return {deployment_id: list(series.items()) for deployment_id, series in rates.items()}
 
 
-def placements_readiness(*, replica_id: int, models: dict[str, bool]) -> dict[str, bool]:
+def placements_readiness(*, replica_id: int, models: dict[str, bool], cause: str = "") -> dict[str, bool]:
     """Record what Triton says of each placed model on a replica (by Triton
     name; an engine's helper models are not placements and are left out), and
     whether each placement is ready on every serving replica of its deployment
@@ -110,7 +144,7 @@ def placements_readiness(*, replica_id: int, models: dict[str, bool]) -> dict[st
         events.publish(
             events.deployment_group(deployment_id),
             {"type": "models", "deployment": deployment_id, "ready": now,
-             "replica": {"serial": replica["serial"], "ready": mine}},
+             "replica": {"serial": replica["serial"], "ready": mine, "cause": cause}},
         )  # fmt: skip
     return changed
 

@@ -50,6 +50,9 @@ GATHER_S = 0.002
 # Tokens between two is_cancelled() calls for one request (each is a round trip
 # to Triton's core).
 CANCEL_CHECK_EVERY = 8
+# The KV cache's use, told to Triton's metrics at most this often (seconds).
+KV_TELL_EVERY_S = 0.5
+KV_METRIC = "gantry_kv_cache_tokens"
 
 
 def _parameter(config, key, default):
@@ -172,6 +175,7 @@ class TritonPythonModel:
             self.model, max_batch=max_batch, max_len=self.context_len, pad_id=pad_id, log=pb_utils.Logger.log_info
         )
         self.decoder.warm_up()
+        self.kv_used, self.kv_told_at = self._kv_gauges(args, max_batch * self.context_len), 0.0
         self.pending = queue.Queue()
         self.stopping = threading.Event()
         self.worker = threading.Thread(target=self._loop, name="gantry-generate", daemon=True)
@@ -181,6 +185,27 @@ class TritonPythonModel:
             f"context {self.context_len}: {self.decoder.mode} "
             f"(torch {torch.__version__}, transformers {transformers.__version__})"
         )
+
+    def _kv_gauges(self, args, capacity):
+        """gantry_kv_cache_tokens{model, model_instance, kind}: the cache's capacity once, and
+        its use (the tokens its sequences hold) as it changes, on Triton's metrics port."""
+        family = pb_utils.MetricFamily(
+            name=KV_METRIC,
+            description="Tokens the model's KV cache holds (kind=used) and can hold (kind=capacity)",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        labels = {"model": args["model_name"], "model_instance": args.get("model_instance_name", "")}
+        family.Metric(labels={**labels, "kind": "capacity"}).set(capacity)
+        used = family.Metric(labels={**labels, "kind": "used"})
+        used.set(0)
+        self.kv_family = family  # the metrics live as long as their family
+        return used
+
+    def _tell_kv_use(self):
+        now = time.monotonic()
+        if now - self.kv_told_at >= KV_TELL_EVERY_S:
+            self.kv_told_at = now
+            self.kv_used.set(sum(self.decoder.lengths))
 
     def execute(self, requests):
         for request in requests:
@@ -224,10 +249,14 @@ class TritonPythonModel:
                     if joining:
                         waiting = decoder.admit(joining) + waiting
                 if not decoder.rows:
+                    if self.kv_told_at:
+                        self.kv_used.set(0)
+                        self.kv_told_at = 0.0
                     continue
                 for sequence, token in decoder.step():
                     self._advance(sequence, token)
                 decoder.release([s for s in decoder.rows if s.done])
+                self._tell_kv_use()
             except Exception as exc:  # noqa: BLE001 - every request in the batch gets the error
                 pb_utils.Logger.log_error(f"generation failed: {exc}")
                 for sequence in {id(s): s for s in decoder.rows + joining}.values():

@@ -25,7 +25,7 @@ from deployments.models import Runtime as DeploymentRuntime
 from deployments.services import hosts, replicas
 from triton_server.client import Readiness
 from triton_server.server import STOP_GRACE_S, LaunchSpec
-from workers import nvml
+from workers import exporter, nvml
 from workers.deploy import telemetry
 from workers.deploy.lifecycle import failer, host_lock_held, mark_ready, roll_back
 from workers.deploy.plan import launch_spec, load, runtime_for, triton_client
@@ -164,7 +164,8 @@ def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
             _check_models(replica)
             pids = runtime.pids(replica.runtime_handle, spec) if spec.gpu_ids else []
             memory = telemetry.process_memory(pids, spec.gpu_ids)
-            telemetry.collect_metrics(replica, inventory, memory=memory)
+            telemetry.collect_metrics(replica, inventory, memory=memory, gpu_ids=spec.gpu_ids)
+    exporter.forget({replica.pk for replica in watched if replica.status not in (S.LAUNCHING, S.STOPPING)})
     _remove_unwanted_containers()
 
 
@@ -318,7 +319,7 @@ def _handle_crash(replica: Replica, runtime: Runtime, spec: LaunchSpec) -> None:
 
 def _check_models(replica: Replica) -> None:
     state = _readiness(replica)
-    telemetry.report_readiness(replica, state.models)
+    telemetry.report_readiness(replica, state.models, state.cause)
     not_ready = [name for name, ok in state.models.items() if not ok]
     try:
         if not_ready and replica.status == S.READY:
@@ -327,7 +328,7 @@ def _check_models(replica: Replica) -> None:
                 to=S.DEGRADED,
                 source=source(),
                 only_from=frozenset({S.READY}),
-                message=f"not ready: {', '.join(not_ready)}",
+                message=f"not ready: {state.cause or ', '.join(not_ready)}",
             )
         elif not not_ready and replica.status == S.DEGRADED:
             states.replica_transition(

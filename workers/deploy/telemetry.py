@@ -5,14 +5,19 @@ NVML)."""
 from __future__ import annotations
 
 import logging
+from functools import cache
 from pathlib import Path
 
+import redis
+from django.conf import settings
+
 from common.errors import TransientError
+from deployments import gpu_plan, live_figures
 from deployments.models import Replica
 from deployments.services import replicas, telemetry
 from triton_server import metrics
 from triton_server.server import LOCAL, LaunchSpec
-from workers import nvml
+from workers import exporter, nvml
 from workers.jobs import source
 from workers.runtimes.base import Runtime
 
@@ -102,17 +107,34 @@ def _stub_model(pid: int) -> str:
 
 
 def collect_metrics(
-    replica: Replica, inventory: nvml.Inventory | None = None, *, memory: dict[str, int] | None = None
+    replica: Replica,
+    inventory: nvml.Inventory | None = None,
+    *,
+    memory: dict[str, int] | None = None,
+    gpu_ids: tuple[int, ...] = (),
 ) -> None:
     """Scrape the server's metrics port once and store per-model rates, GPU
-    figures and each model's GPU memory as NVML sees it (``memory``, from
-    process_memory)."""
+    figures, each model's GPU memory as NVML sees it (``memory``, from
+    process_memory) and what the doors saw of its generations (TTFT, inter-token
+    latency, tokens/s: deployments.live_figures). Keep all of it for the host's
+    /metrics (workers.exporter). A failed scrape says why on the timeline and
+    the page, once per cause, and again when figures are back."""
     url = f"http://{LOCAL}:{replica.metrics_port}/metrics"
+    labels = exporter.replica_labels(deployment=replica.deployment.name, replica_id=replica.pk, serial=replica.serial)
     try:
         current = metrics.scrape(url)
     except TransientError as exc:
-        log.info("replica %s: %s", replica.pk, exc)
+        exporter.scrape_failed(replica.pk, labels)
+        cause = str(exc)
+        if _scrape_failing.get(replica.pk) != cause:
+            _scrape_failing[replica.pk] = cause
+            telemetry.metrics_unreadable(replica_id=replica.pk, cause=cause, source=source())
+        else:
+            telemetry.metrics_unreadable(replica_id=replica.pk, cause=cause, source=source(), said=True)
         return
+    if _scrape_failing.pop(replica.pk, None) is not None:
+        telemetry.metrics_readable(replica_id=replica.pk, source=source())
+    exporter.keep_scrape(replica.pk, labels, current.text)
     handle, previous = _last_scrape.get(replica.pk, ("", None))
     if handle != replica.runtime_handle:
         previous = None  # another server since: its counters started again from zero
@@ -120,6 +142,9 @@ def collect_metrics(
     models = metrics.derive(previous, current)
     for name, used in (memory or {}).items():
         models.setdefault(name, {})["gpu_memory_bytes"] = used
+    exporter.keep_memory(replica.pk, labels, memory or {}, _planned_memory(replica, inventory, gpu_ids))
+    for name, values in _generations(replica.pk).items():
+        models.setdefault(name, {}).update(values)
     telemetry.metrics_record(
         deployment_id=replica.deployment_id,
         replica_id=replica.pk,
@@ -128,6 +153,34 @@ def collect_metrics(
     )
 
 
-def report_readiness(replica: Replica, models: dict[str, bool]) -> None:
-    """What Triton said of each model at this check, for the replica's page."""
-    telemetry.placements_readiness(replica_id=replica.pk, models=models)
+# Each replica whose last scrape failed, and why (said on the timeline once per cause).
+_scrape_failing: dict[int, str] = {}
+
+
+@cache
+def _redis() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=2, socket_timeout=2)
+
+
+def _generations(replica_id: int) -> dict[str, dict[str, float]]:
+    try:
+        return live_figures.read(_redis(), replica_id)
+    except redis.RedisError as exc:
+        log.debug("live figures of replica %s unread: %s", replica_id, exc)
+        return {}
+
+
+def _planned_memory(replica: Replica, inventory: nvml.Inventory | None, gpu_ids: tuple[int, ...]) -> dict[str, int]:
+    """What the plan gave each placement on this replica's GPUs: its share of each."""
+    if inventory is None or not inventory.gpus:
+        return {}
+    totals = {gpu.index: gpu.memory_total_bytes for gpu in inventory.gpus}
+    gpus = [totals[i] for i in gpu_ids if i in totals]
+    if not gpus:
+        return {}
+    return {p.triton_name: int(gpu_plan.share_of(p) * sum(gpus)) for p in replica.deployment.placements.all()}
+
+
+def report_readiness(replica: Replica, models: dict[str, bool], cause: str = "") -> None:
+    """What Triton said of each model at this check (and why some are not ready), for the replica's page."""
+    telemetry.placements_readiness(replica_id=replica.pk, models=models, cause=cause)

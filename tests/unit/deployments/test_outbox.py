@@ -25,9 +25,10 @@ class Broker:
         self.sent: list[tuple[str, list, str]] = []
         self.down = False
 
-    def send_task(self, name: str, *, args: list, queue: str, retry: bool) -> None:
+    def send_task(self, name: str, *, args: list, queue: str, retry: bool, headers: dict) -> None:
         if self.down:
             raise ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+        assert isinstance(headers[outbox.SENT_AT_HEADER], float)  # the queue's task age on /metrics
         self.sent.append((name, args, queue))
 
 
