@@ -18,7 +18,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-gpu
+.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-gpu
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -79,6 +79,7 @@ bench: venv
 	$(MAKE) bench-replicas
 	$(MAKE) bench-admission
 	$(MAKE) bench-channel
+	$(MAKE) bench-metrics
 
 # The REST API at fleet scale: PostgreSQL (BENCH_DATABASE_URL), Redis and wrk.
 bench-api: venv
@@ -106,6 +107,10 @@ bench-admission: venv
 	$(PY) bench/admission.py
 
 # The channel's mutual TLS against plain HTTP to the same Triton in a network namespace (root).
+# Prometheus metrics on against off through the gateway, and a host's /metrics with 100 deployments.
+bench-metrics: venv
+	$(PY) bench/metrics.py $(BENCH_METRICS_ARGS)
+
 bench-channel: venv
 	$(PY) bench/channel.py $(BENCH_CHANNEL_ARGS)
 

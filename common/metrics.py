@@ -137,6 +137,12 @@ def exposition(found: CollectorRegistry) -> bytes:
     return generate_latest(found)
 
 
+# Each label set's children, looked up once (labels() validates its arguments every call).
+_TIMED = (REQUEST_DURATION, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, PROMPT_TOKENS, COMPLETION_TOKENS)
+_requests: dict[tuple, Any] = {}
+_timed: dict[tuple, tuple] = {}
+
+
 def observe_door(
     *,
     door: str,
@@ -154,17 +160,25 @@ def observe_door(
     if not enabled():
         return
     outcome = "ok" if code < 400 else "refused" if code < 500 else "error"
-    REQUESTS.labels(door, alias, key, model, str(code), outcome).inc()
+    counted = (door, alias, key, model, code)
+    requests = _requests.get(counted)
+    if requests is None:
+        requests = _requests[counted] = REQUESTS.labels(door, alias, key, model, str(code), outcome)
+    requests.inc()
     labels = (door, alias, model)
-    REQUEST_DURATION.labels(*labels).observe(duration_s)
+    timed = _timed.get(labels)
+    if timed is None:
+        timed = _timed[labels] = tuple(metric.labels(*labels) for metric in _TIMED)
+    duration, first, inter, prompt, completion = timed
+    duration.observe(duration_s)
     if first_token_s is not None:
-        TIME_TO_FIRST_TOKEN.labels(*labels).observe(first_token_s)
+        first.observe(first_token_s)
     if inter_token_s is not None:
-        INTER_TOKEN_LATENCY.labels(*labels).observe(inter_token_s)
+        inter.observe(inter_token_s)
     if prompt_tokens:
-        PROMPT_TOKENS.labels(*labels).observe(prompt_tokens)
+        prompt.observe(prompt_tokens)
     if completion_tokens:
-        COMPLETION_TOKENS.labels(*labels).observe(completion_tokens)
+        completion.observe(completion_tokens)
 
 
 def count(metric: Counter, *labels: str, amount: float = 1) -> None:

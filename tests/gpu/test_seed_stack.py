@@ -34,6 +34,7 @@ SPLIT = {"llm": 0.80, "reranker": 0.10, "embedder": 0.05}
 BATCH = {"llm": 32, "reranker": 64, "embedder": 128}
 LEVELS = [1, 2] if REHEARSAL else [1, 8, 32]
 LLM_SEQ = 512 if REHEARSAL else 2048  # the tiny LLM has 512 positions
+SCRAPE_TOKEN = "gpu-suite-scrape-token"
 SENTENCES = [f"Sentence number {i} about GPUs, models and serving." for i in range(16)]
 
 
@@ -58,7 +59,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def plane(tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[str, Path]):  # noqa: ANN201
     work = tmp_path_factory.mktemp("control-plane")
     root = checkpoints["llm"].parent
-    plane = control_plane.start(work, model_roots=[root])
+    # Prometheus on: the host's /metrics is read during the load test (_host_metrics).
+    metrics_env = {"GANTRY_METRICS_TOKEN": SCRAPE_TOKEN, "GANTRY_WORKER_METRICS_PORT": str(control_plane.free_port())}
+    plane = control_plane.start(work, model_roots=[root], extra_env=metrics_env)
     try:
         yield plane
     finally:
@@ -189,6 +192,40 @@ def _memory(plane, deployment_id: int) -> dict[str, int]:
     return latest
 
 
+def _host_metrics(plane) -> dict[str, float]:  # noqa: ANN001
+    """A few of the host worker's Prometheus figures (its own /metrics, with the scrape token)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = plane.env["GANTRY_WORKER_METRICS_PORT"]
+    answer = requests.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {SCRAPE_TOKEN}"},
+                          timeout=10)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    found: dict[str, float] = {}
+
+    def add(key: str, value: float) -> None:
+        found[key] = found.get(key, 0.0) + value
+
+    for family in text_string_to_metric_families(answer.text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "gantry_kv_cache_tokens" and labels.get("model") == "llm":
+                add(f"kv_{labels['kind']}_tokens", sample.value)
+            elif sample.name == "gantry_gpu_power_watts":
+                add("gpu_power_watts", sample.value)
+            elif sample.name == "gantry_model_gpu_memory_bytes" and labels.get("model") == "llm":
+                add("llm_gpu_memory_bytes", sample.value)
+            elif sample.name.startswith("nv_inference_request_success") and labels.get("model") == "llm":
+                add("triton_llm_requests", sample.value)
+    return found
+
+
+def _page_figures(plane, deployment_id: int) -> dict[str, float]:  # noqa: ANN001
+    """The LLM's latest TTFT, inter-token and tokens/s figures, as the deployment page gets them."""
+    samples = plane.ok("GET", f"/api/deployments/{deployment_id}/metrics/?minutes=5&kind=model&ordering=-id&limit=50")
+    return next((s["values"] for s in samples["results"] if s["subject"] == "llm" and "ttft_p99_ms" in s["values"]),
+                {})  # fmt: skip
+
+
 def _side_load(plane, key: str, stop: threading.Event, counts: dict) -> list[threading.Thread]:
     """Embed (16 sentences) and rerank (a query and 8 passages) requests through /v1, back to back."""
     headers = {"Authorization": f"Bearer {key}"}
@@ -238,9 +275,12 @@ def test_a_stored_load_test_at_1_8_32_streams_with_embed_and_rerank_beside_it(pl
         json={"deployment": stack["id"], "model": "seed-llm", "workload": workload, "confirm": True},
     )
     peaks: dict[str, int] = {}
+    exported: dict[str, float] = {}
     while (current := plane.ok("GET", f"/api/loadtests/{run['id']}/"))["status"] in ("queued", "running"):
         for name, used in _memory(plane, stack["id"]).items():
             peaks[name] = max(peaks.get(name, 0), used)
+        for name, value in _host_metrics(plane).items():
+            exported[name] = max(exported.get(name, 0.0), value)
         time.sleep(2)
     beside_s = time.monotonic() - started
     stop.set()
@@ -253,6 +293,12 @@ def test_a_stored_load_test_at_1_8_32_streams_with_embed_and_rerank_beside_it(pl
     assert all(row["counted.errors"] in (0, None) for row in figures.values()), figures
     beside = {k: round(v / beside_s, 2) for k, v in counts.items()}
     assert beside["embed"] > 0 and beside["rerank"] > 0 and beside["embed_errors"] == beside["rerank_errors"] == 0
+    # What Prometheus would read from the host during the run, and what the page showed.
+    assert exported.get("kv_used_tokens", 0) > 0 and exported["kv_capacity_tokens"] > 0, exported
+    assert exported["triton_llm_requests"] > 0, exported
+    page = _page_figures(plane, stack["id"])
+    assert page.get("ttft_p99_ms", 0) > 0 and page.get("tokens_per_s", 0) > 0, page
+    report["metrics"] = {"host_peaks": exported, "page_llm_last": page}
     report["load_test"] = {
         "run": run["id"],
         "levels": figures,
@@ -261,6 +307,7 @@ def test_a_stored_load_test_at_1_8_32_streams_with_embed_and_rerank_beside_it(pl
     }
     if REHEARSAL:
         return
+    assert exported["gpu_power_watts"] > 0 and exported["llm_gpu_memory_bytes"] > 0, exported
     # NVML's memory of each model's processes, sampled through the run, within its plan (share and contexts).
     budgets = {
         m["triton_name"]: m["nvml_budget_bytes"]
