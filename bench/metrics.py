@@ -72,29 +72,39 @@ async def _first_token(session, base: str, auth: dict, triton: str, side: str, r
 
 
 async def _measure(args, bases: dict[str, str], auth: dict, triton: str, render) -> dict:  # noqa: ANN001
+    """Each side in turn, the order reversed every round. Each side's round opens its own
+    connections: the kernel spreads a server's connections over its two processes
+    (SO_REUSEPORT) by their addresses, so one set kept for the whole run would leave
+    one side with a lopsided split for good (10 and 6 of 16 were seen) and its tail
+    worse for that alone."""
     import aiohttp
 
     results: dict = {}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        for side in SIDES:  # warm every path
-            await asyncio.gather(*(_embed(session, bases.get(side, ""), auth, triton, side, i) for i in range(32)))
-            await _first_token(session, bases.get(side, ""), auth, triton, side, render)
-        for round_ in range(args.rounds):
-            order = SIDES if round_ % 2 == 0 else tuple(reversed(SIDES))
-            for side in order:
-                base = bases.get(side, "")
+
+    def session() -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    for side in SIDES:  # warm every path
+        async with session() as warm:
+            await asyncio.gather(*(_embed(warm, bases.get(side, ""), auth, triton, side, i) for i in range(32)))
+            await _first_token(warm, bases.get(side, ""), auth, triton, side, render)
+    for round_ in range(args.rounds):
+        order = SIDES if round_ % 2 == 0 else tuple(reversed(SIDES))
+        for side in order:
+            base = bases.get(side, "")
+            async with session() as fresh:
                 for clients in (1, 16):
                     counter = iter(range(args.single if clients == 1 else args.embed_requests * clients))
                     found = results.setdefault(("embed", side, clients), [])
 
-                    async def client(found=found, counter=counter, base=base, side=side) -> None:  # noqa: ANN001
+                    async def client(found=found, counter=counter, base=base, side=side, fresh=fresh) -> None:  # noqa: ANN001
                         for i in counter:
-                            found.append(await _embed(session, base, auth, triton, side, i))
+                            found.append(await _embed(fresh, base, auth, triton, side, i))
 
                     await asyncio.gather(*(client() for _ in range(clients)))
                 chats = results.setdefault(("chat", side), [])
                 for _ in range(args.chats):
-                    chats.append(await _first_token(session, base, auth, triton, side, render))
+                    chats.append(await _first_token(fresh, base, auth, triton, side, render))
     return results
 
 
@@ -116,8 +126,9 @@ def _gateway_report(results: dict) -> None:
 
 
 RECORD_COST = """
-import os, sys, tempfile, time
-os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp()
+import os, sys, time
+from common import metrics_folder
+metrics_folder.prepare("gantry-bench-metrics-")  # as the web tier's master does
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 import django; django.setup()
 from django.conf import settings; settings.GANTRY_METRICS_TOKEN = "x"
@@ -130,6 +141,7 @@ for on in (False, True):
         metrics.observe_door(door="gateway", alias="chat", key=str(i % 8), model="llm", code=200, duration_s=0.02,
                              first_token_s=0.01, inter_token_s=0.005, prompt_tokens=20, completion_tokens=64)
     print(on, (time.perf_counter() - started) / n * 1e6)
+metrics_folder.remove_made()
 """
 
 
@@ -206,6 +218,11 @@ def main() -> int:
     parser.add_argument("--deployments", type=int, default=100)
     parser.add_argument("--scrapes", type=int, default=1000, help="scrapes a side")
     parser.add_argument("--port", type=int, default=18900, help="first of the ports used")
+    parser.add_argument(
+        "--same",
+        action="store_true",
+        help="an A/A run: the second server with metrics off too (what the setup alone differs by)",
+    )
     args = parser.parse_args()
 
     work = setup_django(args.port)
@@ -219,7 +236,9 @@ def main() -> int:
     from gateway import services as gateway_services
     from workers.untrained import make_untrained_llm
 
-    models = {"llm": (make_untrained_llm(work / "tiny-llama"), "llm"), "minilm": (_embedder(work), "embedding")}
+    tokenizer = os.environ.get("GANTRY_GPU_SUITE_TOKENIZER")  # the GPU machine has no packaged MiniLM
+    llm = make_untrained_llm(work / "tiny-llama", tokenizer_dir=Path(tokenizer) if tokenizer else None)
+    models = {"llm": (llm, "llm"), "minilm": (_embedder(work), "embedding")}
     placements = [PlacementSpec(model="llm", max_batch_size=8, max_queue_delay_us=500),
                   PlacementSpec(model="minilm", max_batch_size=32, max_queue_delay_us=500)]  # fmt: skip
     with served(port=args.port, models=models, placements=placements) as stack:
@@ -236,13 +255,15 @@ def main() -> int:
 
         # The same web server a second time, with metrics on (served() started it with them off).
         on_port = args.port + 35
-        os.environ["GANTRY_METRICS_TOKEN"] = TOKEN
+        os.environ["GANTRY_METRICS_TOKEN"] = "" if args.same else TOKEN
         try:
             with server(web_argv(sys.executable, bind="127.0.0.1", port=on_port), on_port):
                 bases = {"off": stack.web, "on": f"http://127.0.0.1:{on_port}"}
-                probe = urllib.request.Request(f"{bases['on']}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
-                with urllib.request.urlopen(probe, timeout=10) as answer:  # noqa: S310 - loopback
-                    assert answer.status == 200
+                if not args.same:
+                    probe = urllib.request.Request(f"{bases['on']}/metrics",
+                                                   headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+                    with urllib.request.urlopen(probe, timeout=10) as answer:  # noqa: S310 - loopback
+                        assert answer.status == 200
                 print(f"gateway with metrics off {bases['off']}, on {bases['on']}, Triton {stack.triton}; "
                       f"{args.rounds} rounds")  # fmt: skip
                 results = asyncio.run(_measure(args, bases, {"Authorization": f"Bearer {secret}"}, stack.triton,

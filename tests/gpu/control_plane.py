@@ -106,6 +106,8 @@ def start(work: Path, *, model_roots: list[Path], extra_env: dict[str, str] | No
         **os.environ,
         "DATABASE_URL": f"sqlite:///{work / 'gantry.sqlite3'}",
         "REDIS_URL": f"redis://127.0.0.1:{free_port(start=triton_base + 40)}/0",  # a Redis of its own
+        # The host's /metrics (on while GANTRY_METRICS_TOKEN is set), clear of the ports above.
+        "GANTRY_WORKER_METRICS_PORT": str(free_port(start=triton_base + 50)),
         "SECRET_KEY": "gantry-gpu-suite-key",
         "GANTRY_PLAIN_HTTP": "1",
         "GANTRY_DATA_DIR": str(work / "data"),

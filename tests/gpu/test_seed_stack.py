@@ -60,8 +60,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[str, Path]
     work = tmp_path_factory.mktemp("control-plane")
     root = checkpoints["llm"].parent
     # Prometheus on: the host's /metrics is read during the load test (_host_metrics).
-    metrics_env = {"GANTRY_METRICS_TOKEN": SCRAPE_TOKEN, "GANTRY_WORKER_METRICS_PORT": str(control_plane.free_port())}
-    plane = control_plane.start(work, model_roots=[root], extra_env=metrics_env)
+    plane = control_plane.start(work, model_roots=[root], extra_env={"GANTRY_METRICS_TOKEN": SCRAPE_TOKEN})
     try:
         yield plane
     finally:
