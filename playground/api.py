@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from rest_framework.views import APIView
 from access.models import secret_digest
 from access.services import bearer_secret, token_user, token_user_if_known
 from access.throttles import door_throttled
-from common import jsonbody
+from common import jsonbody, metrics
 from common.errors import GantryError
 from common.problems import problem
 from common.ttl_cache import MISSING
@@ -147,6 +148,46 @@ class Answer:
 async def generate_answer(
     pk: int, raw: bytes, may_view: Callable[[], bool], who: str, known: Callable[[], bool | None] = lambda: None
 ) -> Answer:
+    """The generate action's answer (``_answer``), counted and timed for /metrics
+    (door "generate"; its key label is who asked: a token's digest or a user)."""
+    if not metrics.enabled():
+        return await _answer(pk, raw, may_view, who, known, {})
+    started, seen = time.monotonic(), {}
+    answer = await _answer(pk, raw, may_view, who, known, seen)
+    if answer.events is None:
+        _observe(answer.status, seen, started, who)
+    else:
+        answer.events = _observed(answer.events, seen, started, who)
+    return answer
+
+
+def _observe(code: int, seen: dict[str, Any], started: float, who: str) -> None:
+    outcome: Outcome | None = seen.get("outcome")
+    metrics.observe_door(
+        door="generate", alias="", key=who, model=seen.get("model", ""), code=code,
+        duration_s=time.monotonic() - started,
+        first_token_s=outcome.first_token_s if outcome is not None else None,
+        inter_token_s=outcome.inter_token_s if outcome is not None else None,
+        prompt_tokens=outcome.prompt_tokens if outcome is not None else None,
+        completion_tokens=outcome.completion_tokens if outcome is not None else None,
+    )  # fmt: skip
+
+
+async def _observed(events: AsyncIterator[str], seen: dict[str, Any], started: float, who: str) -> AsyncIterator[str]:
+    """``events``, then the request counted (finished, failed or abandoned: it started as a 200).
+    Closing this closes ``events``, and with it Triton's request."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+        _observe(200, seen, started, who)
+
+
+async def _answer(
+    pk: int, raw: bytes, may_view: Callable[[], bool], who: str, known: Callable[[], bool | None],
+    seen: dict[str, Any],
+) -> Answer:  # fmt: skip
     """Validate a generate request, check who asks and start the generation.
 
     ``may_view`` and the route lookup go to a thread together (they read the
@@ -204,6 +245,7 @@ async def generate_answer(
     if prepared is None:
         return Answer(401, _UNAUTHENTICATED)
     outcome = Outcome()
+    seen.update(model=prepared.model, outcome=outcome)
     if data["stream"]:
         return Answer(events=_events(prepared, outcome))
     try:

@@ -89,6 +89,12 @@ def test_prometheus_scrapes_every_gantry_process_and_the_dashboard_and_page_show
         with pytest.raises(openai.AuthenticationError):
             _client(stack, {"key": "gk-not-a-key"}).models.list()
 
+        # The generate action, streamed, with the stack's API token (its lean path).
+        with stack.session().post(f"{stack.web_url}/api/deployments/{deployment['id']}/generate/",
+                                  json={"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True},
+                                  stream=True, timeout=60) as generated:  # fmt: skip
+            assert generated.status_code == 200 and b'"done"' in b"".join(generated.iter_content(None))
+
         # Web: any of its two processes answers for both (multiprocess mode), the same each time.
         seen = [_scrape(f"{stack.web_url}/metrics") for _ in range(4)]
         ok = {_value(f, "gantry_requests_total", alias="chat", code="200", outcome="ok") for f in seen}
@@ -100,6 +106,8 @@ def test_prometheus_scrapes_every_gantry_process_and_the_dashboard_and_page_show
         assert _value(web, "gantry_inter_token_latency_seconds_count", alias="chat") == 6
         assert _value(web, "gantry_completion_tokens_sum", alias="chat") > 6
         assert _value(web, "gantry_deployments", status="ready") >= 1
+        assert _value(web, "gantry_requests_total", door="generate", model="tiny", code="200") == 1
+        assert _value(web, "gantry_time_to_first_token_seconds_count", door="generate") == 1
         assert {s.labels["queue"] for s in web["gantry_celery_queue_length"]} >= set(host_queues(stack.host_name))
 
         live = _scrape(f"{live_url}/metrics")
