@@ -72,8 +72,7 @@ class _Seen:
         metrics.observe_door(
             door="gateway", alias=self.alias, key=self.key, model=self.model, code=self.code or 500,
             duration_s=time.monotonic() - self.started,
-            first_token_s=None if outcome is None or outcome.first_token_at is None or not outcome.streamed
-            else outcome.first_token_at - self.started,
+            first_token_s=None if outcome is None else outcome.first_token_after(self.started),
             inter_token_s=None if outcome is None else outcome.inter_token_s,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
         )  # fmt: skip

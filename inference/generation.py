@@ -80,7 +80,11 @@ class Outcome:
     @property
     def first_token_s(self) -> float | None:
         """Streamed: seconds from the start to the first token (unknown to a whole answer's client)."""
-        return None if self.first_token_at is None or not self.streamed else self.first_token_at - self.started
+        return self.first_token_after(self.started)
+
+    def first_token_after(self, started: float) -> float | None:
+        """Streamed: seconds from ``started`` (a door's arrival, on time.monotonic) to the first token."""
+        return None if self.first_token_at is None or not self.streamed else self.first_token_at - started
 
     @property
     def inter_token_s(self) -> float | None:

@@ -166,7 +166,7 @@ def _observe(code: int, seen: dict[str, Any], started: float, who: str) -> None:
     metrics.observe_door(
         door="generate", alias="", key=who, model=seen.get("model", ""), code=code,
         duration_s=time.monotonic() - started,
-        first_token_s=outcome.first_token_s if outcome is not None else None,
+        first_token_s=outcome.first_token_after(started) if outcome is not None else None,
         inter_token_s=outcome.inter_token_s if outcome is not None else None,
         prompt_tokens=outcome.prompt_tokens if outcome is not None else None,
         completion_tokens=outcome.completion_tokens if outcome is not None else None,
