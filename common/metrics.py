@@ -30,6 +30,7 @@ from prometheus_client.registry import REGISTRY, Collector
 from common import metrics_folder
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+REFUSED = b"send the scrape token: Authorization: Bearer <GANTRY_METRICS_TOKEN>\n"  # a 401's body
 
 # Latency buckets (seconds): from a cached embedding (1 ms) to a long generation (2 min).
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

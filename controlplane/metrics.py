@@ -51,7 +51,7 @@ class MetricsDoor:
         authorization = dict(scope["headers"]).get(b"authorization")
         if not metrics.scrape_allowed(authorization):
             await send_bytes(
-                send, 401, b"send the scrape token: Authorization: Bearer <GANTRY_METRICS_TOKEN>\n", "text/plain",
+                send, 401, metrics.REFUSED, "text/plain",
                 headers=[(b"www-authenticate", b'Bearer realm="metrics"')],
             )  # fmt: skip
             return

@@ -28,6 +28,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from common import metrics
+from deployments.services.hosts import GpuReport
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,8 @@ def keep_memory(replica_id: int, labels: dict[str, str], used: dict[str, int], p
         _processes[replica_id] = rows
 
 
-def keep_gpus(gpus: Iterable[object]) -> None:
-    """The host's GPUs as NVML read them this beat (deployments.services.hosts.GpuReport)."""
+def keep_gpus(gpus: Iterable[GpuReport]) -> None:
+    """The host's GPUs as NVML read them this beat."""
     utilization = GaugeMetricFamily(
         "gantry_gpu_utilization_ratio", "GPU busy time over NVML's last sample period.", labels=["gpu", "uuid", "name"]
     )
@@ -101,11 +102,11 @@ def keep_gpus(gpus: Iterable[object]) -> None:
     total = GaugeMetricFamily("gantry_gpu_memory_total_bytes", "GPU memory in all.", labels=["gpu", "uuid", "name"])
     power = GaugeMetricFamily("gantry_gpu_power_watts", "GPU power draw.", labels=["gpu", "uuid", "name"])
     for gpu in gpus:
-        labels = [str(gpu.index), gpu.uuid, gpu.name]  # type: ignore[attr-defined]
-        utilization.add_metric(labels, gpu.utilization_percent / 100)  # type: ignore[attr-defined]
-        used.add_metric(labels, gpu.memory_used_bytes)  # type: ignore[attr-defined]
-        total.add_metric(labels, gpu.memory_total_bytes)  # type: ignore[attr-defined]
-        power.add_metric(labels, gpu.power_watts)  # type: ignore[attr-defined]
+        labels = [str(gpu.index), gpu.uuid, gpu.name]
+        utilization.add_metric(labels, gpu.utilization_percent / 100)
+        used.add_metric(labels, gpu.memory_used_bytes)
+        total.add_metric(labels, gpu.memory_total_bytes)
+        power.add_metric(labels, gpu.power_watts)
     with _lock:
         _gpus[:] = [utilization, used, total, power]
 
@@ -176,7 +177,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path.split("?")[0] != "/metrics":
             self._answer(404, b"only /metrics is here\n", "text/plain")
         elif not metrics.scrape_allowed(self.headers.get("Authorization")):
-            self._answer(401, b"send the scrape token: Authorization: Bearer <GANTRY_METRICS_TOKEN>\n", "text/plain")
+            self._answer(401, metrics.REFUSED, "text/plain")
         else:
             self._answer(200, exposition(self.registry), metrics.CONTENT_TYPE)
 

@@ -126,11 +126,9 @@ def collect_metrics(
     except TransientError as exc:
         exporter.scrape_failed(replica.pk, labels)
         cause = str(exc)
-        if _scrape_failing.get(replica.pk) != cause:
-            _scrape_failing[replica.pk] = cause
-            telemetry.metrics_unreadable(replica_id=replica.pk, cause=cause, source=source())
-        else:
-            telemetry.metrics_unreadable(replica_id=replica.pk, cause=cause, source=source(), said=True)
+        said = _scrape_failing.get(replica.pk) == cause
+        _scrape_failing[replica.pk] = cause
+        telemetry.metrics_unreadable(replica_id=replica.pk, cause=cause, source=source(), said=said)
         return
     if _scrape_failing.pop(replica.pk, None) is not None:
         telemetry.metrics_readable(replica_id=replica.pk, source=source())
