@@ -63,3 +63,26 @@ def test_embeddings_and_rerank_bodies():
     assert _refusal(schemas.RerankIn, {"model": "r", "query": "q", "documents": ["a"], "top_n": 0})["param"] == "top_n"
     assert _refusal(schemas.CompletionIn, {"model": "m", "prompt": ["a", "b"]})["param"] == "prompt"
     assert _refusal(schemas.CompletionIn, [])["code"] == "invalid_body"
+
+
+def test_one_checker_per_thread_carries_nothing_from_one_body_to_the_next():
+    """The checker is built once and reused: a refused body, a nested list and
+    defaults leave nothing behind for the next body, in this thread or another."""
+    import threading
+
+    long_chat = {**CHAT, "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    assert len(schemas.parse(schemas.ChatIn, long_chat)["messages"]) == 2
+    assert _refusal(schemas.ChatIn, {**CHAT, "messages": [{"role": "robot", "content": "x"}]})["param"] == (
+        "messages[0].role"
+    )
+    data = schemas.parse(schemas.ChatIn, {**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    assert data["messages"] == [{"role": "user", "content": "hi"}] and data["stream_options"]["include_usage"]
+    again = schemas.parse(schemas.ChatIn, CHAT)
+    assert again["stream"] is False and "stream_options" not in again and "max_tokens" not in again
+    seen = []
+    elsewhere = threading.Thread(target=lambda: seen.append(schemas._checker(schemas.ChatIn)))
+    elsewhere.start()
+    elsewhere.join()
+    assert seen[0] is not schemas._checker(schemas.ChatIn) and schemas._checker(schemas.ChatIn) is schemas._checker(
+        schemas.ChatIn
+    )
