@@ -2,9 +2,10 @@
 time to first token, inter-token latency and tokens per second, per model.
 
 The web tier's doors push one line per finished generation onto the replica's
-list in Redis (bounded, expiring); the replica's worker reads the last minute
-of it at each beat and stores the percentiles with Triton's figures
-(deployments.services.telemetry), so they are charted and pushed like them.
+list in Redis (bounded, expiring; each process sends its lines once a second);
+the replica's worker reads the last minute of it at each beat and stores the
+percentiles with Triton's figures (deployments.services.telemetry), so they are
+charted and pushed like them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ log = logging.getLogger(__name__)
 KEEP = 2000  # lines per replica: at 30 requests a second, a minute's worth
 TTL_S = 3600
 WINDOW_S = 60.0
-_pending: set[asyncio.Task] = set()
+# Lines wait in the process this long and go to Redis together: one round trip a
+# second, not one per generation on the event loop that serves the next request.
+FLUSH_S = 1.0
+_waiting: dict[str, list[str]] = {}
+_flusher: asyncio.Task | None = None
 
 
 def _key(replica_id: int) -> str:
@@ -34,28 +39,34 @@ def _key(replica_id: int) -> str:
 def record_soon(
     *, replica_id: int, model: str, first_token_s: float | None, inter_token_s: float | None, tokens: int
 ) -> None:
-    """Push one finished generation's figures, after the answer (never in its way)."""
-    line = f"{model}\t{time.time():.3f}\t{_or_dash(first_token_s)}\t{_or_dash(inter_token_s)}\t{tokens}"
+    """Keep one finished generation's figures for the next push (within FLUSH_S, never in the answer's way)."""
+    global _flusher
     try:
-        task = asyncio.get_running_loop().create_task(_push(_key(replica_id), line))
-    except RuntimeError:  # a generation closed outside any loop (collected): nothing to say it on
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # a generation closed outside any loop (collected): nothing to push it from
         return
-    _pending.add(task)
-    task.add_done_callback(_pending.discard)
+    line = f"{model}\t{time.time():.3f}\t{_or_dash(first_token_s)}\t{_or_dash(inter_token_s)}\t{tokens}"
+    _waiting.setdefault(_key(replica_id), []).append(line)
+    if _flusher is None or _flusher.done() or _flusher.get_loop() is not loop:
+        _flusher = loop.create_task(_push_soon())
 
 
 def _or_dash(value: float | None) -> str:
     return "-" if value is None else f"{value:.6f}"
 
 
-async def _push(key: str, line: str) -> None:
+async def _push_soon() -> None:
+    await asyncio.sleep(FLUSH_S)
+    waiting = dict(_waiting)
+    _waiting.clear()
     try:
         async with redis_async.loop_client().pipeline(transaction=False) as pipe:
-            pipe.lpush(key, line)
-            pipe.ltrim(key, 0, KEEP - 1)
-            pipe.expire(key, TTL_S)
+            for key, lines in waiting.items():
+                pipe.lpush(key, *lines)  # oldest first, so the list stays newest first
+                pipe.ltrim(key, 0, KEEP - 1)
+                pipe.expire(key, TTL_S)
             await pipe.execute()
-    except Exception as exc:  # noqa: BLE001 - figures are best effort; the answer was sent
+    except Exception as exc:  # noqa: BLE001 - figures are best effort; the answers were sent
         log.debug("live figures not recorded: %s", exc)
 
 

@@ -215,6 +215,32 @@ def test_live_figures_give_each_models_ttft_inter_token_and_tokens_per_second_ov
     assert "emb" not in figures  # older than the window behind it, and no generated tokens either
 
 
+def test_the_doors_push_figures_once_a_second_newest_first(monkeypatch):
+    """Generations' lines wait in the process and reach Redis in one pipeline, in an
+    order read() takes (newest first), not one round trip per generation."""
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.delete("gantry:figures:r9002")
+    monkeypatch.setattr(live_figures, "FLUSH_S", 0.05)
+
+    async def three() -> int:
+        for i in range(3):
+            live_figures.record_soon(replica_id=9002, model="llm", first_token_s=0.01 * (i + 1), inter_token_s=0.002,
+                                     tokens=10)  # fmt: skip
+            await asyncio.sleep(0)
+        waiting = client.llen("gantry:figures:r9002")
+        await asyncio.sleep(0.3)
+        return waiting
+
+    try:
+        assert asyncio.run(three()) == 0  # nothing sent while the second runs
+        lines = [line.decode().split("\t") for line in client.lrange("gantry:figures:r9002", 0, -1)]
+        figures = live_figures.read(client, 9002)
+    finally:
+        client.delete("gantry:figures:r9002")
+    assert [line[2] for line in lines] == ["0.030000", "0.020000", "0.010000"]
+    assert figures["llm"]["generations"] == 3 and figures["llm"]["ttft_p50_ms"] == pytest.approx(20.0)
+
+
 def test_a_scrape_that_fails_says_why_once_on_the_timeline_and_again_when_figures_are_back(
     transactional_db,
     host,
