@@ -11,6 +11,11 @@ request waits on the database but a key's first (or one after a quiet spell).
 While reads fail with an ``outage`` error (the database is away), the last
 value read is served for up to ``outage_s``, as it was when read (a key
 revoked before the outage stays revoked), and a key never read fails.
+
+With ``keep_warm_s``, an entry fetched again within that time is read again
+in the background before its second ends, so a request after a quiet spell does not
+wait on the database either (and a change still takes effect within the
+second). Requests that find no usable value share one read.
 """
 
 from __future__ import annotations
@@ -27,11 +32,17 @@ MISSING = object()
 
 
 class TtlCache:
-    def __init__(self, ttl_s: float = 1.0, max_entries: int = 10_000, outage_s: float = 300.0) -> None:
-        self.ttl_s, self.max_entries, self.outage_s = ttl_s, max_entries, outage_s
+    def __init__(
+        self, ttl_s: float = 1.0, max_entries: int = 10_000, outage_s: float = 300.0, keep_warm_s: float = 0.0
+    ) -> None:
+        self.ttl_s, self.max_entries, self.outage_s, self.keep_warm_s = ttl_s, max_entries, outage_s, keep_warm_s
         self._entries: dict[Any, tuple[float, Any]] = {}
         self._refreshing: dict[Any, asyncio.Task] = {}
+        self._reading: dict[Any, asyncio.Task] = {}  # a read requests wait on, shared
         self._outage_until = 0.0  # reads failed with an outage error: until then, no request waits on one
+        # keep_warm_s: key -> (when it was last fetched, its read, its outage errors)
+        self._used: dict[Any, tuple[float, Callable[[], Awaitable[Any]], tuple[type[BaseException], ...]]] = {}
+        self._keeper: asyncio.Task | None = None
 
     def get(self, key: Any, default: Any = None) -> Any:
         """The value kept for ``key`` if it is fresh, else ``default``."""
@@ -52,6 +63,8 @@ class TtlCache:
         an ``outage`` error, the kept value if it is younger than outage_s."""
         entry = self._entries.get(key)
         now = time.monotonic()
+        if self.keep_warm_s and entry is not None:  # fetched again: in use (a one-off, a random key, is not)
+            self._keep_warm(key, read, outage, now)
         if entry is not None and entry[0] > now:
             return entry[1]
         usable = entry is not None and (
@@ -62,13 +75,46 @@ class TtlCache:
                 self._refreshing[key] = asyncio.get_running_loop().create_task(self._refresh(key, read, outage))
             return entry[1]
         try:
-            return self.put(key, await read())
+            return self.put(key, await self._shared_read(key, read))
         except outage as exc:
             self._outage_until = time.monotonic() + self.ttl_s
             if entry is None or entry[0] + self.outage_s <= now:
                 raise
             log.warning("serving a cached %r while its read fails: %s", key, exc)
             return entry[1]
+
+    async def _shared_read(self, key: Any, read: Callable[[], Awaitable[Any]]) -> Any:
+        """read(), once for every request waiting on ``key`` at the same time (one
+        that goes away leaves the read to the others)."""
+        task = self._reading.get(key)
+        if task is None:
+            task = self._reading[key] = asyncio.get_running_loop().create_task(read())
+            task.add_done_callback(lambda _: self._reading.pop(key, None))
+        return await asyncio.shield(task)
+
+    def _keep_warm(
+        self, key: Any, read: Callable[[], Awaitable[Any]], outage: tuple[type[BaseException], ...], now: float
+    ) -> None:
+        if len(self._used) >= self.max_entries and key not in self._used:
+            self._used.clear()
+        self._used[key] = (now, read, outage)
+        loop = asyncio.get_running_loop()
+        if self._keeper is None or self._keeper.done() or self._keeper.get_loop() is not loop:
+            self._keeper = loop.create_task(self._keep())
+
+    async def _keep(self) -> None:
+        """Every half second-of-life, read again what was fetched lately and expires soon."""
+        while self._used:
+            await asyncio.sleep(self.ttl_s / 2)
+            now = time.monotonic()
+            for key, (used_at, read, outage) in list(self._used.items()):
+                if now - used_at > self.keep_warm_s:
+                    del self._used[key]
+                    continue
+                entry = self._entries.get(key)
+                due = entry is None or entry[0] - now < self.ttl_s / 2
+                if due and key not in self._refreshing and key not in self._reading and now >= self._outage_until:
+                    self._refreshing[key] = asyncio.get_running_loop().create_task(self._refresh(key, read, outage))
 
     async def _refresh(
         self, key: Any, read: Callable[[], Awaitable[Any]], outage: tuple[type[BaseException], ...]
@@ -84,3 +130,4 @@ class TtlCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._used.clear()

@@ -1,7 +1,9 @@
 """Who calls the gateway and what their model name points at, read from the
 database and kept a second per process, so a busy gateway does not read the
 database per request: a revoked key, or a moved alias, takes effect within
-that second."""
+that second. A key or alias in use (asked for again within a minute) is read
+ahead in the background, so the first request after a quiet spell does not
+wait on the database either."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from inference.balancing import Endpoint, answering
 from inference.generation import route_of
 
 CACHE_S = 1.0
+KEEP_WARM_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class Target:
             raise not_ready(self.alias, f"deployment {self.deployment} is {self.status}: no replica is ready")
 
 
-_callers, _targets = TtlCache(CACHE_S), TtlCache(CACHE_S)
+_callers, _targets = TtlCache(CACHE_S, keep_warm_s=KEEP_WARM_S), TtlCache(CACHE_S, keep_warm_s=KEEP_WARM_S)
 # The errors of a database that cannot be reached (restarting, say): keys and routes
 # read before it went away keep serving, as they were read; anything else is a 503.
 DATABASE_AWAY = (OperationalError, InterfaceError)
@@ -67,7 +70,11 @@ DATABASE_AWAY = (OperationalError, InterfaceError)
 
 def db(fn: Any) -> Any:
     """``fn`` (database reads) as a coroutine, on a connection that is checked before
-    and released after, as Django's request cycle would (this path bypasses it)."""
+    and released after, as Django's request cycle would (this path bypasses it).
+
+    Each call takes a thread of the loop's pool, not the one thread Django's
+    thread-sensitive calls share: a key's read must not wait behind the usage
+    counts' write (a second's worth, waiting on the database's lock)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         close_old_connections()
@@ -76,7 +83,7 @@ def db(fn: Any) -> Any:
         finally:
             close_old_connections()
 
-    return sync_to_async(run)
+    return sync_to_async(run, thread_sensitive=False)
 
 
 def _invalid_key(message: str) -> GatewayError:

@@ -124,3 +124,47 @@ def test_an_error_that_is_not_an_outage_is_never_papered_over():
             await cache.fetch("k", read, (Away,))
 
     asyncio.run(scenario())
+
+
+def test_kept_warm_an_entry_in_use_is_read_ahead_so_a_request_after_a_quiet_spell_never_waits():
+    reads: list[float] = []
+
+    async def read() -> int:
+        reads.append(time.monotonic())
+        await asyncio.sleep(0.005)
+        return len(reads)
+
+    async def scenario() -> None:
+        cache = TtlCache(ttl_s=0.04, keep_warm_s=0.3)
+        assert await cache.fetch("k", read) == 1  # a first request reads
+        assert await cache.fetch("k", read) == 1  # fetched again: in use, kept warm from now on
+        await asyncio.sleep(0.2)  # a quiet spell of five seconds-of-life
+        assert len(reads) >= 4  # read ahead in the background meanwhile
+        kept = cache._entries["k"]
+        assert kept[0] > time.monotonic()  # still fresh: this request waits on nothing
+        assert await cache.fetch("k", read) == kept[1]
+        await asyncio.sleep(0.45)  # unused for longer than keep_warm_s: no longer read
+        quiet = len(reads)
+        await asyncio.sleep(0.15)
+        assert len(reads) == quiet
+
+    asyncio.run(scenario())
+
+
+def test_a_key_fetched_once_is_not_kept_warm_and_waiting_requests_share_one_read():
+    reads: list[str] = []
+
+    async def read() -> str:
+        reads.append("read")
+        await asyncio.sleep(0.02)
+        return "caller"
+
+    async def scenario() -> None:
+        cache = TtlCache(ttl_s=0.02, keep_warm_s=1.0)
+        # Five requests at once for a key nobody read yet: one read answers all.
+        assert await asyncio.gather(*(cache.fetch("k", read) for _ in range(5))) == ["caller"] * 5
+        assert reads == ["read"]
+        await asyncio.sleep(0.1)
+        assert reads == ["read"]  # a one-off (a random key, say) costs no reads after it
+
+    asyncio.run(scenario())
