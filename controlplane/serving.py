@@ -14,9 +14,14 @@ reaches live on GANTRY_LIVE_PORT of the same host.
 
 from __future__ import annotations
 
+import atexit
 import gc
+import logging
+import logging.handlers
 import os
+import queue
 import socket
+import sys
 
 from uvicorn_worker import UvicornWorker
 
@@ -25,6 +30,9 @@ from common import metrics_folder
 # Collect the youngest objects every 50 000 allocations instead of 700, and
 # the older generations as rarely as before relative to it.
 GC_THRESHOLDS = (50_000, 20, 100)
+# How long another thread may hold the interpreter before the event loop gets it
+# back (seconds; Python's default is 0.005).
+SWITCH_INTERVAL_S = 0.001
 
 
 class HttpWorker(UvicornWorker):
@@ -33,8 +41,9 @@ class HttpWorker(UvicornWorker):
 
     CONFIG_KWARGS = {"loop": "uvloop", "http": "httptools", "ws": "none", "lifespan": "off"}
 
-    def load_wsgi(self) -> None:
+    def load_wsgi(self) -> None:  # in the worker process, after the fork
         super().load_wsgi()
+        log_off_the_loop("uvicorn.access")
         settle_heap()
 
 
@@ -50,6 +59,26 @@ def settle_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+    # The gateway's helper threads (its caches' database reads, the usage counts'
+    # write, the log writer below) run Python for a millisecond or more at a time;
+    # with the default interval each could keep a request's answer waiting up to 5 ms.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
+def log_off_the_loop(name: str) -> None:
+    """The ``name`` logger's records are written by a thread of their own.
+
+    Every request's access line was written on the event loop: a write that
+    waits (a log file's disk flushing, a pipe's slow reader) held every answer of
+    that process meanwhile. Now the loop only queues the record."""
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        return
+    records: queue.SimpleQueue = queue.SimpleQueue()
+    listener = logging.handlers.QueueListener(records, *logger.handlers, respect_handler_level=True)
+    logger.handlers = [logging.handlers.QueueHandler(records)]
+    listener.start()
+    atexit.register(listener.stop)
 
 
 def web_workers() -> int:

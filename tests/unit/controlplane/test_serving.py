@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gc
+import logging
 import socket
+import sys
+import threading
 
 import pytest
 from django.core.management import call_command
@@ -13,15 +16,45 @@ from controlplane import serving
 
 
 def test_a_web_process_keeps_the_collector_off_what_it_loaded():
-    thresholds = gc.get_threshold()
+    thresholds, interval = gc.get_threshold(), sys.getswitchinterval()
     try:
         serving.settle_heap()
         assert gc.get_freeze_count() > 10_000  # Django and Gantry, as imported by this test run
         assert gc.get_threshold() == serving.GC_THRESHOLDS
         assert gc.isenabled()  # cycles made by requests are still collected
+        assert sys.getswitchinterval() == pytest.approx(serving.SWITCH_INTERVAL_S)
     finally:
         gc.unfreeze()
         gc.set_threshold(*thresholds)
+        sys.setswitchinterval(interval)
+
+
+def test_access_lines_are_written_by_a_thread_not_the_event_loop(tmp_path):
+    """A write that waits (a full pipe, a disk flushing) must not hold the loop: the
+    loop's thread only queues the record; the file's handler runs on another thread."""
+    logger = logging.getLogger("gantry-test-access")
+    writers: list[str] = []
+
+    class File(logging.FileHandler):
+        def emit(self, record: logging.LogRecord) -> None:
+            writers.append(threading.current_thread().name)
+            super().emit(record)
+
+    handler = File(tmp_path / "access.log")
+    logger.handlers, logger.propagate = [handler], False
+    logger.setLevel(logging.INFO)
+    serving.log_off_the_loop("gantry-test-access")
+    try:
+        logger.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "GET", "/healthz", "1.1", 200)
+        for _ in range(100):
+            if writers:
+                break
+            threading.Event().wait(0.02)
+    finally:
+        logger.handlers = []
+        handler.close()
+    assert writers and writers[0] != threading.current_thread().name
+    assert (tmp_path / "access.log").read_text() == '127.0.0.1:5 - "GET /healthz HTTP/1.1" 200\n'
 
 
 def test_one_web_process_per_core_unless_told(monkeypatch):
