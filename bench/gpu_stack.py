@@ -23,9 +23,12 @@ and round; the order of the sides alternates every round.
    completions of about --gateway-tokens tokens (the i-th request of each side
    asks the same number, from half to one and a half times it) through /v1
    against the same prompts sent to Triton's generate_stream of the same
-   deployment, nothing beside them, until each side has --gateway-samples
-   answers per level: added time to first token p50/p99 (targets: p99 under
-   2 ms) and tokens/s ratio (>= 0.97).
+   deployment, nothing beside them, for at least --gateway-round-s per side and
+   round and until each side has --gateway-samples answers per level: added
+   time to first token p50/p99 (target: p99 under 2 ms) and tokens/s ratio
+   (>= 0.97). With GANTRY_METRICS_TOKEN set, it also reads the web process's
+   own TTFT histogram, to tell a tail that arises before the gateway's code
+   (HTTP, the event loop) from one after it (Triton).
 
     make bench-gpu BENCH_GPU_ARGS="--rounds 2 --out report.json"
 """
@@ -126,7 +129,32 @@ def _alternating(sides: dict, level: int, rounds: int, **kwargs) -> dict:
             samples, wall = sides[name](level, **kwargs)
             collected[name]["samples"] += samples
             collected[name]["wall"] += wall
-    return {name: figures(value["samples"], value["wall"]) for name, value in collected.items()}
+    shown = {}
+    for name, value in collected.items():
+        ttfts = [round(sample["ttft_ms"], 2) for sample in value["samples"]]
+        shown[name] = {**figures(value["samples"], value["wall"]), "ttft_ms": ttfts}
+    return shown
+
+
+def gateway_ttft_buckets(url: str) -> dict[float, float] | None:
+    """The gateway's own time-to-first-token histogram (cumulative counts by upper bound,
+    seconds, from each request's arrival in the web process), while GANTRY_METRICS_TOKEN
+    is set for the control plane; None otherwise."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    token = os.environ.get("GANTRY_METRICS_TOKEN")
+    if not token:
+        return None
+    text = requests.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10).text
+    counts: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "gantry_time_to_first_token_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_bucket") and sample.labels.get("door") == "gateway":
+                    bound = float(sample.labels["le"])
+                    counts[bound] = counts.get(bound, 0.0) + sample.value
+    return counts
 
 
 def main() -> int:
@@ -143,7 +171,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="per side, level and round (the stack)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--gateway-tokens", type=int, default=16)
-    parser.add_argument("--gateway-samples", type=int, default=1000, help="answers per side and level")
+    parser.add_argument("--gateway-samples", type=int, default=1000, help="answers per side and level, at least")
+    parser.add_argument("--gateway-round-s", type=float, default=10.0, help="seconds per side and round, at least")
     parser.add_argument("--phases", default="stack,gateway")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -182,22 +211,24 @@ def main() -> int:
             auth,
             openai=True,
         )
-        if REHEARSAL:
-            floor = Floor(checkpoints["llm"], "cpu", torch.float32)
-        else:
-            half = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-            floor = Floor(checkpoints["llm"], "cuda:0", half)
-        for level in levels:  # warm-up (CUDA graphs, allocators), not measured
-            closed_loop(chat, level, 0.0)
-            floor.closed_loop(prompts, level, 0.0, 8)
-        counts = {"embed": 0, "rerank": 0}
-        stop = threading.Event()
-        threads = side_load(plane.url, key, stop, counts)
-        time.sleep(10)
-        stop.set()
-        for thread in threads:
-            thread.join()
-        report["side_alone_per_s"] = {k: round(v / 10, 1) for k, v in counts.items()}
+        floor = None
+        if "stack" in phases:
+            if REHEARSAL:
+                floor = Floor(checkpoints["llm"], "cpu", torch.float32)
+            else:
+                half = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+                floor = Floor(checkpoints["llm"], "cuda:0", half)
+            for level in levels:  # warm-up (CUDA graphs, allocators), not measured
+                closed_loop(chat, level, 0.0)
+                floor.closed_loop(prompts, level, 0.0, 8)
+            counts = {"embed": 0, "rerank": 0}
+            stop = threading.Event()
+            threads = side_load(plane.url, key, stop, counts)
+            time.sleep(10)
+            stop.set()
+            for thread in threads:
+                thread.join()
+            report["side_alone_per_s"] = {k: round(v / 10, 1) for k, v in counts.items()}
 
         def served(level: int, beside: dict, clock: list) -> tuple[list[dict], float]:
             stop = threading.Event()
@@ -218,7 +249,7 @@ def main() -> int:
             row["served_over_floor"] = round(row["served"]["tokens_per_s"] / row["floor"]["tokens_per_s"], 3)
             row["side_beside_per_s"] = {k: round(v / clock[0], 1) for k, v in beside.items()}
             report["stack"][level] = row
-            print(json.dumps({"stack": {level: row}}), flush=True)
+            print(json.dumps({"stack": {level: _brief(row)}}), flush=True)
 
         # The i-th request of either side asks the same number of tokens, from half to
         # one and a half times --gateway-tokens: with one length for all, streams that
@@ -237,23 +268,47 @@ def main() -> int:
         )
         per_round = math.ceil(args.gateway_samples / args.rounds)
         for level in levels if "gateway" in phases else []:
+            # Every web process answers a burst first: a process that served nothing for a
+            # minute reads its key and route again, which is not what this measures.
+            closed_loop(gateway, 32, 0.0, 256)
+            closed_loop(direct, 32, 0.0, 256)
             sides = {
-                "gateway": lambda level: closed_loop(gateway, level, 0.0, per_round),
-                "triton": lambda level: closed_loop(direct, level, 0.0, per_round),
+                "gateway": lambda level: closed_loop(gateway, level, args.gateway_round_s, per_round),
+                "triton": lambda level: closed_loop(direct, level, args.gateway_round_s, per_round),
             }
+            before = gateway_ttft_buckets(plane.url)
             row = _alternating(sides, level, args.rounds)
+            if before is not None:  # where the gateway's tail arises: in the web process's view, or before it
+                after = gateway_ttft_buckets(plane.url) or {}
+                seen = {bound: after.get(bound, 0.0) - before.get(bound, 0.0) for bound in after}
+                total = seen.get(math.inf) or 1.0
+                client = row["gateway"]["ttft_ms"]
+                row["gateway_seen_share_over"] = {
+                    f"{bound * 1000:g}ms": {
+                        "web_process": round(1 - seen[bound] / total, 4),
+                        "client": round(sum(t > bound * 1000 for t in client) / len(client), 4),
+                    }
+                    for bound in sorted(seen)
+                    if 0.01 <= bound <= 0.1
+                }
             row["added_ttft_p50_ms"] = round(row["gateway"]["ttft_p50_ms"] - row["triton"]["ttft_p50_ms"], 2)
             if row["gateway"]["ttft_p99_ms"] is not None and row["triton"]["ttft_p99_ms"] is not None:
                 row["added_ttft_p99_ms"] = round(row["gateway"]["ttft_p99_ms"] - row["triton"]["ttft_p99_ms"], 2)
             row["tokens_per_s_ratio"] = round(row["gateway"]["tokens_per_s"] / row["triton"]["tokens_per_s"], 3)
             report["gateway"][level] = row
-            print(json.dumps({"gateway": {level: row}}), flush=True)
+            print(json.dumps({"gateway": {level: _brief(row)}}), flush=True)
     finally:
         plane.stop()
     _print(report)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _brief(row: dict) -> dict:
+    """A level's figures without the samples' times (those go to --out)."""
+    return {k: {n: v for n, v in side.items() if n != "ttft_ms"} if isinstance(side, dict) else side
+            for k, side in row.items()}  # fmt: skip
 
 
 def _print(report: dict) -> None:
