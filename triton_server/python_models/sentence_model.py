@@ -21,6 +21,7 @@ trust_remote_code (the checkpoint's own modelling code), and on a GPU instance
 gpu_memory_fraction, which caps this process's PyTorch allocations on that GPU.
 """
 
+import gc
 import json
 
 import numpy as np
@@ -82,6 +83,10 @@ class TritonPythonModel:
             self.tokenizer = self.model.tokenizer
             self.max_length = self.model.max_seq_length or self.tokenizer.model_max_length
         self.model.eval()
+        # torch, sentence-transformers and the model: out of the collector's full
+        # walks, which stalled a batch for 100 ms and more (as in causal_lm_model.py).
+        gc.collect()
+        gc.freeze()
         pb_utils.Logger.log_info(
             f"{self.task} model {checkpoint} on {device} as {dtype}, {self.max_length} tokens per input "
             f"({'cross-encoder' if self.cross_encoder else 'sentence-transformers'}, torch {torch.__version__}, "
@@ -142,5 +147,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.model = None
+        gc.unfreeze()
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
