@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -23,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import orjson
 
 from common import jsonbody, metrics
 from common.asgi_io import BodyTooLarge, read_body, send_json, stream_events
@@ -278,7 +278,7 @@ def _usage(outcome: Outcome) -> dict[str, int]:
 
 
 def _sse(payload: Any) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
 async def _resumed(first: Piece | None, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
