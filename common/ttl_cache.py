@@ -98,9 +98,8 @@ class TtlCache:
         if len(self._used) >= self.max_entries and key not in self._used:
             self._used.clear()
         self._used[key] = (now, read, outage)
-        loop = asyncio.get_running_loop()
-        if self._keeper is None or self._keeper.done() or self._keeper.get_loop() is not loop:
-            self._keeper = loop.create_task(self._keep())
+        if self._keeper is None or self._keeper.done():
+            self._keeper = asyncio.get_running_loop().create_task(self._keep())
 
     async def _keep(self) -> None:
         """Every half second-of-life, read again what was fetched lately and expires soon."""

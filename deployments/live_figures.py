@@ -47,7 +47,7 @@ def record_soon(
         return
     line = f"{model}\t{time.time():.3f}\t{_or_dash(first_token_s)}\t{_or_dash(inter_token_s)}\t{tokens}"
     _waiting.setdefault(_key(replica_id), []).append(line)
-    if _flusher is None or _flusher.done() or _flusher.get_loop() is not loop:
+    if _flusher is None or _flusher.done():
         _flusher = loop.create_task(_push_soon())
 
 
