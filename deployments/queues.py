@@ -3,7 +3,7 @@ Gantry sends. Sending goes through deployments.outbox (this module imports no
 models, so deployments.models can name a host's queue).
 
 A host has a control queue (launch, stop, apply, inspect, forget: seconds to
-minutes) and a jobs queue (engine builds and load tests: up to hours), each
+minutes) and a jobs queue (engine builds, load tests and tuning runs: up to hours), each
 consumed by its own Celery worker with its own slots (workers.hostworker), so
 control work never waits behind a long job.
 """
@@ -22,13 +22,15 @@ FORGET_DEPLOYMENT = "workers.tasks.forget_deployment"
 FORGET_BUILD = "workers.tasks.forget_build"
 # Run a load test of a deployed model from its host (loadtests).
 RUN_LOADTEST = "workers.tasks.run_loadtest"
+# Search a deployment's settings under a mixed load, trial by trial (loadtests.tuning).
+RUN_TUNING = "workers.tasks.run_tuning"
 # The control plane's periodic work (its beat runs it on queue "control", see settings).
 SWEEP_HOSTS = "deployments.tasks.sweep_hosts"
 SYNC_HOST_ACCESS = "deployments.tasks.sync_host_access"
 
 
 # The long jobs: they travel on the host's jobs queue.
-JOB_TASKS = frozenset({RUN_BUILD, RUN_LOADTEST})
+JOB_TASKS = frozenset({RUN_BUILD, RUN_LOADTEST, RUN_TUNING})
 _PREFIX = "gpu."
 _JOBS_SUFFIX = ".jobs"
 

@@ -102,3 +102,81 @@ class LoadPoint(models.Model):
 
     def __str__(self) -> str:
         return f"{self.run_id} {self.target} @ {self.level:g}"
+
+
+class TuningRun(models.Model):
+    """A search over a deployment's settings under a mixed load: each trial is
+    a generation the per-GPU plan accepts, load-tested at the mix's rates on
+    every alias at once and scored by goodput under the targets
+    (loadtests.tuning). ``start_generation`` is what cancel and the end of the
+    search put back; "apply" makes the chosen trial's plan the next one."""
+
+    deployment = models.ForeignKey(
+        Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="tuning_runs"
+    )
+    deployment_name = models.CharField(max_length=63)
+    host = models.ForeignKey(
+        GpuHost, null=True, blank=True, on_delete=models.SET_NULL, related_name="tuning_runs",
+        help_text="Where the load generators run: the host of the deployment's first ready replica.",
+    )  # fmt: skip
+    spec = JSONField(help_text="The checked mix, targets, search space and budget (loadtests.tuning).")
+    start_generation = models.PositiveIntegerField(help_text="The generation the run started from.")
+    start_plan = JSONField(default=list, help_text="That generation's placements, as its revision holds them.")
+    status = models.CharField(max_length=16, choices=RunStatus.choices, default=RunStatus.QUEUED)
+    status_message = models.TextField(blank=True)
+    progress = JSONField(default=dict, blank=True, help_text="The trial under way, for the page.")
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    applied_generation = models.PositiveIntegerField(
+        null=True, blank=True, help_text="The generation 'apply' made from this run's chosen trial."
+    )
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["deployment"],
+                condition=Q(status__in=["queued", "running", "cancelling"]),
+                name="one_active_tuning_run_per_deployment",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"tuning run {self.pk} of {self.deployment_name} ({self.status})"
+
+
+class TrialStatus(models.TextChoices):
+    RUNNING = "running"
+    MEASURED = "measured"
+    PRUNED = "pruned", "pruned (does not fit)"
+    FAILED = "failed", "failed (did not load or measure)"
+
+
+class TuningTrial(models.Model):
+    """One point of a tuning run's search: the settings it tried, the plan
+    they made, and how it scored or why it did not."""
+
+    run = models.ForeignKey(TuningRun, on_delete=models.CASCADE, related_name="trials")
+    number = models.PositiveIntegerField(help_text="0, 1, ...: the optimiser's trial number.")
+    params = JSONField(help_text='The knobs\' values: {"<model>.<field>": value}.')
+    plan = JSONField(default=list, help_text="The placements the values make (a generation's spec).")
+    status = models.CharField(max_length=16, choices=TrialStatus.choices, default=TrialStatus.RUNNING)
+    reason = models.TextField(blank=True, help_text="Why it was pruned or failed.")
+    generation = models.PositiveIntegerField(null=True, blank=True)
+    gpu_share = models.FloatField(
+        default=0.0, help_text="GPU memory the plan holds: the sum of its GPU placements' shares, in GPUs."
+    )
+    figures = JSONField(default=dict, blank=True, help_text="Per alias: rate, p99s against targets, goodput.")
+    goodput = models.FloatField(null=True, blank=True, help_text="Requests/s meeting every target, all aliases.")
+    started_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run", "number"]
+        constraints = [models.UniqueConstraint(fields=["run", "number"], name="one_trial_per_number")]
+
+    def __str__(self) -> str:
+        return f"trial {self.number} of tuning run {self.run_id} ({self.status})"

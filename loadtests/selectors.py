@@ -1,5 +1,6 @@
 """Reads of load tests: lists, one run with its steps, and the comparison of
-several runs (their figures side by side, and what differs between them)."""
+several runs (their figures side by side, and what differs between them); and
+of tuning runs: their trials, what the search found, and its export."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 from django.db.models import QuerySet
 
 from common.errors import NotFound, ValidationFailed
-from loadtests.models import LoadPoint, LoadTest
+from loadtests import tuning
+from loadtests.models import LoadPoint, LoadTest, TuningRun
 
 MAX_COMPARED = 8
 
@@ -191,4 +193,56 @@ def export_rows(run_ids: list[int]) -> list[dict[str, Any]]:
             row.update(point["figures"])
             row["served_over_native"] = ratios.get((point["target"], point["level"]))
             rows.append(row)
+    return rows
+
+
+# --- tuning runs -----------------------------------------------------------------
+
+
+def tuning_list() -> QuerySet[TuningRun]:
+    return TuningRun.objects.select_related("created_by").order_by("-id")
+
+
+def tuning_get(run_id: int) -> TuningRun:
+    run = tuning_list().filter(pk=run_id).first()
+    if run is None:
+        raise NotFound(f"tuning run {run_id} does not exist")
+    return run
+
+
+def tuning_result(run: TuningRun) -> dict[str, Any]:
+    """What a run found: its trials for the trade-off chart (goodput against
+    GPU memory; each model's p99 against its target), the best trial, and
+    what the best plan changes against the starting one."""
+    trials = list(run.trials.order_by("number"))
+    chosen = tuning.best(trials)
+    baseline = next((t for t in trials if t.number == 0), None)
+    return {
+        "best": None if chosen is None else chosen.number,
+        "baseline": None if baseline is None else baseline.number,
+        "gain": round(chosen.goodput / baseline.goodput, 3)
+        if chosen is not None and baseline is not None and baseline.goodput
+        else None,
+        "changes": [] if chosen is None else tuning.differences(run.start_plan, chosen.plan),
+    }
+
+
+def tuning_rows(run: TuningRun) -> list[dict[str, Any]]:
+    """One flat row per trial, for CSV and JSON export: its values, how it
+    ended, its goodput and GPU memory, and each model's p99s against targets."""
+    rows = []
+    for trial in run.trials.order_by("number"):
+        row: dict[str, Any] = {"run": run.pk, "trial": trial.number, "status": trial.status,
+                               "generation": trial.generation, "goodput": trial.goodput,
+                               "gpu_share": trial.gpu_share}  # fmt: skip
+        row.update({f"param.{name}": value for name, value in trial.params.items()})
+        for alias, figures in trial.figures.items():
+            row[f"{alias}.goodput"] = figures.get("goodput")
+            row[f"{alias}.throughput"] = figures.get("throughput")
+            row[f"{alias}.errors"] = figures.get("errors")
+            for name, value in (figures.get("p99") or {}).items():
+                row[f"{alias}.{name}.p99"] = value
+                row[f"{alias}.{name}.target"] = figures["targets"][name]
+        row["reason"] = trial.reason
+        rows.append(row)
     return rows

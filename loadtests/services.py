@@ -144,6 +144,9 @@ def run_create(
                 raise ValidationFailed({"workload.native": refusal})
         if deployment.status != DeploymentStatus.READY or home is None:
             raise InvalidTransition(f"{deployment.name} is {deployment.status}; a load test needs it ready")
+        tuning = deployment.tuning_runs.filter(status__in=ACTIVE).first()
+        if tuning is not None:
+            raise InvalidTransition(f"tuning run {tuning.pk} is {tuning.status} on {deployment.name}: one at a time")
         keys = production_keys(target)
         if keys and not confirm:
             names = ", ".join(key.name for key in keys[:5]) + (" ..." if len(keys) > 5 else "")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from loadtests import services
+from loadtests import services, tuning_services
 
 
 @shared_task(name="loadtests.tasks.reap_runs")
 def reap_runs() -> int:
-    """Fail runs whose worker stopped reporting."""
-    return services.runs_reap()
+    """Fail load tests and tuning runs whose worker stopped reporting."""
+    return services.runs_reap() + tuning_services.tunings_reap()

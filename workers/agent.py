@@ -30,6 +30,7 @@ from workers.engines import executors
 from workers.engines import reconcile as build_reconcile
 from workers.jobs import source
 from workers.loadtest import runs as loadtest_runs
+from workers.loadtest import tuning as loadtest_tuning
 
 log = logging.getLogger(__name__)
 AGENT_VERSION = "0.1.0"
@@ -82,6 +83,7 @@ def beat_once() -> None:
     deploy_reconcile.relaunch_failed()
     build_reconcile.reconcile_builds()
     loadtest_runs.reconcile_runs()
+    loadtest_tuning.reconcile_runs()
 
 
 def run_forever() -> None:

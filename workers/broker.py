@@ -23,7 +23,8 @@ from deployments import outbox
 from deployments.models import BuildStatus, EngineBuild, Inspection, RegisteredModel, Replica
 from deployments.services import builds, hosts, registered_models, replicas
 from loadtests import services as loadtest_services
-from loadtests.models import LoadTest, RunStatus
+from loadtests import tuning_services
+from loadtests.models import LoadTest, RunStatus, TuningRun
 from workers.jobs import source
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,9 @@ def redrive_host(*, host_name: str, source: str, reason: str) -> list[str]:
     for run_id in queued.values_list("pk", flat=True):
         if loadtest_services.run_redrive(run_id=run_id, source=source, message=message):
             sent.append(f"load test {run_id}")
+    for run_id in TuningRun.objects.filter(host__name=host_name, status=RunStatus.QUEUED).values_list("pk", flat=True):
+        if tuning_services.tuning_redrive(run_id=run_id, source=source, message=message):
+            sent.append(f"tuning run {run_id}")
     hosts.record_host_event(
         host_name=host_name,
         kind="host.redrive",

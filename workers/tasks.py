@@ -14,6 +14,7 @@ from workers.deploy import lifecycle
 from workers.engines import run
 from workers.jobs import run_job, source
 from workers.loadtest import runs as loadtest_runs
+from workers.loadtest import tuning as loadtest_tuning
 
 
 @shared_task(name=queues.LAUNCH_DEPLOYMENT)
@@ -78,3 +79,9 @@ def run_build(build_id: int) -> None:
 @shared_task(name=queues.RUN_LOADTEST, soft_time_limit=None, time_limit=None)
 def run_loadtest(run_id: int) -> None:
     loadtest_runs.run(run_id)
+
+
+# A tuning run bounds itself by its budget (loadtests.tuning): no Celery limit.
+@shared_task(name=queues.RUN_TUNING, soft_time_limit=None, time_limit=None)
+def run_tuning(run_id: int) -> None:
+    loadtest_tuning.run(run_id)

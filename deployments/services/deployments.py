@@ -230,7 +230,7 @@ def deployment_create(
     return deployment
 
 
-def _reference_host(deployment: Deployment) -> GpuHost:
+def reference_host(deployment: Deployment) -> GpuHost:
     """The host a deployment's placements are checked against: a replica's, its
     first pinned host, or the widest online host."""
     replica = deployment.replica_set.select_related("host").order_by("serial").first()
@@ -258,7 +258,7 @@ def deployment_change(
         if not states.deployment_actions(deployment.status)["change"]:
             raise InvalidTransition(f"{deployment.name} is {deployment.status}; change it when it is ready or stopped")
         resolved = placements_validate(
-            host=_reference_host(deployment), specs=placements, runtime=deployment.runtime, image=deployment.image
+            host=reference_host(deployment), specs=placements, runtime=deployment.runtime, image=deployment.image
         )
         if running:
             # Applied now, so it must fit beside whatever else holds each replica's GPUs.

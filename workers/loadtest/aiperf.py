@@ -51,6 +51,22 @@ def aiperf_version() -> str:
     return completed.stdout.strip().splitlines()[-1] if completed.returncode == 0 and completed.stdout else "unknown"
 
 
+def command(config_path: Path) -> list[str]:
+    """AIPerf's command line for one configuration file, without its own UI or telemetry."""
+    return [str(aiperf_executable()), "profile", "--config", str(config_path), "--ui", "none",
+            "--no-gpu-telemetry", "--no-server-metrics"]  # fmt: skip
+
+
+def environment(key: str) -> dict[str, str]:
+    """AIPerf's environment: the gateway key it sends, and the tokenizer's folder
+    reachable (AIPerf's offline mode looks only in the hub cache and refuses a
+    folder, so it must stay off)."""
+    env = processes.child_environment({KEY_ENV: key, "HF_HUB_DISABLE_TELEMETRY": "1"})
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.pop(name, None)
+    return env
+
+
 @dataclass(frozen=True)
 class Step:
     target: str  # gateway | triton

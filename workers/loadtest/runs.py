@@ -34,7 +34,8 @@ from triton_server.server import LOCAL
 from workers import native_bench, nvml, processes
 from workers.engines.executors import NativeExecutor
 from workers.jobs import JobFailed, run_job, source
-from workers.loadtest.aiperf import GRACE_S, KEY_ENV, Step, aiperf_executable, aiperf_version, config_for, last_error
+from workers.loadtest import aiperf
+from workers.loadtest.aiperf import GRACE_S, Step, aiperf_version, config_for, last_error
 from workers.loadtest.results import records_of, summary_of
 from workers.loadtest.sampling import ServerSampler
 
@@ -162,14 +163,8 @@ def _step(
                         tokenizer=tokenizer, artifacts=artifacts)  # fmt: skip
     config_path = workdir / "aiperf.json"
     config_path.write_text(json.dumps(config, indent=1))
-    env = processes.child_environment({KEY_ENV: key, "HF_HUB_DISABLE_TELEMETRY": "1"})
-    # The tokenizer is a checkpoint folder on this host. AIPerf's offline mode
-    # looks only in the hub cache and refuses a folder, so it must stay off.
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        env.pop(name, None)
-    argv = [str(aiperf_executable()), "profile", "--config", str(config_path), "--ui", "none",
-            "--no-gpu-telemetry", "--no-server-metrics"]  # fmt: skip
-    ran = _generate(run, step, argv, env=env, log_path=workdir / "aiperf.log", deployment=deployment)
+    ran = _generate(run, step, aiperf.command(config_path), env=aiperf.environment(key),
+                    log_path=workdir / "aiperf.log", deployment=deployment)  # fmt: skip
     stop, tail = ran.stop, ran.tail
     services.run_report(run_id=run.pk, progress={"step": step.index + 1, "steps": step.total, "target": step.target,
                                                  "level": step.level, "state": "reading results"},

@@ -1,0 +1,397 @@
+"""Tuning runs as people and workers ask for them: start one (checked against
+the deployment, confirmed when real clients use its aliases, never beside a
+load test or another run), cancel it, apply its best plan; and the worker's
+writes while it searches (claim, its gateway key, each trial, finish) with the
+reaper for runs whose worker went quiet.
+
+A run ends with its deployment back at the settings it started from (a new
+generation holding them, if trials changed them), however it ends: finished,
+cancelled, failed or reaped. Its status moves only through
+``tuning_transition`` (deployments.jobs; the table is loadtests.models.ALLOWED).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from common.errors import ConfirmationRequired, InvalidTransition, NotFound, ValidationFailed
+from deployments import events, jobs, outbox, queues
+from deployments.gpu_plan import share_of
+from deployments.models import Deployment, DeploymentStatus, InstanceKind
+from deployments.permissions import require_operator
+from deployments.services import deployments as deployment_services
+from deployments.services.placements import (
+    placement_rows,
+    placements_snapshot,
+    placements_validate,
+    spec_from_snapshot,
+)
+from gateway import services as gateway_services
+from gateway.models import Alias, ApiKey
+from loadtests import tuning
+from loadtests.models import ACTIVE, ALLOWED, TERMINAL, LoadTest, RunStatus, TrialStatus, TuningRun, TuningTrial
+from loadtests.services import KEY_NAME_PREFIX, STALE_AFTER_S, production_keys
+
+# A run's own gateway key; load tests' prefix, so it is never taken for a real client's.
+KEY_NAME = KEY_NAME_PREFIX + "(tuning run {})"
+
+
+def _lock_deployment(run_id: int) -> None:
+    deployment_id = TuningRun.objects.filter(pk=run_id).values_list("deployment_id", flat=True).first()
+    Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+
+
+def _moved(move: jobs.Move) -> TuningRun:
+    run = TuningRun.objects.select_related("deployment").get(pk=move.job_id)
+    if move.to not in ACTIVE:
+        _key_revoke(run.pk)
+    events.record(
+        kind=f"tuning.{move.to}",
+        source=move.source,
+        actor=move.actor,
+        deployment=run.deployment,
+        from_status=move.previous,
+        to_status=move.to,
+        message=move.message or f"tuning run {run.pk} is {move.to}",
+        data={"tuning_run": run.pk},
+    )
+    transaction.on_commit(lambda: publish(run))
+    return run
+
+
+TUNING_RUN = jobs.register(
+    jobs.JobKind(
+        name="tuning run",
+        model=TuningRun,
+        allowed=ALLOWED,
+        terminal=TERMINAL,
+        after=_moved,
+        stamps=lambda to, now: {"started_at": now, "heartbeat_at": now} if to == RunStatus.RUNNING else {},
+        lock_first=_lock_deployment,
+    )
+)
+
+
+def tuning_transition(*, run_id: int, to: str, source: str, message: str = "", actor: Any = None) -> TuningRun:
+    """Move run ``run_id`` to ``to`` if the table allows it, on its deployment's timeline."""
+    return jobs.job_transition(TUNING_RUN, job_id=run_id, to=to, source=source, message=message, actor=actor)
+
+
+def publish(run: TuningRun) -> None:
+    """Tell the deployment's pages where the run is."""
+    if run.deployment_id is not None:
+        events.publish(
+            events.deployment_group(run.deployment_id),
+            {
+                "type": "tuning",
+                "id": run.pk,
+                "status": run.status,
+                "status_message": run.status_message,
+                "progress": run.progress,
+            },  # fmt: skip
+        )
+
+
+def tuning_create(*, deployment_id: int, spec: dict[str, Any], confirm: bool = False, user: Any = None) -> TuningRun:
+    """Ask the deployment's host to tune it under ``spec``'s mix. Refused by
+    field when the spec does not fit the deployment; refused while a load test
+    or another tuning run is active there, or while the deployment is not
+    ready; refused with code confirmation_required, until ``confirm``, when
+    live gateway keys other than load tests' may use an alias of the mix (their
+    requests would slow, and each trial reloads models)."""
+    require_operator(user)
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+        if deployment is None:
+            raise NotFound(f"deployment {deployment_id} does not exist")
+        placements = dict(deployment.placements.values_list("triton_name", "registered_model__kind"))
+        aliases = dict(Alias.objects.filter(deployment=deployment).values_list("name", "triton_name"))
+        checked = tuning.check(spec, placements=placements, aliases=aliases)
+        home = deployment.replica_set.select_related("host").filter(status=DeploymentStatus.READY).order_by("serial")
+        home = home.first()
+        if deployment.status != DeploymentStatus.READY or home is None:
+            raise InvalidTransition(f"{deployment.name} is {deployment.status}; a tuning run needs it ready")
+        testing = LoadTest.objects.filter(deployment=deployment, status__in=ACTIVE).first()
+        if testing is not None:
+            raise InvalidTransition(f"load test {testing.pk} is {testing.status} on {deployment.name}: one at a time")
+        users = sorted({key.name for entry in checked["mix"]
+                        for key in production_keys(Alias.objects.get(name=entry["model"]))})  # fmt: skip
+        if users and not confirm:
+            names = ", ".join(users[:5]) + (" ..." if len(users) > 5 else "")
+            raise ConfirmationRequired(
+                f"{len(users)} live gateway key(s) may use the mix's models ({names}): each trial reloads models "
+                "and loads them at the mix's rates; send confirm: true to go ahead"
+            )
+        try:
+            with transaction.atomic():
+                run = TuningRun.objects.create(
+                    deployment=deployment,
+                    deployment_name=deployment.name,
+                    host=home.host,
+                    spec=checked,
+                    start_generation=deployment.generation,
+                    start_plan=placements_snapshot(deployment),
+                    created_by=events.signed_in(user),
+                )
+        except IntegrityError:
+            raise InvalidTransition(f"a tuning run is already active on {deployment.name}: one at a time") from None
+        events.record(
+            kind="tuning.queued",
+            source=events.source_of(user),
+            actor=user,
+            deployment=deployment,
+            to_status=RunStatus.QUEUED,
+            message=f"tuning run {run.pk} asked for: {_describe(checked)}",
+            data={"tuning_run": run.pk, "confirmed": bool(users)},
+        )
+        outbox.enqueue_on_commit(queues.RUN_TUNING, host_name=home.host.name, args=[run.pk])
+    return run
+
+
+def _describe(spec: dict[str, Any]) -> str:
+    mix = ", ".join(f"{entry['model']} at {entry['rate']:g}/s" for entry in spec["mix"])
+    return (
+        f"{mix}; {spec['search']} search of {spec['grid_size']} plan(s), at most {spec['max_trials']} trial(s) "
+        f"of {spec['trial_s']} s within {spec['budget_s']} s"
+    )
+
+
+def tuning_cancel(*, run_id: int, user: Any = None) -> TuningRun:
+    """A queued run is cancelled at once; a running one is asked to stop (its
+    worker stops the load, keeps the trials it measured and puts the starting
+    settings back)."""
+    require_operator(user)
+    run = _get(run_id)
+    source = events.source_of(user)
+    if run.status == RunStatus.QUEUED:
+        return tuning_transition(run_id=run_id, to=RunStatus.CANCELLED, source=source, actor=user,
+                                 message="cancelled before it started")  # fmt: skip
+    if run.status == RunStatus.RUNNING:
+        return tuning_transition(run_id=run_id, to=RunStatus.CANCELLING, source=source, actor=user,
+                                 message="cancel requested")  # fmt: skip
+    raise InvalidTransition(f"tuning run {run_id} is {run.status}; only a queued or running one can be cancelled")
+
+
+def tuning_delete(*, run_id: int, user: Any = None) -> None:
+    """Forget a finished run and its trials (refused while it is active)."""
+    require_operator(user)
+    with transaction.atomic():
+        run = TuningRun.objects.select_for_update().filter(pk=run_id).first()
+        if run is None:
+            raise NotFound(f"tuning run {run_id} does not exist")
+        if run.status in ACTIVE:
+            raise InvalidTransition(f"tuning run {run_id} is {run.status}; cancel it before deleting it")
+        run.delete()
+
+
+def tuning_apply(*, run_id: int, trial: int | None = None, user: Any = None) -> TuningRun:
+    """Make a trial's plan (the best measured one unless ``trial`` is named) the
+    deployment's next generation, rolled out as any change is."""
+    require_operator(user)
+    run = _get(run_id)
+    if run.status in ACTIVE:
+        raise InvalidTransition(f"tuning run {run_id} is {run.status}; apply a plan when it has ended")
+    if run.deployment_id is None:
+        raise InvalidTransition(f"{run.deployment_name} was deleted")
+    trials = list(run.trials.all())
+    chosen = tuning.best(trials) if trial is None else next((t for t in trials if t.number == trial), None)
+    if chosen is None or chosen.goodput is None:
+        what = "no trial was measured" if trial is None else f"trial {trial} was not measured"
+        raise ValidationFailed({"trial": f"{what}: nothing to apply"})
+    deployment_services.deployment_change(
+        deployment_id=run.deployment_id,
+        placements=[spec_from_snapshot(item) for item in chosen.plan],
+        user=user,
+        reason=f"tuning run {run.pk}, trial {chosen.number} ({chosen.goodput:g} good requests/s)",
+    )
+    generation = Deployment.objects.values_list("generation", flat=True).get(pk=run.deployment_id)
+    TuningRun.objects.filter(pk=run.pk).update(applied_generation=generation)
+    return _get(run_id)
+
+
+def _get(run_id: int) -> TuningRun:
+    run = TuningRun.objects.filter(pk=run_id).first()
+    if run is None:
+        raise NotFound(f"tuning run {run_id} does not exist")
+    return run
+
+
+# --- the worker's writes ------------------------------------------------------
+
+
+def tuning_claim(*, run_id: int, source: str) -> TuningRun | None:
+    """The worker takes a queued run (None when it is no longer queued)."""
+    try:
+        return tuning_transition(run_id=run_id, to=RunStatus.RUNNING, source=source, message="search starting")
+    except (InvalidTransition, NotFound):
+        return None
+
+
+def tuning_report(*, run_id: int, progress: dict[str, Any]) -> str:
+    """The worker's heartbeat; returns the run's status now (cancelling means stop)."""
+    TuningRun.objects.filter(pk=run_id).update(progress=progress, heartbeat_at=timezone.now())
+    run = TuningRun.objects.get(pk=run_id)
+    publish(run)
+    return run.status
+
+
+def tuning_key_issue(*, run_id: int, valid_s: int) -> str:
+    """A gateway key for the run's load generators, scoped to the mix's aliases
+    and valid for ``valid_s``; its secret, once. Revoked when the run ends."""
+    run = TuningRun.objects.select_related("created_by").get(pk=run_id)
+    if run.created_by is None:
+        raise InvalidTransition("the user who asked for this tuning run no longer exists")
+    _key_revoke(run_id)
+    return gateway_services.key_create(
+        name=KEY_NAME.format(run_id),
+        user=run.created_by,
+        alias_names=[entry["model"] for entry in run.spec["mix"]],
+        expires_at=timezone.now() + dt.timedelta(seconds=valid_s),
+    ).secret
+
+
+def _key_revoke(run_id: int) -> None:
+    for key_id in ApiKey.objects.filter(name=KEY_NAME.format(run_id), revoked_at__isnull=True).values_list(
+        "pk", flat=True
+    ):
+        gateway_services.key_revoke(key_id=key_id)
+
+
+def trial_start(*, run_id: int, number: int, params: dict[str, Any]) -> TuningTrial:
+    """Record trial ``number`` with its values and the plan they make, and put
+    the plan to the deployment: checked like any change (the per-GPU plan
+    included), and pruned before it starts when it cannot be placed; else
+    rolled out as a new generation. A trial recorded before (a worker that
+    restarted) is taken up again."""
+    run = TuningRun.objects.select_related("deployment", "created_by").get(pk=run_id)
+    plan = tuning.plan_of(run.start_plan, params)
+    trial, _ = TuningTrial.objects.update_or_create(
+        run=run, number=number, defaults={"params": params, "plan": plan, "status": TrialStatus.RUNNING}
+    )
+    deployment = run.deployment
+    if deployment is None:
+        raise InvalidTransition(f"{run.deployment_name} was deleted")
+    specs = [spec_from_snapshot(item) for item in plan]
+    try:
+        resolved = placements_validate(
+            host=deployment_services.reference_host(deployment), specs=specs, runtime=deployment.runtime,
+            image=deployment.image,
+        )  # fmt: skip
+        share = sum(share_of(row) for row in placement_rows(resolved) if row.instance_kind != InstanceKind.CPU)
+        TuningTrial.objects.filter(pk=trial.pk).update(gpu_share=round(share, 4))
+        deployment_services.deployment_change(
+            deployment_id=deployment.pk,
+            placements=specs,
+            user=run.created_by,
+            reason=f"tuning run {run.pk}, trial {number}",
+        )
+    except ValidationFailed as refused:
+        rules = "; ".join(f"{field}: {' '.join(messages)}" for field, messages in refused.errors.items())
+        if "nothing to change" in rules:  # the plan the deployment holds now: measure it as it is
+            TuningTrial.objects.filter(pk=trial.pk).update(generation=deployment.generation)
+            return TuningTrial.objects.get(pk=trial.pk)
+        return trial_end(trial_id=trial.pk, status=TrialStatus.PRUNED, reason=rules)
+    generation = Deployment.objects.values_list("generation", flat=True).get(pk=deployment.pk)
+    TuningTrial.objects.filter(pk=trial.pk).update(generation=generation)
+    return TuningTrial.objects.get(pk=trial.pk)
+
+
+def trial_end(
+    *, trial_id: int, status: str, reason: str = "", figures: dict[str, Any] | None = None,
+    goodput: float | None = None,
+) -> TuningTrial:  # fmt: skip
+    """A trial measured (its figures and goodput), pruned or failed (why), on the timeline."""
+    TuningTrial.objects.filter(pk=trial_id).update(
+        status=status, reason=reason, figures=figures or {}, goodput=goodput, finished_at=timezone.now()
+    )
+    trial = TuningTrial.objects.select_related("run").get(pk=trial_id)
+    said = {
+        TrialStatus.MEASURED: f"{goodput:g} good requests/s" if goodput is not None else "measured",
+        TrialStatus.PRUNED: f"pruned: {reason}",
+        TrialStatus.FAILED: f"failed: {reason}",
+    }[status]
+    events.record(
+        kind=f"tuning.trial.{status}",
+        source="worker",
+        deployment=trial.run.deployment,
+        message=f"tuning run {trial.run_id}, trial {trial.number} ({_params(trial.params)}): {said}",
+        data={"tuning_run": trial.run_id, "trial": trial.number, "params": trial.params},
+    )
+    publish(trial.run)
+    return trial
+
+
+def _params(params: dict[str, Any]) -> str:
+    return ", ".join(f"{name}={value}" for name, value in params.items())
+
+
+def tuning_finish(*, run_id: int, status: str, message: str, source: str) -> TuningRun | None:
+    """End a run as succeeded, failed or cancelled, with the deployment put back
+    to its starting settings first; None when it had already ended."""
+    run = TuningRun.objects.filter(pk=run_id).first()
+    if run is None or run.status not in ACTIVE:
+        return None
+    TuningTrial.objects.filter(run=run, status=TrialStatus.RUNNING).update(
+        status=TrialStatus.FAILED, reason=f"the run ended ({status}) before it was measured", finished_at=timezone.now()
+    )
+    restored = tuning_restore(run)
+    if status == RunStatus.SUCCEEDED and run.status == RunStatus.CANCELLING:
+        status = RunStatus.CANCELLED
+    try:
+        return tuning_transition(run_id=run_id, to=status, source=source, message=f"{message}; {restored}")
+    except InvalidTransition:
+        return None
+
+
+def tuning_restore(run: TuningRun) -> str:
+    """Put the deployment back to the settings the run started from (a new
+    generation holding them, if a trial changed them); what was done, in words."""
+    if run.deployment_id is None:
+        return "the deployment was deleted"
+    deployment = Deployment.objects.get(pk=run.deployment_id)
+    try:
+        deployment_services.deployment_change(
+            deployment_id=run.deployment_id,
+            placements=[spec_from_snapshot(item) for item in run.start_plan],
+            user=run.created_by,
+            reason=f"tuning run {run.pk} ended: the settings of generation {run.start_generation} back",
+        )
+    except ValidationFailed as refused:
+        if any("nothing to change" in m for messages in refused.errors.values() for m in messages):
+            return f"{deployment.name} holds its starting settings (generation {deployment.generation})"
+        return f"the starting settings could not be put back: {refused}"
+    except InvalidTransition as refused:
+        return f"the starting settings could not be put back: {refused}"
+    generation = Deployment.objects.values_list("generation", flat=True).get(pk=run.deployment_id)
+    return f"the settings of generation {run.start_generation} are back, as generation {generation}"
+
+
+def tunings_reap(*, stale_after_s: int = STALE_AFTER_S) -> int:
+    """Fail runs whose worker stopped reporting (killed, or its host went away),
+    putting their deployments back; the trials they measured are kept."""
+    cutoff = timezone.now() - dt.timedelta(seconds=stale_after_s)
+    stale = TuningRun.objects.filter(status__in=[RunStatus.RUNNING, RunStatus.CANCELLING], heartbeat_at__lt=cutoff)
+    ended = 0
+    for run in stale:
+        if tuning_finish(run_id=run.pk, status=RunStatus.FAILED, source="system",
+                         message=f"the worker stopped reporting for over {stale_after_s} s (restarted or killed); "
+                         "the trials it measured are kept"):  # fmt: skip
+            ended += 1
+    return ended
+
+
+def tuning_redrive(*, run_id: int, source: str, message: str) -> bool:
+    """Send a queued run's task again (its first may have been lost inside a
+    broker that restarted); False when it is no longer queued or its task still
+    waits in the outbox. A duplicate is harmless: only one worker claims it."""
+    with transaction.atomic():
+        run = TuningRun.objects.select_related("deployment", "host").select_for_update(of=("self",))
+        run = run.filter(pk=run_id).first()
+        if run is None or run.status != RunStatus.QUEUED or run.host is None:
+            return False
+        return outbox.redrive(queues.RUN_TUNING, host_name=run.host.name, args=[run.pk], source=source,
+                              message=f"tuning run {run.pk}: {message}", deployment=run.deployment)  # fmt: skip
