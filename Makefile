@@ -18,7 +18,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-gpu
+.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-gpu bench-tuning
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,11 @@ gpu-test:
 BENCH_GPU_ARGS ?=
 bench-gpu:
 	SECRET_KEY=gantry-gpu-bench-key $(GPU_PYTHON) bench/gpu_stack.py $(BENCH_GPU_ARGS)
+
+# A tuning run of the seeds' stack against its hand-picked split, on a GPU host (bench/tuning.py).
+BENCH_TUNING_ARGS ?=
+bench-tuning:
+	SECRET_KEY=gantry-gpu-bench-key $(GPU_PYTHON) bench/tuning.py $(BENCH_TUNING_ARGS)
 
 # Benchmarks print each figure beside its floor, measured in the same run (see docs/performance.md).
 BENCH_ARGS ?=

@@ -618,6 +618,8 @@ SPECTACULAR_SETTINGS = {
         "PlacementDtypeEnum": "deployments.models.Dtype",
         "MetricKindEnum": "deployments.models.MetricSample.Kind",
         "PluginEnum": "deployments.trtllm.PLUGIN_CHOICES",
+        "RunStatusEnum": "loadtests.models.RunStatus",
+        "TrialStatusEnum": "loadtests.models.TrialStatus",
     },
 }
 

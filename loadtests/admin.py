@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from loadtests.models import LoadPoint, LoadTest
+from loadtests.models import LoadPoint, LoadTest, TuningRun, TuningTrial
 
 
 class PointInline(admin.TabularInline):
@@ -19,6 +19,31 @@ class LoadTestAdmin(admin.ModelAdmin):
     list_filter = ("status", "kind")
     search_fields = ("alias", "deployment_name")
     inlines = [PointInline]
+
+    def has_add_permission(self, request) -> bool:  # noqa: ANN001
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # noqa: ANN001
+        return False
+
+
+class TrialInline(admin.TabularInline):
+    model = TuningTrial
+    fields = ("number", "status", "params", "generation", "gpu_share", "goodput", "reason", "finished_at")
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+
+@admin.register(TuningRun)
+class TuningRunAdmin(admin.ModelAdmin):
+    """Read-only: tuning runs are started, cancelled and applied through the API and pages."""
+
+    list_display = ("id", "deployment_name", "status", "start_generation", "applied_generation", "created_by",
+                    "created_at", "finished_at")  # fmt: skip
+    list_filter = ("status",)
+    search_fields = ("deployment_name",)
+    inlines = [TrialInline]
 
     def has_add_permission(self, request) -> bool:  # noqa: ANN001
         return False

@@ -193,7 +193,7 @@ def _of_type(value: Any, kind: type) -> bool:
     if kind is list:
         return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return isinstance(value, int) and not isinstance(value, bool)
 
 

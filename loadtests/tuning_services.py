@@ -20,8 +20,8 @@ from django.utils import timezone
 
 from common.errors import ConfirmationRequired, InvalidTransition, NotFound, ValidationFailed
 from deployments import events, jobs, outbox, queues
-from deployments.gpu_plan import share_of
-from deployments.models import Deployment, DeploymentStatus, InstanceKind
+from deployments.gpu_plan import placement_gpus, share_of
+from deployments.models import Deployment, DeploymentStatus
 from deployments.permissions import require_operator
 from deployments.services import deployments as deployment_services
 from deployments.services.placements import (
@@ -277,11 +277,10 @@ def trial_start(*, run_id: int, number: int, params: dict[str, Any]) -> TuningTr
         raise InvalidTransition(f"{run.deployment_name} was deleted")
     specs = [spec_from_snapshot(item) for item in plan]
     try:
-        resolved = placements_validate(
-            host=deployment_services.reference_host(deployment), specs=specs, runtime=deployment.runtime,
-            image=deployment.image,
-        )  # fmt: skip
-        share = sum(share_of(row) for row in placement_rows(resolved) if row.instance_kind != InstanceKind.CPU)
+        host = deployment_services.reference_host(deployment)
+        resolved = placements_validate(host=host, specs=specs, runtime=deployment.runtime, image=deployment.image)
+        gpus = list(host.gpus.values_list("index", flat=True))
+        share = sum(share_of(row) * len(placement_gpus(row, gpus)) for row in placement_rows(resolved))
         TuningTrial.objects.filter(pk=trial.pk).update(gpu_share=round(share, 4))
         deployment_services.deployment_change(
             deployment_id=deployment.pk,

@@ -1,5 +1,6 @@
-"""The load-test pages: the list, one run, and runs compared. The deployment
-page holds the form that starts one (templates/loadtests/_form.html)."""
+"""The load-test pages: the list, one run, and runs compared; and one tuning
+run. The deployment page holds the forms that start them
+(templates/loadtests/_form.html and _tuning.html)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,12 @@ def loadtest_compare(request: HttpRequest) -> HttpResponse:
         compared, error = None, " ".join(m for ms in exc.errors.values() for m in ms)
     context = {"compared": compared, "error": error, "ids": ",".join(map(str, ids))}
     return render(request, "loadtests/compare.html", context)
+
+
+@login_required
+def tuning_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    try:
+        run = selectors.tuning_get(pk)
+    except NotFound as exc:
+        raise Http404(str(exc)) from exc
+    return render(request, "loadtests/tuning.html", {"run": run, "can_operate": can_operate(request.user)})

@@ -42,7 +42,8 @@ inflection jiter jsonschema jsonschema-specifications kombu openai orjson prompt
 pydantic_core pyOpenSSL pytest-django python-dotenv redis referencing rpds-py sentence-transformers service-identity
 sniffio sqlparse tritonclient Twisted txaio typing-inspection tzlocal uritemplate uvicorn uvicorn-worker vine
 wcwidth websockets whitenoise zope.event zope.interface httptools numpy scipy brotli httpcore2 httpx2 python-rapidjson
-importlib_metadata lazy-importer watchfiles truststore ujson mozilla-django-oidc PyJWT"
+importlib_metadata lazy-importer watchfiles truststore ujson mozilla-django-oidc PyJWT optuna alembic colorlog Mako
+SQLAlchemy"
 pinned requirements.lock $gantry > "$work/gantry.txt"
 wheels "$work/gantry" -r "$work/gantry.txt"
 unpack "$work/gantry" "$work/site/gantry"

@@ -216,6 +216,7 @@
         if (event.type === "host") render(await api("GET", `/api/deployments/${id}/`));  // its host went or came back
         // Load tests of this deployment follow its group; their section listens (static/loadtests.js).
         if (event.type === "loadtest") document.dispatchEvent(new CustomEvent("gantry:loadtest", { detail: event }));
+        if (event.type === "tuning") document.dispatchEvent(new CustomEvent("gantry:tuning", { detail: event }));
         if (event.type !== "event") return;
         addEvent(event);
         if (event.kind === "replica.status") {

@@ -282,7 +282,22 @@ def _watch(run: TuningRun, trial: TuningTrial, loads: list[_Load], *, limit_s: i
         if stop is None and elapsed > limit_s:
             stop = _Stop(RunStatus.FAILED, f"trial {trial.number}'s load ran past its {limit_s} s bound")
         if stop is not None:
-            for load in loads:
-                if load.process.poll() is None:
-                    processes.terminate_group(load.process.pid, grace_s=20.0, first_signal=signal.SIGINT)
+            _stop_all(run, loads)
             raise stop
+
+
+def _stop_all(run: TuningRun, loads: list[_Load], *, grace_s: float = 20.0) -> None:
+    """SIGINT every generator at once (AIPerf then ends its requests), still
+    reporting each second, so the host agent never takes the run for one whose
+    worker died; what is left after ``grace_s`` is killed."""
+    for load in loads:
+        if load.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(load.process.pid, signal.SIGINT)
+    until = time.monotonic() + grace_s
+    while any(load.process.poll() is None for load in loads) and time.monotonic() < until:
+        services.tuning_report(run_id=run.pk, progress={"state": "stopping the load generators"})
+        time.sleep(1.0)
+    for load in loads:
+        if load.process.poll() is None:
+            processes.terminate_group(load.process.pid, grace_s=5.0)
