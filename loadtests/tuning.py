@@ -51,6 +51,10 @@ RECORD_FIELD = {"time_to_first_token_ms": "ttft_ms", "inter_token_latency_ms": "
 SHAPE = ("input_tokens", "output_tokens", "batch_size", "passages", "dataset")
 MAX_CHOICES = 16
 MAX_TRIALS = 100
+# Plans that cannot be placed cost nothing to try; this many per allowed trial end the search.
+PRUNED_PER_TRIAL = 4
+# TPE is asked this many times for a plan not tried yet before the search ends.
+TPE_ASKS = 20
 # A trial also loads its generation and starts the load generators: its time beyond trial_s.
 TRIAL_OVERHEAD_S = 60
 
@@ -269,19 +273,27 @@ def best(trials: list[Any]) -> Any | None:
 
 def next_params(spec: dict[str, Any], tried: list[tuple[dict[str, Any], str, float | None]]) -> dict[str, Any] | None:
     """The values of the next trial, given those tried so far (values, trial
-    status, goodput); None when the search is over (the grid is exhausted, or
-    the run's trial bound is reached)."""
-    if len(tried) >= spec["max_trials"]:
+    status, goodput); None when the search is over: the grid is exhausted,
+    ``max_trials`` plans were loaded (a pruned plan costs nothing, so it does
+    not count, up to PRUNED_PER_TRIAL of them per trial), or TPE offers only
+    plans already tried."""
+    pruned = sum(status == "pruned" for _, status, _ in tried)
+    if len(tried) - pruned >= spec["max_trials"] or pruned >= PRUNED_PER_TRIAL * spec["max_trials"]:
         return None
     knobs = knobs_of(spec["space"])
+    seen = {_key(params) for params, _, _ in tried}
     if spec["search"] == "grid":
-        seen = {_key(params) for params, _, _ in tried}
         for values in itertools.product(*(knob.points() for knob in knobs)):
             params = {knob.name: value for knob, value in zip(knobs, values, strict=True)}
             if _key(params) not in seen:
                 return params
         return None
-    return _tpe(knobs, tried, seed=spec["seed"])
+    # TPE may offer a plan again (its choices are few); a plan is measured once.
+    for attempt in range(TPE_ASKS):
+        params = _tpe(knobs, tried, seed=spec["seed"] + attempt * 7919)
+        if _key(params) not in seen:
+            return params
+    return None
 
 
 def _key(params: dict[str, Any]) -> str:

@@ -92,8 +92,18 @@ def test_tpe_learns_from_every_earlier_trial_and_stays_within_the_space():
         status = ("measured", "pruned", "failed")[i % 3]
         tried.append((params, status, float(params["minilm.max_batch_size"]) if status == "measured" else None))
     tried.append(({"older.knob": 1}, "measured", 3.0))  # a trial of another space says nothing here
+    offered = tuning.next_params(spec, tried)
+    assert offered is not None and offered not in [p for p, _, _ in tried]  # a plan is measured once
+    measured = [(p, "measured", 1.0) for p, _, _ in tried]
+    assert tuning.next_params(spec, measured * 2) is None  # the trial bound
+
+
+def test_pruned_plans_do_not_count_against_the_trial_bound_but_end_a_search_of_nothing_else():
+    spec = _check(max_trials=2, space={"minilm": {"max_batch_size": list(range(1, 17)),
+                                                  "instance_count": [1, 2, 3]}})  # fmt: skip
+    tried = [({"minilm.max_batch_size": b, "minilm.instance_count": 1}, "pruned", None) for b in range(1, 8)]
     assert tuning.next_params(spec, tried) is not None
-    assert tuning.next_params(spec, tried * 2) is None  # the trial bound
+    assert tuning.next_params(spec, tried + tried[:1]) is None  # 4 pruned per allowed trial
 
 
 def test_goodput_counts_the_requests_that_met_every_target():
