@@ -1,6 +1,6 @@
 from django.urls import path
 
-from loadtests import api, tuning_api
+from loadtests import api
 
 urlpatterns = [
     path("loadtests/", api.LoadTestList.as_view(), name="api-loadtests"),
@@ -9,9 +9,9 @@ urlpatterns = [
     path("loadtests/<int:pk>/", api.LoadTestDetail.as_view(), name="api-loadtest"),
     path("loadtests/<int:pk>/cancel/", api.LoadTestCancel.as_view(), name="api-loadtest-cancel"),
     path("loadtests/<int:pk>/records/", api.LoadTestRecords.as_view(), name="api-loadtest-records"),
-    path("tuning/", tuning_api.TuningList.as_view(), name="api-tuning-runs"),
-    path("tuning/<int:pk>/", tuning_api.TuningDetail.as_view(), name="api-tuning-run"),
-    path("tuning/<int:pk>/cancel/", tuning_api.TuningCancel.as_view(), name="api-tuning-cancel"),
-    path("tuning/<int:pk>/apply/", tuning_api.TuningApply.as_view(), name="api-tuning-apply"),
-    path("tuning/<int:pk>/export/", tuning_api.TuningExport.as_view(), name="api-tuning-export"),
+    path("tuning/", api.TuningList.as_view(), name="api-tuning-runs"),
+    path("tuning/<int:pk>/", api.TuningDetail.as_view(), name="api-tuning-run"),
+    path("tuning/<int:pk>/cancel/", api.TuningCancel.as_view(), name="api-tuning-cancel"),
+    path("tuning/<int:pk>/apply/", api.TuningApply.as_view(), name="api-tuning-apply"),
+    path("tuning/<int:pk>/export/", api.TuningExport.as_view(), name="api-tuning-export"),
 ]

@@ -23,7 +23,7 @@ from deployments.services import builds
 from deployments.ws_auth import TokenOrSessionAuthMiddlewareStack
 from gateway import services as gateway
 from gateway.models import Alias
-from loadtests.models import LoadTest
+from loadtests.models import LoadTest, TuningRun
 from tests import factories
 
 ROLES = ("anonymous", "viewer", "operator", "admin")
@@ -69,9 +69,11 @@ def world(llama, minilm, host, operator) -> dict[str, Any]:  # noqa: ANN001
     token = token_create(user=users["viewer"], name="t").token
     run = LoadTest.objects.create(deployment=deployment, deployment_name=deployment.name, alias="chat",
                                   triton_name="minilm", kind="embedding", workload={}, status="succeeded")  # fmt: skip
+    tuned = TuningRun.objects.create(deployment=deployment, deployment_name=deployment.name, start_generation=1,
+                                     spec={"mix": [], "space": {}}, status="succeeded")  # fmt: skip
     ids = {
         "deployments": deployment.pk, "builds": build.pk, "models": minilm.pk, "aliases": alias.pk,
-        "keys": key.pk, "tokens": token.pk, "hosts": host.name, "loadtests": run.pk,
+        "keys": key.pk, "tokens": token.pk, "hosts": host.name, "loadtests": run.pk, "tuning": tuned.pk,
     }  # fmt: skip
     return {"users": users, "ids": ids}
 
@@ -117,7 +119,7 @@ def test_every_api_operation_answers_each_role_by_the_same_rule(role, world):  #
 
 
 PAGES = ["/", "/models/{models}/", "/builds/{builds}/", "/deployments/{deployments}/", "/gateway/", "/tokens/",
-         "/api/docs/", "/api/redoc/", "/loadtests/", "/loadtests/{loadtests}/"]  # fmt: skip
+         "/api/docs/", "/api/redoc/", "/loadtests/", "/loadtests/{loadtests}/", "/tuning/{tuning}/"]  # fmt: skip
 
 
 @pytest.mark.parametrize("role", ROLES)
