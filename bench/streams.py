@@ -30,7 +30,7 @@ class Target:
 
 async def _one(session: Any, target: Target, i: int) -> dict | None:
     started = time.perf_counter()
-    first, tokens = None, 0
+    first, last, tokens = None, 0.0, 0
     async with session.post(target.url, json=target.body(i), headers=target.headers) as response:
         if response.status != 200:
             raise RuntimeError(f"{target.url}: {response.status} {await response.text()}")
@@ -48,12 +48,14 @@ async def _one(session: Any, target: Target, i: int) -> dict | None:
             else:
                 text = event.get("text_output")
                 tokens += int(event.get("num_output_tokens", 0))
-            if text and first is None:
-                first = time.perf_counter()
+            if text:
+                last = time.perf_counter()
+                first = first or last
     ended = time.perf_counter()
     if first is None:
         return None
-    return {"ttft_ms": (first - started) * 1000, "tokens": tokens, "decode_s": ended - first, "ended": ended}
+    return {"ttft_ms": (first - started) * 1000, "tokens": tokens, "decode_s": ended - first, "ended": ended,
+            "tail_ms": (ended - last) * 1000}  # fmt: skip
 
 
 def closed_loop(target: Target, streams: int, seconds: float, min_samples: int = 0) -> tuple[list[dict], float]:
@@ -87,6 +89,7 @@ def figures(samples: list[dict], wall: float) -> dict:
     """Output tokens/s in all and per stream (median), and time to first token
     p50/p90, and p99 from 1000 samples up (None below)."""
     ttfts = [s["ttft_ms"] for s in samples]
+    tails = [s["tail_ms"] for s in samples if "tail_ms" in s]
     rates = [(s["tokens"] - 1) / s["decode_s"] for s in samples if s["tokens"] > 1 and s["decode_s"] > 0]
     return {
         "samples": len(samples),
@@ -95,6 +98,8 @@ def figures(samples: list[dict], wall: float) -> dict:
         "ttft_p50_ms": round(percentile(ttfts, 0.5), 2),
         "ttft_p90_ms": round(percentile(ttfts, 0.9), 2),
         "ttft_p99_ms": round(percentile(ttfts, 0.99), 2) if len(ttfts) >= 1000 else None,
+        # From the last text to the stream's end: what a side adds after the last token.
+        "tail_p50_ms": round(percentile(tails, 0.5), 3) if tails else None,
     }
 
 
