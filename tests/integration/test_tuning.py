@@ -102,6 +102,7 @@ def test_a_tuning_run_finds_a_plan_that_beats_the_starting_one(
     page.fill("#tuning-form textarea[name=mix]", "not json")
     page.click("#tuning-form button[type=submit]")
     page.wait_for_selector("#tuning-form [data-error-for=mix]:has-text('not JSON')")
+    screenshot("tuning-form")
     page.fill("#tuning-form textarea[name=mix]", json.dumps(MIX))
     page.fill("#tuning-form textarea[name=space]", json.dumps(SPACE))
     page.fill("#tuning-form input[name=trial_s]", "10")
