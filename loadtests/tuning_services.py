@@ -18,7 +18,7 @@ from typing import Any
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from common.errors import ConfirmationRequired, InvalidTransition, NotFound, ValidationFailed
+from common.errors import ConfirmationRequired, GantryError, InvalidTransition, NotFound, ValidationFailed
 from deployments import events, jobs, outbox, queues
 from deployments.gpu_plan import placement_gpus, share_of
 from deployments.models import Deployment, DeploymentStatus
@@ -363,7 +363,7 @@ def tuning_restore(run: TuningRun) -> str:
         if any("nothing to change" in m for messages in refused.errors.values() for m in messages):
             return f"{deployment.name} holds its starting settings (generation {deployment.generation})"
         return f"the starting settings could not be put back: {refused}"
-    except InvalidTransition as refused:
+    except GantryError as refused:  # not changeable now (mid-roll, stopped), or its asker was removed
         return f"the starting settings could not be put back: {refused}"
     generation = Deployment.objects.values_list("generation", flat=True).get(pk=run.deployment_id)
     return f"the settings of generation {run.start_generation} are back, as generation {generation}"
