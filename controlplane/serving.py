@@ -90,6 +90,9 @@ def web_workers() -> int:
     return int(os.environ.get("GANTRY_WEB_WORKERS") or min(8, max(2, os.cpu_count() or 1)))
 
 
+KEEP_ALIVE_S = 75
+
+
 def web_argv(python: str, *, bind: str, port: int, workers: int | None = None) -> list[str]:
     """The web server's command line (``workers`` processes, else web_workers()).
 
@@ -107,6 +110,10 @@ def web_argv(python: str, *, bind: str, port: int, workers: int | None = None) -
         # A streamed generation may be silent for long: uvicorn workers heartbeat
         # on their own, so this only catches a worker that is truly stuck.
         "--timeout", "120", "--graceful-timeout", "30",
+        # An idle keep-alive connection stays open longer than clients keep theirs
+        # (aiohttp 15 s, httpx 5 s): at gunicorn's 2 s, a client reusing one as the
+        # server closed it lost that request ("Cannot write to closing transport").
+        "--keep-alive", str(KEEP_ALIVE_S),
         # on_starting and child_exit below: the processes' shared metrics folder.
         "--config", "python:controlplane.serving",
     ]  # fmt: skip

@@ -26,13 +26,15 @@ from tests.integration.test_loadtests import _ended, _start
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 ENDED = ("succeeded", "failed", "cancelled")
-# The embedder starts badly: a request waits up to 150 ms for a batch of 8 that a
-# few requests per second never fill, so none meets a 75 ms target; a batch of 1
-# is sent at once.
-EMBED_TARGET_MS = 75.0
+# The embedder starts badly: a request waits up to a second for a batch of 8 that
+# two requests per second never fill, so none meets a 500 ms target; a batch of 1
+# is sent at once. The margin is wide because CI's two cores are shared with
+# another test file: a loaded core turns milliseconds into hundreds. The ranker's
+# load is light and its target loose, so the embedder decides the best plan.
+EMBED_TARGET_MS = 500.0
 MIX = [
-    {"model": "embedder", "rate": 4.0, "targets": {"request_latency_ms": EMBED_TARGET_MS}},
-    {"model": "ranker", "rate": 2.0, "passages": 4, "targets": {"request_latency_ms": 2000.0}},
+    {"model": "embedder", "rate": 2.0, "targets": {"request_latency_ms": EMBED_TARGET_MS}},
+    {"model": "ranker", "rate": 0.5, "passages": 2, "targets": {"request_latency_ms": 5000.0}},
 ]
 SPACE = {"minilm": {"preferred_batch_sizes": [[8], [1]]}, "minirank": {"instance_count": [1, 2]}}
 
@@ -72,7 +74,7 @@ def test_a_tuning_run_finds_a_plan_that_beats_the_starting_one(
     stack.register_models(minilm_path, minilm="embedding", minirank="reranker")
     deployment = _deploy(stack, "tuned", [
         {"model": "tiny", "max_batch_size": 8, "max_queue_delay_us": 500},
-        {"model": "minilm", "max_batch_size": 8, "preferred_batch_sizes": [8], "max_queue_delay_us": 150_000},
+        {"model": "minilm", "max_batch_size": 8, "preferred_batch_sizes": [8], "max_queue_delay_us": 1_000_000},
         {"model": "minirank", "max_batch_size": 8},
     ])  # fmt: skip
     _alias(stack, "chat", deployment, "tiny")
@@ -128,8 +130,10 @@ def test_a_tuning_run_finds_a_plan_that_beats_the_starting_one(
         assert set(trial["figures"]) == {"embedder", "ranker"}
         assert all(f["requests"] > 0 and f["errors"] == 0 for f in trial["figures"].values()), trial["figures"]
     best = trials[run["result"]["best"]]
-    assert best["params"]["minilm.preferred_batch_sizes"] == [1], run["trials"]
-    assert best["goodput"] > trials[0]["goodput"], run["trials"]
+    figures = {n: (t["params"], t["goodput"], t["figures"]) for n, t in trials.items()}
+    assert best["params"]["minilm.preferred_batch_sizes"] == [1], figures
+    assert best["figures"]["embedder"]["goodput"] > trials[0]["figures"]["embedder"]["goodput"], figures
+    assert best["goodput"] > trials[0]["goodput"], figures
     assert {"model": "minilm", "field": "preferred_batch_sizes", "from": [8], "to": [1]} in run["result"]["changes"]
     # Each trial was a generation; the deployment holds its starting settings again.
     assert len({t["generation"] for t in trials.values()}) == 4
@@ -145,7 +149,7 @@ def test_a_tuning_run_finds_a_plan_that_beats_the_starting_one(
     assert float(rows[0]["embedder.request_latency_ms.target"]) == EMBED_TARGET_MS
 
     # A fresh load test of the starting plan, then of the applied one: the applied one has more goodput.
-    workload = {"mode": "rate", "levels": [4], "duration_s": 10, "thresholds": {"request_latency_ms": EMBED_TARGET_MS}}
+    workload = {"mode": "rate", "levels": [2], "duration_s": 10, "thresholds": {"request_latency_ms": EMBED_TARGET_MS}}
     before = _ended(stack, _start(stack, settled, "embedder", workload)["id"])
     assert before["status"] == "succeeded", before["status_message"]
     page.click("#apply")
@@ -156,7 +160,7 @@ def test_a_tuning_run_finds_a_plan_that_beats_the_starting_one(
     assert _placements(stack, deployment)["minilm"] == ([1], start["minilm"][1])
     after = _ended(stack, _start(stack, settled, "embedder", workload)["id"])
     assert after["status"] == "succeeded", after["status_message"]
-    goodput = [r["points"][0]["summary"]["goodput"] for r in (before, after)]
+    goodput = [r["points"][0]["summary"].get("goodput", 0.0) for r in (before, after)]  # none good: none said
     assert goodput[1] > goodput[0], goodput
 
     # Cancelled while it measures: the run ends cancelled and the settings it started from come back.

@@ -68,6 +68,7 @@ def test_one_web_process_per_core_unless_told(monkeypatch):
     assert argv[argv.index("--workers") + 1] == "3"
     assert "controlplane.serving.HttpWorker" in argv
     assert "--reuse-port" in argv  # a socket per process, connections spread by the kernel
+    assert argv[argv.index("--keep-alive") + 1] == "75"  # longer than clients keep an idle connection
 
 
 def _listener(reuse_port: bool) -> socket.socket:
