@@ -10,6 +10,7 @@ before anything is signalled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -141,6 +142,19 @@ def working_in(folder: Path) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def stop_groups_working_in(folder: Path, *, grace_s: float = 10.0) -> None:
+    """Stop the process group of every live process working in ``folder``: what a
+    dead worker's load generators left (each has a group of its own, so it
+    outlives a SIGKILLed worker). Found by working directory, a reused pid is
+    never signalled."""
+    groups = set()
+    for pid in working_in(folder):
+        with contextlib.suppress(ProcessLookupError):
+            groups.add(os.getpgid(pid))
+    for pgid in groups:
+        terminate_group(pgid, grace_s=grace_s)
 
 
 def group_members(pgid: int) -> list[int]:

@@ -8,10 +8,8 @@ it left on this host is stopped (reconcile_runs).
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -67,14 +65,9 @@ def reconcile_runs() -> None:
     )
     for run in orphans:
         # AIPerf sets its process title, which hides its command line and environment:
-        # it is this run's by its working directory (a reused pid is never signalled),
-        # whether or not its pid was recorded before the worker died.
-        groups = set()
-        for pid in processes.working_in(run_folder(run.pk)):
-            with contextlib.suppress(ProcessLookupError):
-                groups.add(os.getpgid(pid))
-        for pgid in groups:  # the generator and its workers: one group each
-            processes.terminate_group(pgid, grace_s=10.0)
+        # it is this run's by its working directory, whether or not its pid was
+        # recorded before the worker died.
+        processes.stop_groups_working_in(run_folder(run.pk))
         services.run_finish(
             run_id=run.pk,
             status=RunStatus.FAILED,

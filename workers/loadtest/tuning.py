@@ -58,12 +58,7 @@ def reconcile_runs() -> None:
         heartbeat_at__lt=cutoff,
     )
     for run in orphans:
-        groups = set()
-        for pid in processes.working_in(run_folder(run.pk)):
-            with contextlib.suppress(ProcessLookupError):
-                groups.add(os.getpgid(pid))
-        for pgid in groups:
-            processes.terminate_group(pgid, grace_s=10.0)
+        processes.stop_groups_working_in(run_folder(run.pk))
         services.tuning_finish(
             run_id=run.pk,
             status=RunStatus.FAILED,
