@@ -3,15 +3,16 @@ the repository API and tensor inference, and Triton's generate extension
 (``/v2/models/<m>/generate_stream``, server-sent events) for text generation,
 asynchronously, so the web tier streams tokens without a thread per request.
 
-Callers get numpy arrays, dicts and Gantry's TransientError / PermanentError,
-never tritonclient's or aiohttp's exceptions. This is the one module through
-which every door reaches Triton: the host worker, the playground, the
-generate action and the gateway.
+The web tier's calls (generate_stream, infer_async) go over pooled
+connections of its own (triton_server.http1). Callers get numpy arrays, dicts
+and Gantry's TransientError / PermanentError, never tritonclient's or the
+connections' exceptions. This is the one module through which every door
+reaches Triton: the host worker, the playground, the generate action and the
+gateway.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import ssl
 import time
@@ -19,13 +20,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import numpy as np
 import orjson
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from common.errors import ContextExceeded, PermanentError, TransientError
+from triton_server import http1
 
 # The header Triton's restricted APIs (model repository, logging) expect.
 ADMIN_HEADER = "gantry-admin-key"
@@ -40,13 +41,6 @@ class Channel:
 
     server_name: str  # p<port>.h<host id>.gantry
     context: ssl.SSLContext
-
-
-def _target(url: str, channel: Channel | None) -> tuple[str, dict[str, Any]]:
-    """The base URL and aiohttp's TLS options for a server at ``url`` (host:port)."""
-    if channel is None:
-        return f"http://{url}", {}
-    return f"https://{url}", {"ssl": channel.context, "server_hostname": channel.server_name}
 
 
 @dataclass(frozen=True)
@@ -204,26 +198,11 @@ class TritonClient:
 
 # --- text generation (Triton's generate extension) ------------------------------------
 
-_sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
-_JSON = {"Content-Type": "application/json"}
 
-
-def _session() -> aiohttp.ClientSession:
-    """One pooled HTTP session per event loop (the ASGI server runs one)."""
-    loop = asyncio.get_running_loop()
-    session = _sessions.get(loop)
-    if session is None or session.closed:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
-        timeout = aiohttp.ClientTimeout(total=None, connect=_CONNECT_TIMEOUT_S, sock_read=_NETWORK_TIMEOUT_S)
-        session = _sessions[loop] = aiohttp.ClientSession(connector=connector, timeout=timeout)
-    return session
-
-
-async def close_session() -> None:
-    """Close this event loop's pooled session (a script's loop ending; servers keep theirs)."""
-    session = _sessions.pop(asyncio.get_running_loop(), None)
-    if session is not None:
-        await session.close()
+def _server(url: str, channel: Channel | None) -> http1.Server:
+    if channel is None:
+        return http1.Server.at(url)
+    return http1.Server.at(url, channel.context, channel.server_name)
 
 
 async def generate_stream(
@@ -236,33 +215,31 @@ async def generate_stream(
     PermanentError when Triton refuses the request (bad input, unknown model),
     TransientError when the server cannot be reached or fails mid-way.
     """
-    base, tls = _target(url, channel)
     try:
-        response = await _session().post(
-            f"{base}/v2/models/{model}/generate_stream", data=orjson.dumps(inputs), headers=_JSON, **tls
-        )
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        answer = await http1.post(_server(url, channel), f"/v2/models/{model}/generate_stream", orjson.dumps(inputs))
+    except http1.Unreachable as exc:
         raise TransientError(f"{model}: server unreachable at {url}: {exc}") from exc
     finished = False
     try:
-        if response.status != 200:
-            raise _refusal(model, response.status, await response.text())
-        async for raw in response.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            event = orjson.loads(line[5:])
-            if "error" in event:
-                raise _refused(f"{model}: {event['error']}")
-            yield event
+        if answer.status != 200:
+            raise _refusal(model, answer.status, (await answer.read()).decode("utf-8", "replace"))
+        rest = b""
+        async for part in answer.parts():
+            *lines, rest = (rest + part).split(b"\n")
+            for line in lines:
+                if line.startswith(b"data:"):
+                    event = orjson.loads(line[5:])
+                    if "error" in event:
+                        raise _refused(f"{model}: {event['error']}")
+                    yield event
         finished = True
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+    except http1.Broken as exc:
         raise TransientError(f"{model}: the stream from {url} broke: {exc}") from exc
     finally:
         if finished:
-            response.release()
+            answer.release()
         else:
-            response.close()  # the client went away or failed: drop the connection so Triton cancels
+            answer.close()  # the client went away or failed: drop the connection so Triton cancels
 
 
 def _refusal(model: str, status: int, body: str) -> Exception:
@@ -296,7 +273,7 @@ async def infer_async(
     url: str, model: str, inputs: dict[str, np.ndarray], channel: Channel | None = None
 ) -> dict[str, np.ndarray]:
     """Every output of ``model`` for ``inputs`` (numpy arrays; object arrays are
-    BYTES), through the pooled session. Outputs come back in Triton's binary
+    BYTES), over the pooled connections. Outputs come back in Triton's binary
     tensor extension, so a batch of embeddings is never printed as JSON numbers.
 
     PermanentError when Triton refuses the request, TransientError when it
@@ -304,17 +281,19 @@ async def infer_async(
     """
     header: dict[str, Any] = {"inputs": [_json_tensor(name, array) for name, array in inputs.items()]}
     header["parameters"] = {"binary_data_output": True}
-    base, tls = _target(url, channel)
     try:
-        async with _session().post(
-            f"{base}/v2/models/{model}/infer", data=json.dumps(header).encode(), **tls
-        ) as response:
-            body = await response.read()
-            if response.status != 200:
-                raise _refusal(model, response.status, body.decode("utf-8", "replace"))
-            header_length = response.headers.get("Inference-Header-Content-Length")
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        answer = await http1.post(_server(url, channel), f"/v2/models/{model}/infer", orjson.dumps(header))
+        try:
+            body = await answer.read()
+        finally:
+            answer.release()
+    except http1.Unreachable as exc:
         raise TransientError(f"{model}: server unreachable at {url}: {exc}") from exc
+    except http1.Broken as exc:
+        raise TransientError(f"{model}: the answer from {url} broke: {exc}") from exc
+    if answer.status != 200:
+        raise _refusal(model, answer.status, body.decode("utf-8", "replace"))
+    header_length = answer.headers.get("inference-header-content-length")
     return _outputs(body, int(header_length) if header_length else len(body))
 
 
