@@ -86,3 +86,81 @@ def test_one_checker_per_thread_carries_nothing_from_one_body_to_the_next():
     assert seen[0] is not schemas._checker(schemas.ChatIn) and schemas._checker(schemas.ChatIn) is schemas._checker(
         schemas.ChatIn
     )
+
+
+# Values each field may be sent with: within its rules, then beside them or of another JSON type.
+_VALUES = {
+    "model": (["m", "llm-1"], [" m", "", "m" * 129, 7, None, "m\x00", "\ud800"]),
+    "max_tokens": ([1, 16], [0, 32769, 2.0, "8", True, None]),
+    "max_completion_tokens": ([9], [0, "9"]),
+    "temperature": ([0, 0.5, 2], [2.5, -0.1, "1", False, float("nan")]),
+    "top_p": ([1, 0.3], [0, 1.5, "0.5"]),
+    "seed": ([0, 42], [-1, 2**63, 3.0]),
+    "stop": (["END", ["a", "b"]], [[], ["a"] * 5, ["x" * 65], [1], None]),
+    "stream": ([True, False], ["true", 1, None]),
+    "stream_options": ([{"include_usage": True}, {}], [{"include_usage": "yes"}, {"other": 1}, [], None]),
+    "user": (["u"], ["", "u" * 257, 5]),
+    "messages": (
+        [
+            [{"role": "user", "content": "hi"}],
+            [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "a"}]}],
+            [{"role": "user", "content": "hi", "name": "ann"}],
+        ],
+        [
+            [{"role": "robot", "content": "x"}],
+            [{"role": "user"}],
+            [{"role": "user", "content": "hi", "extra": 1}],
+            [{"role": "user", "content": [{"type": "image_url"}]}],
+            [],
+            "hi",
+        ],
+    ),
+    "prompt": (["hello", ["hello"]], [["a", "b"], [], [1], ""]),
+    "input": (["x", ["a", "b"]], [[], [[1, 2]], ["x" * 32_001]]),
+    "encoding_format": (["float", "base64"], ["int8", 1]),
+    "query": (["q", " q "], ["", "q" * 32_001]),
+    "documents": ([["a", {"text": "b"}]], [[], [{"body": "b"}], "a", [1]]),
+    "top_n": ([1, 3], [0, "2"]),
+    "return_documents": ([True, False], ["no"]),
+    "mystery": ([], [1]),
+}
+
+
+def _sent(name: str):  # noqa: ANN202
+    """Mostly a value within the field's rules; now and then one beside them."""
+    from hypothesis import strategies as st
+
+    good, bad = _VALUES[name]
+    return st.sampled_from(good * 6 + bad) if good else st.sampled_from(bad)
+
+
+@pytest.mark.parametrize("serializer", [schemas.ChatIn, schemas.CompletionIn, schemas.EmbeddingIn, schemas.RerankIn])
+def test_the_quick_check_agrees_with_drf_wherever_it_answers(serializer):  # noqa: ANN001
+    """Generated bodies: the quick check either defers to DRF or returns exactly what
+    DRF's check returns (and DRF accepts the body)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from rest_framework import serializers as drf
+
+    required = {"model", "messages", "prompt", "input", "query", "documents"} & set(serializer._declared_fields)
+    optional = {name: _sent(name) for name in [*serializer._declared_fields, "mystery"] if name not in required}
+    bodies = st.fixed_dictionaries({name: _sent(name) for name in required}, optional=optional)
+    answered = []
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(bodies)
+    def agree(body: dict) -> None:
+        checker = schemas._checker(serializer)
+        try:
+            quick = schemas._plain_object(checker, dict(body))
+        except schemas._Unsure:
+            return
+        try:
+            full = checker.run_validation(dict(body))
+        except drf.ValidationError as exc:
+            raise AssertionError(f"the quick check took {body!r}, which DRF refuses: {exc.detail}") from None
+        assert quick == dict(full), body
+        answered.append(body)
+
+    agree()
+    assert answered, "the quick check answered none of the generated bodies"
