@@ -28,7 +28,12 @@ and round; the order of the sides alternates every round.
    time to first token p50/p99 (target: p99 under 2 ms) and tokens/s ratio
    (>= 0.97). With GANTRY_METRICS_TOKEN set, it also reads the web process's
    own TTFT histogram, to tell a tail that arises before the gateway's code
-   (HTTP, the event loop) from one after it (Triton).
+   (HTTP, the event loop) from one after it (Triton). With --gateway-think-ms,
+   each client pauses before a request (the i-th request's pause the same on
+   both sides): a client that sends the instant its last answer ended reaches
+   the decoder just as it admits requests when it calls Triton directly, and a
+   step later through any proxy, which the comparison would count as the
+   gateway's cost (docs/performance.md).
 
     make bench-gpu BENCH_GPU_ARGS="--rounds 2 --out report.json"
 """
@@ -173,6 +178,10 @@ def main() -> int:
     parser.add_argument("--gateway-tokens", type=int, default=16)
     parser.add_argument("--gateway-samples", type=int, default=1000, help="answers per side and level, at least")
     parser.add_argument("--gateway-round-s", type=float, default=10.0, help="seconds per side and round, at least")
+    parser.add_argument(
+        "--gateway-think-ms", type=float, default=0.0,
+        help="each client's pause before a request, spread over 0 to this, the same on both sides",
+    )  # fmt: skip
     parser.add_argument("--phases", default="stack,gateway")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -267,14 +276,15 @@ def main() -> int:
             f"{triton}/v2/models/llm/generate_stream", lambda i: {**body(i), "text_input": prompts[i % 256]}
         )
         per_round = math.ceil(args.gateway_samples / args.rounds)
+        think = args.gateway_think_ms
         for level in levels if "gateway" in phases else []:
             # Every web process answers a burst first: a process that served nothing for a
             # minute reads its key and route again, which is not what this measures.
             closed_loop(gateway, 32, 0.0, 256)
             closed_loop(direct, 32, 0.0, 256)
             sides = {
-                "gateway": lambda level: closed_loop(gateway, level, args.gateway_round_s, per_round),
-                "triton": lambda level: closed_loop(direct, level, args.gateway_round_s, per_round),
+                "gateway": lambda level: closed_loop(gateway, level, args.gateway_round_s, per_round, think),
+                "triton": lambda level: closed_loop(direct, level, args.gateway_round_s, per_round, think),
             }
             before = gateway_ttft_buckets(plane.url)
             row = _alternating(sides, level, args.rounds)

@@ -58,10 +58,15 @@ async def _one(session: Any, target: Target, i: int) -> dict | None:
             "tail_ms": (ended - last) * 1000}  # fmt: skip
 
 
-def closed_loop(target: Target, streams: int, seconds: float, min_samples: int = 0) -> tuple[list[dict], float]:
+def closed_loop(
+    target: Target, streams: int, seconds: float, min_samples: int = 0, think_ms: float = 0.0
+) -> tuple[list[dict], float]:
     """``streams`` clients, each sending requests one after another: at least one
     each, then until ``seconds`` have passed and ``min_samples`` requests ended.
-    Returns the samples and the wall time from the start to the last answer."""
+    With ``think_ms``, a client pauses before each request after its first, the
+    i-th request's pause the same on every side (spread evenly over 0 to think_ms),
+    so that arrivals are not timed by the decoder's steps. Returns the samples and
+    the wall time from the start to the last answer."""
     import aiohttp
 
     async def run() -> tuple[list[dict], float]:
@@ -70,8 +75,13 @@ def closed_loop(target: Target, streams: int, seconds: float, min_samples: int =
         started = time.perf_counter()
 
         async def client(session: Any) -> None:
+            first = True
             while True:
-                sample = await _one(session, target, next(counter))
+                i = next(counter)
+                if think_ms and not first:
+                    await asyncio.sleep(think_ms / 1000 * ((i * 0.6180339887) % 1.0))
+                first = False
+                sample = await _one(session, target, i)
                 if sample:
                     samples.append(sample)
                 if time.perf_counter() >= started + seconds and len(samples) >= min_samples:
