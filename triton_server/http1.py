@@ -203,19 +203,37 @@ class _Pool:
 
     def __init__(self) -> None:
         self.idle: dict[Server, deque[Answer]] = {}
+        self.swept_at = 0.0
 
     def take(self, server: Server) -> Answer | None:
         kept = self.idle.get(server)
         now = asyncio.get_running_loop().time()
         while kept:
             answer = kept.pop()
-            if answer.lost is None and now - answer.idle_since < IDLE_S and not answer.transport.is_closing():  # type: ignore[union-attr]
+            if _usable(answer, now):
                 return answer
             answer.close()
         return None
 
     def put(self, answer: Answer) -> None:
         self.idle.setdefault(answer.server, deque()).append(answer)
+        if answer.idle_since - self.swept_at >= IDLE_S:
+            self._sweep(answer.idle_since)
+
+    def _sweep(self, now: float) -> None:
+        """Close what idled past IDLE_S, for every server: a replica gone, or a channel's
+        TLS context replaced (a revocation), is never asked for again."""
+        self.swept_at = now
+        for server, kept in list(self.idle.items()):
+            for answer in [a for a in kept if not _usable(a, now)]:
+                kept.remove(answer)
+                answer.close()
+            if not kept:
+                del self.idle[server]
+
+
+def _usable(answer: Answer, now: float) -> bool:
+    return answer.lost is None and now - answer.idle_since < IDLE_S and not answer.transport.is_closing()  # type: ignore[union-attr]
 
 
 _pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pool] = weakref.WeakKeyDictionary()

@@ -246,7 +246,7 @@ def _client_certificate_usable(secrets: ChannelSecrets) -> tuple[str, str] | Non
 class _ClientContext:
     """The web process's TLS context for hosts' channels, read again every
     CONTEXT_TTL_S and made anew when the revocation list or its certificate
-    changed (a new context also means new connections: aiohttp pools by it)."""
+    changed (a new context also means new connections: triton_server.http1 pools by it)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -215,3 +215,31 @@ def test_an_answer_that_is_not_http_is_refused_by_name() -> None:
                 await http1.post(target, "/x", b"{}")
 
     asyncio.run(run())
+
+
+def test_connections_idle_too_long_are_closed_for_every_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server no longer asked for (a replica gone, a channel's context replaced)
+    does not keep its idle connections open."""
+    monkeypatch.setattr(http1, "IDLE_S", 0.05)
+
+    async def ok(number: int, body: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        return True
+
+    async def run() -> None:
+        gone, listening_gone, target_gone = await _serve(ok)
+        _, listening, target = await _serve(ok)
+        async with listening_gone, listening:
+            for server in (target_gone, target):
+                answer = await http1.post(server, "/x", b"{}")
+                assert await answer.read() == b"ok"
+                answer.release()
+            assert not gone.closed.is_set()
+            await asyncio.sleep(0.1)
+            answer = await http1.post(target, "/x", b"{}")
+            await answer.read()
+            answer.release()
+            await asyncio.wait_for(gone.closed.wait(), 5)
+
+    asyncio.run(run())
