@@ -269,8 +269,9 @@ async def post(
     """POST ``body`` to ``path``; returns once the answer's headers are in (read its
     parts, then release or close it). Unreachable when no answer began."""
     pool = _pool()
+    host = f"[{server.host}]" if ":" in server.host else server.host  # an IPv6 address, bracketed
     request = (
-        f"POST {path} HTTP/1.1\r\nHost: {server.host}:{server.port}\r\nContent-Type: {content_type}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{server.port}\r\nContent-Type: {content_type}\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode("latin-1") + body
     while True:

@@ -243,3 +243,28 @@ def test_connections_idle_too_long_are_closed_for_every_server(monkeypatch: pyte
             await asyncio.wait_for(gone.closed.wait(), 5)
 
     asyncio.run(run())
+
+
+def test_an_ipv6_server_is_reached_and_named_in_brackets() -> None:
+    seen: list[bytes] = []
+
+    async def run() -> None:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append(await reader.readuntil(b"\r\n\r\n"))
+            await reader.readexactly(2)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        try:
+            listening = await asyncio.start_server(handle, "::1", 0)
+        except OSError:
+            pytest.skip("this machine has no IPv6 loopback")
+        port = listening.sockets[0].getsockname()[1]
+        async with listening:
+            answer = await http1.post(http1.Server.at(f"[::1]:{port}"), "/x", b"{}")
+            assert answer.status == 200 and await answer.read() == b""
+            answer.release()
+
+    asyncio.run(run())
+    assert b"\r\nHost: [::1]:" in seen[0]
