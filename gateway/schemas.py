@@ -285,14 +285,11 @@ def _plain(field: serializers.Field, value: Any) -> Any:  # noqa: C901 - one cas
             and not (field.trim_whitespace and value != value.strip()) and not _SURROGATE.search(value)
         ):  # fmt: skip
             return value
-    elif isinstance(field, serializers.ListSerializer):
-        if type(value) is list and (value or field.allow_empty) and _sized(field, value):
-            return [_plain_object(field.child, item) for item in value]
-    elif isinstance(field, serializers.Serializer):
-        return _plain_object(field, value)
-    elif kind is serializers.ListField:
+    elif isinstance(field, serializers.ListSerializer) or kind is serializers.ListField:
         if type(value) is list and (value or field.allow_empty) and _sized(field, value):
             return [_plain(field.child, item) for item in value]
+    elif isinstance(field, serializers.Serializer):
+        return _plain_object(field, value)
     elif kind.__module__ == __name__ and not field.validators:  # this module's own fields: their one check
         return _sure(field.to_internal_value, value)
     raise _Unsure

@@ -58,8 +58,9 @@ class Server:
 class Answer(asyncio.Protocol):
     """One connection, and the answer to the request in flight on it."""
 
-    def __init__(self, server: Server, pool: _Pool, read_timeout_s: float) -> None:
-        self.server, self.pool, self.read_timeout_s = server, pool, read_timeout_s
+    def __init__(self, server: Server, pool: _Pool) -> None:
+        self.server, self.pool = server, pool
+        self.read_timeout_s = READ_TIMEOUT_S
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.lost: BaseException | None = None
@@ -156,8 +157,9 @@ class Answer(asyncio.Protocol):
         if self.lost is None:
             self.lost = exc
 
-    def _send(self, request: bytes) -> None:
+    def _send(self, request: bytes, read_timeout_s: float) -> None:
         self._begin()
+        self.read_timeout_s = read_timeout_s
         self.transport.write(request)  # type: ignore[union-attr]
         self._watchdog = self.loop.call_at(self._last_heard + self.read_timeout_s, self._check_silence)
 
@@ -247,17 +249,17 @@ def _pool() -> _Pool:
     return pool
 
 
-async def _connect(server: Server, pool: _Pool, read_timeout_s: float) -> Answer:
+async def _connect(server: Server, pool: _Pool) -> Answer:
     loop = asyncio.get_running_loop()
     extra: dict[str, Any] = {}
     if server.tls is not None:
         extra = {"ssl": server.tls, "server_hostname": server.server_hostname}
     try:
         _, answer = await asyncio.wait_for(
-            loop.create_connection(lambda: Answer(server, pool, read_timeout_s), server.host, server.port, **extra),
+            loop.create_connection(lambda: Answer(server, pool), server.host, server.port, **extra),
             CONNECT_TIMEOUT_S,
         )
-    except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
+    except (OSError, asyncio.TimeoutError) as exc:  # (TLS failures are OSErrors)
         raise Unreachable(_words(exc) if not isinstance(exc, asyncio.TimeoutError) else "connect timed out") from exc
     return answer
 
@@ -278,9 +280,8 @@ async def post(
         answer = pool.take(server)
         kept = answer is not None
         if answer is None:
-            answer = await _connect(server, pool, read_timeout_s)
-        answer.read_timeout_s = read_timeout_s
-        answer._send(request)
+            answer = await _connect(server, pool)
+        answer._send(request, read_timeout_s)
         try:
             await answer._headers()
         except Unreachable:
