@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import time
 from pathlib import Path
 
@@ -107,6 +108,9 @@ def test_the_openai_client_chats_completes_embeds_and_reranks_through_the_gatewa
     pieces = list(client.completions.create(model="org/tiny-chat", prompt="Once upon a time", max_tokens=10, seed=3,
                                             stream=True))  # fmt: skip
     assert "".join(p.choices[0].text for p in pieces) == completion.choices[0].text
+    # Its access line, written once the stream had ended: the bytes it sent and its seconds.
+    streamed_line = r'"POST /v1/completions HTTP/1\.1" 200 [1-9]\d* \d+\.\d{3}$'
+    wait_for(lambda: re.search(streamed_line, (stack.log_dir / "web.log").read_text(), re.M), 10, "its access line")
 
     # Embeddings: the client asks for base64 by default and decodes it; float gives the same vectors.
     texts = ["a cat sits on the mat", "a kitten rests on a rug", "stock prices fell today"]
