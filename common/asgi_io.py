@@ -54,29 +54,37 @@ async def send_bytes(
 
 
 async def stream_events(send: Any, receive: Any, events: AsyncIterator[bytes | str]) -> None:
-    """Send ``events`` as a server-sent event stream as they come. A client that
-    goes away stops the stream; closing ``events`` closes Triton's connection,
-    and Triton cancels the request (the model stops generating)."""
-    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+    """Send ``events`` as a server-sent event stream as they come. The headers
+    wait for the first event and go with it, written back to back from this
+    task (no hop to another before the first token), so that a client reads
+    both at once. A client that goes away stops the stream; closing ``events``
+    closes Triton's connection, and Triton cancels the request (the model stops
+    generating)."""
+    try:
+        first = await anext(events, None)
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        if first is not None:
+            await send(_event(first))
 
-    async def pump() -> None:
-        async for event in events:
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": event if isinstance(event, bytes) else event.encode(),
-                    "more_body": True,
-                }
-            )
-        await send({"type": "http.response.body", "body": b""})
+        async def pump() -> None:
+            if first is not None:
+                async for event in events:
+                    await send(_event(event))
+            await send({"type": "http.response.body", "body": b""})
 
-    async def disconnected() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        async def disconnected() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
 
-    streaming, watching = asyncio.create_task(pump()), asyncio.create_task(disconnected())
-    await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
-    for task in (streaming, watching):
-        task.cancel()
-    await asyncio.gather(streaming, watching, return_exceptions=True)
-    await events.aclose()  # type: ignore[attr-defined]
+        streaming, watching = asyncio.create_task(pump()), asyncio.create_task(disconnected())
+        await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (streaming, watching):
+            task.cancel()
+        await asyncio.gather(streaming, watching, return_exceptions=True)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+def _event(event: bytes | str) -> dict[str, Any]:
+    body = event if isinstance(event, bytes) else event.encode()
+    return {"type": "http.response.body", "body": body, "more_body": True}
