@@ -49,7 +49,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # concurrent clients rarely arrive in the same microsecond.
 GATHER_S = 0.002
 # Tokens between two is_cancelled() calls for one request (each is a round trip
-# to Triton's core).
+# to Triton's core); the first is after this many, so that none delays the first token.
 CANCEL_CHECK_EVERY = 8
 # The KV cache's use, told to Triton's metrics at most this often (seconds).
 KV_TELL_EVERY_S = 0.5
@@ -272,7 +272,8 @@ class TritonPythonModel:
     def _advance(self, sequence, token):
         """Record one generated token; send the text that is now certain; finish on
         end of sequence, a stop string, max_tokens, or a client that went away."""
-        if len(sequence.output_ids) % CANCEL_CHECK_EVERY == 0 and sequence.sender.is_cancelled():
+        made = len(sequence.output_ids)
+        if made and made % CANCEL_CHECK_EVERY == 0 and sequence.sender.is_cancelled():
             sequence.done = True
             sequence.sender.send(flags=FINAL)
             pb_utils.Logger.log_info(f"request cancelled by its client after {len(sequence.output_ids)} tokens")
