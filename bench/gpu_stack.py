@@ -20,20 +20,25 @@ and round; the order of the sides alternates every round.
    It prints tokens/s in all and per stream and time to first token for both,
    served/floor (target >= 0.9), and embed and rerank requests/s alone and beside.
 2. The gateway's own cost (issue 34), on this machine's cores: streamed
-   completions of about --gateway-tokens tokens (the i-th request of each side
+   completions of about --gateway-tokens tokens (the k-th request of each side
    asks the same number, from half to one and a half times it) through /v1
    against the same prompts sent to Triton's generate_stream of the same
-   deployment, nothing beside them, for at least --gateway-round-s per side and
-   round and until each side has --gateway-samples answers per level: added
-   time to first token p50/p99 (target: p99 under 2 ms) and tokens/s ratio
-   (>= 0.97). With GANTRY_METRICS_TOKEN set, it also reads the web process's
-   own TTFT histogram, to tell a tail that arises before the gateway's code
-   (HTTP, the event loop) from one after it (Triton). With --gateway-think-ms,
-   each client pauses before a request (the i-th request's pause the same on
-   both sides): a client that sends the instant its last answer ended reaches
-   the decoder just as it admits requests when it calls Triton directly, and a
-   step later through any proxy, which the comparison would count as the
-   gateway's cost (docs/performance.md).
+   deployment, nothing beside them. The two sides run at once, request by
+   request (the 2k-th request to /v1, the 2k+1-th to Triton), so both meet the
+   same moments of the decoder and the same load, for 2 x --rounds x
+   --gateway-round-s seconds and until each side has --gateway-samples answers
+   per level: added time to first token p50/p99 (target: p99 under 2 ms), each
+   with a 95% bootstrap interval (how far the difference moves by the luck of
+   the samples alone: a p99 rests on its largest tenth of a percent, and on a
+   tail both sides share), and the ratio of tokens per second of the streams'
+   time (>= 0.97). With GANTRY_METRICS_TOKEN set, it also reads the web
+   process's own TTFT histogram, to tell a tail that arises before the
+   gateway's code (HTTP, the event loop) from one after it (Triton). With
+   --gateway-think-ms, each client pauses before a request (the k-th request's
+   pause the same on both sides): a client that sends the instant its last
+   answer ended reaches the decoder just as it admits requests when it calls
+   Triton directly, and a step later through any proxy, which the comparison
+   would count as the gateway's cost (docs/performance.md).
 
     make bench-gpu BENCH_GPU_ARGS="--rounds 2 --out report.json"
 """
@@ -52,6 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.harness import added_interval  # noqa: E402
 from bench.streams import Floor, Target, closed_loop, figures, p99_text  # noqa: E402
 
 # GANTRY_GPU_SUITE_REHEARSAL=1: the same run on a CPU host, with the tiny LLM (as the GPU suite rehearses).
@@ -177,7 +183,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--gateway-tokens", type=int, default=16)
     parser.add_argument("--gateway-samples", type=int, default=1000, help="answers per side and level, at least")
-    parser.add_argument("--gateway-round-s", type=float, default=10.0, help="seconds per side and round, at least")
+    parser.add_argument(
+        "--gateway-round-s", type=float, default=10.0, help="seconds per side and round, at least (both run at once)"
+    )
     parser.add_argument(
         "--gateway-think-ms", type=float, default=0.0,
         help="each client's pause before a request, spread over 0 to this, the same on both sides",
@@ -260,34 +268,37 @@ def main() -> int:
             report["stack"][level] = row
             print(json.dumps({"stack": {level: _brief(row)}}), flush=True)
 
-        # The i-th request of either side asks the same number of tokens, from half to
+        # The k-th request of either side asks the same number of tokens, from half to
         # one and a half times --gateway-tokens: with one length for all, streams that
         # start together end together and rejoin the decoder in lockstep, which the
         # gateway's own jitter breaks, and the comparison measured that, not the gateway.
-        def body(i: int) -> dict:
-            tokens = args.gateway_tokens // 2 + (i * 7919) % args.gateway_tokens
+        def body(k: int) -> dict:
+            tokens = args.gateway_tokens // 2 + (k * 7919) % args.gateway_tokens
             return {"max_tokens": tokens, "stream": True, "temperature": 1.0}
 
         usage = {"model": "seed-llm", "stream_options": {"include_usage": True}}
         gateway = Target(
-            f"{plane.url}/v1/completions", lambda i: {**body(i), **usage, "prompt": prompts[i % 256]}, auth, openai=True
+            f"{plane.url}/v1/completions", lambda k: {**body(k), **usage, "prompt": prompts[k % 256]}, auth, openai=True
         )
         direct = Target(
-            f"{triton}/v2/models/llm/generate_stream", lambda i: {**body(i), "text_input": prompts[i % 256]}
+            f"{triton}/v2/models/llm/generate_stream", lambda k: {**body(k), "text_input": prompts[k % 256]}
         )
-        per_round = math.ceil(args.gateway_samples / args.rounds)
-        think = args.gateway_think_ms
         for level in levels if "gateway" in phases else []:
             # Every web process answers a burst first: a process that served nothing for a
             # minute reads its key and route again, which is not what this measures.
             closed_loop(gateway, 32, 0.0, 256)
             closed_loop(direct, 32, 0.0, 256)
-            sides = {
-                "gateway": lambda level: closed_loop(gateway, level, args.gateway_round_s, per_round, think),
-                "triton": lambda level: closed_loop(direct, level, args.gateway_round_s, per_round, think),
-            }
             before = gateway_ttft_buckets(plane.url)
-            row = _alternating(sides, level, args.rounds)
+            # Both sides at once, request by request (the 2k-th to /v1, the 2k+1-th the same
+            # body to Triton): each sees the same moments of the decoder and the same load.
+            samples, wall = closed_loop(
+                [gateway, direct], level, 2 * args.rounds * args.gateway_round_s, 2 * (args.gateway_samples + level),
+                args.gateway_think_ms,
+            )  # fmt: skip
+            row = {}
+            for side, name in enumerate(("gateway", "triton")):
+                mine = [sample for sample in samples if sample["side"] == side]
+                row[name] = {**figures(mine, wall), "ttft_ms": [round(sample["ttft_ms"], 2) for sample in mine]}
             if before is not None:  # where the gateway's tail arises: in the web process's view, or before it
                 after = gateway_ttft_buckets(plane.url) or {}
                 seen = {bound: after.get(bound, 0.0) - before.get(bound, 0.0) for bound in after}
@@ -301,10 +312,15 @@ def main() -> int:
                     for bound in sorted(seen)
                     if 0.01 <= bound <= 0.1
                 }
+            ours, floor = row["gateway"]["ttft_ms"], row["triton"]["ttft_ms"]
             row["added_ttft_p50_ms"] = round(row["gateway"]["ttft_p50_ms"] - row["triton"]["ttft_p50_ms"], 2)
+            row["added_ttft_p50_interval_ms"] = [round(x, 2) for x in added_interval(ours, floor, 0.5)]
             if row["gateway"]["ttft_p99_ms"] is not None and row["triton"]["ttft_p99_ms"] is not None:
                 row["added_ttft_p99_ms"] = round(row["gateway"]["ttft_p99_ms"] - row["triton"]["ttft_p99_ms"], 2)
-            row["tokens_per_s_ratio"] = round(row["gateway"]["tokens_per_s"] / row["triton"]["tokens_per_s"], 3)
+                row["added_ttft_p99_interval_ms"] = [round(x, 2) for x in added_interval(ours, floor, 0.99)]
+            # Each side's tokens per second of its streams' time: the two shared the streams.
+            rates = row["gateway"]["stream_tokens_per_s"], row["triton"]["stream_tokens_per_s"]
+            row["tokens_per_s_ratio"] = round(rates[0] / rates[1], 3)
             report["gateway"][level] = row
             print(json.dumps({"gateway": {level: _brief(row)}}), flush=True)
     finally:
@@ -347,24 +363,31 @@ def _print(report: dict) -> None:
                     f"{f['samples']:6d}{tail}"
                 )
     if report["gateway"]:
-        print("\nthe gateway's cost: /v1/completions against Triton's generate_stream, same prompts")
+        print("\nthe gateway's cost: /v1/completions against Triton's generate_stream, same prompts, both at once")
         print(
-            f"{'streams':>7} {'side':>7} {'tok/s':>9} {'TTFT p50':>9} {'p99':>8} {'n':>6}  "
-            f"added TTFT p50, p99 (target p99 < 2 ms)  tok/s ratio (>= 0.97)"
+            f"{'streams':>7} {'side':>7} {'stream tok/s':>12} {'TTFT p50':>9} {'p99':>8} {'n':>6}  "
+            f"added TTFT p50 [95%], p99 [95%] (target p99 < 2 ms)  tok/s ratio (>= 0.97)"
         )
         for level, row in report["gateway"].items():
             for side in ("gateway", "triton"):
                 f = row[side]
-                tail = (
-                    f"  {row['added_ttft_p50_ms']:+.2f}, {row.get('added_ttft_p99_ms', 'n<1000')} ms"
-                    f"{'':>25}{row['tokens_per_s_ratio']}x"
-                    if side == "gateway"
-                    else ""
-                )
+                tail = ""
+                if side == "gateway":
+                    p50 = f"{row['added_ttft_p50_ms']:+.2f} {_interval(row['added_ttft_p50_interval_ms'])}"
+                    p99 = (
+                        f"{row['added_ttft_p99_ms']:+.2f} {_interval(row['added_ttft_p99_interval_ms'])}"
+                        if "added_ttft_p99_ms" in row
+                        else "n<1000"
+                    )
+                    tail = f"  {p50}, {p99} ms{'':>6}{row['tokens_per_s_ratio']}x"
                 print(
-                    f"{level:>7} {side:>7} {f['tokens_per_s']:9.1f} {f['ttft_p50_ms']:9.2f} "
+                    f"{level:>7} {side:>7} {f['stream_tokens_per_s'] or 0:12.1f} {f['ttft_p50_ms']:9.2f} "
                     f"{p99_text(f['ttft_p99_ms'])} {f['samples']:6d}{tail}"
                 )
+
+
+def _interval(bounds: list[float]) -> str:
+    return f"[{bounds[0]:+.2f}, {bounds[1]:+.2f}]"
 
 
 if __name__ == "__main__":

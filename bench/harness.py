@@ -24,6 +24,22 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def added_interval(ours: list[float], floor: list[float], q: float, draws: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval for percentile(ours, q) - percentile(floor, q): how far
+    that difference may move by the luck of the samples alone (a p99 of 1000 samples
+    rests on the ten largest, and on a tail both sides share)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    diffs = []
+    for values in (ours, floor):
+        array = np.asarray(values, dtype=float)
+        drawn = np.sort(array[rng.integers(0, len(array), (draws, len(array)))], axis=1)
+        diffs.append(drawn[:, min(len(array) - 1, int(q * len(array)))])
+    low, high = np.percentile(diffs[0] - diffs[1], [2.5, 97.5])
+    return float(low), float(high)
+
+
 def add_database_argument(parser: Any) -> None:
     """``--database-url``: the PostgreSQL database a fleet-scale benchmark creates and seeds."""
     parser.add_argument(

@@ -55,19 +55,23 @@ async def _one(session: Any, target: Target, i: int) -> dict | None:
     if first is None:
         return None
     return {"ttft_ms": (first - started) * 1000, "tokens": tokens, "decode_s": ended - first, "ended": ended,
-            "tail_ms": (ended - last) * 1000}  # fmt: skip
+            "busy_s": ended - started, "tail_ms": (ended - last) * 1000}  # fmt: skip
 
 
 def closed_loop(
-    target: Target, streams: int, seconds: float, min_samples: int = 0, think_ms: float = 0.0
+    target: Target | list[Target], streams: int, seconds: float, min_samples: int = 0, think_ms: float = 0.0
 ) -> tuple[list[dict], float]:
     """``streams`` clients, each sending requests one after another: at least one
     each, then until ``seconds`` have passed and ``min_samples`` requests ended.
+    Given several targets, the i-th request goes to target i % len(targets) (its
+    sample's "side"), so the sides share the same moments and the same load.
     With ``think_ms``, a client pauses before each request after its first, the
     i-th request's pause the same on every side (spread evenly over 0 to think_ms),
     so that arrivals are not timed by the decoder's steps. Returns the samples and
     the wall time from the start to the last answer."""
     import aiohttp
+
+    targets = target if isinstance(target, list) else [target]
 
     async def run() -> tuple[list[dict], float]:
         samples: list[dict] = []
@@ -78,12 +82,13 @@ def closed_loop(
             first = True
             while True:
                 i = next(counter)
+                side, k = i % len(targets), i // len(targets)
                 if think_ms and not first:
-                    await asyncio.sleep(think_ms / 1000 * ((i * 0.6180339887) % 1.0))
+                    await asyncio.sleep(think_ms / 1000 * ((k * 0.6180339887) % 1.0))
                 first = False
-                sample = await _one(session, target, i)
+                sample = await _one(session, targets[side], k)
                 if sample:
-                    samples.append(sample)
+                    samples.append({**sample, "side": side})
                 if time.perf_counter() >= started + seconds and len(samples) >= min_samples:
                     return
 
@@ -101,9 +106,13 @@ def figures(samples: list[dict], wall: float) -> dict:
     ttfts = [s["ttft_ms"] for s in samples]
     tails = [s["tail_ms"] for s in samples if "tail_ms" in s]
     rates = [(s["tokens"] - 1) / s["decode_s"] for s in samples if s["tokens"] > 1 and s["decode_s"] > 0]
+    busy = sum(s.get("busy_s", 0.0) for s in samples)
     return {
         "samples": len(samples),
         "tokens_per_s": round(sum(s["tokens"] for s in samples) / wall, 1),
+        # Tokens per second of a stream's time spent on a request: a closed loop's tokens/s
+        # over its streams, whether or not another side shared them.
+        "stream_tokens_per_s": round(sum(s["tokens"] for s in samples) / busy, 1) if busy else None,
         "per_stream_tokens_per_s": round(statistics.median(rates), 1) if rates else None,
         "ttft_p50_ms": round(percentile(ttfts, 0.5), 2),
         "ttft_p90_ms": round(percentile(ttfts, 0.9), 2),
