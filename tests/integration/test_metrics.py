@@ -110,8 +110,13 @@ def test_prometheus_scrapes_every_gantry_process_and_the_dashboard_and_page_show
         assert _value(web, "gantry_time_to_first_token_seconds_count", door="generate") == 1
         assert {s.labels["queue"] for s in web["gantry_celery_queue_length"]} >= set(host_queues(stack.host_name))
 
-        live = _scrape(f"{live_url}/metrics")
-        assert _value(live, "gantry_live_sockets") >= 1 and _value(live, "gantry_live_messages_total") >= 1
+        # Live: the socket above, and what it was sent (the worker pushes the deployment's figures at each beat).
+        def live_sent() -> dict | None:
+            found = _scrape(f"{live_url}/metrics")
+            return found if _value(found, "gantry_live_messages_total") >= 1 else None
+
+        live = wait_for(live_sent, 30, "a message pushed over the deployment's socket")
+        assert _value(live, "gantry_live_sockets") >= 1
 
     # The host: Triton's figures under Triton's names, with the deployment and replica beside the model.
     def host_figures() -> dict | None:
