@@ -47,6 +47,7 @@ class HttpWorker(UvicornWorker):
 
     def load_wsgi(self) -> None:  # in the worker process, after the fork
         super().load_wsgi()
+        # gunicorn's own access logger: with access_log off, uvicorn empties "uvicorn.access".
         self.wsgi = AccessLog(self.wsgi, self.log.access_log)
         settle_heap()
 
@@ -83,7 +84,6 @@ class AccessLog:
     def __init__(self, app: Any, logger: logging.Logger) -> None:
         self.app, self.logger = app, logger
         self.ended: queue.SimpleQueue = queue.SimpleQueue()
-        # Its handlers may come later (gunicorn fills the list it shares after the app loads).
         self.on = logger.isEnabledFor(logging.INFO)
         if self.on:
             threading.Thread(target=self._write, name="gantry-access-log", daemon=True).start()
