@@ -66,7 +66,7 @@ def closed_loop(
     Given several targets, the i-th request goes to target i % len(targets) (its
     sample's "side"), so the sides share the same moments and the same load.
     With ``think_ms``, a client pauses before each request after its first, the
-    i-th request's pause the same on every side (spread evenly over 0 to think_ms),
+    k-th request of each side pausing the same (spread evenly over 0 to think_ms),
     so that arrivals are not timed by the decoder's steps. Returns the samples and
     the wall time from the start to the last answer."""
     import aiohttp
