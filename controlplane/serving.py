@@ -21,9 +21,11 @@ import os
 import queue
 import socket
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
+from pathlib import Path
 from typing import Any
 
 from uvicorn_worker import UvicornWorker
@@ -166,12 +168,32 @@ def web_argv(python: str, *, bind: str, port: int, workers: int | None = None) -
         "--keep-alive", str(KEEP_ALIVE_S),
         # on_starting and child_exit below: the processes' shared metrics folder.
         "--config", "python:controlplane.serving",
+        "--control-socket", str(control_socket_path(bind, port)),
     ]  # fmt: skip
+
+
+def control_socket_path(bind: str, port: int) -> Path:
+    """gunicorn's control socket for the server on ``bind``:``port``: its own, in
+    a folder only this user may enter. gunicorn's default is one path per user
+    (~/.gunicorn/gunicorn.ctl), so a command meant for one server reached
+    whichever of them had started last. (Not named control_socket: gunicorn
+    reads this module's names as its settings.)"""
+    folder = Path(tempfile.gettempdir()) / f"gantry-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    if folder.stat().st_uid != os.getuid() or folder.stat().st_mode & 0o077:
+        raise RuntimeError(f"{folder} is not this user's alone: remove it")
+    return folder / f"web-{bind.strip('[]').replace(':', '_')}-{port}.ctl"
 
 
 def on_starting(server: object) -> None:
     """gunicorn's master, before its workers start: their metrics folder."""
     metrics_folder.prepare("gantry-web-metrics-")
+
+
+def when_ready(server: Any) -> None:
+    """gunicorn's own "Listening at:" line is empty where every worker binds its
+    own socket (--reuse-port): say where the server listens."""
+    server.log.info("gantry web: listening on %s", ", ".join(f"http://{bind}/" for bind in server.cfg.bind))
 
 
 def on_exit(server: object) -> None:

