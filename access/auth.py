@@ -12,7 +12,10 @@ from rest_framework.authentication import BaseAuthentication
 from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
 
-from access.services import bearer_secret, token_user
+from access.services import TOKEN_PREFIX, bearer_secret, token_user
+
+# The gateway's keys (gateway.services.KEY_PREFIX; access sits below the gateway).
+GATEWAY_KEY_PREFIX = "gk-"
 
 
 class PersonalTokenAuthentication(BaseAuthentication):
@@ -24,6 +27,11 @@ class PersonalTokenAuthentication(BaseAuthentication):
         if secret is None:
             return None  # another scheme: not ours to judge
         user = token_user(secret)
+        if user is None and secret.startswith(GATEWAY_KEY_PREFIX):
+            raise AuthenticationFailed(
+                f"This is a gateway key ({GATEWAY_KEY_PREFIX}…): it opens /v1 only. /api takes personal API tokens "
+                f"({TOKEN_PREFIX}…): make one on the API tokens page (/tokens/) or with `gantry token USERNAME`."
+            )
         if user is None:
             raise AuthenticationFailed("the token is unknown, expired or revoked")
         return user, None

@@ -5,11 +5,17 @@ or the database's JSON encoder, and every refusal names its rule."""
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 import orjson
 
 MAX_DEPTH = 32  # no body Gantry takes nests deeper than a few levels
+# An integer of 19 digits or more may be beyond 64 bits, which orjson reads as a
+# float: 10**30 became 1e+30, and a field's refusal said "not an integer"
+# instead of naming its bound. Such a body is read again, exactly.
+LONG_INTEGER = re.compile(rb"\d{19}")
 
 
 class InvalidJson(ValueError):
@@ -27,6 +33,8 @@ def loads(raw: bytes | str) -> Any:
             raise InvalidJson(f"must not nest deeper than {MAX_DEPTH} levels") from exc
         raise InvalidJson(f"must be JSON: {exc}") from exc
     _check_depth(value)
+    if LONG_INTEGER.search(raw if isinstance(raw, bytes) else raw.encode()):
+        value = json.loads(raw)  # the depth is checked: within Python's recursion
     return value
 
 

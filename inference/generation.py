@@ -206,10 +206,12 @@ def prepare_generation(
         prompt = chat_template.render(
             route["chat_template"], messages, special_tokens=route["special_tokens"], model_name=route["model_name"]
         )
+    # What the person sent is named: a chat's messages are its prompt once rendered.
+    field = "prompt" if messages is None else "messages"
     if not prompt or not prompt.strip():
-        raise ValidationFailed({"prompt": "must not be empty"})
+        raise ValidationFailed({field: "must not be empty"})
     if len(prompt) > MAX_PROMPT_CHARS:
-        raise ValidationFailed({"prompt": f"must be at most {MAX_PROMPT_CHARS} characters"})
+        raise ValidationFailed({field: f"must be at most {MAX_PROMPT_CHARS} characters (rendered as one prompt)"})
     context = route["context"]
     if context and sampling.max_tokens >= context:
         raise ValidationFailed(

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from django.db.models import QuerySet
 from rest_framework import serializers
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.fields import empty
 from rest_framework.filters import OrderingFilter
 from rest_framework.generics import GenericAPIView
@@ -59,6 +59,16 @@ class CursorPage(CursorPagination):
     page_size_query_param = "limit"
     max_page_size = MAX_PAGE
     ordering = "-id"
+
+    def decode_cursor(self, request: Request) -> Any:
+        """DRF answers a cursor it cannot read with a 404, as if the list were
+        gone: it is a bad parameter, a 400 that names it."""
+        try:
+            return super().decode_cursor(request)
+        except NotFound as exc:
+            raise ValidationError(
+                {self.cursor_query_param: ["is not a cursor this list gave: follow next or previous"]}
+            ) from exc
 
     def get_schema_operation_parameters(self, view: Any) -> list[dict[str, Any]]:
         return _bounded(super().get_schema_operation_parameters(view))

@@ -103,3 +103,12 @@ def test_a_token_in_use_stops_working_when_revoked(viewer):  # noqa: ANN001
     owner.force_authenticate(viewer)
     owner.post(f"/api/tokens/{made.token.pk}/revoke/")
     assert _bearer(made.secret).get("/api/hosts/").status_code == 401
+
+
+def test_a_gateway_key_on_the_rest_api_is_told_what_opens_it(operator):  # noqa: ANN001
+    from gateway.services import key_create
+
+    secret = key_create(name="app", user=operator, all_aliases=True).secret
+    refused = _bearer(secret).get("/api/deployments/")
+    assert refused.status_code == 401
+    assert "gateway key (gk-…)" in str(refused.json()) and "gantry token" in str(refused.json())

@@ -49,3 +49,7 @@ def test_the_generate_door_refuses_a_deep_body_naming_the_rule() -> None:
     answer = asyncio.run(generate_answer(1, DEEP, lambda: True, who="test"))
     assert answer.status == 400
     assert answer.body["errors"] == {"body": [f"must not nest deeper than {jsonbody.MAX_DEPTH} levels"]}
+
+
+def test_integers_beyond_64_bits_stay_integers():
+    assert jsonbody.loads(b'{"seed": 1180591620717411303424, "t": 0.5}') == {"seed": 2**70, "t": 0.5}

@@ -164,3 +164,12 @@ def test_the_quick_check_agrees_with_drf_wherever_it_answers(serializer):  # noq
 
     agree()
     assert answered, "the quick check answered none of the generated bodies"
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_tokens", 10**30), ("seed", 2**70)])
+def test_an_integer_beyond_64_bits_is_refused_by_its_bound(field, value):
+    from common import jsonbody
+
+    body = jsonbody.loads(f'{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "{field}": {value}}}')
+    refusal = _refusal(schemas.ChatIn, body)
+    assert refusal["param"] == field and "less than or equal to" in refusal["message"], refusal

@@ -56,6 +56,8 @@ def test_messages_are_rendered_with_the_checkpoints_template(llm_ready):
         ({"prompt": "   "}, "prompt", "must not be empty"),
         ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt", "either prompt or messages"),
         ({"messages": []}, "messages", "at least one message"),
+        # A chat too long is its messages' fault, named so (not "prompt", which it did not send).
+        ({"messages": [{"role": "user", "content": "x" * 200_000}]}, "messages", "must be at most"),
         ({"prompt": "a", "sampling": Sampling(max_tokens=512)}, "max_tokens", "must be below 512, tiny's context"),
         ({"prompt": "a", "model": "nope"}, "model", "serves no llm named 'nope'"),
     ],

@@ -254,3 +254,14 @@ def test_preflight_takes_a_blank_name_and_refuses_a_bad_body_by_field(api, gpu_h
     )
     assert unknown.data["errors"] == {"host": ["no GPU host named 'nowhere' has announced itself"]}
     assert unknown.data["plan"] == []
+
+
+def test_an_integer_beyond_64_bits_is_refused_by_its_bound_not_as_no_integer(api, host, minilm):
+    # orjson reads 10**20 as a float; the refusal must still name the field's bound.
+    response = api.post(
+        "/api/deployments/",
+        b'{"name": "huge", "host": "cpu-host", "replicas": 100000000000000000000, "models": [{"model": "minilm"}]}',
+        content_type="application/json",
+    )
+    assert response.status_code == 400
+    assert "less than or equal to" in " ".join(response.json()["errors"]["replicas"]), response.json()

@@ -184,3 +184,9 @@ def test_the_query_check_skips_the_serializer_only_where_it_could_not_refuse_any
         checked_query(Needs, QueryDict(""))
     assert "ids" in missing.value.detail
     assert checked_query(Defaulted, QueryDict("")) == {"target": "gateway"}
+
+
+def test_a_cursor_the_list_did_not_give_is_a_400_naming_it(api, world):  # noqa: ANN001
+    response = api.get("/api/events/?cursor=zzz")
+    assert response.status_code == 400
+    assert "cursor" in response.json()["errors"], response.json()
