@@ -40,6 +40,8 @@ Gantry.metricCharts = (container, deploymentId) => {
     return gpuNames.get(subject);
   }
 
+  const clock = (seconds) => Gantry.when(new Date(seconds * 1000).toISOString(), "time");
+
   // uPlot wants one x array and one y array per series, aligned: the union of the times.
   function aligned(chart) {
     const subjects = [...points[chart.kind].keys()];
@@ -62,6 +64,12 @@ Gantry.metricCharts = (container, deploymentId) => {
       const key = subjects.join("|");
       chart.empty.hidden = data[0].length > 0;
       chart.box.parentElement.dataset.points = data[0].length;
+      if (!data[0].length) {  // no axes over nothing: their labels piled up on an empty plot
+        if (chart.plot) chart.plot.destroy();
+        chart.plot = null;
+        chart.key_ = null;
+        continue;
+      }
       if (chart.plot && chart.key_ === key) {
         chart.plot.setData(data);
         continue;
@@ -74,8 +82,11 @@ Gantry.metricCharts = (container, deploymentId) => {
         height: 170,
         legend: { live: true },
         scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(max, chart.key === "utilization" ? 100 : 0.001)] } },
-        axes: [{}, { size: 56, values: (u, ticks) => ticks.map((v) => +v.toPrecision(3)) }],
-        series: [{}, ...subjects.map((subject, i) => ({
+        // Times as every page writes them (UTC, 24-hour: Gantry.when), ticks on UTC minutes.
+        tzDate: (ts) => uPlot.tzDate(new Date(ts * 1000), "Etc/UTC"),
+        axes: [{ values: (u, ticks) => ticks.map((t) => clock(t)) },
+               { size: 56, values: (u, ticks) => ticks.map((v) => +v.toPrecision(3)) }],
+        series: [{ value: (u, t) => (t == null ? "–" : clock(t)) }, ...subjects.map((subject, i) => ({
           label: label(chart.kind, subject),
           stroke: COLORS[i % COLORS.length],
           width: 1.5,
@@ -128,7 +139,8 @@ Gantry.metricCharts = (container, deploymentId) => {
 
   setUp();
   window.addEventListener("resize", () => {
-    for (const chart of charts) if (chart.plot) chart.plot.setSize({ width: chart.box.clientWidth, height: 170 });
+    // A hidden chart (another tab) keeps its size until it is shown.
+    for (const chart of charts) if (chart.plot && chart.box.clientWidth) chart.plot.setSize({ width: chart.box.clientWidth, height: 170 });
   });
   return { load, push };
 };

@@ -25,7 +25,7 @@
     function showGpus(beat) {
       const row = document.querySelector(`[data-host="${beat.host}"]`);
       const time = row && row.querySelector("[data-beat]");
-      if (time) time.textContent = new Date(beat.at).toLocaleTimeString();
+      if (time) time.textContent = Gantry.when(beat.at, "time");
       for (const gpu of beat.gpus) {
         const figure = document.querySelector(`[data-gpu="${beat.host}:${gpu.index}"]`);
         if (!figure) continue;

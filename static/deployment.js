@@ -30,7 +30,7 @@
       const changed = previous ? differences(previous.models, revision.models) : ["first generation"];
       const state = revision.generation === current ? `${revision.status} (serving)` : revision.status;
       row.append(text("td", String(revision.generation)), text("td", state),
-                 text("td", new Date(revision.created_at).toLocaleString()),
+                 text("td", Gantry.when(revision.created_at)),
                  text("td", revision.models.map((m) => m.triton_name).join(", ")));
       const what = document.createElement("td");
       what.append(...changed.map((line) => text("div", line)));
@@ -159,12 +159,32 @@
         loadRevisions(deployment.generation);
       }
     }
+    // A one-replica deployment's status moves with its replica's, in the same words: the
+    // replica's row says both, rather than two rows saying one thing.
+    const replicaMoves = [];
+    function sameMove(event) {
+      if (event.kind !== "deployment.status") return null;
+      const at = Date.parse(event.at);
+      return replicaMoves.find((move) => move.message.endsWith(`: ${event.message}`) && Math.abs(move.at - at) < 2000);
+    }
     function addEvent(event) {
-      if (!events.querySelector(`[data-event-id="${event.id}"]`)) events.prepend(eventRow(event));
+      if (events.querySelector(`[data-event-id="${event.id}"]`)) return;
+      const same = sameMove(event);
+      if (same) {
+        same.row.children[2].textContent += ` (deployment → ${event.to_status})`;
+        return;
+      }
+      const row = eventRow(event);
+      if (event.kind === "replica.status") {
+        replicaMoves.push({ message: event.message, at: Date.parse(event.at), row });
+        if (replicaMoves.length > 50) replicaMoves.shift();
+      }
+      events.prepend(row);
     }
     async function refresh() {
       render(await api("GET", `/api/deployments/${id}/`));
       events.replaceChildren();
+      replicaMoves.length = 0;
       (await api("GET", `/api/deployments/${id}/events/`)).results.reverse().forEach(addEvent);
       const latest = {};
       const samples = await api("GET", `/api/deployments/${id}/metrics/?minutes=5&kind=model&ordering=-id&limit=100`);
@@ -181,7 +201,7 @@
       const problem = document.getElementById("metrics-problem");
       problem.hidden = failedScrapes.size === 0;
       problem.textContent = [...failedScrapes.values()].map((e) =>
-        `Replica r${e.replica}: no figures since ${new Date(e.at).toLocaleTimeString()}: ${e.cause}`).join(" ");
+        `Replica r${e.replica}: no figures since ${Gantry.when(e.at)}: ${e.cause}`).join(" ");
     }
     const chartBox = document.getElementById("charts");
     const charts = chartBox && window.uPlot ? Gantry.metricCharts(chartBox, id) : null;
@@ -448,7 +468,7 @@
       cell.classList.toggle("error", used !== undefined && cell.dataset.budget !== undefined
                             && used > Number(cell.dataset.budget));
     }
-    document.getElementById("metrics-at").textContent = new Date(at).toLocaleTimeString();
+    document.getElementById("metrics-at").textContent = Gantry.when(at, "time");
   }
 
   async function rerank(id, model) {

@@ -178,11 +178,19 @@ const Gantry = (() => {
     root.querySelector("[data-error-for=form]").textContent = general.join("\n");
   }
 
+  // A moment from the API (ISO 8601, UTC) as every page writes it: "2026-11-28 02:05:10" (UTC,
+  // like the server-rendered times; controlplane/formats). ``part``: "time" for the clock alone.
+  function when(iso, part) {
+    if (!iso) return "–";
+    const utc = new Date(iso).toISOString().replace("T", " ").slice(0, 19);
+    return part === "time" ? utc.slice(11) : utc;
+  }
+
   function eventRow(event) {
     const row = document.createElement("tr");
     row.dataset.eventId = event.id;
     const what = event.to_status ? `${event.from_status || "–"} → ${event.to_status}` : event.kind;
-    row.append(text("td", new Date(event.at).toLocaleTimeString()), text("td", event.source),
+    row.append(text("td", when(event.at)), text("td", event.source),
                text("td", what), text("td", event.message));
     if (event.data && event.data.log_tail) {
       const details = document.createElement("details");
@@ -192,5 +200,42 @@ const Gantry = (() => {
     return row;
   }
 
-  return { api, csrfToken, text, live, setStatus, swapFromServer, showFieldErrors, newestLast, logView, eventRow };
+  // A tab bar (role=tablist, each tab an <a href="#panel"> naming its panel in aria-controls):
+  // one panel shown at a time, the one the address names (its own id, or an element inside
+  // it), else the first. Without scripts every panel shows, one under another.
+  function tabs(bar) {
+    const all = [...bar.querySelectorAll("[role=tab]")];
+    const panelOf = (tab) => document.getElementById(tab.getAttribute("aria-controls"));
+    function show(tab, { focus = false } = {}) {
+      for (const other of all) {
+        const on = other === tab;
+        other.setAttribute("aria-selected", String(on));
+        other.tabIndex = on ? 0 : -1;
+        panelOf(other).hidden = !on;
+      }
+      if (focus) tab.focus();
+      window.dispatchEvent(new Event("resize"));  // charts drawn while hidden take their width now
+    }
+    function fromAddress() {
+      const target = location.hash.length > 1 ? document.getElementById(decodeURIComponent(location.hash.slice(1))) : null;
+      return all.find((tab) => target && panelOf(tab).contains(target)) || all[0];
+    }
+    for (const tab of all) {
+      tab.addEventListener("click", (event) => {
+        event.preventDefault();
+        history.replaceState(null, "", tab.getAttribute("href"));
+        show(tab);
+      });
+      tab.addEventListener("keydown", (event) => {
+        const step = { ArrowRight: 1, ArrowLeft: -1 }[event.key];
+        if (!step) return;
+        event.preventDefault();
+        show(all[(all.indexOf(tab) + step + all.length) % all.length], { focus: true });
+      });
+    }
+    window.addEventListener("hashchange", () => show(fromAddress()));
+    show(fromAddress());
+  }
+
+  return { api, csrfToken, text, live, setStatus, swapFromServer, showFieldErrors, newestLast, logView, eventRow, when, tabs };
 })();

@@ -145,6 +145,7 @@ def test_user_registers_plans_deploys_queries_changes_and_deletes_from_the_brows
     expect(page.locator("#autoscale-words")).to_have_text("off")
 
     # A new generation from the page's change form, applied in place; then rolled back from the generations.
+    page.click("#tab-versions")
     page.click("#change summary")
     change = page.locator("#change-form")
     # The form holds the generation's placements, by name: minilm, ranker, tiny.

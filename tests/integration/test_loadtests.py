@@ -128,6 +128,7 @@ def test_load_tests_measure_through_the_gateway_and_triton_and_compare(
 
     # Embeddings, started from the deployment's page: the confirmation, then the run's page follows it live.
     _sign_in(page, stack, f"/deployments/{deployment['id']}/")
+    page.click("#tab-testing")
     page.wait_for_selector(f"#loadtest-runs [data-run='{chat['id']}']")
     page.click("#loadtest-new summary")
     page.select_option("#loadtest-form select[name=model]", "embedder")
