@@ -1,7 +1,9 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
+from django.templatetags.static import static
 from django.urls import include, path
+from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from access.views import LoginView, tokens_page
@@ -12,6 +14,8 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("login/", LoginView.as_view(), name="login"),
     path("healthz", healthz, name="healthz"),
+    # Browsers ask for /favicon.ico where a page names no icon (the API's browsable pages).
+    path("favicon.ico", RedirectView.as_view(url=static("favicon.svg"), permanent=True)),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("oidc/", include("mozilla_django_oidc.urls")),  # single sign-on (access/oidc.py)
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),

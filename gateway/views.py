@@ -23,15 +23,33 @@ USAGE_DAYS = 30
 _NEW_SECRET = "gateway-new-key"
 
 
-def _targets() -> list[tuple[str, str]]:
-    """Every deployment's models, as "<deployment id>/<model>" choices."""
+def _targets(kind: str | None = None) -> list[tuple[str, str]]:
+    """Every deployment's models (of ``kind``, if given), as "<deployment id>/<model>" choices."""
     rows = DeploymentModel.objects.select_related("deployment", "registered_model").order_by(
         "deployment__name", "triton_name"
     )
     return [
         (f"{p.deployment_id}/{p.triton_name}", f"{p.deployment.name} / {p.triton_name} ({p.registered_model.kind})")
         for p in rows
+        if kind is None or p.registered_model.kind == kind
     ]
+
+
+def _with_moves(aliases: list[Alias]) -> list[Alias]:
+    """Each alias with where it may move: models of the kind it serves now (a chat
+    client cannot be handed an embedder), its own target first and chosen."""
+    kinds = {
+        (p.deployment_id, p.triton_name): p.registered_model.kind
+        for p in DeploymentModel.objects.select_related("registered_model")
+    }
+    by_kind: dict[str | None, list[tuple[str, str]]] = {}
+    for alias in aliases:
+        kind = kinds.get((alias.deployment_id, alias.triton_name))
+        if kind not in by_kind:
+            by_kind[kind] = _targets(kind)
+        alias.current_target = f"{alias.deployment_id}/{alias.triton_name}"
+        alias.move_choices = by_kind[kind]
+    return aliases
 
 
 class AliasForm(forms.Form):
@@ -139,13 +157,12 @@ def gateway_page(request: HttpRequest) -> HttpResponse:
         request,
         "gateway/gateway.html",
         {
-            "aliases": Alias.objects.select_related("deployment").order_by("name"),
+            "aliases": _with_moves(list(Alias.objects.select_related("deployment").order_by("name"))),
             "keys": keys_with_usage(),
             "usage": Usage.objects.select_related("key").filter(day__gte=since)[:500],
             "usage_days": USAGE_DAYS,
             "alias_form": alias_form,
             "key_form": key_form,
-            "move_choices": _targets(),
             "new_secret": new_secret,
             "can_operate": operate,
             "base_url": request.build_absolute_uri("/v1"),

@@ -203,6 +203,17 @@ def tuning_list() -> QuerySet[TuningRun]:
     return TuningRun.objects.select_related("created_by").order_by("-id")
 
 
+def tuning_summaries(limit: int = 200) -> list[TuningRun]:
+    """The newest runs, each with its best trial (``best``, or None) and whether
+    that trial met every target (``met``), in two queries."""
+    runs = list(tuning_list().prefetch_related("trials")[:limit])
+    for run in runs:
+        trials = list(run.trials.all())
+        run.best = tuning.best(trials)
+        run.met = _met(run.best)
+    return runs
+
+
 def tuning_get(run_id: int) -> TuningRun:
     run = tuning_list().filter(pk=run_id).first()
     if run is None:
@@ -212,8 +223,8 @@ def tuning_get(run_id: int) -> TuningRun:
 
 def tuning_result(run: TuningRun) -> dict[str, Any]:
     """What a run found: its trials for the trade-off chart (goodput against
-    GPU memory; each model's p99 against its target), the best trial, and
-    what the best plan changes against the starting one."""
+    GPU memory; each model's p99 against its target), the best trial, whether
+    it met every target, and what the best plan changes against the starting one."""
     trials = list(run.trials.order_by("number"))
     chosen = tuning.best(trials)
     baseline = next((t for t in trials if t.number == 0), None)
@@ -224,7 +235,14 @@ def tuning_result(run: TuningRun) -> dict[str, Any]:
         if chosen is not None and baseline is not None and baseline.goodput
         else None,
         "changes": [] if chosen is None else tuning.differences(run.start_plan, chosen.plan),
+        # The most goodput is not a verdict: every trial may have missed its targets.
+        "met": _met(chosen),
     }
+
+
+def _met(trial: Any) -> bool:
+    """Whether ``trial`` (a measured one) met every alias's targets."""
+    return trial is not None and bool(trial.figures) and all(f.get("met") for f in trial.figures.values())
 
 
 def tuning_rows(run: TuningRun) -> list[dict[str, Any]]:

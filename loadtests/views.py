@@ -1,5 +1,5 @@
-"""The load-test pages: the list, one run, and runs compared; and one tuning
-run. The deployment page holds the forms that start them
+"""The load-test pages: the list, one run, and runs compared; and the tuning
+runs' list and one tuning run. The deployment page holds the forms that start them
 (templates/loadtests/_form.html and _tuning.html)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from django.shortcuts import render
 
 from common.errors import NotFound, ValidationFailed
 from deployments.permissions import can_operate
-from loadtests import selectors
+from loadtests import selectors, workload
 
 
 @login_required
@@ -27,7 +27,14 @@ def loadtest_detail(request: HttpRequest, pk: int) -> HttpResponse:
         raise Http404(str(exc)) from exc
     columns = [{"key": key, "label": text} for key, text in selectors.COLUMNS]
     return render(
-        request, "loadtests/detail.html", {"run": run, "columns": columns, "can_operate": can_operate(request.user)}
+        request,
+        "loadtests/detail.html",
+        {
+            "run": run,
+            "columns": columns,
+            "workload_words": workload.describe(run.workload),
+            "can_operate": can_operate(request.user),
+        },
     )
 
 
@@ -42,6 +49,11 @@ def loadtest_compare(request: HttpRequest) -> HttpResponse:
         compared, error = None, " ".join(m for ms in exc.errors.values() for m in ms)
     context = {"compared": compared, "error": error, "ids": ",".join(map(str, ids))}
     return render(request, "loadtests/compare.html", context)
+
+
+@login_required
+def tuning_list(request: HttpRequest) -> HttpResponse:
+    return render(request, "loadtests/tuning_list.html", {"runs": selectors.tuning_summaries()})
 
 
 @login_required

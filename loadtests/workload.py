@@ -116,3 +116,48 @@ def steps(workload: dict[str, Any]) -> list[tuple[str, float]]:
     targets = ["gateway", "triton"] if workload["direct"] else ["gateway"]
     served = [(target, level) for level in workload["levels"] for target in targets]
     return served + [("native", level) for level in workload["levels"] if workload.get("native")]
+
+
+_THRESHOLD_WORDS = {
+    "time_to_first_token_ms": "time to first token",
+    "inter_token_latency_ms": "inter-token latency",
+    "request_latency_ms": "request latency",
+}
+
+
+def describe(workload: dict[str, Any]) -> str:
+    """A stored workload in a person's words (a run's page shows it); what a
+    workload lacks (one stored by an older release) is left out."""
+    parts = []
+    if workload.get("levels"):
+        parts.append(f"{workload.get('mode', '')} {', '.join(str(level) for level in workload['levels'])}".strip())
+    if workload.get("duration_s"):
+        parts.append(f"{workload['duration_s']} s each")
+    elif workload.get("request_count"):
+        parts.append(f"{workload['request_count']} requests each")
+    if workload.get("warmup_requests"):
+        parts.append(f"{workload['warmup_requests']} warm-up requests")
+    size = [f"{workload['input_tokens']} input tokens"] if workload.get("input_tokens") else []
+    for key, words in (("output_tokens", "output tokens"), ("batch_size", "inputs per request"),
+                       ("passages", "passages per query")):  # fmt: skip
+        if workload.get(key):
+            size.append(f"{workload[key]} {words}")
+    if workload.get("streaming"):
+        size.append("streamed")
+    if size:
+        parts.append(", ".join(size))
+    route = "through the gateway"
+    if workload.get("direct"):
+        route += " and straight to Triton"
+    if workload.get("native"):
+        route += ", and the native ceiling (trtllm-bench)"
+    parts.append(route)
+    thresholds = workload.get("thresholds") or {}
+    if thresholds:
+        parts.append(
+            "targets: "
+            + ", ".join(f"{_THRESHOLD_WORDS.get(name, name)} ≤ {limit:g} ms" for name, limit in thresholds.items())
+        )
+    if "seed" in workload:
+        parts.append(f"seed {workload['seed']}")
+    return " · ".join(parts)

@@ -81,18 +81,25 @@
       container.append(box);
       const data = [null, ...shown.map((line) => [line.points.map((p) => p.figures.request_throughput),
                                                   line.points.map((p) => p.figures[key])])];
+      // Both axes hold every curve's every point: in mode 2 uPlot's own auto range
+      // followed the first curve, and a second one (Triton's) ran off the top.
+      const upper = (values) => Math.max(0.001, ...values.filter((v) => v != null)) * 1.08;
+      const xMax = upper(data.slice(1).flatMap(([xs]) => xs));
+      const yMax = upper(data.slice(1).flatMap(([, ys]) => ys));
       new uPlot({
         mode: 2,
         width: Math.min(560, container.clientWidth || 560),
         height: 240,
-        scales: { x: { time: false } },
+        scales: { x: { time: false, auto: false, range: [0, xMax] }, y: { auto: false, range: [0, yMax] } },
         axes: [{ label: "requests/s" }, { label: "ms" }],
         series: [{}, ...shown.map((line, i) => ({
           label: line.label, stroke: COLORS[i % COLORS.length], width: 2,
           points: { show: true, size: 7, fill: COLORS[i % COLORS.length] },
-          facets: [{ scale: "x", auto: true }, { scale: "y", auto: true }],
+          facets: [{ scale: "x", auto: false }, { scale: "y", auto: false }],
         }))],
         legend: { live: false },
+        // What the chart shows once drawn, for a reader's check (the browser tests).
+        hooks: { draw: [(u) => { box.dataset.xMax = u.scales.x.max; box.dataset.yMax = u.scales.y.max; }] },
       }, data, box);
     }
   }
@@ -148,7 +155,7 @@
         link.href = `/loadtests/${run.id}/`;
         const cells = [box, link, text("span", run.alias), text("span", workloadWords(run.workload)),
                        statusBadge(run.status), text("span", stateWords(run)),
-                       text("span", (run.started_at || run.created_at).replace("T", " ").slice(0, 19))];
+                       text("span", Gantry.when(run.started_at || run.created_at))];
         for (const content of cells) {
           const cell = document.createElement("td");
           cell.append(content);

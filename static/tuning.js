@@ -50,7 +50,7 @@
                    cell(`${run.spec.search}, ${run.trials.length} of ≤ ${run.spec.max_trials} trials`),
                    cell(text("span", run.status, `status status-${run.status}`)),
                    cell(top ? `${number(top.goodput)} req/s (trial ${top.number})` : "–", "number"),
-                   cell((run.started_at || run.created_at).replace("T", " ").slice(0, 19)));
+                   cell(Gantry.when(run.started_at || run.created_at)));
         rows.append(row);
       }
       if (!page.results.length) rows.append(text("td", "no tuning runs yet", "muted"));
@@ -252,14 +252,24 @@
       tradeoffs(document.getElementById("tradeoffs"), run);
       const top = best(run);
       const gain = run.result.gain ? `, ${run.result.gain}× the starting plan's` : "";
-      document.getElementById("best").textContent = top
-        ? `Trial ${top.number}: ${number(top.goodput)} good requests/s${gain}. What it changes against the starting plan:`
-        : "no trial measured yet";
+      const verdict = document.getElementById("best");
+      verdict.className = top && !run.result.met ? "warning" : "muted";
+      verdict.textContent = !top
+        ? "no trial measured yet"
+        : run.result.met
+          ? `Trial ${top.number} met every target: ${number(top.goodput)} good requests/s${gain}. What it changes against the starting plan:`
+          : `No plan met the targets. The closest, trial ${top.number}, served ${number(top.goodput)} good requests/s (see each model's p99 against its target below). What it changes against the starting plan:`;
       changesTable(document.getElementById("changes"), run.result.changes);
       const cancel = document.getElementById("cancel");
       if (cancel) cancel.disabled = !["queued", "running"].includes(run.status);
       const apply = document.getElementById("apply");
-      if (apply) apply.disabled = ACTIVE.includes(run.status) || !top;
+      if (apply) {
+        apply.disabled = ACTIVE.includes(run.status) || !top;
+        apply.textContent = top && !run.result.met ? "Apply the closest plan…" : "Apply the best plan";
+        apply.dataset.confirm = top && !run.result.met
+          ? `No plan met the targets. Apply trial ${top.number}'s plan as the deployment's next generation anyway?`
+          : "";
+      }
       return run;
     }
     async function act(path) {
@@ -276,7 +286,9 @@
       }
     }
     document.getElementById("cancel")?.addEventListener("click", () => act(`/api/tuning/${id}/cancel/`));
-    document.getElementById("apply")?.addEventListener("click", async () => {
+    document.getElementById("apply")?.addEventListener("click", async (event) => {
+      const question = event.currentTarget.dataset.confirm;
+      if (question && !window.confirm(question)) return;
       if (await act(`/api/tuning/${id}/apply/`)) location.reload();  // the facts name the applied generation
     });
     refresh();

@@ -83,10 +83,22 @@ class BuildForm(forms.Form):
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
-        hosts = list(selectors.host_list())
-        self.fields["host"].choices = [(h.name, f"{h.name} ({h.gpus.count()} GPU)") for h in hosts]
+        # An engine is compiled on a GPU, with a builder the host has: only such hosts are offered.
+        hosts = [h for h in selectors.host_list() if h.gpus.all() and build_spec.builder_choices(h)]
+        self.fields["host"].choices = [(h.name, f"{h.name} ({len(h.gpus.all())} GPU)") for h in hosts]
         images = sorted({image for h in hosts for image in build_spec.builder_choices(h)})
         self.fields["image"].choices = [(i, i) for i in images]
+
+    @property
+    def unavailable(self) -> str:
+        """Why no build can be requested here now ("" when one can)."""
+        if self.fields["host"].choices:
+            return ""
+        return (
+            "No host can build an engine now: a build needs a host with a GPU and a builder image that is "
+            "allow-listed (GANTRY_BUILDER_IMAGES) and present on it, or TensorRT-LLM installed there "
+            "(GANTRY_TRTLLM_PYTHON). Plain HuggingFace LLMs deploy without an engine."
+        )
 
 
 def show_refusal(form: forms.Form, exc: GantryError, *, within: str = "") -> None:

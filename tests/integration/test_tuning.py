@@ -99,6 +99,7 @@ def test_a_tuning_run_finds_a_plan_that_beats_the_starting_one(
 
     # Started from the deployment's page, followed on the run's page.
     _sign_in(page, stack, f"/deployments/{deployment['id']}/")
+    page.click("#tab-testing")
     page.click("#tuning-new summary")
     page.wait_for_function("document.querySelector('#tuning-form textarea[name=mix]').value.includes('embedder')")
     page.fill("#tuning-form textarea[name=mix]", "not json")
@@ -152,6 +153,8 @@ def test_a_tuning_run_finds_a_plan_that_beats_the_starting_one(
     workload = {"mode": "rate", "levels": [2], "duration_s": 10, "thresholds": {"request_latency_ms": EMBED_TARGET_MS}}
     before = _ended(stack, _start(stack, settled, "embedder", workload)["id"])
     assert before["status"] == "succeeded", before["status_message"]
+    # Where no plan met the targets, the page asks first (test_pages.py): yes.
+    page.once("dialog", lambda dialog: dialog.accept())
     page.click("#apply")
     page.wait_for_selector("#applied")
     applied = _tuning(stack, run_id)["applied_generation"]

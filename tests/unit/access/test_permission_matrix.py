@@ -119,7 +119,8 @@ def test_every_api_operation_answers_each_role_by_the_same_rule(role, world):  #
 
 
 PAGES = ["/", "/models/{models}/", "/builds/{builds}/", "/deployments/{deployments}/", "/gateway/", "/tokens/",
-         "/api/docs/", "/api/redoc/", "/loadtests/", "/loadtests/{loadtests}/", "/tuning/{tuning}/"]  # fmt: skip
+         "/api/docs/", "/api/redoc/", "/loadtests/", "/loadtests/{loadtests}/", "/tuning/",
+         "/tuning/{tuning}/"]  # fmt: skip
 
 
 @pytest.mark.parametrize("role", ROLES)

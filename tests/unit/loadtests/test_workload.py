@@ -74,3 +74,16 @@ def test_a_custom_model_cannot_be_load_tested():
 def test_request_rates_may_be_fractions():
     checked = workload.check("llm", {"mode": "rate", "levels": [0.5, 2], "duration_s": 30})
     assert checked["levels"] == [0.5, 2]
+
+
+def test_a_workload_is_described_in_words_not_python():
+    described = workload.describe(
+        {"mode": "concurrency", "levels": [1, 4], "duration_s": 10, "request_count": None, "warmup_requests": 0,
+         "input_tokens": 128, "output_tokens": 64, "streaming": True, "direct": True, "native": False,
+         "thresholds": {"time_to_first_token_ms": 500.0}, "seed": 0, "dataset": None}
+    )  # fmt: skip
+    assert described == (
+        "concurrency 1, 4 · 10 s each · 128 input tokens, 64 output tokens, streamed · through the gateway and "
+        "straight to Triton · targets: time to first token ≤ 500 ms · seed 0"
+    )
+    assert "=" not in described and "{" not in described
