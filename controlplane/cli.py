@@ -157,7 +157,8 @@ def _demo(args: argparse.Namespace) -> int:
         except ImportError:
             pass  # the demo says the worker extra is missing
         os.environ["GANTRY_MODEL_ROOTS"] = ",".join(roots)
-    return _manage("gantry_demo", "--port", str(port), *(["--own-redis"] * own_redis), *args.rest)
+    more = ["--own-redis"] * own_redis + ["--no-stack"] * args.no_stack + ["--bind", args.bind] * bool(args.bind)
+    return _manage("gantry_demo", "--port", str(port), *more)
 
 
 def _token(args: argparse.Namespace) -> int:
@@ -307,7 +308,8 @@ def parser() -> argparse.ArgumentParser:
     admin.set_defaults(run=_createadmin)
     demo = commands.add_parser("demo", help="the whole product on this machine; Ctrl-C stops it")
     demo.add_argument("--port", type=int, help="the web server's (GANTRY_WEB_PORT; live takes +1, Redis +2)")
-    demo.add_argument("rest", nargs=argparse.REMAINDER, help="more options of the demo (--no-stack, --bind)")
+    demo.add_argument("--bind", help="the address the web and live servers listen on (GANTRY_WEB_BIND)")
+    demo.add_argument("--no-stack", action="store_true", help="the control plane only: no demo models, no demo-stack")
     demo.set_defaults(run=_demo)
     token = commands.add_parser("token", help="a personal API token, printed once")
     token.add_argument("username")

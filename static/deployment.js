@@ -105,14 +105,16 @@
     }
     // Each model's readiness as Triton last said it, while the server runs.
     const readiness = {};
+    // While the server loads, each model says whether it is in yet: what the deployment waits for.
     function showReadiness(status) {
-      const running = ["ready", "degraded", "updating"].includes(status);
+      const loading = status === "loading";
+      const running = loading || ["ready", "degraded", "updating"].includes(status);
       for (const badge of document.querySelectorAll("[data-model-ready]")) {
         const ready = readiness[badge.dataset.modelReady];
         badge.hidden = !running;
-        const words = ready === true ? "ready" : ready === false ? "not ready" : "checking";
-        badge.textContent = words;
-        badge.className = `status model-ready status-${ready === true ? "ready" : ready === false ? "failed" : "pending"}`;
+        const waiting = ready !== true && (loading || ready === undefined);
+        badge.textContent = ready === true ? "ready" : waiting ? (loading ? "loading" : "checking") : "not ready";
+        badge.className = `status model-ready status-${ready === true ? "ready" : waiting ? "loading" : "failed"}`;
       }
     }
     // One row per replica: where it runs, what it serves, and what it holds now.

@@ -49,3 +49,17 @@ def blocks(page: Path) -> list[Block]:
 
 def all_blocks() -> list[Block]:
     return [block for page in PAGES for block in blocks(page)]
+
+
+def script(page: Path, port: int, python: Path) -> str:
+    """The page's runnable blocks as one shell script for a demo on ``port``
+    (the one change made to a block); python blocks are fed to ``python``."""
+    parts = []
+    for block in blocks(page):
+        if block.language not in LANGUAGES or block.not_run:
+            continue
+        code = block.code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        if block.language == "python":
+            code = f"{python} - <<'GANTRY_RECIPE_PY'\n{code}GANTRY_RECIPE_PY\n"
+        parts.append(f"# {block.where}\n{code}")
+    return "".join(parts)

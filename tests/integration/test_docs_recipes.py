@@ -9,30 +9,19 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import requests
 
 from tests.integration.conftest import free_ports, healthz_answers, stop_process, wait_for
-from tests.recipes import LANGUAGES, PAGES, ROOT, blocks
+from tests.recipes import PAGES, ROOT, script
 
 pytestmark = [pytest.mark.integration]
 
 PYTHON = ROOT / ".venv" / "bin" / "python"
-
-
-def _script(page: Path, port: int) -> str:
-    """The page's runnable blocks as one shell script; python blocks are fed to the venv's python."""
-    parts = []
-    for block in blocks(page):
-        if block.language not in LANGUAGES or block.not_run:
-            continue
-        code = block.code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-        if block.language == "python":
-            code = f"{PYTHON} - <<'GANTRY_RECIPE_PY'\n{code}GANTRY_RECIPE_PY\n"
-        parts.append(f"# {block.where}\n{code}")
-    return "".join(parts)
 
 
 def test_every_recipe_in_the_readme_and_the_manual_runs_as_written(tmp_path: Path):
@@ -60,17 +49,17 @@ def test_every_recipe_in_the_readme_and_the_manual_runs_as_written(tmp_path: Pat
         key_file = tmp_path / "key"
         ran = {}
         for page in PAGES:
-            script = _script(page, web)
-            if not script:
+            code = script(page, web, PYTHON)
+            if not code:
                 continue
             if page.name == "README.md":  # its recipe makes the gateway key the other pages' readers export
-                script += f'printf %s "$GANTRY_API_KEY" > {key_file}\n'
+                code += f'printf %s "$GANTRY_API_KEY" > {key_file}\n'
             env = {**fresh, **({"GANTRY_API_KEY": key_file.read_text()} if key_file.exists() else {})}
             done = subprocess.run(
-                ["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                ["bash", "-euo", "pipefail", "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                 timeout=300,
             )  # fmt: skip
-            assert done.returncode == 0, f"{page.name}:\n{script}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+            assert done.returncode == 0, f"{page.name}:\n{code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
             ran[page.name] = done.stdout
         assert set(ran) >= {"README.md", "api.md", "gateway.md", "load-tests.md"}
         assert "CompletionUsage" in ran["README.md"]  # the openai client got an answer and its usage
@@ -80,7 +69,11 @@ def test_every_recipe_in_the_readme_and_the_manual_runs_as_written(tmp_path: Pat
         minilm = http.get(f"{base}/api/deployments/?name=minilm", timeout=10).json()["results"]
         assert [d["desired_state"] for d in minilm] == ["running"]  # the README's own deployment was started
         ports = {r["http_port"] for r in minilm[0]["replica_set"]}
-        assert len(ports) == 2  # two replicas, each its own Triton
+        assert len(ports) >= 2  # two replicas (or more, scaled already), each its own Triton
+
+        # README's autoscale recipe does what it says: under load through its
+        # alias, the demo's periodic work adds a replica.
+        _load_until_scaled(base, key_file.read_text(), http, minilm[0]["id"])
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGINT)  # Ctrl-C, as the README says
@@ -89,3 +82,36 @@ def test_every_recipe_in_the_readme_and_the_manual_runs_as_written(tmp_path: Pat
             except subprocess.TimeoutExpired:
                 stop_process(demo)
         log.close()
+
+
+def _load_until_scaled(base: str, key: str, http: requests.Session, deployment_id: int, timeout_s: float = 240) -> None:
+    """Embeddings through the "minilm" alias from 16 clients (4 per replica is
+    the recipe's target) until the deployment has grown past its 2 replicas."""
+    stop = threading.Event()
+    answered: list[int] = []
+
+    def client() -> None:
+        with requests.Session() as session:
+            session.headers["Authorization"] = f"Bearer {key}"
+            while not stop.is_set():
+                body = {"model": "minilm", "input": ["a cat sat on the mat " * 20] * 8}
+                answered.append(session.post(f"{base}/v1/embeddings", json=body, timeout=60).status_code)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            deployment = http.get(f"{base}/api/deployments/{deployment_id}/", timeout=10).json()
+            if deployment["replicas"] > 2:
+                break
+            time.sleep(2)
+        else:
+            timeline = http.get(f"{base}/api/events/?deployment={deployment_id}&limit=20", timeout=10).json()
+            raise AssertionError(f"no scale-up in {timeout_s:.0f} s: {[e['message'] for e in timeline['results']]}")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=70)
+    assert answered.count(200) >= len(answered) * 0.9, f"answers: {sorted(set(answered))}"

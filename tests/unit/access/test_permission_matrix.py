@@ -119,7 +119,7 @@ def test_every_api_operation_answers_each_role_by_the_same_rule(role, world):  #
 
 
 PAGES = ["/", "/models/{models}/", "/builds/{builds}/", "/deployments/{deployments}/", "/gateway/", "/tokens/",
-         "/api/docs/", "/api/redoc/", "/loadtests/", "/loadtests/{loadtests}/", "/tuning/",
+         "/api/docs/", "/loadtests/", "/loadtests/{loadtests}/", "/tuning/",
          "/tuning/{tuning}/"]  # fmt: skip
 
 
@@ -176,3 +176,8 @@ def test_every_websocket_group_answers_each_role_by_the_same_rule(role, world): 
             assert not connected and code == 4401, path
         else:
             assert connected, path
+
+
+def test_redoc_sends_readers_to_swagger_ui_which_asks_nothing_of_a_third_party(client):  # noqa: ANN001
+    moved = client.get("/api/redoc/")
+    assert moved.status_code == 301 and moved["Location"] == "/api/docs/"

@@ -144,3 +144,10 @@ def test_check_warns_when_other_users_can_read_command_lines(tmp_path: Path):
     assert open_proc.state == WARN and "admin secret" in open_proc.detail and "hidepid=invisible" in open_proc.fix
     mounts.write_text("proc /proc proc rw,nosuid,nodev,noexec,relatime,hidepid=invisible 0 0\n")
     assert _hidden_processes(mounts).state == OK
+
+
+def test_the_demo_takes_its_own_options():
+    from controlplane.cli import parser
+
+    args = parser().parse_args(["demo", "--port", "9000", "--no-stack", "--bind", "0.0.0.0"])
+    assert (args.port, args.no_stack, args.bind) == (9000, True, "0.0.0.0")
