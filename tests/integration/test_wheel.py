@@ -182,6 +182,7 @@ def _every_page_in_chromium(base: str, password: str) -> None:
             SCREENSHOTS.mkdir(exist_ok=True)
             page.click("#tab-playground")
             page.wait_for_timeout(2500)  # a beat's live figures
+            page.evaluate("window.scrollTo(0, 0)")
             page.screenshot(path=str(SCREENSHOTS / "deployment.png"))
             page.goto(f"{base}/", wait_until="networkidle")
             page.screenshot(path=str(SCREENSHOTS / "dashboard.png"))
