@@ -72,17 +72,36 @@ async def stream_events(send: Any, receive: Any, events: AsyncIterator[bytes | s
                     await send(_event(event))
             await send({"type": "http.response.body", "body": b""})
 
-        async def disconnected() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        streaming, watching = asyncio.create_task(pump()), asyncio.create_task(disconnected())
+        streaming, watching = asyncio.create_task(pump()), asyncio.create_task(disconnected(receive))
         await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
         for task in (streaming, watching):
             task.cancel()
         await asyncio.gather(streaming, watching, return_exceptions=True)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+
+
+async def disconnected(receive: Any) -> None:
+    """Returns once the client has gone away (its body already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(receive: Any, work: Any) -> tuple[bool, Any]:
+    """Await ``work`` (a coroutine) while watching the client: (True, its result),
+    or (False, None) once the client went away first, ``work`` then cancelled
+    (a generation's request closes, and Triton cancels it)."""
+    working, watching = asyncio.ensure_future(work), asyncio.create_task(disconnected(receive))
+    try:
+        await asyncio.wait({working, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not working.done():
+            working.cancel()
+        await asyncio.gather(working, watching, return_exceptions=True)
+    if working.cancelled():
+        return False, None
+    return True, working.result()
 
 
 def _event(event: bytes | str) -> dict[str, Any]:

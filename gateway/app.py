@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from common import jsonbody, metrics
-from common.asgi_io import BodyTooLarge, read_body, send_json, stream_events
+from common.asgi_io import BodyTooLarge, read_body, send_json, stream_events, unless_gone
 from common.errors import GantryError
 from deployments.models import ModelKind
 from gateway import schemas
@@ -222,12 +222,26 @@ async def _generation(caller: Caller, data: dict[str, Any], receive: Any, send: 
         await stream_events(send, receive, events)
         return
     try:
-        text = "".join([piece.text async for piece in generate(prepared, stream=False, outcome=outcome)])
+        # A client that leaves before the whole answer stops the generation in Triton,
+        # and what it used is counted and settled then, not when the model is done.
+        answered, text = await unless_gone(receive, _joined(generate(prepared, stream=False, outcome=outcome)))
     except GantryError as exc:
         _count(caller, target.alias, admission, completion=outcome.completion_tokens, failed=True)
         raise from_gantry(exc, alias=target.alias, prompt_param=prompt_param) from exc
+    except BaseException:  # cancelled with the server, say: counted, its reservation returned
+        _count(caller, target.alias, admission, completion=outcome.completion_tokens, failed=True)
+        raise
     _count(caller, target.alias, admission, prompt=outcome.prompt_tokens or 0, completion=outcome.completion_tokens)
-    await send_json(send, 200, shape.whole(text, outcome))
+    if answered:
+        await send_json(send, 200, shape.whole(text, outcome))
+
+
+async def _joined(pieces: AsyncIterator[Piece]) -> str:
+    """A generation's whole text; closing it early (cancelled) ends Triton's request."""
+    try:
+        return "".join([piece.text async for piece in pieces])
+    finally:
+        await pieces.aclose()  # type: ignore[attr-defined]
 
 
 class _Shape:

@@ -343,3 +343,34 @@ def test_keys_scope_expire_revoke_and_rate_limit_and_aliases_move_between_deploy
     listed = json.dumps(http.get(f"{stack.web_url}/api/gateway/keys/", timeout=10).json())
     assert scoped["key"] not in listed and tokens["key"] not in listed and '"key":' not in listed
     assert requests.get(f"{stack.web_url}/api/gateway/keys/", timeout=10).status_code == 401
+
+
+def test_a_whole_answer_its_client_abandons_stops_in_triton_and_returns_its_reservation_at_once(
+    stack: Stack, tiny_llm: Path
+):
+    stack.register_models(tiny_llm, tiny="llm")
+    deployment = _deploy(stack, "abandon", [{"model": "tiny"}])
+    _alias(stack, "chat", deployment, "tiny")
+    # Room in the minute for one long answer's reservation (its prompt's bound and 440 tokens), not two.
+    key = _key(stack, all_aliases=True, tokens_per_minute=800)
+    body = {"model": "chat", "prompt": "Once upon a time", "max_tokens": 440, "temperature": 1.0}
+    headers = {"Authorization": f"Bearer {key['key']}"}
+    with pytest.raises(requests.Timeout):  # the client gives up, and closes its connection
+        requests.post(f"{stack.web_url}/v1/completions", json=body, headers=headers, timeout=0.3)
+
+    # The gateway noticed at once: the generation stopped, and what it used was counted and settled,
+    # so a second long answer fits the minute while the first would still be generating.
+    def admitted() -> requests.Response | None:
+        answer = requests.post(f"{stack.web_url}/v1/completions", json=body, headers=headers, timeout=60)
+        return answer if answer.status_code != 429 else None
+
+    second = wait_for(admitted, 0.6, "a second long answer to be admitted", interval_s=0.1)
+    assert second.status_code == 200, second.text
+
+    def usage() -> list[dict] | None:
+        rows = stack.session().get(f"{stack.web_url}/api/gateway/usage/", timeout=10).json()["results"]
+        rows = [r for r in rows if r["key"] == key["id"]]
+        return rows if rows and sum(r["requests"] for r in rows) == 2 else None
+
+    rows = wait_for(usage, 30, "both requests counted")
+    assert sum(r["completion_tokens"] for r in rows) < 2 * 440  # the first stopped early
