@@ -100,9 +100,18 @@ class ExternalIdentity(models.Model):
     issuer = models.CharField(max_length=255)
     subject = models.CharField(max_length=255)
     created_at = models.DateTimeField(auto_now_add=True)
+    refresh_token = models.TextField(
+        blank=True,
+        help_text="The provider's refresh token from the last sign-in or check: how Gantry asks the provider "
+        "again whether this person still holds their roles (access.oidc.identity_recheck). A secret.",
+    )
+    checked_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the provider last vouched for this person's roles."
+    )
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["issuer", "subject"], name="one_user_per_external_identity")]
+        verbose_name_plural = "external identities"
 
     def __str__(self) -> str:
         return f"{self.subject} at {self.issuer}"

@@ -15,12 +15,21 @@
   the provider's groups to Gantry's admin and operator groups (and to
   viewing). Someone in none of them is refused, and says so on the sign-in
   page; a user made inactive in Gantry stays out.
+- And again every GANTRY_OIDC_RECHECK_MINUTES after (identity_recheck, from
+  the periodic work): the refresh token of the last sign-in is exchanged at
+  the provider and its userinfo read. A person demoted there loses the role
+  here, with their API tokens and gateway keys (both follow the role); one
+  removed, or in no mapped group any more, is made inactive: their sessions,
+  tokens and keys stop. A provider that issues no refresh token gets
+  sessions that last GANTRY_OIDC_RECHECK_MINUTES. A provider that cannot be
+  reached changes nothing (the next check tries again).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from typing import Any
 
 import requests
@@ -29,8 +38,10 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.core.exceptions import SuspiciousOperation
 from django.db import transaction
+from django.db.models import Q
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
+from django.utils import timezone
 from django.views import View
 from mozilla_django_oidc.auth import OIDCAuthenticationBackend
 from mozilla_django_oidc.utils import import_from_settings
@@ -118,6 +129,87 @@ def _refuse(request: HttpRequest, message: str) -> None:
     raise SuspiciousOperation(message)
 
 
+class RecheckFailed(Exception):
+    """The provider could not be asked (transient): nothing is changed."""
+
+
+def identity_recheck(identity: ExternalIdentity) -> str:
+    """Ask the provider again about ``identity`` (its refresh token), and make
+    the person's Gantry roles what it says now. What was done, in words."""
+    user = identity.user
+    if not identity.refresh_token:
+        return f"{user.get_username()}: no refresh token (their sessions end after GANTRY_OIDC_RECHECK_MINUTES)"
+    try:
+        document = discovery()
+        answer = requests.post(
+            document["token_endpoint"],
+            data={"grant_type": "refresh_token", "refresh_token": identity.refresh_token},
+            auth=(settings.GANTRY_OIDC_CLIENT_ID, settings.GANTRY_OIDC_CLIENT_SECRET),
+            timeout=10,
+        )
+    except (ProviderUnreachable, requests.RequestException) as exc:
+        raise RecheckFailed(f"the provider cannot be asked about {user.get_username()}: {exc}") from None
+    if answer.status_code >= 500:
+        raise RecheckFailed(f"the provider answered {answer.status_code} about {user.get_username()}")
+    tokens = answer.json() if answer.ok else {}
+    access_token = tokens.get("access_token")
+    claims: dict[str, Any] = {}
+    if access_token:
+        try:
+            info = requests.get(
+                document["userinfo_endpoint"], headers={"Authorization": f"Bearer {access_token}"}, timeout=10
+            )
+        except requests.RequestException as exc:
+            raise RecheckFailed(f"the provider's userinfo cannot be read for {user.get_username()}: {exc}") from None
+        if info.status_code >= 500:
+            raise RecheckFailed(f"the provider's userinfo answered {info.status_code}")
+        claims = info.json() if info.ok else {}
+    if str(claims.get("sub") or "") != identity.subject:
+        # The refresh was refused (invalid_grant: removed, disabled, sessions revoked) or named someone else.
+        why = (tokens.get("error") or f"HTTP {answer.status_code}") if not access_token else "its userinfo"
+        return _identity_closed(identity, f"the provider no longer vouches for them ({why})")
+    roles = roles_of(claims)
+    if not roles:
+        return _identity_closed(identity, "none of their provider groups maps to a Gantry role any more")
+    with transaction.atomic():
+        _sync_groups(user, roles)
+        ExternalIdentity.objects.filter(pk=identity.pk).update(
+            refresh_token=tokens.get("refresh_token") or identity.refresh_token, checked_at=timezone.now()
+        )
+    return f"{user.get_username()}: roles {', '.join(sorted(roles))}"
+
+
+def _identity_closed(identity: ExternalIdentity, why: str) -> str:
+    """The person keeps no access: their user inactive (sessions, API tokens and
+    gateway keys stop with it), their roles gone, the refresh token forgotten."""
+    user = identity.user
+    with transaction.atomic():
+        _sync_groups(user, set())
+        type(user).objects.filter(pk=user.pk).update(is_active=False)
+        ExternalIdentity.objects.filter(pk=identity.pk).update(refresh_token="", checked_at=timezone.now())
+    log.warning("single sign-on: %s made inactive: %s", user.get_username(), why)
+    return f"{user.get_username()}: made inactive: {why}"
+
+
+def identities_recheck(*, force: bool = False) -> list[str]:
+    """Every signed-in person whose last check is older than GANTRY_OIDC_RECHECK_MINUTES
+    (all of them with ``force``), asked about again (the periodic work calls this)."""
+    if not enabled():
+        return []
+    due = ExternalIdentity.objects.select_related("user").filter(issuer=_issuer(), user__is_active=True)
+    if not force:
+        stale = timezone.now() - timedelta(minutes=settings.GANTRY_OIDC_RECHECK_MINUTES)
+        due = due.filter(Q(checked_at__isnull=True) | Q(checked_at__lt=stale))
+    done = []
+    for identity in due.exclude(refresh_token=""):
+        try:
+            done.append(identity_recheck(identity))
+        except RecheckFailed as exc:
+            log.warning("single sign-on: %s", exc)
+            done.append(str(exc))
+    return done
+
+
 class Backend(OIDCAuthenticationBackend):
     """Signs in the person the provider vouches for (the callback's code), with
     the roles their groups map to. Answers nothing to a user name and password."""
@@ -141,6 +233,17 @@ class Backend(OIDCAuthenticationBackend):
         self.OIDC_RP_SIGN_ALGO = settings.OIDC_RP_SIGN_ALGO
         self.OIDC_RP_IDP_SIGN_KEY = None
         return super().authenticate(request, **kwargs)
+
+    def get_user(self, user_id: Any) -> Any:
+        """The session's user, while active: mozilla-django-oidc's own answers an
+        inactive one too, so a person made inactive kept their browser session."""
+        user = super().get_user(user_id)
+        return user if user is not None and user.is_active else None
+
+    def get_token(self, payload: dict[str, Any]) -> dict[str, Any]:
+        tokens = super().get_token(payload)
+        self.refresh_token = str(tokens.get("refresh_token") or "")  # kept on the identity: see identity_recheck
+        return tokens
 
     def verify_token(self, token: str, **kwargs: Any) -> dict[str, Any]:
         payload = super().verify_token(token, **kwargs)  # the signature and the nonce
@@ -171,9 +274,16 @@ class Backend(OIDCAuthenticationBackend):
                 user.save()
                 identity = ExternalIdentity.objects.create(user=user, issuer=_issuer(), subject=subject)
             user = identity.user
-            if not user.is_active:
-                _refuse(self.request, f"{user.get_username()} is deactivated in Gantry")
+            if not user.is_active:  # by an admin, or by a check: an admin lets them in again
+                _refuse(self.request, f"{user.get_username()} is deactivated in Gantry: an admin may reactivate them")
             _sync_groups(user, roles)
+            ExternalIdentity.objects.filter(pk=identity.pk).update(
+                refresh_token=getattr(self, "refresh_token", ""), checked_at=timezone.now()
+            )
+            expiry = getattr(self.request.session, "set_expiry", None)
+            if not getattr(self, "refresh_token", "") and expiry is not None:
+                # No way to ask the provider again later: the session is as long as a check's interval.
+                expiry(settings.GANTRY_OIDC_RECHECK_MINUTES * 60)
         log.info("single sign-on: %s (%s) with roles %s", user.get_username(), subject, ", ".join(sorted(roles)))
         return user
 

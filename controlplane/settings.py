@@ -140,6 +140,20 @@ GANTRY_OIDC_ADMIN_GROUPS = env_list(
 GANTRY_OIDC_OPERATOR_GROUPS = env_list(
     "GANTRY_OIDC_OPERATOR_GROUPS", [], help="provider groups whose members get the operator role"
 )
+GANTRY_OIDC_RECHECK_MINUTES = env_int(
+    "GANTRY_OIDC_RECHECK_MINUTES",
+    10,
+    minimum=1,
+    maximum=1440,
+    help="how often the provider is asked again whether each signed-in person still holds their roles "
+    "(removed or demoted there: their access ends within this many minutes, and one more for the check's beat)",
+)
+GANTRY_OIDC_SCOPES = env_str(
+    "GANTRY_OIDC_SCOPES",
+    "openid email profile",
+    help="the scopes asked of the provider: add the one that releases the groups claim where your provider "
+    "needs it (`groups` for many; `offline_access` where refresh tokens need it)",
+)
 GANTRY_OIDC_VIEWER_GROUPS = env_list(
     "GANTRY_OIDC_VIEWER_GROUPS",
     [],
@@ -541,7 +555,7 @@ if GANTRY_OIDC_ISSUER:
 OIDC_RP_CLIENT_ID = GANTRY_OIDC_CLIENT_ID
 OIDC_RP_CLIENT_SECRET = GANTRY_OIDC_CLIENT_SECRET
 OIDC_RP_SIGN_ALGO = "RS256"
-OIDC_RP_SCOPES = "openid email profile"
+OIDC_RP_SCOPES = GANTRY_OIDC_SCOPES
 OIDC_USE_PKCE = True
 OIDC_AUTHENTICATE_CLASS = "access.oidc.Authenticate"
 OIDC_CALLBACK_CLASS = "access.oidc.Callback"
@@ -663,6 +677,12 @@ CELERY_BEAT_SCHEDULE = {
         "task": "deployments.tasks.sync_host_access",
         "schedule": 30.0,
         "options": {"queue": "control", "expires": 30.0},
+    },
+    # Single sign-on: each signed-in person asked about again (access.oidc.identities_recheck).
+    "recheck-sso-identities": {
+        "task": "access.tasks.recheck_identities",
+        "schedule": 60.0,
+        "options": {"queue": "control", "expires": 60.0},
     },
     "reap-load-tests": {
         "task": "loadtests.tasks.reap_runs",

@@ -127,3 +127,18 @@ def test_a_new_person_never_takes_a_local_accounts_name(sso, rf) -> None:  # noq
     with pytest.raises(Exception, match="deactivated"):
         backend.get_or_create_user("access", "id", {"sub": "42"})
     assert "deactivated" in backend.request.session[oidc.REFUSAL]
+
+
+def test_a_provider_that_cannot_be_asked_changes_nobodys_access(sso) -> None:  # noqa: ANN001
+    from django.contrib.auth.models import Group
+
+    from deployments.permissions import OPERATOR_GROUP, can_operate
+
+    user = User.objects.create_user("carol")
+    user.groups.add(Group.objects.get_or_create(name=OPERATOR_GROUP)[0])
+    ExternalIdentity.objects.create(user=user, issuer="http://127.0.0.1:9/o", subject="c-1", refresh_token="r")
+    said = oidc.identities_recheck()  # port 9 answers nothing
+    assert len(said) == 1 and "cannot be asked" in said[0]
+    user.refresh_from_db()
+    assert user.is_active and can_operate(user)
+    assert ExternalIdentity.objects.get(subject="c-1").refresh_token == "r"
