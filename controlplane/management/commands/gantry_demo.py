@@ -40,7 +40,7 @@ import redis
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import connection
+from django.db import InterfaceError, OperationalError, connection
 
 from access.services import admin_ensure
 from common.errors import GantryError
@@ -405,8 +405,7 @@ class Command(BaseCommand):
         """Stop the deployments through the worker, then every child; whatever fails
         on the way (the database away, say), the children and the servers still stop."""
         try:
-            connection.close()  # one a database restart broke is opened again
-            self._stop_deployments()
+            self._stop_deployments_retried()
         except Exception as exc:  # noqa: BLE001 - everything below must still run
             self.stderr.write(f"could not stop the deployments through the database ({exc}); stopping them directly")
         finally:
@@ -418,6 +417,22 @@ class Command(BaseCommand):
                 self.stdout.write(f"stopping tritonserver pid {handle}")
                 triton_process.stop(handle, repository)
         self.stdout.write("everything Gantry started has stopped.")
+
+    def _stop_deployments_retried(self, within_s: float = 25) -> None:
+        """_stop_deployments, on a fresh connection each try: just after a database
+        restart the first answers may still be the old server's farewell
+        ("terminating connection due to administrator command")."""
+        deadline = time.monotonic() + within_s
+        while True:
+            connection.close()  # one a database restart broke is opened again
+            try:
+                self._stop_deployments()
+                return
+            except (OperationalError, InterfaceError) as exc:
+                if time.monotonic() >= deadline or "locked" in str(exc):
+                    raise
+                self.stderr.write(f"the database refused ({exc}); trying again")
+                time.sleep(1)
 
     def _stop_deployments(self, timeout_s: float = 60) -> None:
         """Stop every deployment with a replica on this host through the normal
