@@ -23,32 +23,27 @@ USAGE_DAYS = 30
 _NEW_SECRET = "gateway-new-key"
 
 
-def _targets(kind: str | None = None) -> list[tuple[str, str]]:
-    """Every deployment's models (of ``kind``, if given), as "<deployment id>/<model>" choices."""
+def _targets() -> list[tuple[str, str, str]]:
+    """Every deployment's models: ("<deployment id>/<model>", its words, its kind)."""
     rows = DeploymentModel.objects.select_related("deployment", "registered_model").order_by(
         "deployment__name", "triton_name"
     )
     return [
-        (f"{p.deployment_id}/{p.triton_name}", f"{p.deployment.name} / {p.triton_name} ({p.registered_model.kind})")
+        (f"{p.deployment_id}/{p.triton_name}", f"{p.deployment.name} / {p.triton_name} ({p.registered_model.kind})",
+         p.registered_model.kind)
         for p in rows
-        if kind is None or p.registered_model.kind == kind
-    ]
+    ]  # fmt: skip
 
 
 def _with_moves(aliases: list[Alias]) -> list[Alias]:
     """Each alias with where it may move: models of the kind it serves now (a chat
-    client cannot be handed an embedder), its own target first and chosen."""
-    kinds = {
-        (p.deployment_id, p.triton_name): p.registered_model.kind
-        for p in DeploymentModel.objects.select_related("registered_model")
-    }
-    by_kind: dict[str | None, list[tuple[str, str]]] = {}
+    client cannot be handed an embedder), its own target chosen."""
+    targets = _targets()
+    kind_of = {value: kind for value, _, kind in targets}
     for alias in aliases:
-        kind = kinds.get((alias.deployment_id, alias.triton_name))
-        if kind not in by_kind:
-            by_kind[kind] = _targets(kind)
         alias.current_target = f"{alias.deployment_id}/{alias.triton_name}"
-        alias.move_choices = by_kind[kind]
+        kind = kind_of.get(alias.current_target)
+        alias.move_choices = [(value, words) for value, words, other in targets if other == kind]
     return aliases
 
 
@@ -58,7 +53,7 @@ class AliasForm(forms.Form):
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
-        self.fields["target"].choices = _targets()
+        self.fields["target"].choices = [(value, words) for value, words, _ in _targets()]
 
 
 class MoveForm(forms.Form):
@@ -67,7 +62,7 @@ class MoveForm(forms.Form):
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
-        self.fields["target"].choices = _targets()
+        self.fields["target"].choices = [(value, words) for value, words, _ in _targets()]
 
 
 class KeyForm(forms.Form):

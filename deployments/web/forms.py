@@ -84,10 +84,10 @@ class BuildForm(forms.Form):
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
         # An engine is compiled on a GPU, with a builder the host has: only such hosts are offered.
-        hosts = [h for h in selectors.host_list() if h.gpus.all() and build_spec.builder_choices(h)]
+        builders = {h: build_spec.builder_choices(h) for h in selectors.host_list() if h.gpus.all()}
+        hosts = [h for h, choices in builders.items() if choices]
         self.fields["host"].choices = [(h.name, f"{h.name} ({len(h.gpus.all())} GPU)") for h in hosts]
-        images = sorted({image for h in hosts for image in build_spec.builder_choices(h)})
-        self.fields["image"].choices = [(i, i) for i in images]
+        self.fields["image"].choices = [(i, i) for i in sorted({i for h in hosts for i in builders[h]})]
 
     @property
     def unavailable(self) -> str:

@@ -80,6 +80,15 @@ def _answers(url: str) -> bool:
         return False
 
 
+def _sign_in_at_the_provider(page, username: str) -> None:  # noqa: ANN001 - Playwright's Page
+    """From Gantry's sign-in page: its single sign-on button, then the provider's own form."""
+    page.click("#sso")
+    page.wait_for_url("**/accounts/login/**")
+    page.fill("input[name=username]", username)
+    page.fill("input[name=password]", "provider-pass")
+    page.click("#provider-login")
+
+
 def _groups(stack: Stack, username: str) -> str:
     script = (
         "from django.contrib.auth.models import User; "
@@ -103,11 +112,7 @@ def test_a_provider_group_becomes_a_gantry_role_and_local_accounts_stay_for_brea
     screenshot("login-with-sso")
 
     # alice, in the provider's ml-operators group: Gantry's operator, without a password of Gantry's.
-    button.click()
-    page.wait_for_url("**/accounts/login/**")
-    page.fill("input[name=username]", "alice")
-    page.fill("input[name=password]", "provider-pass")
-    page.click("#provider-login")
+    _sign_in_at_the_provider(page, "alice")
     page.wait_for_url(f"{base}/")
     assert "Log out alice" in page.locator("nav").inner_text()
     assert _groups(sso_stack, "alice").startswith("['gantry-operators'] False ['")
@@ -116,11 +121,7 @@ def test_a_provider_group_becomes_a_gantry_role_and_local_accounts_stay_for_brea
     # outsider, in no mapped group: refused, and told why, on Gantry's sign-in page.
     page.context.clear_cookies()  # alice's session at the provider too
     page.goto(f"{base}/login/")
-    page.click("#sso")
-    page.wait_for_url("**/accounts/login/**")
-    page.fill("input[name=username]", "outsider")
-    page.fill("input[name=password]", "provider-pass")
-    page.click("#provider-login")
+    _sign_in_at_the_provider(page, "outsider")
     page.wait_for_url(f"{base}/login/**")
     refusal = page.locator("[role=alert]").inner_text()
     assert "outsider has no Gantry role" in refusal, refusal
@@ -158,11 +159,7 @@ def test_a_person_demoted_or_removed_at_the_provider_loses_access_at_the_next_ch
         "User.objects.get(username='alice').groups.add(Group.objects.create(name='ml-viewers'))",
     )
     page.goto(f"{base}/login/")
-    page.click("#sso")
-    page.wait_for_url("**/accounts/login/**")
-    page.fill("input[name=username]", "alice")
-    page.fill("input[name=password]", "provider-pass")
-    page.click("#provider-login")
+    _sign_in_at_the_provider(page, "alice")
     page.wait_for_url(f"{base}/")
     # What alice's automation holds: a personal token and a gateway key, made while she is an operator.
     token, key = _gantry(sso_stack, (

