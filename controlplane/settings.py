@@ -22,6 +22,7 @@ from controlplane.env import (
     env_str,
     env_ulimits,
 )
+from deployments import queues
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -254,6 +255,17 @@ GANTRY_HOST_NAME = env_str(
         "(builds, load tests)"
     ),
     shown="this machine's short host name",
+)
+# This process runs with a joined host's own credentials (`gantry join` sets it):
+# its live messages go to its Redis stream, which the control plane checks and
+# relays (deployments.live_relay), and its outbox sends to its own queues only.
+GANTRY_JOINED_HOST = env_bool(
+    "GANTRY_JOINED_HOST",
+    False,
+    help=(
+        "set by `gantry join`: the worker runs with the host's own credentials, so its live messages go through "
+        "the control plane's relay (run by `gantry beat`) and the beat sends its tasks for other hosts"
+    ),
 )
 # The address Triton servers on this host bind to and clients use to reach them.
 GANTRY_HOST_ADDRESS = env_str(
@@ -661,8 +673,13 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_TRANSPORT_OPTIONS = {
     "visibility_timeout": env_int(
         "CELERY_VISIBILITY_TIMEOUT", 3600, minimum=60, help="seconds before Redis redelivers a task whose worker died"
-    )
+    ),
+    # A host's unacknowledged messages under its own keys, which its Redis user may touch.
+    **queues.unacked_options(GANTRY_HOST_NAME),
 }
+# No remote control (its fanout keys are shared): Gantry drives workers through
+# the database and their queues.
+CELERY_WORKER_ENABLE_REMOTE_CONTROL = False
 CELERY_TASK_SOFT_TIME_LIMIT = GANTRY_TRITON_READY_TIMEOUT + 120
 CELERY_TASK_TIME_LIMIT = GANTRY_TRITON_READY_TIMEOUT + 180
 
@@ -683,6 +700,12 @@ CELERY_BEAT_SCHEDULE = {
         "task": "access.tasks.recheck_identities",
         "schedule": 60.0,
         "options": {"queue": "control", "expires": 60.0},
+    },
+    # A load test's or tuning run's gateway key ends with its run (its host may not revoke keys).
+    "revoke-ended-run-keys": {
+        "task": "loadtests.tasks.revoke_ended_run_keys",
+        "schedule": float(GANTRY_HEARTBEAT_INTERVAL),
+        "options": {"queue": "control", "expires": float(GANTRY_HEARTBEAT_INTERVAL)},
     },
     "reap-load-tests": {
         "task": "loadtests.tasks.reap_runs",

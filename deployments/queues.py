@@ -55,6 +55,36 @@ def host_queues(host_name: str) -> tuple[str, str]:
     return host_queue(host_name), jobs_queue(host_name)
 
 
+# Kombu's Redis transport keeps a queue's priorities in keys named so (queue, separator, step).
+_PRIORITY_SEPARATOR = "\x06\x16"
+_PRIORITY_STEPS = (3, 6, 9)
+# A host's other keys: its workers' unacknowledged messages, and its live stream.
+_UNACKED = (".unacked", ".unacked_index", ".unacked_mutex")
+_LIVE_SUFFIX = ".live"
+# A host name may not end so: its keys would be another host's.
+RESERVED_SUFFIXES = (_JOBS_SUFFIX, _LIVE_SUFFIX, *_UNACKED)
+
+
+def unacked_options(host_name: str) -> dict[str, str]:
+    """The broker transport options that keep a host's unacknowledged messages under its own keys."""
+    key, index, mutex = (f"{_PREFIX}{host_name}{suffix}" for suffix in _UNACKED)
+    return {"unacked_key": key, "unacked_index_key": index, "unacked_mutex_key": mutex}
+
+
+def live_stream(host_name: str) -> str:
+    """The Redis stream a host's live messages go to (deployments.live_relay checks and relays them)."""
+    return f"{_PREFIX}{host_name}{_LIVE_SUFFIX}"
+
+
+def host_keys(host_name: str) -> list[str]:
+    """Every Redis key a host's workers touch, by exact name (its ACL user's keys)."""
+    keys = []
+    for queue in host_queues(host_name):
+        keys += [queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}"]
+        keys += [f"{queue}{_PRIORITY_SEPARATOR}{step}" for step in _PRIORITY_STEPS]
+    return [*keys, *unacked_options(host_name).values(), live_stream(host_name)]
+
+
 def host_of(queue: str) -> str:
     """The host a queue of ``host_queues`` belongs to."""
     return queue.removeprefix(_PREFIX).removesuffix(_JOBS_SUFFIX)

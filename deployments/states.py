@@ -119,7 +119,11 @@ def deployment_sync(*, deployment_id: int, source: str, actor: Any = None, moved
     """Sum the deployment's status up from its replicas (in the caller's
     transaction, the deployment's row locked) and, when it changed, say so on
     its timeline."""
-    deployment = Deployment.objects.select_for_update().get(pk=deployment_id)
+    deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+    if deployment is None:
+        # A joined host that has just removed its last replica of it may no longer write
+        # it (deployments.host_access): the hosts still serving it sum it up at their next move.
+        return Deployment.objects.get(pk=deployment_id)
     replicas = list(Replica.objects.select_related("host").filter(deployment_id=deployment_id))
     counted = [
         replica.status

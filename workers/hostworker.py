@@ -47,7 +47,11 @@ def celery_arguments(host_name: str, *, jobs: bool, extra: list[str] | None = No
         if jobs
         else (host_queue(host_name), f"gantry@{host_name}", CONTROL_SLOTS)
     )
-    return ["-A", "controlplane", "worker", "-Q", queue, "-n", node, "-c", str(slots), "-l", "INFO", *(extra or [])]
+    # No gossip, mingle, heartbeat events or remote control: each uses a shared
+    # fanout key that a host's Redis user may not touch (deployments.host_access).
+    quiet = ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+    argv = ["-A", "controlplane", "worker", "-Q", queue, "-n", node, "-c", str(slots), "-l", "INFO", *quiet]
+    return [*argv, *(extra or [])]
 
 
 def _die_with_parent(parent: int) -> None:

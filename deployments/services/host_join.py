@@ -19,7 +19,7 @@ from django.utils import timezone
 from access.models import secret_digest
 from common import pki
 from common.errors import NotFound, PermissionDenied, ValidationFailed
-from deployments import events, host_access
+from deployments import events, host_access, queues
 from deployments.models import GpuHost, HostCredential, HostJoinToken, slug_validator
 from deployments.permissions import can_admin
 from deployments.services import channel
@@ -62,6 +62,9 @@ def _valid_host_name(name: str, field: str) -> str:
         raise ValidationFailed({field: f"'{name}' is not a host name: {slug_validator.message}"}) from None
     if name in RESERVED_NAMES:
         raise ValidationFailed({field: f"'{name}' is reserved by the API (/api/hosts/{name}/)"})
+    if name.endswith(queues.RESERVED_SUFFIXES):
+        ends = ", ".join(f"'{s}'" for s in queues.RESERVED_SUFFIXES)
+        raise ValidationFailed({field: f"'{name}' may not end in {ends}: its queues would be another host's"})
     return name
 
 
@@ -106,6 +109,7 @@ def _shared_settings(gateway_url: str) -> dict[str, str]:
         "GANTRY_BUILDER_IMAGES": ",".join(f"{i}={v}" for i, v in settings.GANTRY_BUILDER_IMAGES.items()),
         "GANTRY_HEARTBEAT_INTERVAL": str(settings.GANTRY_HEARTBEAT_INTERVAL),
         "GANTRY_GATEWAY_URL": gateway_url,
+        "GANTRY_JOINED_HOST": "1",  # its Redis user reaches no channel-layer key (deployments.host_access)
     }
 
 
@@ -166,7 +170,7 @@ def host_join(*, token: str, name: str, address: str, gateway_url: str, certific
             redis_password_sha256=secret_digest(redis_password),  # Redis takes a SHA-256 in hex (ACL SETUSER #...)
         )
         host_access.database_role_create(credential.database_role, password)
-        host_access.redis_user_set(credential.redis_user, credential.redis_password_sha256)
+        host_access.redis_user_set(credential.redis_user, name, credential.redis_password_sha256)
         events.record(
             kind="host.joined",
             source=f"worker:{name}",
@@ -221,7 +225,7 @@ def host_access_sync() -> int:
     """Converge PostgreSQL and Redis on the credentials the database holds: grants
     for tables new migrations made, the Redis users a restart lost, and no role or
     user that is revoked (or left by a join that did not commit). Returns the active count."""
-    active = list(HostCredential.objects.filter(revoked_at=None))
+    active = list(HostCredential.objects.filter(revoked_at=None).select_related("host"))
     if not active and not HostCredential.objects.exists():
         return 0  # no host ever joined: nothing to converge (and SQLite has no roles)
     host_access.database_grants_ensure()
@@ -229,5 +233,5 @@ def host_access_sync() -> int:
     for role in host_access.database_roles_listed():
         if role not in roles:
             host_access.database_role_drop(role)
-    host_access.redis_users_ensure({c.redis_user: c.redis_password_sha256 for c in active})
+    host_access.redis_users_ensure({c.redis_user: (c.host.name, c.redis_password_sha256) for c in active})
     return len(active)

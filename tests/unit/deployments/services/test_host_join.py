@@ -76,7 +76,7 @@ def test_a_token_is_refused_used_expired_for_another_host_or_unknown(admin: User
     assert not GpuHost.objects.filter(name__in=["gpu-09", "gpu-11", "gpu-12", "join"]).exists()
 
 
-def test_a_joined_host_may_use_rows_but_not_change_the_schema_or_read_sessions(
+def test_a_joined_host_may_use_its_rows_but_not_change_the_schema_or_read_sessions(
     admin: User, no_host_access_left: None
 ) -> None:
     joined = _join(admin)
@@ -96,8 +96,10 @@ def test_a_joined_host_may_use_rows_but_not_change_the_schema_or_read_sessions(
             db.execute("DROP TABLE deployments_event")
     client = redis.Redis.from_url(joined.redis_url)
     try:
-        client.lpush("gantry-test-queue", "m")
-        assert client.brpop(["gantry-test-queue"], timeout=1) == (b"gantry-test-queue", b"m")
+        client.lpush("gpu.gpu-07", "m")  # its own queue
+        assert client.brpop(["gpu.gpu-07"], timeout=1) == (b"gpu.gpu-07", b"m")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.lpush("gpu.gpu-070", "m")  # a host whose name starts with its own is another host
         assert client.info("server")["run_id"]
         for command in (("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("ACL", "LIST")):
             with pytest.raises(redis.exceptions.NoPermissionError):
@@ -177,3 +179,19 @@ def test_join_tokens_and_revoking_through_the_api(admin: User, operator: User, n
     revoked = as_admin.post("/api/hosts/gpu-07/revoke/")
     assert revoked.status_code == 200 and revoked.json() == {"revoked": 1}
     assert as_admin.post("/api/hosts/nowhere/revoke/").status_code == 404
+
+
+def test_every_table_is_either_given_to_hosts_or_withheld_from_them() -> None:
+    """A new table gives hosts nothing until it is classified here (deployments.host_access)."""
+    from django.apps import apps
+
+    tables = {m._meta.db_table for m in apps.get_models(include_auto_created=True)}
+    tables.add("django_migrations")
+    assert not set(host_access.HOST_TABLES) & host_access.WITHHELD_TABLES
+    assert tables == set(host_access.HOST_TABLES) | host_access.WITHHELD_TABLES
+
+
+def test_a_host_name_whose_queues_would_be_another_hosts_is_refused(admin: User) -> None:
+    for name in ("gpu-07.jobs", "gpu-07.live", "gpu-07.unacked"):
+        with pytest.raises(ValidationFailed, match="its queues would be another host's"):
+            host_join.host_join_token_create(user=admin, host_name=name)
