@@ -73,6 +73,11 @@ LIVE_MESSAGES_LOST = Counter(
     "a socket's numbering (the channel layer dropped them).",
     ["where"],
 )
+LIVE_MESSAGES_REFUSED = Counter(
+    "gantry_live_messages_refused",
+    "Live messages a joined host sent about work that is not its own, dropped by the relay.",
+    ["host"],
+)
 
 BUILD_DURATION = Histogram(
     "gantry_build_duration_seconds", "Engine builds from start to end, by outcome.", ["outcome"], buckets=_JOB

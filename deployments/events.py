@@ -19,6 +19,7 @@ message, and a caller never waits on a slow or down Redis).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -28,9 +29,11 @@ from typing import Any, Literal, TypedDict
 import redis.asyncio
 from channels.layers import get_channel_layer
 from django.conf import settings
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import transaction
 
 from common import metrics
+from deployments import queues
 from deployments.models import Deployment, Event, GpuHost
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,8 @@ def host_group(host_name: str) -> str:
 # browser's re-read on reconnect is what repairs them.
 PUBLISH_BACKLOG = 10_000
 SEQ_KEY_TTL_S = 7 * 24 * 3600
+# Messages a joined host's live stream keeps for the relay (deployments.live_relay).
+LIVE_STREAM_LENGTH = 10_000
 
 
 def seq_key(group: str) -> str:
@@ -141,7 +146,13 @@ class Publisher:
 
     @staticmethod
     async def _send(client: redis.asyncio.Redis, layer: Any, groups: list[str], payload: dict[str, Any]) -> None:
-        """Number ``payload`` in each group's sequence, then hand it to the channel layer."""
+        """Number ``payload`` in each group's sequence, then hand it to the channel layer
+        (a joined host: append it to its live stream, for the control plane to check and relay)."""
+        if settings.GANTRY_JOINED_HOST:
+            message = json.dumps({"groups": groups, "payload": payload}, cls=DjangoJSONEncoder)
+            stream = queues.live_stream(settings.GANTRY_HOST_NAME)
+            await client.xadd(stream, {"m": message}, maxlen=LIVE_STREAM_LENGTH, approximate=True)
+            return
         async with client.pipeline(transaction=False) as pipe:
             for group in groups:
                 pipe.incr(seq_key(group))

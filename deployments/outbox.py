@@ -23,6 +23,7 @@ from queue import SimpleQueue
 from typing import Any
 
 from celery import current_app
+from django.conf import settings
 from django.db import close_old_connections, connection, transaction
 from django.db.models import F
 from django.utils import timezone
@@ -109,7 +110,7 @@ def redrive(task_name: str, *, host_name: str, args: list[Any], source: str, mes
         source=source,
         host=GpuHost.objects.filter(name=host_name).first(),
         message=message,
-        data={"task": task_name, "args": args},
+        data={"task": task_name, "args": _shown(args)},
         **subject,
     )
     enqueue_on_commit(task_name, host_name=host_name, args=args)
@@ -123,6 +124,8 @@ def send(*, ids: Iterable[int] | None = None, host_name: str | None = None) -> i
     pass (relay tries again on the next beat). A refusal while it answers is
     the message's own: the message is skipped this pass, and parked for good
     after PARK_AFTER of them, so one poisoned message never blocks its queue."""
+    if settings.GANTRY_JOINED_HOST:  # its Redis user reaches its own queues only; the beat sends the rest
+        host_name = settings.GANTRY_HOST_NAME
     sent = 0
     skipped: list[int] = []
     while True:
@@ -203,6 +206,11 @@ def _subject(message: OutboxMessage) -> dict[str, Any]:
     return {field: found} if found is not None else {}
 
 
+def _shown(args: list[Any]) -> list[Any]:
+    """A task's arguments as the timeline shows them: ids, never a secret (a load test's gateway key)."""
+    return [arg if isinstance(arg, int) else "(hidden)" for arg in args]
+
+
 def _host(message: OutboxMessage) -> GpuHost | None:
     return GpuHost.objects.filter(name=queues.host_of(message.queue)).first()
 
@@ -218,7 +226,7 @@ def _note_waiting(message: OutboxMessage, exc: Exception) -> None:
         host=_host(message),
         message=f"the broker is unreachable ({type(exc).__name__}); the {_what(message)} waits in the "
         "outbox and is sent as soon as the broker is back",
-        data={"task": message.task, "args": message.args, "error": str(exc)[:255]},
+        data={"task": message.task, "args": _shown(message.args), "error": str(exc)[:255]},
         **_subject(message),
     )
 
@@ -229,6 +237,6 @@ def _note_sent_late(message: OutboxMessage, waited: float) -> None:
         source="system",
         host=_host(message),
         message=f"sent the {_what(message)} {waited:.0f}s after it was asked for (the broker was unreachable)",
-        data={"task": message.task, "args": message.args, "waited_s": round(waited, 1)},
+        data={"task": message.task, "args": _shown(message.args), "waited_s": round(waited, 1)},
         **_subject(message),
     )
