@@ -11,8 +11,10 @@ deployment's timeline, and a run that ends takes its gateway key with it.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from typing import Any
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -26,10 +28,14 @@ from deployments.permissions import require_operator
 from gateway import services as gateway_services
 from gateway.models import Alias, ApiKey
 from loadtests import workload as workloads
-from loadtests.models import ACTIVE, ALLOWED, TERMINAL, LoadPoint, LoadTest, RunStatus
+from loadtests.models import ACTIVE, ALLOWED, TERMINAL, LoadPoint, LoadTest, RunStatus, TuningRun
 
 # The gateway keys a run makes for itself are named so; they are not "real clients".
 KEY_NAME_PREFIX = "load test "
+TUNING_KEY_NAME = KEY_NAME_PREFIX + "(tuning run {})"
+# How long a run's key may live: it is revoked as soon as its run ends; this
+# bounds a key whose run waits long behind other jobs, or never ends.
+KEY_VALID_S = 2 * 24 * 3600
 # A running run whose worker has not reported for this long is failed by the reaper.
 STALE_AFTER_S = 120
 
@@ -44,8 +50,6 @@ def _lock_deployment(run_id: int) -> None:
 
 def _run_moved(move: jobs.Move) -> LoadTest:
     run = LoadTest.objects.select_related("deployment").get(pk=move.job_id)
-    if move.to not in ACTIVE:
-        run_keys_revoke(run_id=run.pk)  # the run's key ends with it, wherever it ends
     events.record(
         kind=f"loadtest.{move.to}",
         source=move.source,
@@ -182,7 +186,8 @@ def run_create(
             message=f"load test {run.pk} of {alias} asked for ({_describe(checked)})",
             data={"load_test": run.pk, "alias": alias, "confirmed": bool(keys)},
         )
-        outbox.enqueue_on_commit(queues.RUN_LOADTEST, host_name=home.host.name, args=[run.pk])
+        key = run_key_issue(run_id=run.pk)
+        outbox.enqueue_on_commit(queues.RUN_LOADTEST, host_name=home.host.name, args=[run.pk, key])
     return run
 
 
@@ -195,10 +200,12 @@ def run_redrive(*, run_id: int, source: str, message: str) -> bool:
         run = run.first()
         if run is None or run.status != RunStatus.QUEUED or run.host is None:
             return False
+        if outbox.is_waiting(queues.RUN_LOADTEST, run.pk):  # before a new key revokes the waiting task's
+            return False
         return outbox.redrive(
             queues.RUN_LOADTEST,
             host_name=run.host.name,
-            args=[run.pk],
+            args=[run.pk, *key_for_redrive(run.pk, run_key_issue)],
             source=source,
             message=f"load test {run.pk}: {message}",
             deployment=run.deployment,
@@ -364,10 +371,11 @@ def run_report(*, run_id: int, progress: dict[str, Any], log_tail: str | None = 
     return run.status
 
 
-def run_key_issue(*, run_id: int, valid_s: int) -> str:
-    """A gateway key for the run's load generator, scoped to the run's alias and
-    valid for ``valid_s``; its secret, once. An earlier key of the run (a task
-    delivered again) is revoked. It is revoked when the run ends (run_transition)."""
+def run_key_issue(*, run_id: int, valid_s: int = KEY_VALID_S) -> str:
+    """A gateway key for the run's load generator, scoped to the run's alias; its
+    secret, once. The control plane issues it with the run's task (a host's
+    credentials may not make keys) and revokes it once the run has ended
+    (``ended_run_keys_revoke``); an earlier key of the run (a task sent again) is revoked."""
     run = LoadTest.objects.select_related("created_by").get(pk=run_id)
     if run.created_by is None:
         raise InvalidTransition("the user who asked for this load test no longer exists")
@@ -380,12 +388,35 @@ def run_key_issue(*, run_id: int, valid_s: int) -> str:
     ).secret
 
 
+def key_for_redrive(run_id: int, issue: Any) -> list[str]:
+    """A re-sent run's new key; none from a joined host, whose credentials may not
+    make keys (its worker then fails the run, asking for it again)."""
+    return [] if settings.GANTRY_JOINED_HOST else [issue(run_id=run_id)]
+
+
 def run_keys_revoke(*, run_id: int) -> None:
-    """Revoke the gateway key a run made for itself (when it ends, however it ends)."""
+    """Revoke the gateway keys made for load test ``run_id``."""
     for key_id in ApiKey.objects.filter(name=f"{KEY_NAME_PREFIX}{run_id}", revoked_at__isnull=True).values_list(
         "pk", flat=True
     ):
         gateway_services.key_revoke(key_id=key_id)
+
+
+def ended_run_keys_revoke() -> int:
+    """Revoke every key of a load test or tuning run that has ended (the beat
+    runs it every heartbeat: the run's end is reported by its host, whose
+    credentials may not touch keys). Returns how many were revoked."""
+    revoked = 0
+    live = ApiKey.objects.filter(name__startswith=KEY_NAME_PREFIX, revoked_at__isnull=True)
+    for key_id, name in live.values_list("pk", "name"):
+        tuning = re.fullmatch(re.escape(KEY_NAME_PREFIX) + r"\(tuning run (\d+)\)", name)
+        plain = re.fullmatch(re.escape(KEY_NAME_PREFIX) + r"(\d+)", name)
+        run_id = int((tuning or plain).group(1)) if (tuning or plain) else None
+        model = TuningRun if tuning else LoadTest
+        if run_id is None or not model.objects.filter(pk=run_id, status__in=ACTIVE).exists():
+            gateway_services.key_revoke(key_id=key_id)
+            revoked += 1
+    return revoked
 
 
 def run_note_load_generator(*, run_id: int, name: str, version: str) -> None:

@@ -11,3 +11,9 @@ from loadtests import services, tuning_services
 def reap_runs() -> int:
     """Fail load tests and tuning runs whose worker stopped reporting."""
     return services.runs_reap() + tuning_services.tunings_reap()
+
+
+@shared_task(name="loadtests.tasks.revoke_ended_run_keys")
+def revoke_ended_run_keys() -> int:
+    """Revoke the gateway keys of load tests and tuning runs that have ended."""
+    return services.ended_run_keys_revoke()

@@ -34,10 +34,9 @@ from gateway import services as gateway_services
 from gateway.models import Alias, ApiKey
 from loadtests import tuning
 from loadtests.models import ACTIVE, ALLOWED, TERMINAL, LoadTest, RunStatus, TrialStatus, TuningRun, TuningTrial
-from loadtests.services import KEY_NAME_PREFIX, STALE_AFTER_S, production_keys
+from loadtests.services import KEY_VALID_S, STALE_AFTER_S, TUNING_KEY_NAME, key_for_redrive, production_keys
 
 # A run's own gateway key; load tests' prefix, so it is never taken for a real client's.
-KEY_NAME = KEY_NAME_PREFIX + "(tuning run {})"
 
 
 def _lock_deployment(run_id: int) -> None:
@@ -47,8 +46,6 @@ def _lock_deployment(run_id: int) -> None:
 
 def _moved(move: jobs.Move) -> TuningRun:
     run = TuningRun.objects.select_related("deployment").get(pk=move.job_id)
-    if move.to not in ACTIVE:
-        _key_revoke(run.pk)
     events.record(
         kind=f"tuning.{move.to}",
         source=move.source,
@@ -148,7 +145,8 @@ def tuning_create(*, deployment_id: int, spec: dict[str, Any], confirm: bool = F
             message=f"tuning run {run.pk} asked for: {_describe(checked)}",
             data={"tuning_run": run.pk, "confirmed": bool(users)},
         )
-        outbox.enqueue_on_commit(queues.RUN_TUNING, host_name=home.host.name, args=[run.pk])
+        key = tuning_key_issue(run_id=run.pk)
+        outbox.enqueue_on_commit(queues.RUN_TUNING, host_name=home.host.name, args=[run.pk, key])
     return run
 
 
@@ -239,23 +237,24 @@ def tuning_report(*, run_id: int, progress: dict[str, Any]) -> str:
     return run.status
 
 
-def tuning_key_issue(*, run_id: int, valid_s: int) -> str:
-    """A gateway key for the run's load generators, scoped to the mix's aliases
-    and valid for ``valid_s``; its secret, once. Revoked when the run ends."""
+def tuning_key_issue(*, run_id: int) -> str:
+    """A gateway key for the run's load generators, scoped to the mix's aliases;
+    its secret, once. Issued with the run's task, revoked once the run has ended
+    (loadtests.services.ended_run_keys_revoke)."""
     run = TuningRun.objects.select_related("created_by").get(pk=run_id)
     if run.created_by is None:
         raise InvalidTransition("the user who asked for this tuning run no longer exists")
     _key_revoke(run_id)
     return gateway_services.key_create(
-        name=KEY_NAME.format(run_id),
+        name=TUNING_KEY_NAME.format(run_id),
         user=run.created_by,
         alias_names=[entry["model"] for entry in run.spec["mix"]],
-        expires_at=timezone.now() + dt.timedelta(seconds=valid_s),
+        expires_at=timezone.now() + dt.timedelta(seconds=run.spec["budget_s"] + KEY_VALID_S),
     ).secret
 
 
 def _key_revoke(run_id: int) -> None:
-    for key_id in ApiKey.objects.filter(name=KEY_NAME.format(run_id), revoked_at__isnull=True).values_list(
+    for key_id in ApiKey.objects.filter(name=TUNING_KEY_NAME.format(run_id), revoked_at__isnull=True).values_list(
         "pk", flat=True
     ):
         gateway_services.key_revoke(key_id=key_id)
@@ -267,7 +266,7 @@ def trial_start(*, run_id: int, number: int, params: dict[str, Any]) -> TuningTr
     included), and pruned before it starts when it cannot be placed; else
     rolled out as a new generation. A trial recorded before (a worker that
     restarted) is taken up again."""
-    run = TuningRun.objects.select_related("deployment", "created_by").get(pk=run_id)
+    run = TuningRun.objects.select_related("deployment").get(pk=run_id)
     plan = tuning.plan_of(run.start_plan, params)
     trial, _ = TuningTrial.objects.update_or_create(
         run=run, number=number, defaults={"params": params, "plan": plan, "status": TrialStatus.RUNNING}
@@ -285,7 +284,7 @@ def trial_start(*, run_id: int, number: int, params: dict[str, Any]) -> TuningTr
         deployment_services.deployment_change(
             deployment_id=deployment.pk,
             placements=specs,
-            user=run.created_by,
+            user=None,  # the run's host makes the change; its asker was checked when it was asked for
             reason=f"tuning run {run.pk}, trial {number}",
         )
     except ValidationFailed as refused:
@@ -356,7 +355,7 @@ def tuning_restore(run: TuningRun) -> str:
         deployment_services.deployment_change(
             deployment_id=run.deployment_id,
             placements=[spec_from_snapshot(item) for item in run.start_plan],
-            user=run.created_by,
+            user=None,  # the run's host makes the change; its asker was checked when it was asked for
             reason=f"tuning run {run.pk} ended: the settings of generation {run.start_generation} back",
         )
     except ValidationFailed as refused:
@@ -392,5 +391,8 @@ def tuning_redrive(*, run_id: int, source: str, message: str) -> bool:
         run = run.filter(pk=run_id).first()
         if run is None or run.status != RunStatus.QUEUED or run.host is None:
             return False
-        return outbox.redrive(queues.RUN_TUNING, host_name=run.host.name, args=[run.pk], source=source,
+        if outbox.is_waiting(queues.RUN_TUNING, run.pk):  # before a new key revokes the waiting task's
+            return False
+        key = key_for_redrive(run.pk, tuning_key_issue)
+        return outbox.redrive(queues.RUN_TUNING, host_name=run.host.name, args=[run.pk, *key], source=source,
                               message=f"tuning run {run.pk}: {message}", deployment=run.deployment)  # fmt: skip

@@ -77,11 +77,11 @@ def run_build(build_id: int) -> None:
 
 # A load test bounds each of its steps itself (loadtests.workload): no Celery limit.
 @shared_task(name=queues.RUN_LOADTEST, soft_time_limit=None, time_limit=None)
-def run_loadtest(run_id: int) -> None:
-    loadtest_runs.run(run_id)
+def run_loadtest(run_id: int, key: str = "") -> None:
+    loadtest_runs.run(run_id, key)
 
 
 # A tuning run bounds itself by its budget (loadtests.tuning): no Celery limit.
 @shared_task(name=queues.RUN_TUNING, soft_time_limit=None, time_limit=None)
-def run_tuning(run_id: int) -> None:
-    loadtest_tuning.run(run_id)
+def run_tuning(run_id: int, key: str = "") -> None:
+    loadtest_tuning.run(run_id, key)

@@ -22,7 +22,6 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from common.errors import InvalidTransition
 from deployments import trtllm
 from deployments.models import Deployment, DeploymentModel, DeploymentStatus
 from loadtests import services
@@ -42,6 +41,9 @@ from workers.loadtest.sampling import ServerSampler
 ORPHAN_AFTER_S = 20
 # AIPerf starts a dozen processes and loads the tokenizer before the first request.
 STARTUP_ALLOWANCE_S = 120
+# A task re-sent by a joined host (after a broker restart), or sent by a control plane
+# older than node restriction, carries no gateway key: only the control plane makes keys.
+NO_KEY = "its task carries no gateway key (the control plane issues one with each run it sends): ask for it again"
 
 
 # --- after a worker died ----------------------------------------------------------
@@ -88,24 +90,24 @@ class _Stop(Exception):
         self.status, self.reason = status, reason
 
 
-def run(run_id: int) -> None:
+def run(run_id: int, key: str) -> None:
     """Run load test ``run_id`` (a task delivered twice finds it no longer queued)."""
     run_job(
         "load test",
-        lambda: _claim_and_run(run_id),
+        lambda: _claim_and_run(run_id, key),
         fail=lambda reason, *, status, details: services.run_finish(
             run_id=run_id, status=status or RunStatus.FAILED, message=reason, source=source()
         ),
     )
 
 
-def _claim_and_run(run_id: int) -> None:
+def _claim_and_run(run_id: int, key: str) -> None:
     claimed = services.run_claim(run_id=run_id, source=source())
     if claimed is not None:
-        _run(claimed)
+        _run(claimed, key)
 
 
-def _run(run: LoadTest) -> None:
+def _run(run: LoadTest, key: str) -> None:
     version = aiperf_version()
     services.run_note_load_generator(run_id=run.pk, name="aiperf", version=version)
     deployment = Deployment.objects.get(pk=run.deployment_id)
@@ -113,10 +115,8 @@ def _run(run: LoadTest) -> None:
         triton_name=run.triton_name
     )
     plan = workloads.steps(run.workload)
-    try:
-        key = services.run_key_issue(run_id=run.pk, valid_s=len(plan) * _step_limit_s(run.workload) + 300)
-    except InvalidTransition as exc:
-        raise JobFailed(str(exc)) from exc
+    if not key:
+        raise JobFailed(NO_KEY)
     workdir = run_folder(run.pk)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)

@@ -24,7 +24,6 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from common.errors import InvalidTransition
 from deployments import states
 from deployments.models import Deployment, DeploymentRevision, DeploymentStatus
 from loadtests import tuning
@@ -35,7 +34,7 @@ from workers.jobs import JobFailed, run_job, source
 from workers.loadtest import aiperf
 from workers.loadtest.aiperf import GRACE_S, Step, config_for, last_error
 from workers.loadtest.results import records_of
-from workers.loadtest.runs import ORPHAN_AFTER_S, STARTUP_ALLOWANCE_S
+from workers.loadtest.runs import NO_KEY, ORPHAN_AFTER_S, STARTUP_ALLOWANCE_S
 
 # A trial's generation gets this long to load on every replica (models reload one by one).
 ROLL_LIMIT_S = 900
@@ -76,11 +75,11 @@ class _Stop(Exception):
         self.status, self.reason = status, reason
 
 
-def run(run_id: int) -> None:
+def run(run_id: int, key: str) -> None:
     """Run tuning run ``run_id`` (a task delivered twice finds it no longer queued)."""
     run_job(
         "tuning run",
-        lambda: _claim_and_run(run_id),
+        lambda: _claim_and_run(run_id, key),
         fail=lambda reason, *, status, details: _finish(run_id, status or RunStatus.FAILED, reason),
     )
 
@@ -100,20 +99,18 @@ def _finish(run_id: int, status: str, message: str) -> None:
     services.tuning_finish(run_id=run_id, status=status, message=message, source=source())
 
 
-def _claim_and_run(run_id: int) -> None:
+def _claim_and_run(run_id: int, key: str) -> None:
     claimed = services.tuning_claim(run_id=run_id, source=source())
     if claimed is not None:
-        _run(claimed)
+        _run(claimed, key)
 
 
-def _run(run: TuningRun) -> None:
+def _run(run: TuningRun, key: str) -> None:
     aiperf.aiperf_version()  # installed, or the run fails saying how to install it
     spec = run.spec
     ends_at = time.monotonic() + spec["budget_s"]
-    try:
-        key = services.tuning_key_issue(run_id=run.pk, valid_s=spec["budget_s"] + ROLL_LIMIT_S)
-    except InvalidTransition as exc:
-        raise JobFailed(str(exc)) from exc
+    if not key:
+        raise JobFailed(NO_KEY)
     folder = run_folder(run.pk)
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)

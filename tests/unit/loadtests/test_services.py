@@ -14,7 +14,7 @@ from common.errors import ConfirmationRequired, InvalidTransition, ValidationFai
 from deployments import queues
 from deployments.models import OutboxMessage
 from gateway import services as gateway
-from gateway.models import Alias
+from gateway.models import Alias, ApiKey
 from loadtests import services
 from loadtests.models import LoadTest, RunStatus
 from tests import factories
@@ -42,7 +42,11 @@ def test_a_run_is_queued_on_its_hosts_worker_with_what_was_under_test(ready, ope
     assert [p["triton_name"] for p in run.context["placements"]] == ["minilm"]
     assert run.context["placements"][0]["under_test"] and run.context["gantry_version"]
     message = OutboxMessage.objects.get(task=queues.RUN_LOADTEST)
-    assert message.queue == queues.jobs_queue(run.host.name) and message.args == [run.pk]
+    # The run's gateway key travels with its task: the host's credentials may not make keys.
+    assert message.queue == queues.jobs_queue(run.host.name) and message.args[0] == run.pk
+    key = ApiKey.objects.get(name=f"{services.KEY_NAME_PREFIX}{run.pk}", revoked_at=None)
+    assert key.prefix and message.args[1].startswith(key.prefix)
+    assert list(key.aliases.values_list("name", flat=True)) == [run.alias]
     assert ready.events.filter(kind="loadtest.queued").exists()
 
 
@@ -139,7 +143,6 @@ def test_a_run_left_by_a_dead_worker_has_its_load_generator_stopped_and_fails(
     settings.GANTRY_HOST_NAME, settings.GANTRY_DATA_DIR = ready.replica_set.get().host.name, tmp_path
     run = _start(ready, operator)
     services.run_claim(run_id=run.pk, source="worker:h")
-    gateway.key_create(name=f"{services.KEY_NAME_PREFIX}{run.pk}", user=operator, alias_names=["embed"])
     # What a SIGKILLed worker leaves: the generator in a group of its own, working in the run's folder.
     folder = runs.run_folder(run.pk) / "0-gateway"
     folder.mkdir(parents=True)
@@ -153,6 +156,9 @@ def test_a_run_left_by_a_dead_worker_has_its_load_generator_stopped_and_fails(
     assert left.wait(timeout=15) is not None
     failed = LoadTest.objects.get(pk=run.pk)
     assert failed.status == RunStatus.FAILED and "stopped (killed or restarted)" in failed.status_message
+    # Its key lives until the beat's pass over ended runs revokes it.
+    assert ApiKey.objects.get(name=f"{services.KEY_NAME_PREFIX}{run.pk}").revoked_at is None
+    assert services.ended_run_keys_revoke() == 1 and services.ended_run_keys_revoke() == 0
     assert ApiKey.objects.get(name=f"{services.KEY_NAME_PREFIX}{run.pk}").revoked_at is not None
 
 

@@ -152,7 +152,8 @@ def test_a_run_is_queued_on_the_jobs_queue_with_its_starting_plan(ready, operato
     assert run.status == RunStatus.QUEUED and run.start_generation == ready.generation
     assert [p["triton_name"] for p in run.start_plan] == ["minilm"]
     message = OutboxMessage.objects.get(task=queues.RUN_TUNING)
-    assert message.queue == queues.jobs_queue(run.host.name) and message.args == [run.pk]
+    assert message.queue == queues.jobs_queue(run.host.name) and message.args[0] == run.pk
+    assert message.args[1].startswith("gk-")  # its gateway key, issued by the control plane
     assert "grid search of 6 plan(s)" in ready.events.get(kind="tuning.queued").message
 
 

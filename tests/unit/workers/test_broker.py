@@ -10,7 +10,7 @@ import pytest
 from deployments import outbox, queues
 from deployments.models import Event, GpuHost, OutboxMessage
 from deployments.services import deployments, hosts, registered_models
-from gateway.models import Alias
+from gateway.models import Alias, ApiKey
 from loadtests import services as loadtest_services
 from tests import factories
 from tests.unit.deployments.test_outbox import Broker
@@ -65,7 +65,11 @@ def test_a_broker_restart_sends_again_what_each_passing_row_waits_for(settings, 
     GpuHost.objects.filter(pk=host.pk).update(broker_run_id="a-run-before-the-restart")
     watch.beat()
     queue = queues.host_queue(host.name)
-    assert sorted(sent) == sorted(
+    # The load test's task again, with a new gateway key (the first one's secret is gone with the message).
+    key = ApiKey.objects.get(name=f"{loadtest_services.KEY_NAME_PREFIX}{run.pk}", revoked_at=None)
+    (again,) = [args for task, args, _ in sent if task == queues.RUN_LOADTEST]
+    assert again[0] == run.pk and again[1].startswith(key.prefix)
+    assert sorted((task, args[:1], q) for task, args, q in sent) == sorted(
         [
             (queues.LAUNCH_DEPLOYMENT, [factories.replica_of(launching).pk], queue),
             (queues.INSPECT_MODEL, [model.pk], queue),
