@@ -32,7 +32,9 @@ from django.db import connection
 from access.services import token_create
 from controlplane.celery import host_worker_argv
 from controlplane.serving import live_argv, web_argv
-from deployments.models import GpuHost
+from deployments import host_access
+from deployments.models import GpuHost, HostCredential
+from deployments.services import host_join
 from workers import channel
 from workers.runtimes import process
 from workers.runtimes.base import busy_ports
@@ -130,6 +132,7 @@ class Stack:
     worker: subprocess.Popen
     log_dir: Path
     worker_argv: list[str] | None = None  # default: the product's host worker command
+    worker_database_url: str = ""  # the host's own role (default: the control plane's, as env says)
 
     def session(self) -> requests.Session:
         session = requests.Session()
@@ -149,7 +152,8 @@ class Stack:
 
     def start_worker(self) -> subprocess.Popen:
         argv = self.worker_argv or host_worker_argv(sys.executable, self.host_name)
-        self.worker = _spawn([*argv, "--without-mingle", "--without-gossip"], self.env, self.log_dir / "worker.log")
+        env = {**self.env, "DATABASE_URL": self.worker_database_url or self.env["DATABASE_URL"]}
+        self.worker = _spawn([*argv, "--without-mingle", "--without-gossip"], env, self.log_dir / "worker.log")
         return self.worker
 
 
@@ -356,6 +360,13 @@ def make_stack(
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     triton_base = free_ports(30)
+    # The worker reads and writes the database as a joined host does: with its own role,
+    # under the row policies of deployments.host_access. (Its Redis user stays the control
+    # plane's here, so its live messages need no beat; the fleet's hosts use their own.)
+    joined = host_join.host_join(
+        token=host_join.host_join_token_create(user=None, host_name=host_name).secret,
+        name=host_name, address="127.0.0.1", gateway_url="",
+    )  # fmt: skip
     env = {
         **os.environ,
         "DATABASE_URL": database_url,
@@ -394,12 +405,14 @@ def make_stack(
         worker=None,  # type: ignore[arg-type]
         log_dir=log_dir,
         worker_argv=[a.replace("{host}", host_name) for a in worker_argv] if worker_argv else None,
+        worker_database_url=joined.database_url,
     )
     result.start_worker()
     try:
         wait_for(lambda: healthz_answers(result.web_url), 30, "the web server")
         wait_for(lambda: _live_answers(live_port), 30, "the live server")
-        wait_for(lambda: GpuHost.objects.filter(name=host_name).exists(), 60, "the worker's first heartbeat")
+        beat = GpuHost.objects.filter(name=host_name, last_heartbeat__isnull=False)
+        wait_for(beat.exists, 60, "the worker's first heartbeat")
         yield result
     finally:
         stop_process(result.worker)
@@ -412,6 +425,9 @@ def make_stack(
         # Let PostgreSQL notice the stopped processes' sessions end, so the
         # test database can be flushed and dropped.
         wait_for(lambda: _other_sessions() == 0, 15, "the stopped processes' database sessions to close")
+        for credential in HostCredential.objects.filter(host__name=host_name):  # roles outlive the database's rows
+            host_access.database_role_drop(credential.database_role)
+            host_access.redis_user_remove(credential.redis_user)
         for log in sorted(log_dir.iterdir()):
             tail = log.read_text(errors="replace").splitlines()[-40:]
             sys.stderr.write(f"--- {log.name} (last lines) ---\n" + "\n".join(tail) + "\n")
@@ -556,12 +572,16 @@ def fleet(tmp_path: Path, count: int, extra_env: dict[str, str] | None = None) -
         }
         control_env = {**base_env, "DATABASE_URL": postgres.url, "REDIS_URL": redis.url}
 
+        joined: dict[str, dict[str, str]] = {}
+
         def host_env(name: str) -> dict[str, str]:
+            # Each host works with the credentials it joined with (deployments.host_access).
             ns = hosts[name]
             return {
                 **base_env,
-                "DATABASE_URL": postgres.url.replace("127.0.0.1", ns.gateway),
-                "REDIS_URL": redis.url.replace("127.0.0.1", ns.gateway),
+                "DATABASE_URL": joined[name]["database_url"].replace("127.0.0.1", ns.gateway),
+                "REDIS_URL": joined[name]["redis_url"].replace("127.0.0.1", ns.gateway),
+                "GANTRY_JOINED_HOST": "1",
                 "GANTRY_HOST_NAME": name,
                 "GANTRY_HOST_ADDRESS": ns.address,
                 "GANTRY_DATA_DIR": str(tmp_path / name),
@@ -580,9 +600,13 @@ def fleet(tmp_path: Path, count: int, extra_env: dict[str, str] | None = None) -
             spawned.append(_spawn(beat, control_env, logs / "beat.log"))
             result = Fleet(base=f"http://127.0.0.1:{web_port}", token=token, hosts=hosts, control_env=control_env,
                            host_env=host_env, logs=logs, spawned=spawned, workers={})  # fmt: skip
-            for name in hosts:
-                result.start_worker(name)
             wait_for(lambda: healthz_answers(result.base), 30, "the web server")
+            http = result.session()
+            for name, ns in hosts.items():
+                made = http.post(f"{result.base}/api/hosts/join-tokens/", json={"host": name}, timeout=30).json()
+                body = {"token": made["token"], "name": name, "address": ns.address}
+                joined[name] = http.post(f"{result.base}/api/hosts/join/", json=body, timeout=60).json()
+                result.start_worker(name)
             online = lambda: {h["name"] for h in result.get("/api/hosts/")["results"] if h["is_online"]}  # noqa: E731
             wait_for(lambda: online() >= set(hosts), 60, "every host's first beat")
             yield result
