@@ -18,7 +18,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-gpu bench-tuning
+.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-host-path bench-gpu bench-tuning
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -85,6 +85,7 @@ bench: venv
 	$(MAKE) bench-admission
 	$(MAKE) bench-channel
 	$(MAKE) bench-metrics
+	$(MAKE) bench-host-path
 
 # The REST API at fleet scale: PostgreSQL (BENCH_DATABASE_URL), Redis and wrk.
 bench-api: venv
@@ -115,6 +116,10 @@ bench-admission: venv
 # Prometheus metrics on against off through the gateway, and a host's /metrics with 100 deployments.
 bench-metrics: venv
 	$(PY) bench/metrics.py $(BENCH_METRICS_ARGS)
+
+# Node restriction's cost on a host's writes, and a host's database connections (PostgreSQL, Redis).
+bench-host-path: venv
+	$(PY) bench/host_path.py $(BENCH_HOST_PATH_ARGS)
 
 bench-channel: venv
 	$(PY) bench/channel.py $(BENCH_CHANNEL_ARGS)

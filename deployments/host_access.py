@@ -164,14 +164,17 @@ def _execute(statement: Any) -> None:
 
 
 def _host_function() -> Any:
+    """``gantry_host()``: the host the session's role belongs to (HOST says what it
+    returns). Nothing a session may set is trusted (a custom setting would be the
+    host's own to forge): role membership from the catalog's cache, then the
+    credential by its unique role name."""
     from psycopg import sql
 
     return sql.SQL(
         "CREATE OR REPLACE FUNCTION gantry_host() RETURNS bigint LANGUAGE sql STABLE SECURITY DEFINER "
-        "SET search_path = pg_catalog, public AS $$ SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM pg_auth_members m "
-        "JOIN pg_roles g ON g.oid = m.roleid JOIN pg_roles r ON r.oid = m.member "
-        "WHERE g.rolname = {group} AND r.rolname = session_user) THEN NULL ELSE COALESCE((SELECT host_id "
-        "FROM deployments_hostcredential WHERE database_role = session_user AND revoked_at IS NULL), 0) END $$"
+        "SET search_path = pg_catalog, public AS $$ SELECT CASE WHEN pg_has_role(session_user, {group}, 'MEMBER') "
+        "THEN COALESCE((SELECT host_id FROM deployments_hostcredential WHERE database_role = session_user "
+        "AND revoked_at IS NULL), 0) END $$"
     ).format(group=sql.Literal(group_role()))
 
 
