@@ -38,25 +38,36 @@ BATCH = 500
 CONTROL_QUEUE = "control"
 
 
-def allowed_groups(host_name: str, groups: list[str], payload: dict[str, Any]) -> list[str]:
-    """The groups of ``groups`` that ``host_name`` may send ``payload`` to: none
-    if the payload names a deployment, build or host that is not its own."""
+def own_work(host_name: str) -> tuple[set[int], set[int]] | None:
+    """The deployments ``host_name`` serves and the builds it runs (None: no such host)."""
     host = GpuHost.objects.filter(name=host_name).values_list("pk", flat=True).first()
     if host is None:
-        return []
+        return None
     served = set(Replica.objects.filter(host_id=host).values_list("deployment_id", flat=True))
-    builds = set(EngineBuild.objects.filter(host_id=host).values_list("pk", flat=True))
+    return served, set(EngineBuild.objects.filter(host_id=host).values_list("pk", flat=True))
+
+
+def allowed_groups(
+    host_name: str, groups: list[str], payload: dict[str, Any], own: tuple[set[int], set[int]] | None
+) -> list[str]:
+    """The groups of ``groups`` that ``host_name`` (its ``own_work``) may send
+    ``payload`` to: none if the payload names a deployment, build or host that is not its own."""
+    if own is None:
+        return []
+    served, builds = own
     deployment, build = payload.get("deployment"), payload.get("build")
     if (deployment is not None and deployment not in served) or (build is not None and build not in builds):
         return []
     if payload.get("host") not in (None, host_name):
         return []
-    own = {events.DASHBOARD_GROUP, events.host_group(host_name)}
-    own |= {events.deployment_group(d) for d in served} | {events.build_group(b) for b in builds}
-    return [group for group in groups if group in own]
+    mine = {events.DASHBOARD_GROUP, events.host_group(host_name)}
+    mine |= {events.deployment_group(d) for d in served} | {events.build_group(b) for b in builds}
+    return [group for group in groups if group in mine]
 
 
-def checked(host_name: str, message: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+def checked(
+    host_name: str, message: dict[str, Any], own: tuple[set[int], set[int]] | None
+) -> tuple[list[str], dict[str, Any]]:
     """What to relay of one message from ``host_name``: its groups and payload
     (an event: as its row says), or no groups."""
     groups, payload = message.get("groups"), message.get("payload")
@@ -67,7 +78,7 @@ def checked(host_name: str, message: dict[str, Any]) -> tuple[list[str], dict[st
         if row is None:
             return [], {}
         payload = dict(events.payload_of_row(row))
-    return allowed_groups(host_name, groups, payload), payload
+    return allowed_groups(host_name, groups, payload, own), payload
 
 
 def relay_once(client: redis.Redis, positions: dict[str, str]) -> int:
@@ -90,13 +101,14 @@ def relay_once(client: redis.Redis, positions: dict[str, str]) -> int:
     for stream, entries in read:
         stream = stream.decode()
         host_name = streams[stream]
+        own = own_work(host_name)  # once per host and pass, not per message
         for entry_id, fields in entries:
             positions[stream] = entry_id.decode()
             try:
                 message = json.loads(fields.get(b"m", b"{}"))
             except ValueError:
                 message = {}
-            groups, payload = checked(host_name, message if isinstance(message, dict) else {})
+            groups, payload = checked(host_name, message if isinstance(message, dict) else {}, own)
             asked = message.get("groups") if isinstance(message, dict) else None
             if not groups or (isinstance(asked, list) and len(groups) < len(asked)):
                 metrics.count(metrics.LIVE_MESSAGES_REFUSED, host_name)
