@@ -30,7 +30,7 @@ from django.contrib.auth.models import User
 from django.db import connection
 
 from access.services import token_create
-from controlplane.celery import host_worker_argv
+from controlplane.celery import beat_argv, host_worker_argv
 from controlplane.serving import live_argv, web_argv
 from deployments import host_access
 from deployments.models import GpuHost, HostCredential
@@ -345,14 +345,22 @@ def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def stack(transactional_db, tmp_path: Path, operator: User) -> Iterator[Stack]:  # noqa: ANN001
-    """The web and live servers + a Celery worker for a fresh host name, sharing the test database."""
-    yield from make_stack(tmp_path, operator)
+def stack(request: pytest.FixtureRequest, transactional_db, tmp_path: Path, operator: User) -> Iterator[Stack]:  # noqa: ANN001
+    """The web and live servers + a Celery worker for a fresh host name, sharing the test database;
+    the beat too where the test is marked ``control_beat``."""
+    yield from make_stack(tmp_path, operator, beat=request.node.get_closest_marker("control_beat") is not None)
 
 
 def make_stack(
-    tmp_path: Path, operator: User, *, extra_env: dict[str, str] | None = None, worker_argv: list[str] | None = None
+    tmp_path: Path,
+    operator: User,
+    *,
+    extra_env: dict[str, str] | None = None,
+    worker_argv: list[str] | None = None,
+    beat: bool = False,
 ) -> Iterator[Stack]:
+    """A Stack; with ``beat``, the control plane's periodic work runs beside it
+    (controlplane.celery.beat_argv: host sweeps, run reaping, key revocation)."""
     db = settings.DATABASES["default"]
     database_url = f"postgres://{db['USER']}:{db.get('PASSWORD') or ''}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
     assert dj_database_url.parse(database_url)["NAME"].startswith("test_")
@@ -393,6 +401,7 @@ def make_stack(
     # As the product runs: the web server (gunicorn, two processes) and the live server.
     web = _spawn(web_argv(sys.executable, bind="127.0.0.1", port=web_port, workers=2), env, log_dir / "web.log")
     live = _spawn(live_argv(sys.executable, bind="127.0.0.1", port=live_port), env, log_dir / "live.log")
+    beater = _spawn(beat_argv(sys.executable, tmp_path / "beat-schedule"), env, log_dir / "beat.log") if beat else None
     token = token_create(user=operator, name="tests").secret
     result = Stack(
         host_name=host_name,
@@ -418,6 +427,8 @@ def make_stack(
         stop_process(result.worker)
         stop_process(web)
         stop_process(live)
+        if beater is not None:
+            stop_process(beater)
         # Whatever a failed test left serving: stop it by process id.
         for handle, repository in process.servers_under(data_dir):
             process.stop(handle, repository)
@@ -595,8 +606,7 @@ def fleet(tmp_path: Path, count: int, extra_env: dict[str, str] | None = None) -
                                   logs / "web.log"))  # fmt: skip
             spawned.append(_spawn(live_argv(sys.executable, bind="127.0.0.1", port=live_port), control_env,
                                   logs / "live.log"))  # fmt: skip
-            beat = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--beat", "-Q", "control",
-                    "-c", "1", "-s", str(tmp_path / "beat-schedule")]  # fmt: skip
+            beat = beat_argv(sys.executable, tmp_path / "beat-schedule")
             spawned.append(_spawn(beat, control_env, logs / "beat.log"))
             result = Fleet(base=f"http://127.0.0.1:{web_port}", token=token, hosts=hosts, control_env=control_env,
                            host_env=host_env, logs=logs, spawned=spawned, workers={})  # fmt: skip

@@ -22,7 +22,8 @@ from tests.integration.test_browser import _sign_in
 from tests.integration.test_gateway import _alias, _deploy, _key
 from workers import processes
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+# The beat revokes a run's gateway key once the run ended, and reaps runs whose worker went away.
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True), pytest.mark.control_beat]
 
 ENDED = ("succeeded", "failed", "cancelled")
 
@@ -40,6 +41,11 @@ def _run(stack: Stack, run_id: int) -> dict:
 
 def _ended(stack: Stack, run_id: int, timeout_s: float = 300) -> dict:
     return wait_for(lambda: (r := _run(stack, run_id))["status"] in ENDED and r, timeout_s, f"load test {run_id}")
+
+
+def _keys(stack: Stack) -> dict[str, dict]:
+    listed = stack.session().get(f"{stack.web_url}/api/gateway/keys/?limit=500", timeout=10).json()["results"]
+    return {k["name"]: k for k in listed}
 
 
 def _under_load(stack: Stack, run_id: int, deployment: dict, model: str) -> dict:
@@ -118,11 +124,10 @@ def test_load_tests_measure_through_the_gateway_and_triton_and_compare(
         assert point["server"]["models"]["tiny"]["requests"] >= 6, point["server"]
     records = http.get(f"{url}{chat['id']}/records/?level=2&target=triton", timeout=10).json()["records"]
     assert len(records) == 6 and all(r["latency_ms"] > 0 and r["error"] is None for r in records)
-    # The run's own gateway key is revoked; the production key is untouched.
-    keys = {
-        k["name"]: k for k in http.get(f"{stack.web_url}/api/gateway/keys/?limit=500", timeout=10).json()["results"]
-    }
-    own = keys[f"load test {chat['id']}"]
+    # The run's own gateway key is revoked by the beat once the run ended; the production key is untouched.
+    own_name = f"load test {chat['id']}"
+    own = wait_for(lambda: (k := _keys(stack)[own_name])["revoked_at"] and k, 30, "the key's revocation")
+    keys = _keys(stack)
     assert own["revoked_at"] is not None and own["last_used_at"] is not None and own["aliases"] == ["chat"]
     assert keys["production app"]["revoked_at"] is None
 
@@ -176,7 +181,7 @@ def test_load_tests_measure_through_the_gateway_and_triton_and_compare(
     assert long["points"][0]["summary"]["counted"]["requests"] > 0
 
     # The host's worker SIGKILLed under a run: AIPerf has a process group of its own and outlives it;
-    # the next worker stops it, revokes the run's key and fails the run.
+    # the next worker stops it and fails the run; the beat revokes the run's key.
     orphan = _start(stack, deployment, "chat", {"levels": [1], "duration_s": 60, "output_tokens": 8})
     aiperf = _under_load(stack, orphan["id"], deployment, "tiny")["progress"]["pid"]
     os.killpg(stack.worker.pid, signal.SIGKILL)
@@ -186,8 +191,7 @@ def test_load_tests_measure_through_the_gateway_and_triton_and_compare(
     orphan = _ended(stack, orphan["id"], 120)
     assert orphan["status"] == "failed" and "stopped (killed or restarted)" in orphan["status_message"], orphan
     wait_for(lambda: not processes.is_alive(aiperf), 30, "the orphaned AIPerf to stop")
-    listed = http.get(f"{stack.web_url}/api/gateway/keys/?limit=500", timeout=10).json()["results"]
-    assert {k["name"]: k for k in listed}[f"load test {orphan['id']}"]["revoked_at"] is not None
+    wait_for(lambda: _keys(stack)[f"load test {orphan['id']}"]["revoked_at"], 30, "the orphan's key's revocation")
 
     # The deployment stopped under a run: the run fails with the reason and keeps what it measured.
     doomed = _start(stack, deployment, "embedder", {"levels": [1], "duration_s": 60})

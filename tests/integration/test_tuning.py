@@ -23,7 +23,9 @@ from tests.integration.test_browser import _sign_in
 from tests.integration.test_gateway import _alias, _deploy, _key
 from tests.integration.test_loadtests import _ended, _start
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+# As in production, the beat runs beside the host: it redrives a trial's roll whose message
+# was lost, reaps a run whose worker went away and revokes the run's gateway key.
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True), pytest.mark.control_beat]
 
 ENDED = ("succeeded", "failed", "cancelled")
 # The embedder starts badly: a request waits up to a second for a batch of 8 that
@@ -116,8 +118,10 @@ def test_a_tuning_run_finds_a_plan_that_beats_the_starting_one(
     page.click("#tuning-form [data-confirm]")
     page.wait_for_url("**/tuning/*/")
     run_id = int(page.url.rstrip("/").rsplit("/", 1)[1])
+    ended = _tuned(stack, run_id, 600)
+    assert ended["status"] == "succeeded", (ended["status_message"], ended["progress"])
     page.wait_for_function("document.querySelector('#tuning-run [data-status]').textContent === 'succeeded'",
-                           timeout=600_000)  # fmt: skip
+                           timeout=60_000)  # fmt: skip
     page.wait_for_selector("#trials tbody tr[data-trial='3']")
     page.wait_for_selector("#tradeoffs .uplot")
     screenshot("tuning-run")
