@@ -218,6 +218,11 @@ def _join(args: argparse.Namespace) -> int:
         sys.stderr.write(f"gantry join: {exc}\n")
         return 2
     env_file = Path(args.config_dir) / hostjoin.ENV_FILE_NAME
+    try:
+        values.update(hostjoin.model_user_ensure(args.model_user))
+    except hostjoin.JoinRefused as exc:
+        sys.stderr.write(f"gantry join: {exc}\n")
+        return 2
     hostjoin.write_env_file(env_file, values)
     hostjoin.write_channel(Path(args.data_dir), key, joined)
     hostjoin.prepare_data_dir(Path(args.data_dir), args.user)
@@ -226,7 +231,15 @@ def _join(args: argparse.Namespace) -> int:
     unit_path = Path(args.unit_dir) / "gantry-worker.service"
     unit_path.parent.mkdir(parents=True, exist_ok=True)
     executable = str(Path(sys.argv[0]).resolve()) if Path(sys.argv[0]).name == "gantry" else "gantry"
-    unit_path.write_text(systemd_unit("worker", executable=executable, env_file=str(env_file), user=args.user))
+    unit_path.write_text(
+        systemd_unit(
+            "worker",
+            executable=executable,
+            env_file=str(env_file),
+            user=args.user,
+            model_user=values.get("GANTRY_MODEL_USER", ""),
+        )
+    )
     _say(f"wrote {unit_path}")
     if checked != 0:
         _say("the worker is not started: fix what gantry check says is MISSING, then start it")
@@ -249,9 +262,20 @@ UNIT_WHAT = {
 }
 
 
-def systemd_unit(command: str, *, executable: str, env_file: str, user: str) -> str:
+def systemd_unit(command: str, *, executable: str, env_file: str, user: str, model_user: str = "") -> str:
     """A systemd unit that runs ``gantry <command>`` and starts it again whenever
-    it exits; settings come from ``env_file`` (KEY=value lines)."""
+    it exits; settings come from ``env_file`` (KEY=value lines). A worker whose
+    model code runs as ``model_user`` gets, and keeps to, the capabilities that
+    switching to that user takes (workers.model_user)."""
+    capabilities = ""
+    if model_user and user != "root":
+        from workers.model_user import NEEDED_CAPABILITIES
+
+        held = " ".join(NEEDED_CAPABILITIES)
+        capabilities = (
+            f"# Model code runs as {model_user}: switching to it, giving it its folder and stopping it.\n"
+            f"AmbientCapabilities={held}\nCapabilityBoundingSet={held}\n"
+        )
     return f"""[Unit]
 Description=Gantry {UNIT_WHAT[command]}
 After=network-online.target docker.service
@@ -262,7 +286,7 @@ Type=simple
 User={user}
 EnvironmentFile={env_file}
 ExecStart={executable} {command}
-Restart=always
+{capabilities}Restart=always
 RestartSec=2
 # SIGTERM to gantry alone (it passes it on: a worker's Celery workers finish
 # their tasks first), then SIGKILL to whatever is left after the timeout.
@@ -275,7 +299,17 @@ WantedBy=multi-user.target
 
 
 def _unit(args: argparse.Namespace) -> int:
-    text = systemd_unit(args.what, executable=str(Path(sys.argv[0]).resolve()), env_file=args.env_file, user=args.user)
+    from workers.hostjoin import read_env_file
+
+    env_file = Path(args.env_file)
+    model_user = read_env_file(env_file).get("GANTRY_MODEL_USER", "") if env_file.is_file() else ""
+    text = systemd_unit(
+        args.what,
+        executable=str(Path(sys.argv[0]).resolve()),
+        env_file=args.env_file,
+        user=args.user,
+        model_user=model_user if args.what == "worker" else "",
+    )
     if args.write is None:
         sys.stdout.write(text)
         return 0
@@ -336,6 +370,11 @@ def parser() -> argparse.ArgumentParser:
     join.add_argument("--config-dir", default="/etc/gantry", help="where gantry.env is written")
     join.add_argument("--unit-dir", default="/etc/systemd/system", help="where gantry-worker.service is written")
     join.add_argument("--user", default="gantry", help="who the worker runs as (needs Docker for the docker runtime)")
+    join.add_argument(
+        "--model-user",
+        default="gantry-model",
+        help="the user model code runs as, made when missing (GANTRY_MODEL_USER; empty: as the worker)",
+    )
     join.add_argument("--no-start", dest="start", action="store_false", help="write everything, start nothing")
     join.add_argument("--allow-http", action="store_true", help="join over plain HTTP (a network you trust)")
     join.set_defaults(run=_join)

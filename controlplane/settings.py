@@ -267,6 +267,18 @@ GANTRY_JOINED_HOST = env_bool(
         "the control plane's relay (run by `gantry beat`) and the beat sends its tasks for other hosts"
     ),
 )
+# Model code (tritonserver and its python stubs) runs as this user, not as the
+# worker: it cannot read the worker's environment, its settings file, the
+# channel's key or the Docker socket (workers.model_user). `gantry join` makes it.
+GANTRY_MODEL_USER = env_str(
+    "GANTRY_MODEL_USER",
+    "",
+    help=(
+        "the unprivileged user tritonserver and the model code in it run as on this host (`gantry join` makes "
+        "`gantry-model`); the worker must be root or hold CAP_SETUID, CAP_SETGID, CAP_CHOWN and CAP_KILL, as the "
+        "unit `gantry join` writes gives it. Empty: model code runs as the worker, with its secrets"
+    ),
+)
 # The address Triton servers on this host bind to and clients use to reach them.
 GANTRY_HOST_ADDRESS = env_str(
     "GANTRY_HOST_ADDRESS",

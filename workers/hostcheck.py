@@ -8,6 +8,7 @@ allow-listed images, AIPerf); ``gantry join`` runs it.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +147,47 @@ def _hidden_processes(mounts: Path = Path("/proc/mounts")) -> Finding:
     )
 
 
+def _model_user() -> Finding:
+    """Whether model code runs apart from the worker (workers.model_user)."""
+    from common.errors import PermanentError
+    from workers import model_user
+
+    try:
+        user = model_user.model_user()
+    except PermanentError as exc:
+        return Finding("model user", MISSING, str(exc))
+    if user is None:
+        return Finding(
+            "model user",
+            WARN,
+            "GANTRY_MODEL_USER is empty: model code (a checkpoint's own included) runs as the worker, with its secrets",
+            "useradd --system --shell /usr/sbin/nologin gantry-model and set GANTRY_MODEL_USER=gantry-model",
+        )
+    missing = model_user.missing_capabilities()
+    if missing:
+        return Finding(
+            "model user",
+            MISSING,
+            f"the worker may not switch to {user.pw_name}: it lacks {', '.join(missing)}",
+            "run it from the unit gantry join writes (AmbientCapabilities=), or as root",
+        )
+    from workers.runtimes import process
+
+    try:
+        paths = process.runtime_paths()
+    except PermanentError:
+        paths = [Path(sys.executable).resolve()]  # no tritonserver here: its own finding says so
+    closed = model_user.unreadable([*paths, Path(settings.GANTRY_DATA_DIR)])
+    if closed:
+        return Finding(
+            "model user",
+            MISSING,
+            f"{user.pw_name} cannot read {', '.join(map(str, closed))}",
+            "open the folders above them to other users (chmod o+rx), or install Python and Gantry where it can",
+        )
+    return Finding("model user", OK, f"model code runs as {user.pw_name} (uid {user.pw_uid}), apart from the worker")
+
+
 def _aiperf() -> Finding:
     executable = Path(settings.GANTRY_AIPERF)
     if not os.access(executable, os.X_OK):
@@ -183,6 +225,7 @@ CHECKS: list[Callable[[], Finding]] = [
     _images,
     _tritonserver,
     _hidden_processes,
+    _model_user,
     _aiperf,
     _ports,
 ]

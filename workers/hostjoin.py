@@ -144,6 +144,32 @@ def prepare_data_dir(path: Path, user: str) -> None:
         os.chown(item, owner.pw_uid, owner.pw_gid)
 
 
+def model_user_ensure(name: str) -> dict[str, str]:
+    """The user model code will run as (workers.model_user), made when missing:
+    a system user with no login, no home and no other group. Its setting; none
+    for an empty name."""
+    if not name:
+        return {}
+    import pwd
+
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        if os.geteuid() != 0:
+            raise JoinRefused(
+                f"--model-user {name}: there is no such user and only root may make it "
+                "(run gantry join as root, or pass --model-user '' to run model code as the worker)"
+            ) from None
+        made = subprocess.run(
+            ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
+             "--shell", "/usr/sbin/nologin", name],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if made.returncode != 0:
+            raise JoinRefused(f"--model-user {name}: useradd failed: {made.stderr.strip()}") from None
+    return {"GANTRY_MODEL_USER": name}
+
+
 def read_env_file(path: Path) -> dict[str, str]:
     """The KEY=value lines of an environment file (comments and blank lines skipped)."""
     values = {}

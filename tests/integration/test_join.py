@@ -3,14 +3,24 @@ own (PostgreSQL and Redis reached over a veth pair, by password) runs
 `gantry join URL TOKEN` with nothing configured, gets a database role and a
 Redis user of its own and its channel's certificate, and its worker serves a
 deployment with them through the channel. Revoking them cuts the host off;
-the control plane's own passwords never reach it."""
+the control plane's own passwords never reach it.
+
+The checkpoint it serves carries its own code (auto_map), written here as an
+attacker would: from inside Triton it tries to read the worker's environment,
+the settings file, the channel's key and the Docker socket, to write into the
+checkpoint, and to sign in to PostgreSQL and Redis with whatever it found. It
+runs as the model user `gantry join` made, and every attempt is refused."""
 
 from __future__ import annotations
 
+import json
 import os
+import pwd
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psycopg
@@ -37,10 +47,77 @@ pytestmark = [pytest.mark.integration]
 
 # What a fresh GPU host has before it joins: no database, Redis or secret key.
 BARE = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LD_LIBRARY_PATH", "TMPDIR")}
+MODEL_USER = "gantry-model"  # gantry join's default, made by it when missing
+
+# The checkpoint's own code: runs when Triton loads the model, before the model
+# itself, and writes what each attempt met to probe.json in its own folder.
+PROBE = """
+import json, os, pathlib, pwd, socket
+
+import psycopg
+import redis
+from transformers import BertModel
+
+TARGETS = json.loads({targets!r})
+met = {{"user": pwd.getpwuid(os.getuid()).pw_name, "groups": os.getgroups()}}
+
+
+def attempt(name, action):
+    try:
+        met[name] = ["done", str(action())[:200]]
+    except Exception as exc:
+        met[name] = [type(exc).__name__, str(exc)[:200]]
+
+
+def environ_secrets():
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            data = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        found += [v.decode() for v in data.split(b"\\0") if v.startswith((b"DATABASE_URL=", b"REDIS_URL="))]
+    return found
+
+
+found = []
+attempt("worker_environ", lambda: (pathlib.Path("/proc") / str(TARGETS["worker_pid"]) / "environ").read_bytes())
+met["secrets_in_any_environ"] = environ_secrets()
+attempt("env_file", lambda: pathlib.Path(TARGETS["env_file"]).read_text())
+attempt("channel_key", lambda: pathlib.Path(TARGETS["channel_key"]).read_text())
+attempt("docker_socket", lambda: socket.socket(socket.AF_UNIX).connect(TARGETS["docker_socket"]))
+attempt("checkpoint_write", lambda: (pathlib.Path(TARGETS["checkpoint"]) / "planted.py").write_text("x = 1"))
+attempt("own_folder_write", lambda: (pathlib.Path(os.environ["HOME"]) / "mine.txt").write_text("mine"))
+for value in met["secrets_in_any_environ"]:
+    found.append(value.split("=", 1)[1])
+for key in ("env_file", "channel_key"):
+    if met[key][0] == "done":
+        found.append(met[key][1])
+database = TARGETS["database"]
+attempt("postgres", lambda: psycopg.connect(next((f for f in found if f.startswith("postgres")), database),
+                                            connect_timeout=5).close())
+attempt("redis", lambda: redis.Redis.from_url(next((f for f in found if f.startswith("redis")), TARGETS["redis"]),
+                                              socket_timeout=5).ping())
+(pathlib.Path(os.environ["HOME"]) / "probe.json").write_text(json.dumps(met))
+
+
+class ProbeModel(BertModel):
+    pass
+"""
+
+
+def remote_code_checkpoint(source: Path, target: Path, targets: dict) -> Path:
+    """A copy of ``source`` whose model class is its own code (``PROBE``)."""
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config["auto_map"] = {"AutoModel": "modeling_probe.ProbeModel"}
+    (target / "config.json").write_text(json.dumps(config))
+    (target / "modeling_probe.py").write_text(PROBE.format(targets=json.dumps(targets)))
+    return target
 
 
 def test_a_host_joins_with_one_command_serves_with_its_own_credentials_and_is_cut_off_when_revoked(
-    tmp_path: Path, minilm_path: Path
+    tmp_path: Path, minilm_path: Path, python_open_to_other_users: None
 ) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -65,7 +142,10 @@ def test_a_host_joins_with_one_command_serves_with_its_own_credentials_and_is_cu
             "ALLOWED_HOSTS": ns.gateway,
             "PYTHONUNBUFFERED": "1",
         }
-        host_dir = tmp_path / "gpu-j"
+        # Not under tmp_path (private to this user): the model user reads the checkpoint and repository.
+        shared = Path(tempfile.mkdtemp(prefix="gantry-test-join-"))
+        shared.chmod(0o755)
+        host_dir = shared / "gpu-j"
         try:
             token = bootstrap(control_env)
             web_port = free_port()
@@ -94,7 +174,7 @@ def test_a_host_joins_with_one_command_serves_with_its_own_credentials_and_is_cu
             refused = join(*command[1:], "--no-start")  # the token and passwords would cross in clear
             assert refused.returncode == 2 and "plain HTTP" in refused.stderr and "--allow-http" in refused.stderr
             options = ["--address", ns.address, "--data-dir", str(host_dir), "--no-start", "--allow-http"]
-            options += ["--model-roots", str(minilm_path.parent)]
+            options += ["--model-roots", f"{minilm_path.parent},{shared}"]
             options += ["--config-dir", str(tmp_path / "etc"), "--unit-dir", str(tmp_path / "units")]
             joined = join(*command[1:], *options)
             assert joined.returncode == 0, joined.stdout + joined.stderr
@@ -109,6 +189,8 @@ def test_a_host_joins_with_one_command_serves_with_its_own_credentials_and_is_cu
             assert host_settings["SECRET_KEY"] != control_env.get("SECRET_KEY")
             unit = (tmp_path / "units" / "gantry-worker.service").read_text()
             assert f"EnvironmentFile={env_file}" in unit and "Restart=always" in unit
+            assert host_settings["GANTRY_MODEL_USER"] == MODEL_USER and pwd.getpwnam(MODEL_USER).pw_uid != 0
+            assert "AmbientCapabilities=CAP_CHOWN CAP_KILL CAP_SETGID CAP_SETUID" in unit  # to switch to it
 
             again = join(*command[1:], *options)  # the token was for one join
             assert again.returncode == 2 and "already used, by host gpu-j" in again.stderr
@@ -136,13 +218,26 @@ def test_a_host_joins_with_one_command_serves_with_its_own_credentials_and_is_cu
 
             wait_for(lambda: host_row().get("is_online"), 60, "the joined host's first beat")
             assert host_row()["address"] == ns.address
-            body = {"name": "minilm-j", "kind": "embedding", "path": str(minilm_path), "host": "gpu-j"}
+            checkpoint = remote_code_checkpoint(minilm_path, shared / "probe-minilm", {
+                "worker_pid": worker.pid, "env_file": str(env_file),
+                "channel_key": str(host_dir / "channel" / "key.pem"),
+                "docker_socket": "/var/run/docker.sock", "checkpoint": str(shared / "probe-minilm"),
+                "database": f"postgres://postgres@{ns.gateway}:{postgres.port}/gantry",
+                "redis": f"redis://{ns.gateway}:{redis.port}/0",
+            })  # fmt: skip
+
+            def inspection(name: str) -> dict:
+                return next(m for m in get("/api/models/")["results"] if m["name"] == name)
+
+            # Its own code is not run unasked: the host's inspection refuses it without trust_remote_code.
+            body = {"name": "untrusted-j", "kind": "embedding", "path": str(checkpoint), "host": "gpu-j"}
             assert http.post(f"{base}/api/models/", json=body, timeout=30).status_code == 201
-
-            def inspection() -> str:
-                return next(m["inspection"] for m in get("/api/models/")["results"] if m["name"] == "minilm-j")
-
-            wait_for(lambda: inspection() == "ready", 60, "the inspection on the joined host")
+            refused = wait_for(lambda: (m := inspection("untrusted-j"))["inspection"] == "failed" and m, 60,
+                               "the untrusted checkpoint's inspection")  # fmt: skip
+            assert "trust_remote_code" in refused["inspection_message"], refused
+            body = {**body, "name": "minilm-j", "trust_remote_code": True}
+            assert http.post(f"{base}/api/models/", json=body, timeout=30).status_code == 201
+            wait_for(lambda: inspection("minilm-j")["inspection"] == "ready", 60, "the inspection on the joined host")
             body = {"name": "on-j", "host": "gpu-j", "models": [{"model": "minilm-j"}]}
             deployment = http.post(f"{base}/api/deployments/", json=body, timeout=30).json()["id"]
             assert http.post(f"{base}/api/deployments/{deployment}/start/", timeout=30).status_code == 202
@@ -150,6 +245,17 @@ def test_a_host_joins_with_one_command_serves_with_its_own_credentials_and_is_cu
             wait_for(lambda: shown() == "ready", 240, "the deployment on the joined host")
             answer = http.post(f"{base}/api/deployments/{deployment}/embed/", json={"texts": ["joined"]}, timeout=30)
             assert answer.status_code == 200 and len(answer.json()["embeddings"][0]) == 384, answer.text
+
+            # The checkpoint's own code ran as the model user, and met a refusal at every turn.
+            (probe,) = host_dir.glob("deployments/*/r1/model-home/probe.json")
+            met = json.loads(probe.read_text())
+            assert met["user"] == MODEL_USER and met["groups"] in ([], [pwd.getpwnam(MODEL_USER).pw_gid]), met
+            for attempt in ("worker_environ", "env_file", "channel_key", "docker_socket", "checkpoint_write"):
+                assert met[attempt][0] == "PermissionError", (attempt, met[attempt])
+            assert met["secrets_in_any_environ"] == [], met
+            assert met["own_folder_write"][0] == "done", met
+            assert met["postgres"][0] == "OperationalError" and "password" in met["postgres"][1], met["postgres"]
+            assert met["redis"][0] == "AuthenticationError", met["redis"]
 
             # The channel's key, certificate and trust came with the join, private to the host.
             assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in (host_dir / "channel").glob("*.pem")} == {
@@ -172,5 +278,6 @@ def test_a_host_joins_with_one_command_serves_with_its_own_credentials_and_is_cu
             for process_ in reversed(spawned):
                 stop_process(process_)
             clean_up([host_dir], logs)
+            shutil.rmtree(shared, ignore_errors=True)
             redis.stop()
             next(postgres_runner, None)

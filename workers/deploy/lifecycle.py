@@ -29,7 +29,7 @@ from deployments.services import deployments as deployment_services
 from triton_server.config import CONFIG_FILE
 from triton_server.repository import ModelSpec, write_repository
 from triton_server.server import LaunchSpec
-from workers import channel, nvml
+from workers import channel, model_user, nvml
 from workers.deploy.plan import (
     current_status,
     deployment_root,
@@ -420,6 +420,7 @@ def forget(deployment_id: int, name: str, serial: int | None = None) -> None:
     elif Deployment.objects.filter(pk=deployment_id).exists():
         return  # not deleted after all (a stale message): keep its files
     if root.exists():
+        model_user.remove_folders(root)
         shutil.rmtree(root)
         log.info("removed %s of %s", root, name)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from common.errors import PermanentError, TransientError
 from common.once import make_once
 from triton_server.server import STOP_GRACE_S, LaunchSpec, server_settings, tritonserver_args
-from workers import processes
+from workers import model_user, processes
 from workers.runtimes.base import MAX_LOG_LINES, ServerExit
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,15 @@ def server_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def runtime_paths() -> list[Path]:
+    """What tritonserver and its python stubs read to start, beside the backends:
+    the binary, this interpreter and its standard library."""
+    paths = [triton_binary(), Path(sys.executable).resolve(), Path(sysconfig.get_paths()["stdlib"])]
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        paths.append(Path(sysconfig.get_config_var("LIBDIR")))
+    return paths
+
+
 def command_line(spec: LaunchSpec, backends: Path) -> list[str]:
     return [str(triton_binary()), *tritonserver_args(spec), f"--backend-directory={backends}"]
 
@@ -100,12 +109,14 @@ def command_line(spec: LaunchSpec, backends: Path) -> list[str]:
 def start(spec: LaunchSpec, *, data_dir: Path) -> str:
     """Start tritonserver for ``spec``; return its handle (the process id)."""
     backends = prepare_backends(data_dir)
-    env = server_environment(spec.extra_env)
+    model_user.require_readable([*runtime_paths(), backends, spec.repository])
+    own = model_user.own_folder(spec.repository.parent)
+    env = server_environment({**model_user.environment(own), **spec.extra_env})
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(spec.log_path, "ab") as log_file:
         try:
             process = processes.start_group(
-                command_line(spec, backends),
+                model_user.run_as(command_line(spec, backends)),
                 stdout=log_file,
                 env=env,
                 cwd=spec.repository.parent,
