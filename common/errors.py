@@ -24,6 +24,10 @@ class ValidationFailed(GantryError):
         )
 
 
+class NothingToChange(ValidationFailed):
+    """A change that asks for what is there already (refused by field, as bad input is)."""
+
+
 class NotFound(GantryError):
     pass
 

@@ -48,6 +48,10 @@ class JobKind:
     stamps: Callable[[str, datetime], dict[str, Any]] = lambda to, now: {}
     # Rows to lock before the job's (a fixed order, so two moves never deadlock).
     lock_first: Callable[[int], None] | None = None
+    # For a job that holds its deployment's settings while it is active (a tuning run
+    # puts its own there and the ones it started from back): which job holds
+    # deployment ``id`` ("tuning run 7"), or "".
+    holder: Callable[[int], str] | None = None
 
 
 KINDS: dict[str, JobKind] = {}
@@ -59,6 +63,28 @@ def register(kind: JobKind) -> JobKind:
         raise ValueError(f"job kind {kind.name!r} is registered twice")
     KINDS[kind.name] = kind
     return kind
+
+
+def holder_of(deployment_id: int) -> str:
+    """The active job that holds the deployment's settings ("tuning run 7"), or ""."""
+    for kind in KINDS.values():
+        held = kind.holder(deployment_id) if kind.holder is not None else ""
+        if held:
+            return held
+    return ""
+
+
+def require_unheld(deployment: Any, user: Any) -> None:
+    """Refuse a person's change to ``deployment`` while a job holds its settings
+    (the job would put its own back over the change when it ends)."""
+    if user is None:
+        return  # the system's own change: the holding job's, or made for it
+    held = holder_of(deployment.pk)
+    if held:
+        raise InvalidTransition(
+            f"{held} holds {deployment.name}'s settings until it ends (it puts its starting ones back): "
+            "cancel it, or make the change after it"
+        )
 
 
 def job_transition(

@@ -310,7 +310,8 @@ class TuningOut(serializers.ModelSerializer):
     class Meta:
         model = TuningRun
         fields = ["id", "deployment", "deployment_name", "spec", "start_generation", "start_plan", "status",
-                  "status_message", "progress", "applied_generation", "created_by", "created_at", "started_at",
+                  "status_message", "progress", "applied_generation", "restore_pending", "created_by", "created_at",
+                  "started_at",
                   "finished_at", "trials", "result"]  # fmt: skip
 
     def get_result(self, run: TuningRun) -> dict[str, Any]:

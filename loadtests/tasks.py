@@ -9,8 +9,9 @@ from loadtests import services, tuning_services
 
 @shared_task(name="loadtests.tasks.reap_runs")
 def reap_runs() -> int:
-    """Fail load tests and tuning runs whose worker stopped reporting."""
-    return services.runs_reap() + tuning_services.tunings_reap()
+    """Fail load tests and tuning runs whose worker stopped reporting, and put
+    back the starting settings that ended tuning runs could not."""
+    return services.runs_reap() + tuning_services.tunings_reap() + tuning_services.tunings_restore_pending()
 
 
 @shared_task(name="loadtests.tasks.revoke_ended_run_keys")

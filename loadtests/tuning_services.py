@@ -13,12 +13,20 @@ cancelled, failed or reaped. Its status moves only through
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
-from common.errors import ConfirmationRequired, GantryError, InvalidTransition, NotFound, ValidationFailed
+from common.errors import (
+    ConfirmationRequired,
+    GantryError,
+    InvalidTransition,
+    NotFound,
+    NothingToChange,
+    ValidationFailed,
+)
 from deployments import events, jobs, outbox, queues
 from deployments.gpu_plan import placement_gpus, share_of
 from deployments.models import Deployment, DeploymentStatus
@@ -60,6 +68,12 @@ def _moved(move: jobs.Move) -> TuningRun:
     return run
 
 
+def _holder(deployment_id: int) -> str:
+    holding = Q(status__in=ACTIVE) | Q(restore_pending=True)  # until its starting settings are back
+    run = TuningRun.objects.filter(holding, deployment_id=deployment_id).values_list("pk", flat=True).first()
+    return f"tuning run {run}" if run is not None else ""
+
+
 TUNING_RUN = jobs.register(
     jobs.JobKind(
         name="tuning run",
@@ -69,13 +83,17 @@ TUNING_RUN = jobs.register(
         after=_moved,
         stamps=lambda to, now: {"started_at": now, "heartbeat_at": now} if to == RunStatus.RUNNING else {},
         lock_first=_lock_deployment,
+        holder=_holder,
     )
 )
 
 
-def tuning_transition(*, run_id: int, to: str, source: str, message: str = "", actor: Any = None) -> TuningRun:
-    """Move run ``run_id`` to ``to`` if the table allows it, on its deployment's timeline."""
-    return jobs.job_transition(TUNING_RUN, job_id=run_id, to=to, source=source, message=message, actor=actor)
+def tuning_transition(
+    *, run_id: int, to: str, source: str, message: str = "", actor: Any = None, **fields: Any
+) -> TuningRun:
+    """Move run ``run_id`` to ``to`` if the table allows it (``fields`` written
+    with it), on its deployment's timeline."""
+    return jobs.job_transition(TUNING_RUN, job_id=run_id, to=to, source=source, message=message, actor=actor, **fields)
 
 
 def publish(run: TuningRun) -> None:
@@ -287,11 +305,11 @@ def trial_start(*, run_id: int, number: int, params: dict[str, Any]) -> TuningTr
             user=None,  # the run's host makes the change; its asker was checked when it was asked for
             reason=f"tuning run {run.pk}, trial {number}",
         )
+    except NothingToChange:  # the plan the deployment holds now: measure it as it is
+        TuningTrial.objects.filter(pk=trial.pk).update(generation=deployment.generation)
+        return TuningTrial.objects.get(pk=trial.pk)
     except ValidationFailed as refused:
         rules = "; ".join(f"{field}: {' '.join(messages)}" for field, messages in refused.errors.items())
-        if "nothing to change" in rules:  # the plan the deployment holds now: measure it as it is
-            TuningTrial.objects.filter(pk=trial.pk).update(generation=deployment.generation)
-            return TuningTrial.objects.get(pk=trial.pk)
         return trial_end(trial_id=trial.pk, status=TrialStatus.PRUNED, reason=rules)
     generation = Deployment.objects.values_list("generation", flat=True).get(pk=deployment.pk)
     TuningTrial.objects.filter(pk=trial.pk).update(generation=generation)
@@ -339,17 +357,24 @@ def tuning_finish(*, run_id: int, status: str, message: str, source: str) -> Tun
     restored = tuning_restore(run)
     if status == RunStatus.SUCCEEDED and run.status == RunStatus.CANCELLING:
         status = RunStatus.CANCELLED
+    said = restored.said if restored.held else f"{restored.said}; the control plane tries again until they are"
     try:
-        return tuning_transition(run_id=run_id, to=status, source=source, message=f"{message}; {restored}")
+        return tuning_transition(run_id=run_id, to=status, source=source, message=f"{message}; {said}",
+                                 restore_pending=not restored.held)  # fmt: skip
     except InvalidTransition:
         return None
 
 
-def tuning_restore(run: TuningRun) -> str:
+class Restored(NamedTuple):
+    held: bool  # the deployment holds the run's starting settings (or is gone)
+    said: str  # what was done, in words
+
+
+def tuning_restore(run: TuningRun) -> Restored:
     """Put the deployment back to the settings the run started from (a new
-    generation holding them, if a trial changed them); what was done, in words."""
+    generation holding them, if a trial changed them)."""
     if run.deployment_id is None:
-        return "the deployment was deleted"
+        return Restored(True, "the deployment was deleted")
     deployment = Deployment.objects.get(pk=run.deployment_id)
     try:
         deployment_services.deployment_change(
@@ -358,14 +383,35 @@ def tuning_restore(run: TuningRun) -> str:
             user=None,  # the run's host makes the change; its asker was checked when it was asked for
             reason=f"tuning run {run.pk} ended: the settings of generation {run.start_generation} back",
         )
-    except ValidationFailed as refused:
-        if any("nothing to change" in m for messages in refused.errors.values() for m in messages):
-            return f"{deployment.name} holds its starting settings (generation {deployment.generation})"
-        return f"the starting settings could not be put back: {refused}"
-    except GantryError as refused:  # not changeable now (mid-roll, stopped), or its asker was removed
-        return f"the starting settings could not be put back: {refused}"
+    except NothingToChange:
+        return Restored(True, f"{deployment.name} holds its starting settings (generation {deployment.generation})")
+    except GantryError as refused:  # not changeable now (mid-roll, stopped), or a plan no longer placeable
+        return Restored(False, f"the starting settings could not be put back yet: {refused}")
     generation = Deployment.objects.values_list("generation", flat=True).get(pk=run.deployment_id)
-    return f"the settings of generation {run.start_generation} are back, as generation {generation}"
+    return Restored(True, f"the settings of generation {run.start_generation} are back, as generation {generation}")
+
+
+def tunings_restore_pending() -> int:
+    """Try again to put back the starting settings of ended runs that could not
+    (the beat, every 30 s); how many are back now, each said on the timeline."""
+    back = 0
+    for run in TuningRun.objects.filter(restore_pending=True).exclude(status__in=ACTIVE):
+        restored = tuning_restore(run)
+        if not restored.held:
+            continue
+        TuningRun.objects.filter(pk=run.pk).update(
+            restore_pending=False, status_message=f"{run.status_message}; then {restored.said}"
+        )
+        events.record(
+            kind="tuning.restored",
+            source="system",
+            deployment=run.deployment,
+            message=f"tuning run {run.pk}: {restored.said}",
+            data={"tuning_run": run.pk},
+        )
+        publish(TuningRun.objects.get(pk=run.pk))
+        back += 1
+    return back
 
 
 def tunings_reap(*, stale_after_s: int = STALE_AFTER_S) -> int:

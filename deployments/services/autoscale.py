@@ -22,7 +22,7 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import transaction
 from django.utils import timezone
 
-from common.errors import InvalidTransition, NotFound, ValidationFailed
+from common.errors import InvalidTransition, NotFound, NothingToChange, ValidationFailed
 from deployments import events, states
 from deployments.models import AutoscaleMetric, Deployment, DeploymentStatus, DesiredState
 from deployments.permissions import require_operator
@@ -192,7 +192,7 @@ def deployment_autoscale_set(*, deployment_id: int, spec: AutoscaleSpec, user: A
             raise ValidationFailed(errors)
         before = AutoscaleSpec.of(deployment)
         if before == spec:
-            raise ValidationFailed({"autoscale": "these are the deployment's settings already: nothing to change"})
+            raise NothingToChange({"autoscale": "these are the deployment's settings already: nothing to change"})
         Deployment.objects.filter(pk=deployment_id).update(**spec.columns())
         words = describe(spec)
         events.record(

@@ -23,8 +23,8 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import IntegrityError, transaction
 from django.db.models import Max
 
-from common.errors import InvalidTransition, NotFound, ValidationFailed
-from deployments import events, outbox, queues, selectors, states
+from common.errors import InvalidTransition, NotFound, NothingToChange, ValidationFailed
+from deployments import events, jobs, outbox, queues, selectors, states
 from deployments.gpu_plan import Choice, Holder, host_plan, replica_gpus
 from deployments.models import (
     Deployment,
@@ -255,6 +255,7 @@ def deployment_change(
         if deployment is None:
             raise NotFound(f"deployment {deployment_id} does not exist")
         running = deployment.status in (DeploymentStatus.READY, DeploymentStatus.DEGRADED)
+        jobs.require_unheld(deployment, user)
         if not states.deployment_actions(deployment.status)["change"]:
             raise InvalidTransition(f"{deployment.name} is {deployment.status}; change it when it is ready or stopped")
         resolved = placements_validate(
@@ -275,7 +276,7 @@ def deployment_change(
         placements_write(deployment=deployment, resolved=resolved)
         after = placements_snapshot(deployment)
         if after == before:
-            raise ValidationFailed({"models": "this is what the deployment already holds: nothing to change"})
+            raise NothingToChange({"models": "this is what the deployment already holds: nothing to change"})
         # After a failed generation was rolled back, its number stays taken by its revision.
         newest = deployment.revisions.aggregate(newest=Max("generation"))["newest"] or 0
         generation = max(deployment.generation, newest) + 1
@@ -409,12 +410,13 @@ def deployment_configure(*, deployment_id: int, server: ServerSpec, user: Any = 
         deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
         if deployment is None:
             raise NotFound(f"deployment {deployment_id} does not exist")
+        jobs.require_unheld(deployment, user)
         errors = _server_errors(server, deployment.runtime)
         if errors:
             raise ValidationFailed(errors)
         before = {name: getattr(deployment, name) for name in asdict(server)}
         if before == asdict(server):
-            raise ValidationFailed({"server": "these are the deployment's settings already: nothing to change"})
+            raise NothingToChange({"server": "these are the deployment's settings already: nothing to change"})
         if deployment.status not in states.AT_REST and deployment.status not in RESTARTABLE:
             raise InvalidTransition(f"{deployment.name} is {deployment.status}; change it when it is ready or stopped")
         Deployment.objects.filter(pk=deployment.pk).update(**asdict(server))

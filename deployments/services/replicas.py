@@ -27,7 +27,7 @@ from django.db import transaction
 from django.db.models import Count, Exists, F, OuterRef, Q
 from django.utils import timezone
 
-from common.errors import InvalidTransition, NotFound, ValidationFailed
+from common.errors import InvalidTransition, NotFound, NothingToChange, ValidationFailed
 from deployments import events, outbox, queues, states
 from deployments.gpu_plan import Choice
 from deployments.models import Deployment, DeploymentStatus, DesiredState, Replica
@@ -141,7 +141,7 @@ def deployment_scale(
         if not states.deployment_actions(deployment.status)["scale"]:
             raise InvalidTransition(f"{deployment.name} is {deployment.status}; scale it when that is done")
         if deployment.replicas == replicas:
-            raise ValidationFailed({"replicas": f"{deployment.name} already has {replicas}: nothing to change"})
+            raise NothingToChange({"replicas": f"{deployment.name} already has {replicas}: nothing to change"})
         low, high = deployment.min_replicas or 1, deployment.max_replicas
         if high is not None and not low <= replicas <= high:
             raise ValidationFailed(

@@ -6,6 +6,7 @@ placed, the starting settings put back however a run ends, apply)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,9 @@ import pytest
 from common.errors import ConfirmationRequired, InvalidTransition, ValidationFailed
 from deployments import queues
 from deployments.models import Deployment, OutboxMessage, Replica
+from deployments.services import deployments
+from deployments.services.deployments import ServerSpec
+from deployments.services.placements import spec_from_snapshot
 from gateway import services as gateway
 from gateway.models import Alias
 from loadtests import selectors, services, tuning
@@ -194,7 +198,7 @@ def test_a_trial_that_cannot_be_placed_is_pruned_and_the_run_ends_with_its_start
     tunings.trial_end(trial_id=trial.pk, status=TrialStatus.MEASURED, figures={"embed": {}}, goodput=4.5)
     # Mid-roll, the starting settings cannot be put back yet: the run says so.
     stuck = tunings.tuning_restore(TuningRun.objects.get(pk=run.pk))
-    assert "could not be put back" in stuck and "updating" in stuck
+    assert not stuck.held and "could not be put back yet" in stuck.said and "updating" in stuck.said
     _rolled(ready)
 
     ended = tunings.tuning_finish(run_id=run.pk, status=RunStatus.SUCCEEDED, message="done", source="worker")
@@ -223,3 +227,60 @@ def test_nothing_is_applied_before_a_trial_was_measured(ready, operator):  # noq
     tunings.tuning_cancel(run_id=run.pk, user=operator)
     with pytest.raises(ValidationFailed, match="no trial was measured"):
         tunings.tuning_apply(run_id=run.pk, user=operator)
+
+
+@pytest.mark.django_db
+def test_a_persons_change_waits_for_the_run_that_holds_the_deployment(ready, operator):  # noqa: ANN001
+    # The run puts its starting settings back when it ends, over whatever was changed meanwhile.
+    run = _start(ready, operator)
+    smaller = [replace(spec_from_snapshot(item), max_batch_size=2) for item in run.start_plan]
+    with pytest.raises(InvalidTransition, match=f"tuning run {run.pk} holds {ready.name}'s settings until it ends"):
+        deployments.deployment_change(deployment_id=ready.pk, placements=smaller, user=operator)
+    with pytest.raises(InvalidTransition, match=f"tuning run {run.pk} holds"):
+        deployments.deployment_configure(deployment_id=ready.pk, server=ServerSpec(log_verbose=1), user=operator)
+    assert Deployment.objects.get(pk=ready.pk).generation == ready.generation  # nothing written
+    tunings.tuning_claim(run_id=run.pk, source="worker")
+    trial = tunings.trial_start(run_id=run.pk, number=0, params={"minilm.max_batch_size": 4})
+    assert trial.generation == ready.generation + 1  # the run's own change goes through
+    _rolled(ready)
+    tunings.tuning_finish(run_id=run.pk, status=RunStatus.SUCCEEDED, message="done", source="worker")
+    _rolled(ready)
+    changed = deployments.deployment_change(deployment_id=ready.pk, placements=smaller, user=operator)
+    assert changed.placements.get().max_batch_size == 2
+
+
+@pytest.mark.django_db
+def test_a_trial_of_the_plan_the_deployment_holds_is_measured_as_it_is(ready, operator):  # noqa: ANN001
+    run = _start(ready, operator)
+    tunings.tuning_claim(run_id=run.pk, source="worker")
+    same = {"minilm.max_batch_size": run.start_plan[0]["max_batch_size"]}
+    trial = tunings.trial_start(run_id=run.pk, number=0, params=same)
+    assert trial.status == TrialStatus.RUNNING and trial.generation == ready.generation
+    restored = tunings.tuning_restore(TuningRun.objects.get(pk=run.pk))
+    assert restored == (True, f"{ready.name} holds its starting settings (generation {ready.generation})")
+
+
+@pytest.mark.django_db
+def test_a_restore_that_cannot_be_made_at_the_end_is_retried_until_it_holds(ready, operator):  # noqa: ANN001
+    run = _start(ready, operator)
+    tunings.tuning_claim(run_id=run.pk, source="worker")
+    tunings.trial_start(run_id=run.pk, number=0, params={"minilm.max_batch_size": 4})
+    # The run ends mid-roll: its deployment cannot take a change, so its start is not back yet.
+    ended = tunings.tuning_finish(run_id=run.pk, status=RunStatus.SUCCEEDED, message="done", source="worker")
+    assert ended.status == RunStatus.SUCCEEDED and ended.restore_pending
+    assert "could not be put back yet" in ended.status_message and "tries again" in ended.status_message
+    smaller = [replace(spec_from_snapshot(item), max_batch_size=2) for item in run.start_plan]
+    with pytest.raises(InvalidTransition, match=f"tuning run {run.pk} holds"):  # held until its start is back
+        deployments.deployment_change(deployment_id=ready.pk, placements=smaller, user=operator)
+    assert tunings.tunings_restore_pending() == 0  # still rolling: tried again later
+    _rolled(ready)
+    assert tunings.tunings_restore_pending() == 1
+    back = TuningRun.objects.get(pk=run.pk)
+    assert not back.restore_pending and f"then the settings of generation {ready.generation} are back" in (
+        back.status_message
+    )
+    assert Deployment.objects.get(pk=ready.pk).placements.get().max_batch_size == run.start_plan[0]["max_batch_size"]
+    assert ready.events.filter(kind="tuning.restored").count() == 1
+    _rolled(ready)
+    assert deployments.deployment_change(deployment_id=ready.pk, placements=smaller, user=operator)
+    assert tunings.tunings_restore_pending() == 0
