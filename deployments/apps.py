@@ -4,3 +4,8 @@ from django.apps import AppConfig
 class DeploymentsConfig(AppConfig):
     name = "deployments"
     verbose_name = "Gantry deployments"
+
+    def ready(self) -> None:
+        # The host tasks register themselves where their rows' services are
+        # (deployments.outbox.HostTask): every process knows all of them.
+        from deployments.services import builds, registered_models, replicas  # noqa: F401

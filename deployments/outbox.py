@@ -18,7 +18,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any
 
@@ -29,18 +30,46 @@ from django.db.models import F
 from django.utils import timezone
 
 from deployments import events, queues
-from deployments.models import EngineBuild, GpuHost, OutboxMessage, RegisteredModel, Replica
+from deployments.models import GpuHost, OutboxMessage
 
 log = logging.getLogger(__name__)
 
-# Which object a task's first argument names, to put a delayed send on its timeline.
-SUBJECTS: dict[str, tuple[type, str]] = {
-    queues.LAUNCH_DEPLOYMENT: (Replica, "deployment"),
-    queues.STOP_DEPLOYMENT: (Replica, "deployment"),
-    queues.APPLY_GENERATION: (Replica, "deployment"),
-    queues.RUN_BUILD: (EngineBuild, "build"),
-    queues.INSPECT_MODEL: (RegisteredModel, "model"),
-}
+
+@dataclass(frozen=True)
+class HostTask:
+    """A task Gantry sends a host's worker, registered once by the service that
+    owns its rows (``register``): what the timeline says its sends are about,
+    and how the rows on a host that wait for it send it again when the broker
+    may have lost it (a restart: ``resend_waiting``)."""
+
+    name: str  # as deployments.queues names it
+    # Its first argument (a row's id) as event fields: {"deployment": ...}; {} when the row is gone.
+    about: Callable[[int], dict[str, Any]] | None = None
+    # (host name, source, message): send the task again for every row on the host that waits
+    # for it (or for a sibling task: a replica's status says which); what was sent, in words.
+    resend_waiting: Callable[[str, str, str], list[str]] | None = None
+
+
+TASKS: dict[str, HostTask] = {}
+
+
+def register(task: HostTask) -> HostTask:
+    """Add a host task to the registry (once, where its rows' services are)."""
+    if task.name in TASKS and TASKS[task.name] != task:
+        raise ValueError(f"host task {task.name!r} is registered twice")
+    TASKS[task.name] = task
+    return task
+
+
+def resend_waiting(*, host_name: str, source: str, message: str) -> list[str]:
+    """Send again every registered task that a row on ``host_name`` waits for; what was sent."""
+    sent: list[str] = []
+    for task in TASKS.values():
+        if task.resend_waiting is not None:
+            sent += task.resend_waiting(host_name, source, message)
+    return sent
+
+
 # A task sent this long after it was asked for (or after the broker refused it) is noted on the timeline.
 NOTE_DELAY_S = 5.0
 # A task's header naming when the broker took it (epoch seconds).
@@ -197,13 +226,10 @@ def relay(*, host_name: str | None = None) -> int:
 
 
 def _subject(message: OutboxMessage) -> dict[str, Any]:
-    model, field = SUBJECTS.get(message.task, (None, ""))
-    if model is None or not message.args:
+    task = TASKS.get(message.task)
+    if task is None or task.about is None or not message.args:
         return {}
-    found = model.objects.filter(pk=message.args[0]).first()
-    if isinstance(found, Replica):
-        found = found.deployment  # a replica's task is told on its deployment's timeline
-    return {field: found} if found is not None else {}
+    return task.about(message.args[0])
 
 
 def _shown(args: list[Any]) -> list[Any]:

@@ -212,6 +212,14 @@ def run_redrive(*, run_id: int, source: str, message: str) -> bool:
         )
 
 
+def _runs_resend(host_name: str, source: str, message: str) -> list[str]:
+    queued = LoadTest.objects.filter(host__name=host_name, status=RunStatus.QUEUED).values_list("pk", flat=True)
+    return [f"load test {pk}" for pk in queued if run_redrive(run_id=pk, source=source, message=message)]
+
+
+outbox.register(outbox.HostTask(queues.RUN_LOADTEST, resend_waiting=_runs_resend))
+
+
 def _checked(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     """The workload checked for the model's kind, its refusals named as the API's
     own are (``workload.levels``), so a form shows each beside its field."""

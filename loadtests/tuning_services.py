@@ -442,3 +442,11 @@ def tuning_redrive(*, run_id: int, source: str, message: str) -> bool:
         key = key_for_redrive(run.pk, tuning_key_issue)
         return outbox.redrive(queues.RUN_TUNING, host_name=run.host.name, args=[run.pk, *key], source=source,
                               message=f"tuning run {run.pk}: {message}", deployment=run.deployment)  # fmt: skip
+
+
+def _tunings_resend(host_name: str, source: str, message: str) -> list[str]:
+    queued = TuningRun.objects.filter(host__name=host_name, status=RunStatus.QUEUED).values_list("pk", flat=True)
+    return [f"tuning run {pk}" for pk in queued if tuning_redrive(run_id=pk, source=source, message=message)]
+
+
+outbox.register(outbox.HostTask(queues.RUN_TUNING, resend_waiting=_tunings_resend))

@@ -18,13 +18,8 @@ from dataclasses import dataclass
 import redis
 from django.conf import settings
 
-from common.errors import InvalidTransition
 from deployments import outbox
-from deployments.models import BuildStatus, EngineBuild, Inspection, RegisteredModel, Replica
-from deployments.services import builds, hosts, registered_models, replicas
-from loadtests import services as loadtest_services
-from loadtests import tuning_services
-from loadtests.models import LoadTest, RunStatus, TuningRun
+from deployments.services import hosts
 from workers.jobs import source
 
 log = logging.getLogger(__name__)
@@ -82,36 +77,11 @@ class BrokerWatch:
 
 
 def redrive_host(*, host_name: str, source: str, reason: str) -> list[str]:
-    """Send again the task each passing row on ``host_name`` waits for (launching,
-    stopping and updating deployments, pending builds and inspections, queued
-    load tests), and say
-    so on the host's timeline. Returns what was sent."""
-    message = f"{reason}: sending its task again"
-    sent = []
-    passing = Replica.objects.filter(host__name=host_name, status__in=list(replicas.REDRIVEN_TASKS))
-    for replica_id, name, serial in passing.values_list("pk", "deployment__name", "serial"):
-        try:
-            if replicas.replica_redrive(replica_id=replica_id, source=source, message=message):
-                sent.append(f"deployment {name} r{serial}")
-        except InvalidTransition:
-            pass  # it moved on meanwhile
-    for build_id in EngineBuild.objects.filter(host__name=host_name, status=BuildStatus.PENDING).values_list(
-        "pk", flat=True
-    ):
-        if builds.build_redrive(build_id=build_id, source=source, message=message):
-            sent.append(f"build {build_id}")
-    for model_id, name in RegisteredModel.objects.filter(
-        host__name=host_name, inspection=Inspection.PENDING
-    ).values_list("pk", "name"):
-        if registered_models.model_inspection_redrive(model_id=model_id, source=source, message=message):
-            sent.append(f"inspection of {name}")
-    queued = LoadTest.objects.filter(host__name=host_name, status=RunStatus.QUEUED)
-    for run_id in queued.values_list("pk", flat=True):
-        if loadtest_services.run_redrive(run_id=run_id, source=source, message=message):
-            sent.append(f"load test {run_id}")
-    for run_id in TuningRun.objects.filter(host__name=host_name, status=RunStatus.QUEUED).values_list("pk", flat=True):
-        if tuning_services.tuning_redrive(run_id=run_id, source=source, message=message):
-            sent.append(f"tuning run {run_id}")
+    """Send again the task each passing row on ``host_name`` waits for (every
+    registered deployments.outbox.HostTask: launching, stopping and updating
+    replicas, pending builds and inspections, queued load tests and tuning
+    runs), and say so on the host's timeline. Returns what was sent."""
+    sent = outbox.resend_waiting(host_name=host_name, source=source, message=f"{reason}: sending its task again")
     hosts.record_host_event(
         host_name=host_name,
         kind="host.redrive",

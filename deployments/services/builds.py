@@ -309,6 +309,20 @@ def build_redrive(*, build_id: int, source: str, message: str) -> bool:
         )
 
 
+def _builds_resend(host_name: str, source: str, message: str) -> list[str]:
+    pending = EngineBuild.objects.filter(host__name=host_name, status=B.PENDING).values_list("pk", flat=True)
+    return [f"build {pk}" for pk in pending if build_redrive(build_id=pk, source=source, message=message)]
+
+
+outbox.register(
+    outbox.HostTask(
+        queues.RUN_BUILD,
+        about=lambda pk: {"build": found} if (found := EngineBuild.objects.filter(pk=pk).first()) else {},
+        resend_waiting=_builds_resend,
+    )
+)
+
+
 def builds_reap() -> list[int]:
     """Fail builds whose worker stopped heartbeating them (its host died), so
     nothing stays running forever. Returns the ids it failed."""

@@ -96,6 +96,24 @@ def model_inspection_redrive(*, model_id: int, source: str, message: str) -> boo
         )
 
 
+def _inspections_resend(host_name: str, source: str, message: str) -> list[str]:
+    pending = RegisteredModel.objects.filter(host__name=host_name, inspection=Inspection.PENDING)
+    return [
+        f"inspection of {name}"
+        for pk, name in pending.values_list("pk", "name")
+        if model_inspection_redrive(model_id=pk, source=source, message=message)
+    ]
+
+
+outbox.register(
+    outbox.HostTask(
+        queues.INSPECT_MODEL,
+        about=lambda pk: {"model": found} if (found := RegisteredModel.objects.filter(pk=pk).first()) else {},
+        resend_waiting=_inspections_resend,
+    )
+)
+
+
 def model_delete(*, model_id: int, user: Any = None) -> None:
     """Forget a registered checkpoint (its files stay where they are). Refused
     while builds or deployments use it, naming them; its name is free again."""

@@ -279,6 +279,35 @@ def replica_redrive(*, replica_id: int, source: str, message: str) -> bool:
         )
 
 
+def _replica_about(replica_id: int) -> dict[str, Any]:
+    """A replica's task is told on its deployment's timeline."""
+    replica = Replica.objects.select_related("deployment").filter(pk=replica_id).first()
+    return {"deployment": replica.deployment} if replica is not None else {}
+
+
+def _replicas_resend(host_name: str, source: str, message: str) -> list[str]:
+    sent = []
+    passing = Replica.objects.filter(host__name=host_name, status__in=list(REDRIVEN_TASKS))
+    for replica_id, name, serial in passing.values_list("pk", "deployment__name", "serial"):
+        try:
+            if replica_redrive(replica_id=replica_id, source=source, message=message):
+                sent.append(f"deployment {name} r{serial}")
+        except InvalidTransition:
+            pass  # it moved on meanwhile
+    return sent
+
+
+# A replica's status says which of the three it waits for: its launch's registration resends them all.
+for _task in REDRIVEN_TASKS.values():
+    outbox.register(
+        outbox.HostTask(
+            _task,
+            about=_replica_about,
+            resend_waiting=_replicas_resend if _task == queues.LAUNCH_DEPLOYMENT else None,
+        )
+    )
+
+
 def replica_fail(
     *,
     replica_id: int,

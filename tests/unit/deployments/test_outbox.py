@@ -173,3 +173,18 @@ def test_a_message_the_answering_broker_refuses_is_parked_and_never_blocks_its_q
     poisoned.refresh_from_db()
     assert poisoned.attempts == outbox.PARK_AFTER
     assert not outbox.is_waiting(queues.LAUNCH_DEPLOYMENT, 1)  # a re-drive may send it anew
+
+
+def test_every_task_a_row_waits_for_is_registered_once_and_sent_again_after_a_broker_restart():
+    host_tasks = {
+        value
+        for name, value in vars(queues).items()
+        if name.isupper() and isinstance(value, str) and value.startswith("workers.tasks.")
+    }
+    nothing_waits = {queues.FORGET_DEPLOYMENT, queues.FORGET_BUILD}  # a clean-up: no row waits for it
+    assert set(outbox.TASKS) == host_tasks - nothing_waits
+    resent = {name for name, task in outbox.TASKS.items() if task.resend_waiting is not None}
+    # A replica's launch resends its stop and apply too (its status says which it waits for).
+    assert resent == host_tasks - nothing_waits - {queues.STOP_DEPLOYMENT, queues.APPLY_GENERATION}
+    with pytest.raises(ValueError, match="registered twice"):
+        outbox.register(outbox.HostTask(queues.RUN_BUILD))
