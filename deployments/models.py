@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from deployments.fields import JSONField
 from deployments.queues import host_queue, jobs_queue
+from triton_server.names import engine_model
 
 # Triton model names and host names end up in paths, queue names and URLs.
 slug_validator = RegexValidator(
@@ -695,7 +696,7 @@ class DeploymentModel(models.Model):
         placement is its engine and the generate model clients call by the
         placement's name (as triton_server.config.TrtllmSpec.model_names)."""
         if self.backend == Backend.TENSORRTLLM:
-            return [f"{self.triton_name}-engine", self.triton_name]
+            return [engine_model(self.triton_name), self.triton_name]
         return [self.triton_name]
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from triton_server.names import engine_model
+
 CONFIG_FILE = "config.pbtxt"
 
 
@@ -255,7 +257,7 @@ class TrtllmSpec:
 
     @property
     def engine_model(self) -> str:
-        return f"{self.name}-engine"
+        return engine_model(self.name)
 
     @property
     def model_names(self) -> list[str]:

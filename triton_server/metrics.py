@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.errors import TransientError
+from triton_server.names import placement_of
 
 _MODEL_COUNTERS = {
     "nv_inference_request_success": "success",
@@ -75,9 +76,7 @@ def parse(text: str, *, at: float | None = None) -> Scrape:
                 kind = sample.labels["kv_cache_block_type"]
                 result.kv_cache_blocks[kind] = result.kv_cache_blocks.get(kind, 0.0) + sample.value
                 if kind != "free":  # the engine's use, shown on the generate model in front of it
-                    found = result.kv_cache_tokens.setdefault(
-                        sample.labels.get("model", "").removesuffix("-engine"), {}
-                    )
+                    found = result.kv_cache_tokens.setdefault(placement_of(sample.labels.get("model", "")), {})
                     key = "capacity" if kind == "max" else "used"
                     found[key] = found.get(key, 0.0) + sample.value
             elif name == KV_CACHE_TOKENS and "model" in sample.labels and "kind" in sample.labels:

@@ -27,6 +27,7 @@ from triton_server.config import (
     PythonModelSpec,
     TrtllmSpec,
 )
+from triton_server.names import engine_model
 from triton_server.repository import ModelSpec
 from triton_server.server import LOCAL, LaunchSpec
 from workers.engines.verify import engine_files_problem
@@ -266,7 +267,7 @@ def launch_spec(replica: Replica) -> LaunchSpec:
         repository=paths.repository,
         models=[name for p in placements for name in p.triton_models],
         world_size=max((p.engine_build.world_size for p in engines), default=1),
-        engine_models=[f"{p.triton_name}-engine" for p in engines],
+        engine_models=[engine_model(p.triton_name) for p in engines],
         http_port=replica.http_port,
         grpc_port=replica.grpc_port,
         metrics_port=replica.metrics_port,
