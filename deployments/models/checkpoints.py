@@ -1,0 +1,184 @@
+"""Registered checkpoints and the engine builds made from them."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+from deployments.fields import JSONField
+from deployments.models.hosts import GpuHost
+from deployments.models.validation import slug_validator
+
+
+class ModelKind(models.TextChoices):
+    LLM = "llm", "LLM (TensorRT-LLM)"
+    EMBEDDING = "embedding", "Embedding"
+    RERANKER = "reranker", "Reranker"
+    PYTHON = "python", "Custom Python"
+
+
+class Inspection(models.TextChoices):
+    PENDING = "pending", "being inspected on its host"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class RegisteredModel(models.Model):
+    """A HuggingFace-format checkpoint folder on a GPU host. The host that holds
+    it inspects it (workers.tasks.inspect_model) and fills in what it found."""
+
+    name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
+    kind = models.CharField(max_length=16, choices=ModelKind.choices)
+    host = models.ForeignKey(
+        GpuHost, null=True, blank=True, on_delete=models.PROTECT, related_name="models",
+        help_text="The host that holds the checkpoint and inspected it.",
+    )  # fmt: skip
+    path = models.CharField(max_length=1024, help_text="Checkpoint folder on the GPU hosts.")
+    hub_id = models.CharField(max_length=255, blank=True, help_text="Where it came from, for the record.")
+    revision = models.CharField(max_length=64, blank=True)
+    inspection = models.CharField(max_length=16, choices=Inspection.choices, default=Inspection.PENDING)
+    inspection_message = models.TextField(blank=True)
+    architecture = models.CharField(max_length=128, blank=True)
+    model_type = models.CharField(max_length=64, blank=True)
+    parameter_count = models.BigIntegerField(null=True, blank=True, help_text="From the safetensors headers.")
+    hidden_size = models.PositiveIntegerField(null=True, blank=True)
+    num_layers = models.PositiveIntegerField(null=True, blank=True)
+    num_attention_heads = models.PositiveIntegerField(null=True, blank=True)
+    num_kv_heads = models.PositiveIntegerField(null=True, blank=True)
+    head_dim = models.PositiveIntegerField(null=True, blank=True)
+    vocab_size = models.PositiveIntegerField(null=True, blank=True)
+    max_position_embeddings = models.PositiveIntegerField(null=True, blank=True)
+    torch_dtype = models.CharField(max_length=32, blank=True)
+    size_bytes = models.BigIntegerField(
+        default=0, help_text="The weight files a loader reads (safetensors when present, not a .bin copy beside them)."
+    )
+    tokenizer_files = JSONField(default=list, blank=True)
+    fingerprint = models.CharField(
+        max_length=64, blank=True, help_text="sha256 over the checkpoint's files and contents."
+    )
+    config = JSONField(default=dict, help_text="The checkpoint's config.json as read.")
+    trust_remote_code = models.BooleanField(
+        default=False, help_text="Allow the checkpoint's own Python code (auto_map) to run on the host."
+    )
+    chat_template = models.TextField(blank=True, help_text="The Jinja chat template of its tokenizer files.")
+    special_tokens = JSONField(default=dict, blank=True, help_text="bos_token, eos_token, ... as strings.")
+    sentence_config = JSONField(
+        default=dict,
+        blank=True,
+        help_text="The checkpoint's own sentence-transformers configuration (modules, pooling, normalisation, "
+        "prompts, max_seq_length), as read; empty when it has none.",
+    )
+    notice = models.CharField(
+        max_length=255, blank=True, help_text="What a user must know about it (e.g. untrained weights)."
+    )
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class BuildStatus(models.TextChoices):
+    PENDING = "pending"
+    RUNNING = "running"
+    CANCELLING = "cancelling"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class BuildExecutor(models.TextChoices):
+    DOCKER = "docker", "Docker (builder image)"
+    NATIVE = "native", "Native (tensorrt_llm on the host)"
+
+
+class EngineBuild(models.Model):
+    """A TensorRT-LLM engine compiled from a registered checkpoint on one GPU host.
+
+    The request (spec, image, host) is fixed when the row is created; the worker
+    fills in what the build really used (TensorRT-LLM version, build and plugin
+    config, image digest, GPU) and its artifacts. Only services change a build.
+    """
+
+    model = models.ForeignKey(RegisteredModel, on_delete=models.PROTECT, related_name="builds")
+    host = models.ForeignKey(GpuHost, on_delete=models.PROTECT, related_name="builds")
+    spec = JSONField(default=dict, help_text="The normalized build spec.")
+    executor = models.CharField(max_length=16, choices=BuildExecutor.choices, default=BuildExecutor.DOCKER)
+    builder_image = models.CharField(max_length=255, blank=True)
+    image_digest = models.CharField(max_length=128, blank=True)
+    trtllm_version = models.CharField(max_length=32, blank=True)
+    gpu_name = models.CharField(max_length=128, blank=True)
+    compute_capability = models.CharField(max_length=8, blank=True)
+    gpu_ids = JSONField(default=list, blank=True, help_text="The host GPUs the build runs on.")
+    tp_size = models.PositiveSmallIntegerField(default=1)
+    pp_size = models.PositiveSmallIntegerField(default=1)
+    cache_key = models.CharField(
+        max_length=64, db_index=True, default="", help_text="sha256 of fingerprint, spec, image, GPU."
+    )
+    forced = models.BooleanField(default=False, help_text="Built although an identical engine existed.")
+    time_limit_s = models.PositiveIntegerField(default=7200)
+    status = models.CharField(max_length=16, choices=BuildStatus.choices, default=BuildStatus.PENDING)
+    status_message = models.TextField(blank=True)
+    phase = models.CharField(max_length=64, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    hint = models.TextField(blank=True)
+    runtime_handle = models.CharField(max_length=128, blank=True, help_text="Container id or process group.")
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    output_dir = models.CharField(max_length=1024, blank=True)
+    artifacts = JSONField(default=list, blank=True, help_text="[{name, size, sha256}] of the engine folder.")
+    files_missing = models.CharField(
+        max_length=512,
+        blank=True,
+        help_text="What its host found gone or changed of a succeeded build's engine folder; such a build is "
+        "never reused or served again.",
+    )
+    build_config = JSONField(default=dict, blank=True, help_text="build_config from the engine's config.json.")
+    plugin_config = JSONField(default=dict, blank=True)
+    engine_config = JSONField(default=dict, blank=True, help_text="The engine's config.json as written.")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        # The list pages newest first, filtered by status or model.
+        indexes = [models.Index(fields=["status", "-id"]), models.Index(fields=["model", "-id"])]
+        constraints = [
+            # Two identical requests at the same moment start one build.
+            models.UniqueConstraint(
+                fields=["cache_key"],
+                condition=models.Q(status__in=["pending", "running", "cancelling"]),
+                name="one_active_build_per_cache_key",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"build {self.pk} of {self.model.name}"
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def engine_size_bytes(self) -> int:
+        return sum(a.get("size", 0) for a in self.artifacts if str(a.get("name", "")).endswith(".engine"))
+
+
+class BuildLogLine(models.Model):
+    """A line of a build's output, stored in batches (the newest GANTRY_BUILD_LOG_LINES are kept)."""
+
+    build = models.ForeignKey(EngineBuild, on_delete=models.CASCADE, related_name="log_lines")
+    at = models.DateTimeField(default=timezone.now)
+    line = models.TextField()
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["build", "id"])]
+
+    def __str__(self) -> str:
+        return self.line[:80]
