@@ -12,8 +12,8 @@ from __future__ import annotations
 
 # Task names: the worker registers them in workers.tasks under these names. Launch,
 # stop and apply take a replica (deployments.models.Replica): one Triton on one host.
-LAUNCH_DEPLOYMENT = "workers.tasks.launch_deployment"
-STOP_DEPLOYMENT = "workers.tasks.stop_deployment"
+LAUNCH_REPLICA = "workers.tasks.launch_replica"
+STOP_REPLICA = "workers.tasks.stop_replica"
 APPLY_GENERATION = "workers.tasks.apply_generation"
 INSPECT_MODEL = "workers.tasks.inspect_model"
 RUN_BUILD = "workers.tasks.run_build"

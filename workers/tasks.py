@@ -17,14 +17,21 @@ from workers.loadtest import runs as loadtest_runs
 from workers.loadtest import tuning as loadtest_tuning
 
 
-@shared_task(name=queues.LAUNCH_DEPLOYMENT)
-def launch_deployment(replica_id: int) -> None:
+@shared_task(name=queues.LAUNCH_REPLICA)
+def launch_replica(replica_id: int) -> None:
     lifecycle.launch(replica_id)
 
 
-@shared_task(name=queues.STOP_DEPLOYMENT)
-def stop_deployment(replica_id: int) -> None:
+@shared_task(name=queues.STOP_REPLICA)
+def stop_replica(replica_id: int) -> None:
     lifecycle.stop(replica_id)
+
+
+# The names these had in 0.1.0 (they take a replica, not a deployment), kept for
+# the messages an older control plane queued before the upgrade; drop them in the
+# release after next.
+shared_task(name="workers.tasks.launch_deployment")(launch_replica.run)
+shared_task(name="workers.tasks.stop_deployment")(stop_replica.run)
 
 
 @shared_task(name=queues.FORGET_DEPLOYMENT)

@@ -41,7 +41,7 @@ def _launch(replica: Replica, *, source: str, actor: Any = None, message: str) -
         replica_id=replica.pk, to=S.LAUNCHING, source=source, actor=actor, message=message,
         generation=replica.deployment.generation,
     )  # fmt: skip
-    enqueue(queues.LAUNCH_DEPLOYMENT, replica)
+    enqueue(queues.LAUNCH_REPLICA, replica)
     return replica
 
 
@@ -99,7 +99,7 @@ def _retire(replica: Replica, *, source: str, why: str) -> None:
     Replica.objects.filter(pk=replica.pk).update(desired_state=DesiredState.STOPPED)
     if replica.status in states.ACTIVE - {S.STOPPING}:
         states.replica_transition(replica_id=replica.pk, to=S.STOPPING, source=source, message=f"retiring: {why}")
-        enqueue(queues.STOP_DEPLOYMENT, replica)
+        enqueue(queues.STOP_REPLICA, replica)
     elif replica.status not in (S.STOPPING,):
         replica_remove(replica=replica, source=source, why=why)
 
@@ -192,7 +192,7 @@ def deployment_stop(*, deployment_id: int, source: str, actor: Any = None, messa
                 states.replica_transition(
                     replica_id=replica.pk, to=S.STOPPING, source=source, actor=actor, message=message
                 )
-                enqueue(queues.STOP_DEPLOYMENT, replica)
+                enqueue(queues.STOP_REPLICA, replica)
                 stopped += 1
             elif replica.status == S.LOST:
                 states.replica_transition(
@@ -242,14 +242,14 @@ def replica_relaunch(*, replica_id: int, source: str, attempt: int) -> Replica:
             message=f"{replica.label}: automatic restart {attempt} of {settings.GANTRY_CRASH_RESTART_LIMIT}",
             data={"replica": replica.serial, "replica_id": replica.pk},
         )
-        enqueue(queues.LAUNCH_DEPLOYMENT, replica)
+        enqueue(queues.LAUNCH_REPLICA, replica)
     return replica
 
 
 # What a replica in a passing state waits for, sent again when it may be lost.
 REDRIVEN_TASKS = {
-    S.LAUNCHING: queues.LAUNCH_DEPLOYMENT,
-    S.STOPPING: queues.STOP_DEPLOYMENT,
+    S.LAUNCHING: queues.LAUNCH_REPLICA,
+    S.STOPPING: queues.STOP_REPLICA,
     S.UPDATING: queues.APPLY_GENERATION,
 }
 
@@ -303,7 +303,7 @@ for _task in REDRIVEN_TASKS.values():
         outbox.HostTask(
             _task,
             about=_replica_about,
-            resend_waiting=_replicas_resend if _task == queues.LAUNCH_DEPLOYMENT else None,
+            resend_waiting=_replicas_resend if _task == queues.LAUNCH_REPLICA else None,
         )
     )
 

@@ -98,7 +98,7 @@ def test_a_joined_hosts_credentials_reach_only_its_own_work(admin: User, operato
         # A task for another host's worker: never written by A.
         with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
             db.execute("INSERT INTO deployments_outboxmessage (task, queue, args, created_at, attempts, last_error) "
-                       "VALUES ('workers.tasks.stop_deployment', %s, %s, now(), 0, '')",
+                       "VALUES ('workers.tasks.stop_replica', %s, %s, now(), 0, '')",
                        [queues.host_queue("host-b"), json.dumps([other_replica.pk])])  # fmt: skip
     assert User.objects.filter(is_superuser=True).count() == 1 and Event.objects.filter(message="lies").count() == 0
     assert Replica.objects.get(pk=other_replica.pk).status == "ready"

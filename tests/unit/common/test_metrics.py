@@ -113,7 +113,7 @@ def test_the_control_plane_counts_the_fleet_the_outbox_and_the_host_queues_at_sc
     from deployments import outbox
 
     created = factories.deployment(host=host, name="a")
-    message = outbox.OutboxMessage.objects.create(task="workers.tasks.launch_deployment", queue="x", args=[1])
+    message = outbox.OutboxMessage.objects.create(task="workers.tasks.launch_replica", queue="x", args=[1])
     queue = queues.host_queue(host.name)
     broker = redis.Redis.from_url(settings.CELERY_BROKER_URL)
     broker.delete(queue)

@@ -51,18 +51,18 @@ def test_a_task_is_written_with_the_change_and_handed_to_the_sender_on_commit(
 ):
     with django_capture_on_commit_callbacks(execute=True):
         with transaction.atomic():
-            message = outbox.enqueue_on_commit(queues.LAUNCH_DEPLOYMENT, host_name="gpu-2", args=[7])
+            message = outbox.enqueue_on_commit(queues.LAUNCH_REPLICA, host_name="gpu-2", args=[7])
             assert handed == []
     assert handed == [message.pk]
     assert outbox.send(ids=handed) == 1
-    assert broker.sent == [("workers.tasks.launch_deployment", [7], "gpu.gpu-2")]
+    assert broker.sent == [("workers.tasks.launch_replica", [7], "gpu.gpu-2")]
     assert not OutboxMessage.objects.exists()
 
 
 def test_a_rolled_back_change_leaves_no_task(db, broker, handed, django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks(execute=True):
         with pytest.raises(RuntimeError), transaction.atomic():
-            outbox.enqueue_on_commit(queues.STOP_DEPLOYMENT, host_name="gpu-2", args=[7])
+            outbox.enqueue_on_commit(queues.STOP_REPLICA, host_name="gpu-2", args=[7])
             raise RuntimeError("the service refused after all")
     assert handed == []
     assert not OutboxMessage.objects.exists()
@@ -82,17 +82,17 @@ def test_a_task_waits_while_the_broker_is_down_and_the_timeline_says_so(db, brok
     assert outbox.send() == 0
     assert outbox.send() == 0
     message = OutboxMessage.objects.get()
-    assert (message.attempts, message.task) == (2, queues.LAUNCH_DEPLOYMENT)
+    assert (message.attempts, message.task) == (2, queues.LAUNCH_REPLICA)
     assert "Connection refused" in message.last_error
     waiting = Event.objects.filter(deployment=deployment, kind="task.waiting")
     assert waiting.count() == 1  # said once, not at every attempt
-    assert "launch deployment task waits in the outbox" in waiting.get().message
+    assert "launch replica task waits in the outbox" in waiting.get().message
 
     OutboxMessage.objects.update(created_at=timezone.now() - timedelta(seconds=42))
     broker.down = False
     assert outbox.relay(host_name=minilm.host.name) == 1
     replica = factories.replica_of(deployment)
-    assert broker.sent == [(queues.LAUNCH_DEPLOYMENT, [replica.pk], queues.host_queue(minilm.host.name))]
+    assert broker.sent == [(queues.LAUNCH_REPLICA, [replica.pk], queues.host_queue(minilm.host.name))]
     late = Event.objects.get(deployment=deployment, kind="task.redriven")
     assert late.data["waited_s"] >= 42
     assert "42s after it was asked for" in late.message
@@ -100,7 +100,7 @@ def test_a_task_waits_while_the_broker_is_down_and_the_timeline_says_so(db, brok
 
 def test_relay_sends_oldest_first_and_stops_at_the_first_refusal(db, broker, handed):
     for deployment_id in (1, 2, 3):
-        outbox.enqueue_on_commit(queues.STOP_DEPLOYMENT, host_name="gpu-2", args=[deployment_id])
+        outbox.enqueue_on_commit(queues.STOP_REPLICA, host_name="gpu-2", args=[deployment_id])
     assert outbox.relay() == 3
     assert [args for _, args, _ in broker.sent] == [[1], [2], [3]]
 
@@ -120,7 +120,7 @@ def test_every_task_name_is_registered_by_the_worker():
 
     import workers.tasks  # noqa: F401 - registers the tasks
 
-    names = [queues.LAUNCH_DEPLOYMENT, queues.STOP_DEPLOYMENT, queues.APPLY_GENERATION, queues.INSPECT_MODEL]
+    names = [queues.LAUNCH_REPLICA, queues.STOP_REPLICA, queues.APPLY_GENERATION, queues.INSPECT_MODEL]
     assert set(names + [queues.RUN_BUILD, queues.FORGET_BUILD, queues.FORGET_DEPLOYMENT]) <= set(current_app.tasks)
 
 
@@ -156,9 +156,9 @@ def test_a_message_the_answering_broker_refuses_is_parked_and_never_blocks_its_q
     PARK_AFTER passes with the cause on the timeline."""
     host = "poison-host"
     poisoned = OutboxMessage.objects.create(
-        task=queues.LAUNCH_DEPLOYMENT, queue=queues.host_queue(host), args=[1, "x" * 2 * 2**20]
+        task=queues.LAUNCH_REPLICA, queue=queues.host_queue(host), args=[1, "x" * 2 * 2**20]
     )
-    behind = OutboxMessage.objects.create(task=queues.STOP_DEPLOYMENT, queue=queues.host_queue(host), args=[2])
+    behind = OutboxMessage.objects.create(task=queues.STOP_REPLICA, queue=queues.host_queue(host), args=[2])
     assert outbox.send(host_name=host) == 1  # the one behind it went
     assert not OutboxMessage.objects.filter(pk=behind.pk).exists()
     assert strict_redis.llen("gpu.poison-host") == 1
@@ -172,7 +172,7 @@ def test_a_message_the_answering_broker_refuses_is_parked_and_never_blocks_its_q
     assert outbox.send(host_name=host) == 0  # never tried again
     poisoned.refresh_from_db()
     assert poisoned.attempts == outbox.PARK_AFTER
-    assert not outbox.is_waiting(queues.LAUNCH_DEPLOYMENT, 1)  # a re-drive may send it anew
+    assert not outbox.is_waiting(queues.LAUNCH_REPLICA, 1)  # a re-drive may send it anew
 
 
 def test_every_task_a_row_waits_for_is_registered_once_and_sent_again_after_a_broker_restart():
@@ -185,6 +185,6 @@ def test_every_task_a_row_waits_for_is_registered_once_and_sent_again_after_a_br
     assert set(outbox.TASKS) == host_tasks - nothing_waits
     resent = {name for name, task in outbox.TASKS.items() if task.resend_waiting is not None}
     # A replica's launch resends its stop and apply too (its status says which it waits for).
-    assert resent == host_tasks - nothing_waits - {queues.STOP_DEPLOYMENT, queues.APPLY_GENERATION}
+    assert resent == host_tasks - nothing_waits - {queues.STOP_REPLICA, queues.APPLY_GENERATION}
     with pytest.raises(ValueError, match="registered twice"):
         outbox.register(outbox.HostTask(queues.RUN_BUILD))

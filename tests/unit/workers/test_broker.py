@@ -71,7 +71,7 @@ def test_a_broker_restart_sends_again_what_each_passing_row_waits_for(settings, 
     assert again[0] == run.pk and again[1].startswith(key.prefix)
     assert sorted((task, args[:1], q) for task, args, q in sent) == sorted(
         [
-            (queues.LAUNCH_DEPLOYMENT, [factories.replica_of(launching).pk], queue),
+            (queues.LAUNCH_REPLICA, [factories.replica_of(launching).pk], queue),
             (queues.INSPECT_MODEL, [model.pk], queue),
             (queues.RUN_LOADTEST, [run.pk], queues.jobs_queue(host.name)),
         ]
