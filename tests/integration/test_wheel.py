@@ -82,11 +82,15 @@ def test_the_built_wheel_run_from_an_empty_folder_serves_every_page_and_the_read
     home.mkdir()
     folder.mkdir()
     port = free_ports(3)  # web, live (+1), the demo's Redis (+2)
+    # Its Tritons' ports reserved too: the default range (18000-) is where other tests
+    # running beside this one pick theirs (seen in CI: "Socket '127.0.0.1:18001' already in use").
+    triton = free_ports(30)
     env = {
         "PATH": f"{venv / 'bin'}:/usr/local/bin:/usr/bin:/bin",
         "HOME": str(home),
         "LANG": "C.UTF-8",
         "GANTRY_WEB_PORT": str(port),
+        "GANTRY_TRITON_PORT_RANGE": f"{triton}-{triton + 29}",
     }
     output = tmp_path / "demo.out"
     with open(output, "wb") as out:
