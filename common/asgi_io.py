@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -17,6 +18,33 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-
 
 class BodyTooLarge(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class Door:
+    """An HTTP path answered before Django: which requests (``owns``, given the
+    ASGI scope) and the ASGI app that answers them. ``paths`` is for people."""
+
+    paths: str
+    owns: Callable[[dict[str, Any]], bool]
+    app: Any
+
+
+class Doors:
+    """ASGI: an HTTP request goes to the first door that owns it, everything
+    else (other requests, websockets, lifespan) to ``rest``."""
+
+    def __init__(self, doors: tuple[Door, ...], rest: Any) -> None:
+        self.doors = doors
+        self.rest = rest
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            for door in self.doors:
+                if door.owns(scope):
+                    await door.app(scope, receive, send)
+                    return
+        await self.rest(scope, receive, send)
 
 
 async def read_body(receive: Any) -> bytes | None:

@@ -1,12 +1,13 @@
 """ASGI entry points (controlplane.serving says which server runs which):
 
-- ``http_application``: Django, with two doors in front of it that skip
-  Django's request path: the OpenAI-compatible gateway (/v1/..., gateway.app)
-  and token-authenticated generate requests (playground.lean). Django itself
-  answers by ``DjangoDoors``: sync views in WSGI mode on a thread pool, async
-  views (the streamed generate action) by its ASGI handler;
-- ``websocket_application``: the Channels consumers (the live server);
-- both answer GET /metrics with the scrape token (controlplane.metrics);
+- ``http_application``: Django, with the doors of ``HTTP_DOORS`` in front of
+  it, which skip Django's request path: /metrics with the scrape token
+  (controlplane.metrics), the OpenAI-compatible gateway (/v1/...,
+  gateway.app) and token-authenticated generate requests (playground.lean).
+  Django itself answers by ``DjangoDoors``: sync views in WSGI mode on a
+  thread pool, async views (the streamed generate action) by its ASGI handler;
+- ``websocket_application``: the Channels consumers (the live server), and
+  /metrics;
 - ``application``: both in one process, for a single-process setup.
 """
 
@@ -32,12 +33,12 @@ from django.conf import settings  # noqa: E402
 from django.core.wsgi import get_wsgi_application  # noqa: E402
 from django.urls import Resolver404, resolve  # noqa: E402
 
-from common.asgi_io import send_bytes  # noqa: E402
-from controlplane.metrics import ControlPlane, MetricsDoor  # noqa: E402
+from common.asgi_io import Door, Doors, send_bytes  # noqa: E402
+from controlplane import metrics  # noqa: E402
 from deployments.routing import websocket_urlpatterns  # noqa: E402
 from deployments.ws_auth import TokenOrSessionAuthMiddlewareStack  # noqa: E402
-from gateway.app import GatewayRouter  # noqa: E402
-from playground.lean import InferenceRouter  # noqa: E402
+from gateway import app as gateway  # noqa: E402
+from playground import lean  # noqa: E402
 
 
 class DjangoDoors:
@@ -72,7 +73,17 @@ async def _not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send_bytes(send, 404, b"the live server answers websockets and /metrics only\n", "text/plain")
 
 
-http_application = MetricsDoor(GatewayRouter(InferenceRouter(DjangoDoors())), ControlPlane())
+METRICS = Door("GET /metrics", metrics.owns, metrics.MetricsDoor(metrics.ControlPlane()))
+# Every HTTP path the web server answers before Django, in the order they are tried.
+HTTP_DOORS = (
+    METRICS,
+    Door("/v1/... (the OpenAI-compatible gateway)", gateway.owns, gateway.handle),
+    Door("POST /api/deployments/<id>/generate/ with a bearer token", lean.owns, lean.answer),
+)
+http_application = Doors(HTTP_DOORS, DjangoDoors())
 _websockets = AllowedHostsOriginValidator(TokenOrSessionAuthMiddlewareStack(URLRouter(websocket_urlpatterns)))
-websocket_application = ProtocolTypeRouter({"websocket": _websockets, "http": MetricsDoor(_not_found)})
+# The live server's own /metrics (its websocket figures) and nothing else over HTTP.
+websocket_application = ProtocolTypeRouter(
+    {"websocket": _websockets, "http": Doors((Door(METRICS.paths, metrics.owns, metrics.MetricsDoor()),), _not_found)}
+)
 application = ProtocolTypeRouter({"http": http_application, "websocket": _websockets})

@@ -34,17 +34,17 @@ log = logging.getLogger(__name__)
 PATH = "/metrics"
 
 
-class MetricsDoor:
-    """ASGI: GET /metrics (with the scrape token) answered here, the rest to ``inner``."""
+def owns(scope: dict[str, Any]) -> bool:
+    return scope["path"] == PATH
 
-    def __init__(self, inner: Any, *collectors: Collector) -> None:
-        self.inner = inner
+
+class MetricsDoor:
+    """ASGI: GET /metrics, with the scrape token (controlplane.asgi's table)."""
+
+    def __init__(self, *collectors: Collector) -> None:
         self.collectors = collectors
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] != PATH:
-            await self.inner(scope, receive, send)
-            return
         if not metrics.enabled():
             await send_bytes(send, 404, b"metrics are off: set GANTRY_METRICS_TOKEN\n", "text/plain")
             return

@@ -41,17 +41,9 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024  # chat has none in OpenAI's API (up to the context): this, within the context
 
 
-class GatewayRouter:
-    """ASGI: ``/v1/...`` to the gateway, the rest to ``inner``."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and (scope["path"].startswith(PREFIX) or scope["path"] == "/v1"):
-            await handle(scope, receive, send)
-        else:
-            await self.inner(scope, receive, send)
+def owns(scope: dict[str, Any]) -> bool:
+    """``/v1/...`` is the gateway's (controlplane.asgi's table)."""
+    return scope["path"].startswith(PREFIX) or scope["path"] == "/v1"
 
 
 @dataclass

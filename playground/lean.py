@@ -4,7 +4,7 @@ Django's request path (handler, middleware chain, request object) costs
 milliseconds per request on a busy host, which a streamed generation pays
 before its first token (docs/performance.md). Automation authenticates with an
 ``Authorization: Bearer`` header and needs none of that chain (no session, no
-CSRF, no messages), so ``InferenceRouter`` answers ``POST
+CSRF, no messages), so ``answer`` takes ``POST
 /api/deployments/<id>/generate/`` with such a header itself, through the same
 ``playground.api.generate_answer`` as the Django view: the same validation,
 checks, errors and stream. Everything else, browser sessions included, goes on
@@ -31,20 +31,14 @@ def _token(scope: dict[str, Any]) -> str | None:
     return None
 
 
-class InferenceRouter:
-    """ASGI: token-authenticated generate requests here, the rest to ``inner`` (Django)."""
+def owns(scope: dict[str, Any]) -> bool:
+    """A POST to a deployment's generate action with a bearer token is the lean
+    path's (controlplane.asgi's table); without one it is Django's (a session)."""
+    return scope["method"] == "POST" and GENERATE.match(scope["path"]) is not None and _token(scope) is not None
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            match = GENERATE.match(scope["path"])
-            token = _token(scope) if match else None
-            if token is not None:
-                await _generate(int(match[1]), token, receive, send)
-                return
-        await self.inner(scope, receive, send)
+async def answer(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await _generate(int(GENERATE.match(scope["path"])[1]), _token(scope), receive, send)
 
 
 async def _generate(pk: int, token: str, receive: Any, send: Any) -> None:

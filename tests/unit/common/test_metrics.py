@@ -22,7 +22,8 @@ from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import metrics
-from controlplane.metrics import ControlPlane, MetricsDoor
+from common.asgi_io import Door, Doors
+from controlplane.metrics import ControlPlane, MetricsDoor, owns
 from deployments import live_figures, queues
 from deployments.models import Event
 from tests import factories
@@ -86,7 +87,7 @@ def _asgi_get(app, path: str, authorization: str | None = None) -> tuple[int, by
         raise AssertionError("only /metrics reaches the door")
 
     scope = {"type": "http", "path": path, "method": "GET", "headers": headers}
-    asyncio.run((app or MetricsDoor(nothing, ControlPlane()))(scope, receive, send))
+    asyncio.run((app or Doors((Door("/metrics", owns, MetricsDoor(ControlPlane())),), nothing))(scope, receive, send))
     return answer["status"], answer["body"]
 
 

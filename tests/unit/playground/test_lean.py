@@ -9,13 +9,18 @@ import pytest
 from asgiref.sync import async_to_sync
 
 from access.services import token_create
+from common.asgi_io import Door, Doors
 from common.redis_async import forget_clients
-from playground.lean import InferenceRouter
+from playground import lean
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def _call(router: InferenceRouter, method: str, path: str, headers: list, body: bytes) -> list[dict]:
+def _router(rest) -> Doors:  # noqa: ANN001
+    return Doors((Door("generate", lean.owns, lean.answer),), rest)
+
+
+def _call(router: Doors, method: str, path: str, headers: list, body: bytes) -> list[dict]:
     sent: list[dict] = []
     messages = [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -36,7 +41,7 @@ def test_token_requests_for_generate_are_answered_by_the_lean_path(operator):
     async def django(scope, receive, send) -> None:  # noqa: ANN001
         reached_django.append(scope["path"])
 
-    router = InferenceRouter(django)
+    router = _router(django)
     key = token_create(user=operator, name="t").secret
     auth = [(b"authorization", f"Bearer {key}".encode())]
 
@@ -66,7 +71,7 @@ def test_token_requests_for_generate_are_answered_by_the_lean_path(operator):
 def test_generate_requests_are_throttled_per_token_on_the_lean_path_and_per_user_on_djangos(operator, settings, client):  # noqa: ANN001
     settings.GANTRY_API_THROTTLE = "3/minute"
     forget_clients()
-    router = InferenceRouter(lambda *a: None)
+    router = _router(lambda *a: None)
     auth = [(b"authorization", f"Bearer {token_create(user=operator, name='t').secret}".encode())]
     codes = [_call(router, "POST", "/api/deployments/999999/generate/", auth, b"{}")[0] for _ in range(4)]
     assert [c["status"] for c in codes] == [404, 404, 404, 429]
