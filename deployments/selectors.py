@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Exists, OuterRef, Prefetch, Q, QuerySet
+from django.db.models import Exists, OuterRef, Prefetch, Q, QuerySet, prefetch_related_objects
 from django.utils import timezone
 
 from common.errors import NotFound
@@ -154,12 +154,22 @@ def event_filter(
     return rows
 
 
-def deployment_list() -> QuerySet[Deployment]:
+def _shown_with() -> list[Prefetch | str]:
+    """What DeploymentOut reads besides the row: its placements, replicas and pinned hosts."""
     placements = DeploymentModel.objects.select_related("registered_model", "engine_build")
     replicas = Replica.objects.select_related("host").order_by("serial")
-    return Deployment.objects.select_related("created_by").prefetch_related(
-        Prefetch("placements", queryset=placements), Prefetch("replica_set", queryset=replicas), "pinned_hosts"
-    )
+    return [Prefetch("placements", queryset=placements), Prefetch("replica_set", queryset=replicas), "pinned_hosts"]
+
+
+def deployment_list() -> QuerySet[Deployment]:
+    return Deployment.objects.select_related("created_by").prefetch_related(*_shown_with())
+
+
+def deployment_shown(deployment: Deployment) -> Deployment:
+    """The row a service returned, with what DeploymentOut reads fetched beside
+    it: an action's answer is the state the action left, not a second read."""
+    prefetch_related_objects([deployment], "created_by", *_shown_with())
+    return deployment
 
 
 def deployment_plan(deployment: Deployment) -> list[dict]:

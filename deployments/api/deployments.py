@@ -342,8 +342,7 @@ class DeploymentList(ListEndpoint):
             deployment = deployment_services.deployment_create(**_creation(data), user=request.user)
         except ValidationFailed as failed:
             raise ValidationFailed(_as_sent(failed.errors, data)) from None
-        deployment = selectors.deployment_list().get(pk=deployment.pk)
-        return Response(DeploymentOut(deployment).data, status=status.HTTP_201_CREATED)
+        return Response(DeploymentOut(selectors.deployment_shown(deployment)).data, status=status.HTTP_201_CREATED)
 
 
 class DeploymentDetail(APIView):
@@ -367,8 +366,10 @@ class DeploymentDetail(APIView):
         now by a restart when it runs."""
         data = validated(ServerIn, request)
         current = get_object_or_404(Deployment, pk=pk)
-        deployment_services.deployment_configure(deployment_id=pk, server=server_spec(data, current), user=request.user)
-        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+        deployment = deployment_services.deployment_configure(
+            deployment_id=pk, server=server_spec(data, current), user=request.user
+        )
+        return Response(DeploymentOut(selectors.deployment_shown(deployment)).data, status=status.HTTP_202_ACCEPTED)
 
 
 class ModelsIn(StrictSerializer):
@@ -387,10 +388,10 @@ class DeploymentModels(APIView):
     @extend_schema(request=ModelsIn, responses={202: DeploymentOut})
     def put(self, request: Request, pk: int) -> Response:
         data = validated(ModelsIn, request)
-        deployment_services.deployment_change(
+        deployment = deployment_services.deployment_change(
             deployment_id=pk, placements=placement_specs(data["models"]), user=request.user
         )
-        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+        return Response(DeploymentOut(selectors.deployment_shown(deployment)).data, status=status.HTTP_202_ACCEPTED)
 
 
 class RevisionOut(serializers.ModelSerializer):
@@ -422,8 +423,8 @@ class DeploymentStart(APIView):
     @extend_schema(request=None, responses={202: DeploymentOut})
     def post(self, request: Request, pk: int) -> Response:
         require_empty_body(request)
-        deployment_services.deployment_start(deployment_id=pk, user=request.user)
-        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+        deployment = deployment_services.deployment_start(deployment_id=pk, user=request.user)
+        return Response(DeploymentOut(selectors.deployment_shown(deployment)).data, status=status.HTTP_202_ACCEPTED)
 
 
 class DeploymentRestart(APIView):
@@ -435,8 +436,8 @@ class DeploymentRestart(APIView):
     @extend_schema(request=None, responses={202: DeploymentOut})
     def post(self, request: Request, pk: int) -> Response:
         require_empty_body(request)
-        deployment_services.deployment_restart(deployment_id=pk, user=request.user)
-        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+        deployment = deployment_services.deployment_restart(deployment_id=pk, user=request.user)
+        return Response(DeploymentOut(selectors.deployment_shown(deployment)).data, status=status.HTTP_202_ACCEPTED)
 
 
 class RollbackIn(StrictSerializer):
@@ -452,8 +453,10 @@ class DeploymentRollback(APIView):
     @extend_schema(request=RollbackIn, responses={202: DeploymentOut})
     def post(self, request: Request, pk: int) -> Response:
         data = validated(RollbackIn, request)
-        deployment_services.deployment_roll_back_to(deployment_id=pk, generation=data["generation"], user=request.user)
-        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+        deployment = deployment_services.deployment_roll_back_to(
+            deployment_id=pk, generation=data["generation"], user=request.user
+        )
+        return Response(DeploymentOut(selectors.deployment_shown(deployment)).data, status=status.HTTP_202_ACCEPTED)
 
 
 class ScaleIn(StrictSerializer):
@@ -470,8 +473,10 @@ class DeploymentScale(APIView):
     @extend_schema(request=ScaleIn, responses={202: DeploymentOut})
     def post(self, request: Request, pk: int) -> Response:
         data = validated(ScaleIn, request)
-        deployment_services.deployment_scale(deployment_id=pk, replicas=data["replicas"], user=request.user)
-        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+        deployment = deployment_services.deployment_scale(
+            deployment_id=pk, replicas=data["replicas"], user=request.user
+        )
+        return Response(DeploymentOut(selectors.deployment_shown(deployment)).data, status=status.HTTP_202_ACCEPTED)
 
 
 class DeploymentAutoscale(APIView):
@@ -485,8 +490,8 @@ class DeploymentAutoscale(APIView):
     @extend_schema(request=AutoscaleIn, responses={202: DeploymentOut})
     def post(self, request: Request, pk: int) -> Response:
         spec = autoscale_spec(validated(AutoscaleIn, request))
-        deployment_autoscale_set(deployment_id=pk, spec=spec, user=request.user)
-        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+        deployment = deployment_autoscale_set(deployment_id=pk, spec=spec, user=request.user)
+        return Response(DeploymentOut(selectors.deployment_shown(deployment)).data, status=status.HTTP_202_ACCEPTED)
 
 
 class DeploymentStop(APIView):
@@ -497,8 +502,8 @@ class DeploymentStop(APIView):
     @extend_schema(request=None, responses={202: DeploymentOut})
     def post(self, request: Request, pk: int) -> Response:
         require_empty_body(request)
-        deployment_services.deployment_stop(deployment_id=pk, user=request.user)
-        return Response(DeploymentOut(selectors.deployment_list().get(pk=pk)).data, status=status.HTTP_202_ACCEPTED)
+        deployment = deployment_services.deployment_stop(deployment_id=pk, user=request.user)
+        return Response(DeploymentOut(selectors.deployment_shown(deployment)).data, status=status.HTTP_202_ACCEPTED)
 
 
 class DeploymentEvents(Events):
