@@ -288,6 +288,12 @@ class TuningIn(StrictSerializer):
     budget_s = serializers.IntegerField(min_value=60, max_value=24 * 3600, help_text="the whole run's bound, s")
     max_trials = serializers.IntegerField(min_value=1, max_value=tuning.MAX_TRIALS, required=False)
     seed = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
+    end_on = serializers.ChoiceField(
+        choices=tuning.END_ON,
+        default=tuning.END_ON_START,
+        help_text="what a finished run leaves the deployment on: 'start' (its starting settings; apply a plan "
+        "later) or 'best' (the best trial's plan where it met every target, in one roll-out; else the start)",
+    )
     confirm = serializers.BooleanField(
         default=False, help_text="go ahead although live gateway keys use the mix's models (trials disturb them)"
     )

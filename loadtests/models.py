@@ -127,12 +127,14 @@ class TuningRun(models.Model):
     progress = JSONField(default=dict, blank=True, help_text="The trial under way, for the page.")
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     applied_generation = models.PositiveIntegerField(
-        null=True, blank=True, help_text="The generation 'apply' made from this run's chosen trial."
+        null=True,
+        blank=True,
+        help_text="The generation holding this run's chosen trial: made by 'apply', or by the run's end (end_on best).",
     )
     restore_pending = models.BooleanField(
         default=False,
-        help_text="The run ended without its starting settings back (its deployment could not take a change "
-        "then): the beat tries again until they are, and the run holds the deployment until then.",
+        help_text="The run ended without the settings it ends on in place (its deployment could not take a "
+        "change then): the beat tries again until they are, and the run holds the deployment until then.",
     )
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)

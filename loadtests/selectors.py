@@ -210,7 +210,7 @@ def tuning_summaries(limit: int = 200) -> list[TuningRun]:
     for run in runs:
         trials = list(run.trials.all())
         run.best = tuning.best(trials)
-        run.met = _met(run.best)
+        run.met = tuning.met(run.best)
     return runs
 
 
@@ -236,13 +236,8 @@ def tuning_result(run: TuningRun) -> dict[str, Any]:
         else None,
         "changes": [] if chosen is None else tuning.differences(run.start_plan, chosen.plan),
         # The most goodput is not a verdict: every trial may have missed its targets.
-        "met": _met(chosen),
+        "met": tuning.met(chosen),
     }
-
-
-def _met(trial: Any) -> bool:
-    """Whether ``trial`` (a measured one) met every alias's targets."""
-    return trial is not None and bool(trial.figures) and all(f.get("met") for f in trial.figures.values())
 
 
 def tuning_rows(run: TuningRun) -> list[dict[str, Any]]:

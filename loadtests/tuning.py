@@ -55,6 +55,10 @@ MAX_TRIALS = 100
 PRUNED_PER_TRIAL = 4
 # TPE is asked this many times for a plan not tried yet before the search ends.
 TPE_ASKS = 20
+# What a finished run leaves its deployment on: the settings it started from, or its best
+# trial's plan where that met every target (in one roll-out, instead of back and then apply).
+END_ON_START, END_ON_BEST = "start", "best"
+END_ON = (END_ON_START, END_ON_BEST)
 # A trial also loads its generation and starts the load generators: its time beyond trial_s.
 TRIAL_OVERHEAD_S = 60
 
@@ -186,6 +190,7 @@ def check(spec: dict[str, Any], *, placements: dict[str, str], aliases: dict[str
         "search": "grid" if size <= max_trials else "tpe",
         "grid_size": size,
         "seed": spec.get("seed", 0),
+        "end_on": spec.get("end_on") or END_ON_START,
     }
 
 
@@ -259,6 +264,11 @@ def score(entry: dict[str, Any], records: list[dict[str, Any]], duration_s: floa
         "targets": entry["targets"],
         "met": met,
     }
+
+
+def met(trial: Any) -> bool:
+    """Whether ``trial`` (a measured one) met every alias's targets."""
+    return trial is not None and bool(trial.figures) and all(f.get("met") for f in trial.figures.values())
 
 
 def best(trials: list[Any]) -> Any | None:

@@ -6,7 +6,9 @@ reaper for runs whose worker went quiet.
 
 A run ends with its deployment back at the settings it started from (a new
 generation holding them, if trials changed them), however it ends: finished,
-cancelled, failed or reaped. Its status moves only through
+cancelled, failed or reaped; or, when it finished and was asked to
+(``end_on: best``), on its best trial's plan where that met every target, in
+the same one roll-out. Its status moves only through
 ``tuning_transition`` (deployments.jobs; the table is loadtests.models.ALLOWED).
 """
 
@@ -69,7 +71,7 @@ def _moved(move: jobs.Move) -> TuningRun:
 
 
 def _holder(deployment_id: int) -> str:
-    holding = Q(status__in=ACTIVE) | Q(restore_pending=True)  # until its starting settings are back
+    holding = Q(status__in=ACTIVE) | Q(restore_pending=True)  # until the settings it ends on hold
     run = TuningRun.objects.filter(holding, deployment_id=deployment_id).values_list("pk", flat=True).first()
     return f"tuning run {run}" if run is not None else ""
 
@@ -346,67 +348,97 @@ def _params(params: dict[str, Any]) -> str:
 
 
 def tuning_finish(*, run_id: int, status: str, message: str, source: str) -> TuningRun | None:
-    """End a run as succeeded, failed or cancelled, with the deployment put back
-    to its starting settings first; None when it had already ended."""
+    """End a run as succeeded, failed or cancelled, with the deployment first put
+    on the settings it ends on (``tuning_settle``); None when it had already ended."""
     run = TuningRun.objects.filter(pk=run_id).first()
     if run is None or run.status not in ACTIVE:
         return None
     TuningTrial.objects.filter(run=run, status=TrialStatus.RUNNING).update(
         status=TrialStatus.FAILED, reason=f"the run ended ({status}) before it was measured", finished_at=timezone.now()
     )
-    restored = tuning_restore(run)
     if status == RunStatus.SUCCEEDED and run.status == RunStatus.CANCELLING:
         status = RunStatus.CANCELLED
-    said = restored.said if restored.held else f"{restored.said}; the control plane tries again until they are"
+    settled = tuning_settle(run, status)
+    said = settled.said if settled.held else f"{settled.said}; the control plane tries again until they are"
     try:
         return tuning_transition(run_id=run_id, to=status, source=source, message=f"{message}; {said}",
-                                 restore_pending=not restored.held)  # fmt: skip
+                                 restore_pending=not settled.held, applied_generation=settled.applied)  # fmt: skip
     except InvalidTransition:
         return None
 
 
-class Restored(NamedTuple):
-    held: bool  # the deployment holds the run's starting settings (or is gone)
+class Settled(NamedTuple):
+    held: bool  # the deployment holds the settings the run ends on (or is gone)
     said: str  # what was done, in words
+    applied: int | None = None  # the generation holding the winner's plan, when the run ended on it
 
 
-def tuning_restore(run: TuningRun) -> Restored:
-    """Put the deployment back to the settings the run started from (a new
-    generation holding them, if a trial changed them)."""
+def _winner(run: TuningRun, status: str) -> TuningTrial | None:
+    """The trial a run ends on: its best one, when the run finished, was asked
+    to end on it (spec ``end_on``) and that trial met every target; else None
+    (the starting settings)."""
+    if status != RunStatus.SUCCEEDED or run.spec.get("end_on") != tuning.END_ON_BEST:
+        return None
+    chosen = tuning.best(list(run.trials.all()))
+    return chosen if tuning.met(chosen) else None
+
+
+def tuning_settle(run: TuningRun, status: str | None = None) -> Settled:
+    """Put the deployment on the settings the run ends on (``status``, its own
+    by default): its winner's plan (``_winner``), or the settings it started
+    from, in one roll-out; none when it holds them already."""
     if run.deployment_id is None:
-        return Restored(True, "the deployment was deleted")
+        return Settled(True, "the deployment was deleted")
     deployment = Deployment.objects.get(pk=run.deployment_id)
+    status = status or run.status
+    winner = _winner(run, status)
+    missed = "no plan met every target, so " if status == RunStatus.SUCCEEDED and (
+        run.spec.get("end_on") == tuning.END_ON_BEST and winner is None) else ""  # fmt: skip
+    plan = run.start_plan if winner is None else winner.plan
+    what = f"trial {winner.number}'s plan ({winner.goodput:g} good requests/s)" if winner else ""
     try:
         deployment_services.deployment_change(
             deployment_id=run.deployment_id,
-            placements=[spec_from_snapshot(item) for item in run.start_plan],
+            placements=[spec_from_snapshot(item) for item in plan],
             user=None,  # the run's host makes the change; its asker was checked when it was asked for
-            reason=f"tuning run {run.pk} ended: the settings of generation {run.start_generation} back",
+            reason=f"tuning run {run.pk} ended: {what or f'the settings of generation {run.start_generation} back'}",
         )
     except NothingToChange:
-        return Restored(True, f"{deployment.name} holds its starting settings (generation {deployment.generation})")
+        if winner is None:
+            return Settled(True, f"{missed}{deployment.name} holds its starting settings (generation "
+                           f"{deployment.generation})")  # fmt: skip
+        return Settled(True, f"{deployment.name} holds {what} (generation {deployment.generation})",
+                       deployment.generation)  # fmt: skip
     except GantryError as refused:  # not changeable now (mid-roll, stopped), or a plan no longer placeable
-        return Restored(False, f"the starting settings could not be put back yet: {refused}")
+        if winner is None:
+            return Settled(False, f"{missed}the starting settings could not be put back yet: {refused}")
+        return Settled(False, f"{what} could not be put in place yet: {refused}")
     generation = Deployment.objects.values_list("generation", flat=True).get(pk=run.deployment_id)
-    return Restored(True, f"the settings of generation {run.start_generation} are back, as generation {generation}")
+    if winner is None:
+        return Settled(True, f"{missed}the settings of generation {run.start_generation} are back, as generation "
+                       f"{generation}")  # fmt: skip
+    return Settled(True, f"{what} is in place, as generation {generation}", generation)
 
 
 def tunings_restore_pending() -> int:
-    """Try again to put back the starting settings of ended runs that could not
-    (the beat, every 30 s); how many are back now, each said on the timeline."""
+    """Try again to put ended runs' deployments on the settings they end on,
+    where they could not be at the end (the beat, every 30 s); how many hold
+    them now, each said on the timeline."""
     back = 0
     for run in TuningRun.objects.filter(restore_pending=True).exclude(status__in=ACTIVE):
-        restored = tuning_restore(run)
-        if not restored.held:
+        settled = tuning_settle(run)
+        if not settled.held:
             continue
         TuningRun.objects.filter(pk=run.pk).update(
-            restore_pending=False, status_message=f"{run.status_message}; then {restored.said}"
+            restore_pending=False,
+            status_message=f"{run.status_message}; then {settled.said}",
+            applied_generation=settled.applied,
         )
         events.record(
             kind="tuning.restored",
             source="system",
             deployment=run.deployment,
-            message=f"tuning run {run.pk}: {restored.said}",
+            message=f"tuning run {run.pk}: {settled.said}",
             data={"tuning_run": run.pk},
         )
         publish(TuningRun.objects.get(pk=run.pk))

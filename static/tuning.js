@@ -98,7 +98,8 @@
       }
       if (Object.keys(errors).length) throw Object.assign(new Error("invalid"), { errors });
       const spec = { deployment: deploymentId, ...parsed, confirm,
-                     trial_s: Number(form.elements.trial_s.value), budget_s: Number(form.elements.budget_s.value) };
+                     trial_s: Number(form.elements.trial_s.value), budget_s: Number(form.elements.budget_s.value),
+                     end_on: form.elements.end_on.value };
       if (form.elements.max_trials.value !== "") spec.max_trials = Number(form.elements.max_trials.value);
       return spec;
     }

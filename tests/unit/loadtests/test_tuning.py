@@ -2,7 +2,8 @@
 next values (the grid in turn, else optuna's TPE told every earlier trial),
 goodput scored from per-request records, and the service's rules (one run at
 a time and never beside a load test, trials pruned when they cannot be
-placed, the starting settings put back however a run ends, apply)."""
+placed, the starting settings put back however a run ends, or the winner kept
+in one roll-out when asked, apply)."""
 
 from __future__ import annotations
 
@@ -146,8 +147,8 @@ def _rolled(deployment: Deployment) -> None:
     Deployment.objects.filter(pk=deployment.pk).update(status="ready")
 
 
-def _start(ready, operator, **kwargs):  # noqa: ANN001, ANN003, ANN202
-    return tunings.tuning_create(deployment_id=ready.pk, spec=_spec(), user=operator, **kwargs)
+def _start(ready, operator, spec=None, **kwargs):  # noqa: ANN001, ANN003, ANN202
+    return tunings.tuning_create(deployment_id=ready.pk, spec=spec or _spec(), user=operator, **kwargs)
 
 
 @pytest.mark.django_db
@@ -197,7 +198,7 @@ def test_a_trial_that_cannot_be_placed_is_pruned_and_the_run_ends_with_its_start
     assert Deployment.objects.get(pk=ready.pk).placements.get().max_batch_size == 4
     tunings.trial_end(trial_id=trial.pk, status=TrialStatus.MEASURED, figures={"embed": {}}, goodput=4.5)
     # Mid-roll, the starting settings cannot be put back yet: the run says so.
-    stuck = tunings.tuning_restore(TuningRun.objects.get(pk=run.pk))
+    stuck = tunings.tuning_settle(TuningRun.objects.get(pk=run.pk))
     assert not stuck.held and "could not be put back yet" in stuck.said and "updating" in stuck.said
     _rolled(ready)
 
@@ -256,8 +257,8 @@ def test_a_trial_of_the_plan_the_deployment_holds_is_measured_as_it_is(ready, op
     same = {"minilm.max_batch_size": run.start_plan[0]["max_batch_size"]}
     trial = tunings.trial_start(run_id=run.pk, number=0, params=same)
     assert trial.status == TrialStatus.RUNNING and trial.generation == ready.generation
-    restored = tunings.tuning_restore(TuningRun.objects.get(pk=run.pk))
-    assert restored == (True, f"{ready.name} holds its starting settings (generation {ready.generation})")
+    restored = tunings.tuning_settle(TuningRun.objects.get(pk=run.pk))
+    assert restored == (True, f"{ready.name} holds its starting settings (generation {ready.generation})", None)
 
 
 @pytest.mark.django_db
@@ -284,3 +285,82 @@ def test_a_restore_that_cannot_be_made_at_the_end_is_retried_until_it_holds(read
     _rolled(ready)
     assert deployments.deployment_change(deployment_id=ready.pk, placements=smaller, user=operator)
     assert tunings.tunings_restore_pending() == 0
+
+
+def _measured(run, number: int, batch: int, goodput: float, *, met: bool):  # noqa: ANN001, ANN202
+    trial = tunings.trial_start(run_id=run.pk, number=number, params={"minilm.max_batch_size": batch})
+    return tunings.trial_end(trial_id=trial.pk, status=TrialStatus.MEASURED, figures={"embed": {"met": met}},
+                             goodput=goodput)  # fmt: skip
+
+
+@pytest.mark.django_db
+def test_a_run_asked_to_end_on_its_winner_rolls_to_it_once(ready, operator):  # noqa: ANN001
+    run = _start(ready, operator, spec=_spec(end_on="best"))
+    assert run.spec["end_on"] == "best" and _check()["end_on"] == "start"
+    tunings.tuning_claim(run_id=run.pk, source="worker")
+    _measured(run, 0, 4, 9.0, met=True)
+    _rolled(ready)
+    _measured(run, 1, 2, 3.0, met=True)
+    _rolled(ready)
+    last = Deployment.objects.get(pk=ready.pk).generation
+    ended = tunings.tuning_finish(run_id=run.pk, status=RunStatus.SUCCEEDED, message="done", source="worker")
+    held = Deployment.objects.get(pk=ready.pk)
+    # One roll-out, from the last trial's plan straight to the winner's: the start is not put back first.
+    assert held.generation == last + 1 and held.placements.get().max_batch_size == 4
+    assert ended.applied_generation == last + 1 and not ended.restore_pending
+    assert f"trial 0's plan (9 good requests/s) is in place, as generation {last + 1}" in ended.status_message
+
+
+@pytest.mark.django_db
+def test_a_winner_already_held_costs_no_roll_out_and_a_run_that_met_nothing_ends_on_its_start(
+    ready,
+    operator,  # noqa: ANN001
+):
+    run = _start(ready, operator, spec=_spec(end_on="best"))
+    tunings.tuning_claim(run_id=run.pk, source="worker")
+    _measured(run, 0, 4, 9.0, met=True)
+    _rolled(ready)
+    held = Deployment.objects.get(pk=ready.pk).generation
+    ended = tunings.tuning_finish(run_id=run.pk, status=RunStatus.SUCCEEDED, message="done", source="worker")
+    assert Deployment.objects.get(pk=ready.pk).generation == held and ended.applied_generation == held
+    assert f"holds trial 0's plan (9 good requests/s) (generation {held})" in ended.status_message
+
+    missed = _start(ready, operator, spec=_spec(end_on="best"))
+    tunings.tuning_claim(run_id=missed.pk, source="worker")
+    _measured(missed, 0, 2, 5.0, met=False)
+    _rolled(ready)
+    ended = tunings.tuning_finish(run_id=missed.pk, status=RunStatus.SUCCEEDED, message="done", source="worker")
+    assert ended.applied_generation is None
+    assert "no plan met every target, so the settings of generation" in ended.status_message
+    assert Deployment.objects.get(pk=ready.pk).placements.get().max_batch_size == 4  # its start: the last winner
+
+
+@pytest.mark.django_db
+def test_a_cancelled_run_ends_on_its_start_and_a_winner_blocked_mid_roll_is_put_in_place_later(
+    ready,
+    operator,  # noqa: ANN001
+):
+    run = _start(ready, operator, spec=_spec(end_on="best"))
+    tunings.tuning_claim(run_id=run.pk, source="worker")
+    _measured(run, 0, 4, 9.0, met=True)
+    _rolled(ready)
+    tunings.tuning_cancel(run_id=run.pk, user=operator)
+    ended = tunings.tuning_finish(run_id=run.pk, status=RunStatus.SUCCEEDED, message="done", source="worker")
+    assert ended.status == RunStatus.CANCELLED and ended.applied_generation is None
+    assert Deployment.objects.get(pk=ready.pk).placements.get().max_batch_size == run.start_plan[0]["max_batch_size"]
+    _rolled(ready)
+
+    second = _start(ready, operator, spec=_spec(end_on="best"))
+    tunings.tuning_claim(run_id=second.pk, source="worker")
+    _measured(second, 0, 2, 9.0, met=True)
+    _rolled(ready)
+    _measured(second, 1, 4, 1.0, met=True)  # still rolling when the run ends
+    ended = tunings.tuning_finish(run_id=second.pk, status=RunStatus.SUCCEEDED, message="done", source="worker")
+    assert ended.restore_pending and "trial 0's plan (9 good requests/s) could not be put in place yet" in (
+        ended.status_message
+    )
+    _rolled(ready)
+    assert tunings.tunings_restore_pending() == 1
+    back = TuningRun.objects.get(pk=second.pk)
+    assert not back.restore_pending and back.applied_generation == Deployment.objects.get(pk=ready.pk).generation
+    assert Deployment.objects.get(pk=ready.pk).placements.get().max_batch_size == 2
