@@ -1,6 +1,7 @@
 from django.urls import path
 
-from deployments.api import builds, deployments, hosts, models, timeline
+from deployments.api import builds, deployment_state, deployments, hosts, models, timeline
+from deployments.api import deployment_actions as actions
 
 urlpatterns = [
     path("hosts/", hosts.HostList.as_view(), name="api-hosts"),
@@ -18,19 +19,27 @@ urlpatterns = [
     path("builds/<int:pk>/events/", builds.BuildEvents.as_view(), name="api-build-events"),
     path("events/", timeline.EventList.as_view(), name="api-events"),
     path("deployments/", deployments.DeploymentList.as_view(), name="api-deployments"),
-    path("deployments/rates/", deployments.DeploymentRates.as_view(), name="api-deployment-rates"),
-    path("deployments/preflight/", deployments.DeploymentPreflight.as_view(), name="api-deployment-preflight"),
+    path("deployments/rates/", deployment_state.DeploymentRates.as_view(), name="api-deployment-rates"),
+    path("deployments/preflight/", deployment_state.DeploymentPreflight.as_view(), name="api-deployment-preflight"),
     path("deployments/<int:pk>/", deployments.DeploymentDetail.as_view(), name="api-deployment"),
-    path("deployments/<int:pk>/start/", deployments.DeploymentStart.as_view(), name="api-deployment-start"),
-    path("deployments/<int:pk>/stop/", deployments.DeploymentStop.as_view(), name="api-deployment-stop"),
-    path("deployments/<int:pk>/scale/", deployments.DeploymentScale.as_view(), name="api-deployment-scale"),
-    path("deployments/<int:pk>/autoscale/", deployments.DeploymentAutoscale.as_view(), name="api-deployment-autoscale"),
-    path("deployments/<int:pk>/restart/", deployments.DeploymentRestart.as_view(), name="api-deployment-restart"),
-    path("deployments/<int:pk>/rollback/", deployments.DeploymentRollback.as_view(), name="api-deployment-rollback"),
-    path("deployments/<int:pk>/events/", deployments.DeploymentEvents.as_view(), name="api-deployment-events"),
-    path("deployments/<int:pk>/metrics/", deployments.DeploymentMetrics.as_view(), name="api-deployment-metrics"),
+    path("deployments/<int:pk>/start/", actions.DeploymentStart.as_view(), name="api-deployment-start"),
+    path("deployments/<int:pk>/stop/", actions.DeploymentStop.as_view(), name="api-deployment-stop"),
+    path("deployments/<int:pk>/scale/", actions.DeploymentScale.as_view(), name="api-deployment-scale"),
+    path(
+        "deployments/<int:pk>/autoscale/",
+        actions.DeploymentAutoscale.as_view(),
+        name="api-deployment-autoscale",
+    ),
+    path("deployments/<int:pk>/restart/", actions.DeploymentRestart.as_view(), name="api-deployment-restart"),
+    path(
+        "deployments/<int:pk>/rollback/",
+        actions.DeploymentRollback.as_view(),
+        name="api-deployment-rollback",
+    ),
+    path("deployments/<int:pk>/events/", deployment_state.DeploymentEvents.as_view(), name="api-deployment-events"),
+    path("deployments/<int:pk>/metrics/", deployment_state.DeploymentMetrics.as_view(), name="api-deployment-metrics"),
     path("deployments/<int:pk>/models/", deployments.DeploymentModels.as_view(), name="api-deployment-models"),
     path("deployments/<int:pk>/revisions/", deployments.DeploymentRevisions.as_view(), name="api-deployment-revisions"),
-    path("deployments/<int:pk>/log/", deployments.DeploymentLog.as_view(), name="api-deployment-log"),
-    path("deployments/<int:pk>/plan/", deployments.DeploymentPlan.as_view(), name="api-deployment-plan"),
+    path("deployments/<int:pk>/log/", deployment_state.DeploymentLog.as_view(), name="api-deployment-log"),
+    path("deployments/<int:pk>/plan/", deployment_state.DeploymentPlan.as_view(), name="api-deployment-plan"),
 ]
