@@ -3,80 +3,45 @@ time per deployment, confirmed when real clients use the deployment), cancel
 it, the worker's writes while it runs (claim, its gateway key, progress, each
 step's figures, finish), and the reaper for runs whose worker went quiet.
 
-A run's status moves only through ``run_transition`` (a job kind of
-deployments.jobs; the table is loadtests.models.ALLOWED); each move is on the
-deployment's timeline, and a run that ends takes its gateway key with it.
+A load test is a run kind (loadtests.runs, which writes what every run kind
+shares); its status moves only through ``run_transition``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import re
 from typing import Any
 
-from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from common import metrics
-from common.errors import ConfirmationRequired, InvalidTransition, NotFound, ValidationFailed
+from common.errors import InvalidTransition, NotFound, ValidationFailed
 from common.version import gantry_version
-from deployments import events, jobs, outbox, queues, trtllm
+from deployments import events, outbox, queues, trtllm
 from deployments.models import Deployment, DeploymentModel, DeploymentStatus, GpuHost
 from deployments.permissions import require_operator
-from gateway import services as gateway_services
-from gateway.models import Alias, ApiKey
+from gateway.models import Alias
+from loadtests import runs
 from loadtests import workload as workloads
-from loadtests.models import ACTIVE, ALLOWED, TERMINAL, LoadPoint, LoadTest, RunStatus, TuningRun
-
-# The gateway keys a run makes for itself are named so; they are not "real clients".
-KEY_NAME_PREFIX = "load test "
-TUNING_KEY_NAME = KEY_NAME_PREFIX + "(tuning run {})"
-# How long a run's key may live: it is revoked as soon as its run ends; this
-# bounds a key whose run waits long behind other jobs, or never ends.
-KEY_VALID_S = 2 * 24 * 3600
-# A running run whose worker has not reported for this long is failed by the reaper.
-STALE_AFTER_S = 120
+from loadtests.models import ACTIVE, LoadPoint, LoadTest, RunStatus
 
 
-def _lock_deployment(run_id: int) -> None:
-    # The deployment's row first, as run_create locks them: a move takes the run
-    # out of (or into) the one-active-run index, which a concurrent create waits
-    # on while holding the deployment; the other order deadlocks.
-    deployment_id = LoadTest.objects.filter(pk=run_id).values_list("deployment_id", flat=True).first()
-    Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+def _about(run: LoadTest) -> tuple[str, dict[str, Any]]:
+    return f"load test {run.pk} of {run.alias}", {"load_test": run.pk, "alias": run.alias}
 
 
-def _run_moved(move: jobs.Move) -> LoadTest:
-    run = LoadTest.objects.select_related("deployment").get(pk=move.job_id)
-    events.record(
-        kind=f"loadtest.{move.to}",
-        source=move.source,
-        actor=move.actor,
-        deployment=run.deployment,
-        from_status=move.previous,
-        to_status=move.to,
-        message=move.message or f"load test {run.pk} of {run.alias} is {move.to}",
-        data={"load_test": run.pk, "alias": run.alias},
-    )
-    transaction.on_commit(lambda: _publish(run))
-    return run
-
-
-def _run_stamps(to: str, now: dt.datetime) -> dict[str, Any]:
-    return {"started_at": now, "heartbeat_at": now} if to == RunStatus.RUNNING else {}
-
-
-LOAD_TEST = jobs.register(
-    jobs.JobKind(
+LOAD_TEST = runs.register(
+    runs.RunKind(
         name="load test",
+        event="loadtest",
         model=LoadTest,
-        allowed=ALLOWED,
-        terminal=TERMINAL,
-        after=_run_moved,
-        stamps=_run_stamps,
-        lock_first=_lock_deployment,
+        task=queues.RUN_LOADTEST,
+        key_name=runs.KEY_NAME_PREFIX + "{}",
+        key_aliases=lambda run: [run.alias],
+        key_valid_s=lambda run: runs.KEY_VALID_S,
+        about=_about,
+        kept="the steps it finished",
     )
 )
 
@@ -84,36 +49,7 @@ LOAD_TEST = jobs.register(
 def run_transition(*, run_id: int, to: str, source: str, message: str = "", actor: Any = None) -> LoadTest:
     """Move run ``run_id`` to ``to`` if the table allows it from where it is (a
     compare-and-swap, deployments.jobs), and put it on its deployment's timeline."""
-    return jobs.job_transition(LOAD_TEST, job_id=run_id, to=to, source=source, message=message, actor=actor)
-
-
-def _publish(run: LoadTest) -> None:
-    if run.deployment_id is not None:
-        events.publish(events.deployment_group(run.deployment_id), run_payload(run))
-
-
-def run_payload(run: LoadTest) -> dict[str, Any]:
-    """What a page is told when a run moves or reports progress."""
-    return {
-        "type": "loadtest",
-        "id": run.pk,
-        "status": run.status,
-        "status_message": run.status_message,
-        "progress": run.progress,
-    }
-
-
-def production_keys(alias: Alias) -> list[ApiKey]:
-    """The live gateway keys, other than load tests' own, that may use ``alias``."""
-    now = timezone.now()
-    return list(
-        ApiKey.objects.filter(revoked_at__isnull=True)
-        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
-        .filter(Q(all_aliases=True) | Q(aliases=alias))
-        .exclude(name__startswith=KEY_NAME_PREFIX)
-        .distinct()
-        .order_by("name")
-    )
+    return runs.transition(LOAD_TEST, run_id=run_id, to=to, source=source, message=message, actor=actor)
 
 
 def run_create(
@@ -151,13 +87,8 @@ def run_create(
         tuning = deployment.tuning_runs.filter(status__in=ACTIVE).first()
         if tuning is not None:
             raise InvalidTransition(f"tuning run {tuning.pk} is {tuning.status} on {deployment.name}: one at a time")
-        keys = production_keys(target)
-        if keys and not confirm:
-            names = ", ".join(key.name for key in keys[:5]) + (" ..." if len(keys) > 5 else "")
-            raise ConfirmationRequired(
-                f"{len(keys)} live gateway key(s) may use {alias} ({names}): their requests will slow "
-                "while this runs; send confirm: true to go ahead"
-            )
+        keys = [key.name for key in runs.production_keys(target)]
+        runs.require_confirmed(keys, confirm=confirm, uses=alias, why="their requests will slow while this runs")
         try:
             with transaction.atomic():
                 run = LoadTest.objects.create(
@@ -189,35 +120,6 @@ def run_create(
         key = run_key_issue(run_id=run.pk)
         outbox.enqueue_on_commit(queues.RUN_LOADTEST, host_name=home.host.name, args=[run.pk, key])
     return run
-
-
-def run_redrive(*, run_id: int, source: str, message: str) -> bool:
-    """Send a queued run's task again (its first may have been lost inside a broker
-    that restarted); False when the run is no longer queued or a task still waits
-    in the outbox. A duplicate is harmless: only one worker claims the run."""
-    with transaction.atomic():
-        run = LoadTest.objects.select_related("deployment", "host").select_for_update(of=("self",)).filter(pk=run_id)
-        run = run.first()
-        if run is None or run.status != RunStatus.QUEUED or run.host is None:
-            return False
-        if outbox.is_waiting(queues.RUN_LOADTEST, run.pk):  # before a new key revokes the waiting task's
-            return False
-        return outbox.redrive(
-            queues.RUN_LOADTEST,
-            host_name=run.host.name,
-            args=[run.pk, *key_for_redrive(run.pk, run_key_issue)],
-            source=source,
-            message=f"load test {run.pk}: {message}",
-            deployment=run.deployment,
-        )
-
-
-def _runs_resend(host_name: str, source: str, message: str) -> list[str]:
-    queued = LoadTest.objects.filter(host__name=host_name, status=RunStatus.QUEUED).values_list("pk", flat=True)
-    return [f"load test {pk}" for pk in queued if run_redrive(run_id=pk, source=source, message=message)]
-
-
-outbox.register(outbox.HostTask(queues.RUN_LOADTEST, resend_waiting=_runs_resend))
 
 
 def _checked(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -329,102 +231,32 @@ def context_of(deployment: Deployment, host: GpuHost, triton_name: str) -> dict[
 def run_cancel(*, run_id: int, user: Any = None) -> LoadTest:
     """A queued run is cancelled at once; a running one is asked to stop (its
     worker stops the load generator and keeps the steps it finished)."""
-    require_operator(user)
-    run = LoadTest.objects.filter(pk=run_id).first()
-    if run is None:
-        raise NotFound(f"load test {run_id} does not exist")
-    source = events.source_of(user)
-    if run.status == RunStatus.QUEUED:
-        return run_transition(run_id=run_id, to=RunStatus.CANCELLED, source=source, actor=user,
-                              message="cancelled before it started")  # fmt: skip
-    if run.status == RunStatus.RUNNING:
-        return run_transition(run_id=run_id, to=RunStatus.CANCELLING, source=source, actor=user,
-                              message="cancel requested")  # fmt: skip
-    raise InvalidTransition(f"load test {run_id} is {run.status}; only a queued or running one can be cancelled")
+    return runs.cancel(LOAD_TEST, run_id=run_id, user=user)
 
 
 def run_delete(*, run_id: int, user: Any = None) -> None:
     """Forget a finished run and its figures (refused while it is active)."""
-    require_operator(user)
-    with transaction.atomic():
-        run = LoadTest.objects.select_for_update().filter(pk=run_id).first()
-        if run is None:
-            raise NotFound(f"load test {run_id} does not exist")
-        if run.status in ACTIVE:
-            raise InvalidTransition(f"load test {run_id} is {run.status}; cancel it before deleting it")
-        run.delete()
+    runs.delete(LOAD_TEST, run_id=run_id, user=user)
 
 
 # --- the worker's writes ------------------------------------------------------
 
 
 def run_claim(*, run_id: int, source: str) -> LoadTest | None:
-    """The worker takes a queued run (None when it is no longer queued: cancelled
-    meanwhile, or a second delivery of the same task)."""
-    try:
-        return run_transition(run_id=run_id, to=RunStatus.RUNNING, source=source, message="load generator starting")
-    except (InvalidTransition, NotFound):
-        return None
+    """The worker takes a queued run (None when it is no longer queued)."""
+    return runs.claim(LOAD_TEST, run_id=run_id, source=source, message="load generator starting")
 
 
 def run_report(*, run_id: int, progress: dict[str, Any], log_tail: str | None = None) -> str:
     """The worker's heartbeat: the step under way, the generator's last lines;
     returns the run's status now (cancelling means stop)."""
-    fields: dict[str, Any] = {"progress": progress, "heartbeat_at": timezone.now()}
-    if log_tail is not None:
-        fields["log_tail"] = log_tail
-    LoadTest.objects.filter(pk=run_id).update(**fields)
-    run = LoadTest.objects.get(pk=run_id)
-    _publish(run)
-    return run.status
+    fields = {} if log_tail is None else {"log_tail": log_tail}
+    return runs.report(LOAD_TEST, run_id=run_id, progress=progress, **fields)
 
 
-def run_key_issue(*, run_id: int, valid_s: int = KEY_VALID_S) -> str:
-    """A gateway key for the run's load generator, scoped to the run's alias; its
-    secret, once. The control plane issues it with the run's task (a host's
-    credentials may not make keys) and revokes it once the run has ended
-    (``ended_run_keys_revoke``); an earlier key of the run (a task sent again) is revoked."""
-    run = LoadTest.objects.select_related("created_by").get(pk=run_id)
-    if run.created_by is None:
-        raise InvalidTransition("the user who asked for this load test no longer exists")
-    run_keys_revoke(run_id=run_id)
-    return gateway_services.key_create(
-        name=f"{KEY_NAME_PREFIX}{run_id}",
-        user=run.created_by,
-        alias_names=[run.alias],
-        expires_at=timezone.now() + dt.timedelta(seconds=valid_s),
-    ).secret
-
-
-def key_for_redrive(run_id: int, issue: Any) -> list[str]:
-    """A re-sent run's new key; none from a joined host, whose credentials may not
-    make keys (its worker then fails the run, asking for it again)."""
-    return [] if settings.GANTRY_JOINED_HOST else [issue(run_id=run_id)]
-
-
-def run_keys_revoke(*, run_id: int) -> None:
-    """Revoke the gateway keys made for load test ``run_id``."""
-    for key_id in ApiKey.objects.filter(name=f"{KEY_NAME_PREFIX}{run_id}", revoked_at__isnull=True).values_list(
-        "pk", flat=True
-    ):
-        gateway_services.key_revoke(key_id=key_id)
-
-
-def ended_run_keys_revoke() -> int:
-    """Revoke every key of a load test or tuning run that has ended (the beat
-    runs it every heartbeat: the run's end is reported by its host, whose
-    credentials may not touch keys). Returns how many were revoked."""
-    revoked = 0
-    live = ApiKey.objects.filter(name__startswith=KEY_NAME_PREFIX, revoked_at__isnull=True)
-    for key_id, name in live.values_list("pk", "name"):
-        tuning = re.fullmatch(re.escape(KEY_NAME_PREFIX) + r"\(tuning run (\d+)\)", name)
-        plain = re.fullmatch(re.escape(KEY_NAME_PREFIX) + r"(\d+)", name)
-        run_id = int((tuning or plain).group(1)) if (tuning or plain) else None
-        model = TuningRun if tuning else LoadTest
-        if run_id is None or not model.objects.filter(pk=run_id, status__in=ACTIVE).exists():
-            gateway_services.key_revoke(key_id=key_id)
-            revoked += 1
-    return revoked
+def run_key_issue(*, run_id: int) -> str:
+    """The run's gateway key, scoped to its alias (loadtests.runs.key_issue)."""
+    return runs.key_issue(LOAD_TEST, run_id=run_id)
 
 
 def run_note_load_generator(*, run_id: int, name: str, version: str) -> None:
@@ -480,22 +312,7 @@ def run_finish(*, run_id: int, status: str, message: str, source: str) -> LoadTe
     return ended
 
 
-def runs_reap(*, stale_after_s: int = STALE_AFTER_S) -> int:
+def runs_reap(*, stale_after_s: int = runs.STALE_AFTER_S) -> int:
     """Fail runs whose worker stopped reporting (killed, or its host went away):
     the steps they finished are kept. Returns how many were failed."""
-    cutoff = timezone.now() - dt.timedelta(seconds=stale_after_s)
-    stale = LoadTest.objects.filter(status__in=[RunStatus.RUNNING, RunStatus.CANCELLING], heartbeat_at__lt=cutoff)
-    failed = 0
-    for run in stale:
-        try:
-            run_transition(
-                run_id=run.pk,
-                to=RunStatus.FAILED,
-                source="system",
-                message=f"the worker stopped reporting for over {stale_after_s} s (restarted or killed); "
-                "the steps it finished are kept",
-            )
-            failed += 1
-        except InvalidTransition:
-            continue
-    return failed
+    return runs.reap(LOAD_TEST, run_finish, stale_after_s=stale_after_s)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from loadtests import services, tuning_services
+from loadtests import runs, services, tuning_services
 
 
 @shared_task(name="loadtests.tasks.reap_runs")
@@ -17,4 +17,4 @@ def reap_runs() -> int:
 @shared_task(name="loadtests.tasks.revoke_ended_run_keys")
 def revoke_ended_run_keys() -> int:
     """Revoke the gateway keys of load tests and tuning runs that have ended."""
-    return services.ended_run_keys_revoke()
+    return runs.ended_keys_revoke()

@@ -8,13 +8,13 @@ A run ends with its deployment back at the settings it started from (a new
 generation holding them, if trials changed them), however it ends: finished,
 cancelled, failed or reaped; or, when it finished and was asked to
 (``end_on: best``), on its best trial's plan where that met every target, in
-the same one roll-out. Its status moves only through
-``tuning_transition`` (deployments.jobs; the table is loadtests.models.ALLOWED).
+the same one roll-out. A tuning run is a run kind (loadtests.runs, which
+writes what every run kind shares); its status moves only through
+``tuning_transition``.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Any, NamedTuple
 
 from django.db import IntegrityError, transaction
@@ -22,14 +22,13 @@ from django.db.models import Q
 from django.utils import timezone
 
 from common.errors import (
-    ConfirmationRequired,
     GantryError,
     InvalidTransition,
     NotFound,
     NothingToChange,
     ValidationFailed,
 )
-from deployments import events, jobs, outbox, queues
+from deployments import events, outbox, queues
 from deployments.gpu_plan import placement_gpus, share_of
 from deployments.models import Deployment, DeploymentStatus
 from deployments.permissions import require_operator
@@ -40,34 +39,9 @@ from deployments.services.placements import (
     placements_validate,
     spec_from_snapshot,
 )
-from gateway import services as gateway_services
-from gateway.models import Alias, ApiKey
-from loadtests import tuning
-from loadtests.models import ACTIVE, ALLOWED, TERMINAL, LoadTest, RunStatus, TrialStatus, TuningRun, TuningTrial
-from loadtests.services import KEY_VALID_S, STALE_AFTER_S, TUNING_KEY_NAME, key_for_redrive, production_keys
-
-# A run's own gateway key; load tests' prefix, so it is never taken for a real client's.
-
-
-def _lock_deployment(run_id: int) -> None:
-    deployment_id = TuningRun.objects.filter(pk=run_id).values_list("deployment_id", flat=True).first()
-    Deployment.objects.select_for_update().filter(pk=deployment_id).first()
-
-
-def _moved(move: jobs.Move) -> TuningRun:
-    run = TuningRun.objects.select_related("deployment").get(pk=move.job_id)
-    events.record(
-        kind=f"tuning.{move.to}",
-        source=move.source,
-        actor=move.actor,
-        deployment=run.deployment,
-        from_status=move.previous,
-        to_status=move.to,
-        message=move.message or f"tuning run {run.pk} is {move.to}",
-        data={"tuning_run": run.pk},
-    )
-    transaction.on_commit(lambda: publish(run))
-    return run
+from gateway.models import Alias
+from loadtests import runs, tuning
+from loadtests.models import ACTIVE, LoadTest, RunStatus, TrialStatus, TuningRun, TuningTrial
 
 
 def _holder(deployment_id: int) -> str:
@@ -76,15 +50,17 @@ def _holder(deployment_id: int) -> str:
     return f"tuning run {run}" if run is not None else ""
 
 
-TUNING_RUN = jobs.register(
-    jobs.JobKind(
+TUNING_RUN = runs.register(
+    runs.RunKind(
         name="tuning run",
+        event="tuning",
         model=TuningRun,
-        allowed=ALLOWED,
-        terminal=TERMINAL,
-        after=_moved,
-        stamps=lambda to, now: {"started_at": now, "heartbeat_at": now} if to == RunStatus.RUNNING else {},
-        lock_first=_lock_deployment,
+        task=queues.RUN_TUNING,
+        key_name=runs.KEY_NAME_PREFIX + "(tuning run {})",
+        key_aliases=lambda run: [entry["model"] for entry in run.spec["mix"]],
+        key_valid_s=lambda run: run.spec["budget_s"] + runs.KEY_VALID_S,
+        about=lambda run: (f"tuning run {run.pk}", {"tuning_run": run.pk}),
+        kept="the trials it measured",
         holder=_holder,
     )
 )
@@ -95,22 +71,12 @@ def tuning_transition(
 ) -> TuningRun:
     """Move run ``run_id`` to ``to`` if the table allows it (``fields`` written
     with it), on its deployment's timeline."""
-    return jobs.job_transition(TUNING_RUN, job_id=run_id, to=to, source=source, message=message, actor=actor, **fields)
+    return runs.transition(TUNING_RUN, run_id=run_id, to=to, source=source, message=message, actor=actor, **fields)
 
 
 def publish(run: TuningRun) -> None:
     """Tell the deployment's pages where the run is."""
-    if run.deployment_id is not None:
-        events.publish(
-            events.deployment_group(run.deployment_id),
-            {
-                "type": "tuning",
-                "id": run.pk,
-                "status": run.status,
-                "status_message": run.status_message,
-                "progress": run.progress,
-            },  # fmt: skip
-        )
+    runs.publish(TUNING_RUN, run)
 
 
 def tuning_create(*, deployment_id: int, spec: dict[str, Any], confirm: bool = False, user: Any = None) -> TuningRun:
@@ -136,13 +102,9 @@ def tuning_create(*, deployment_id: int, spec: dict[str, Any], confirm: bool = F
         if testing is not None:
             raise InvalidTransition(f"load test {testing.pk} is {testing.status} on {deployment.name}: one at a time")
         users = sorted({key.name for entry in checked["mix"]
-                        for key in production_keys(Alias.objects.get(name=entry["model"]))})  # fmt: skip
-        if users and not confirm:
-            names = ", ".join(users[:5]) + (" ..." if len(users) > 5 else "")
-            raise ConfirmationRequired(
-                f"{len(users)} live gateway key(s) may use the mix's models ({names}): each trial reloads models "
-                "and loads them at the mix's rates; send confirm: true to go ahead"
-            )
+                        for key in runs.production_keys(Alias.objects.get(name=entry["model"]))})  # fmt: skip
+        runs.require_confirmed(users, confirm=confirm, uses="the mix's models",
+                               why="each trial reloads models and loads them at the mix's rates")  # fmt: skip
         try:
             with transaction.atomic():
                 run = TuningRun.objects.create(
@@ -182,35 +144,19 @@ def tuning_cancel(*, run_id: int, user: Any = None) -> TuningRun:
     """A queued run is cancelled at once; a running one is asked to stop (its
     worker stops the load, keeps the trials it measured and puts the starting
     settings back)."""
-    require_operator(user)
-    run = _get(run_id)
-    source = events.source_of(user)
-    if run.status == RunStatus.QUEUED:
-        return tuning_transition(run_id=run_id, to=RunStatus.CANCELLED, source=source, actor=user,
-                                 message="cancelled before it started")  # fmt: skip
-    if run.status == RunStatus.RUNNING:
-        return tuning_transition(run_id=run_id, to=RunStatus.CANCELLING, source=source, actor=user,
-                                 message="cancel requested")  # fmt: skip
-    raise InvalidTransition(f"tuning run {run_id} is {run.status}; only a queued or running one can be cancelled")
+    return runs.cancel(TUNING_RUN, run_id=run_id, user=user)
 
 
 def tuning_delete(*, run_id: int, user: Any = None) -> None:
     """Forget a finished run and its trials (refused while it is active)."""
-    require_operator(user)
-    with transaction.atomic():
-        run = TuningRun.objects.select_for_update().filter(pk=run_id).first()
-        if run is None:
-            raise NotFound(f"tuning run {run_id} does not exist")
-        if run.status in ACTIVE:
-            raise InvalidTransition(f"tuning run {run_id} is {run.status}; cancel it before deleting it")
-        run.delete()
+    runs.delete(TUNING_RUN, run_id=run_id, user=user)
 
 
 def tuning_apply(*, run_id: int, trial: int | None = None, user: Any = None) -> TuningRun:
     """Make a trial's plan (the best measured one unless ``trial`` is named) the
     deployment's next generation, rolled out as any change is."""
     require_operator(user)
-    run = _get(run_id)
+    run = runs.get(TUNING_RUN, run_id)
     if run.status in ACTIVE:
         raise InvalidTransition(f"tuning run {run_id} is {run.status}; apply a plan when it has ended")
     if run.deployment_id is None:
@@ -228,14 +174,7 @@ def tuning_apply(*, run_id: int, trial: int | None = None, user: Any = None) -> 
     )
     generation = Deployment.objects.values_list("generation", flat=True).get(pk=run.deployment_id)
     TuningRun.objects.filter(pk=run.pk).update(applied_generation=generation)
-    return _get(run_id)
-
-
-def _get(run_id: int) -> TuningRun:
-    run = TuningRun.objects.filter(pk=run_id).first()
-    if run is None:
-        raise NotFound(f"tuning run {run_id} does not exist")
-    return run
+    return runs.get(TUNING_RUN, run_id)
 
 
 # --- the worker's writes ------------------------------------------------------
@@ -243,41 +182,18 @@ def _get(run_id: int) -> TuningRun:
 
 def tuning_claim(*, run_id: int, source: str) -> TuningRun | None:
     """The worker takes a queued run (None when it is no longer queued)."""
-    try:
-        return tuning_transition(run_id=run_id, to=RunStatus.RUNNING, source=source, message="search starting")
-    except (InvalidTransition, NotFound):
-        return None
+    return runs.claim(TUNING_RUN, run_id=run_id, source=source, message="search starting")
 
 
 def tuning_report(*, run_id: int, progress: dict[str, Any]) -> str:
     """The worker's heartbeat; returns the run's status now (cancelling means stop)."""
-    TuningRun.objects.filter(pk=run_id).update(progress=progress, heartbeat_at=timezone.now())
-    run = TuningRun.objects.get(pk=run_id)
-    publish(run)
-    return run.status
+    return runs.report(TUNING_RUN, run_id=run_id, progress=progress)
 
 
 def tuning_key_issue(*, run_id: int) -> str:
-    """A gateway key for the run's load generators, scoped to the mix's aliases;
-    its secret, once. Issued with the run's task, revoked once the run has ended
-    (loadtests.services.ended_run_keys_revoke)."""
-    run = TuningRun.objects.select_related("created_by").get(pk=run_id)
-    if run.created_by is None:
-        raise InvalidTransition("the user who asked for this tuning run no longer exists")
-    _key_revoke(run_id)
-    return gateway_services.key_create(
-        name=TUNING_KEY_NAME.format(run_id),
-        user=run.created_by,
-        alias_names=[entry["model"] for entry in run.spec["mix"]],
-        expires_at=timezone.now() + dt.timedelta(seconds=run.spec["budget_s"] + KEY_VALID_S),
-    ).secret
-
-
-def _key_revoke(run_id: int) -> None:
-    for key_id in ApiKey.objects.filter(name=TUNING_KEY_NAME.format(run_id), revoked_at__isnull=True).values_list(
-        "pk", flat=True
-    ):
-        gateway_services.key_revoke(key_id=key_id)
+    """The run's gateway key, scoped to the mix's aliases, valid for its budget
+    and then some (loadtests.runs.key_issue)."""
+    return runs.key_issue(TUNING_RUN, run_id=run_id)
 
 
 def trial_start(*, run_id: int, number: int, params: dict[str, Any]) -> TuningTrial:
@@ -446,39 +362,7 @@ def tunings_restore_pending() -> int:
     return back
 
 
-def tunings_reap(*, stale_after_s: int = STALE_AFTER_S) -> int:
+def tunings_reap(*, stale_after_s: int = runs.STALE_AFTER_S) -> int:
     """Fail runs whose worker stopped reporting (killed, or its host went away),
     putting their deployments back; the trials they measured are kept."""
-    cutoff = timezone.now() - dt.timedelta(seconds=stale_after_s)
-    stale = TuningRun.objects.filter(status__in=[RunStatus.RUNNING, RunStatus.CANCELLING], heartbeat_at__lt=cutoff)
-    ended = 0
-    for run in stale:
-        if tuning_finish(run_id=run.pk, status=RunStatus.FAILED, source="system",
-                         message=f"the worker stopped reporting for over {stale_after_s} s (restarted or killed); "
-                         "the trials it measured are kept"):  # fmt: skip
-            ended += 1
-    return ended
-
-
-def tuning_redrive(*, run_id: int, source: str, message: str) -> bool:
-    """Send a queued run's task again (its first may have been lost inside a
-    broker that restarted); False when it is no longer queued or its task still
-    waits in the outbox. A duplicate is harmless: only one worker claims it."""
-    with transaction.atomic():
-        run = TuningRun.objects.select_related("deployment", "host").select_for_update(of=("self",))
-        run = run.filter(pk=run_id).first()
-        if run is None or run.status != RunStatus.QUEUED or run.host is None:
-            return False
-        if outbox.is_waiting(queues.RUN_TUNING, run.pk):  # before a new key revokes the waiting task's
-            return False
-        key = key_for_redrive(run.pk, tuning_key_issue)
-        return outbox.redrive(queues.RUN_TUNING, host_name=run.host.name, args=[run.pk, *key], source=source,
-                              message=f"tuning run {run.pk}: {message}", deployment=run.deployment)  # fmt: skip
-
-
-def _tunings_resend(host_name: str, source: str, message: str) -> list[str]:
-    queued = TuningRun.objects.filter(host__name=host_name, status=RunStatus.QUEUED).values_list("pk", flat=True)
-    return [f"tuning run {pk}" for pk in queued if tuning_redrive(run_id=pk, source=source, message=message)]
-
-
-outbox.register(outbox.HostTask(queues.RUN_TUNING, resend_waiting=_tunings_resend))
+    return runs.reap(TUNING_RUN, tuning_finish, stale_after_s=stale_after_s)

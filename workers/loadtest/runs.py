@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from deployments.models import Deployment, DeploymentModel, DeploymentStatus
 from loadtests import services
 from loadtests import workload as workloads
 from loadtests.models import LoadTest, RunStatus
+from loadtests.runs import RunKind
 from triton_server.server import LOCAL
 from workers import native_bench, nvml, processes
 from workers.engines.executors import NativeExecutor
@@ -55,26 +57,32 @@ def run_folder(run_id: int) -> Path:
 
 
 def reconcile_runs() -> None:
-    """Stop what a dead worker left on this host: for each load test still marked
-    running here whose heartbeat stopped, its AIPerf (if it still runs: it has a
-    process group of its own, so it outlives a SIGKILLed worker); the run fails
-    (which revokes its gateway key), keeping the steps it finished."""
+    """Stop what a dead worker left on this host: each load test's AIPerf (if it
+    still runs: it has a process group of its own, so it outlives a SIGKILLed
+    worker); the run fails (which revokes its gateway key), keeping the steps it
+    finished."""
+    reconcile(services.LOAD_TEST, run_folder, services.run_finish, stopped="its load generator was stopped")
+
+
+def reconcile(kind: RunKind, folder_of: Callable[[int], Path], finish: Callable[..., Any], *, stopped: str) -> None:
+    """For each run of ``kind`` still marked running on this host whose
+    heartbeat stopped: the process groups working in its folder are stopped
+    (AIPerf sets its process title, which hides its command line and
+    environment: a process is the run's by its working directory, whether or not
+    its pid was recorded before the worker died), then ``finish`` fails it."""
     cutoff = timezone.now() - dt.timedelta(seconds=ORPHAN_AFTER_S)
-    orphans = LoadTest.objects.filter(
+    orphans = kind.model.objects.filter(
         host__name=settings.GANTRY_HOST_NAME,
         status__in=[RunStatus.RUNNING, RunStatus.CANCELLING],
         heartbeat_at__lt=cutoff,
     )
     for run in orphans:
-        # AIPerf sets its process title, which hides its command line and environment:
-        # it is this run's by its working directory, whether or not its pid was
-        # recorded before the worker died.
-        processes.stop_groups_working_in(run_folder(run.pk))
-        services.run_finish(
+        processes.stop_groups_working_in(folder_of(run.pk))
+        finish(
             run_id=run.pk,
             status=RunStatus.FAILED,
-            message=f"the worker running this load test on {settings.GANTRY_HOST_NAME} stopped (killed or "
-            "restarted); its load generator was stopped; the steps it finished are kept",
+            message=f"the worker running this {kind.name} on {settings.GANTRY_HOST_NAME} stopped (killed or "
+            f"restarted); {stopped}; {kind.kept} are kept",
             source=source(),
         )
 
@@ -82,8 +90,8 @@ def reconcile_runs() -> None:
 # --- one run ---------------------------------------------------------------------
 
 
-class _Stop(Exception):
-    """The step was stopped: ``status`` is how the run ends, ``reason`` why."""
+class Stop(Exception):
+    """The run stops: ``status`` is how it ends, ``reason`` why."""
 
     def __init__(self, status: str, reason: str) -> None:
         super().__init__(reason)
@@ -134,7 +142,7 @@ def _run(run: LoadTest, key: str) -> None:
             else:
                 _step(run, step, key=key, deployment=deployment, triton_url=triton,
                       tokenizer=placement.registered_model.path, workdir=workdir / f"{index}-{target}")  # fmt: skip
-        except _Stop as stop:
+        except Stop as stop:
             services.run_finish(run_id=run.pk, status=stop.status, message=stop.reason, source=source())
             return
     done = len(plan)
@@ -254,7 +262,7 @@ class _Ran:
     """A step's load generator, run to its end: how it ended and what was seen."""
 
     returncode: int | None
-    stop: _Stop | None
+    stop: Stop | None
     sampler: ServerSampler
     tail: deque[str]
     log_path: Path
@@ -291,12 +299,12 @@ def _watch(
     log_path: Path,
     tail: deque[str],
     limit_s: int,
-) -> _Stop | None:
+) -> Stop | None:
     """Watch a step's process to its end, each second: report progress, sample
     Triton, and stop it on a cancel, the deployment leaving ready, or the
     step's time bound."""
     began = time.monotonic()
-    stop: _Stop | None = None
+    stop: Stop | None = None
 
     def progress(elapsed: float) -> dict[str, Any]:
         return {"step": step.index + 1, "steps": step.total, "target": step.target, "pid": process.pid,
@@ -311,15 +319,15 @@ def _watch(
             status = services.run_report(run_id=run.pk, progress=progress(elapsed), log_tail=_tail(log_path, tail))
             current = Deployment.objects.filter(pk=deployment.pk).values_list("status", flat=True).first()
             if status == RunStatus.CANCELLING:
-                stop = _Stop(RunStatus.CANCELLED, "cancelled; the steps finished before are kept")
+                stop = Stop(RunStatus.CANCELLED, "cancelled; the steps finished before are kept")
             elif current != DeploymentStatus.READY:
-                stop = _Stop(
+                stop = Stop(
                     RunStatus.FAILED,
                     f"{deployment.name} left ready ({current or 'deleted'}) during step {step.index + 1} of "
                     f"{step.total}; what was measured is kept",
                 )
             elif elapsed > limit_s:
-                stop = _Stop(RunStatus.FAILED, f"step {step.index + 1} ran past its {limit_s} s bound")
+                stop = Stop(RunStatus.FAILED, f"step {step.index + 1} ran past its {limit_s} s bound")
             if stop is not None:
                 # SIGINT first: AIPerf then writes what it measured so far (trtllm-bench stops cleanly).
                 processes.terminate_group(process.pid, grace_s=20.0, first_signal=signal.SIGINT)

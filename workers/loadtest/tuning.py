@@ -10,7 +10,6 @@ died, what it left on this host is stopped (reconcile_runs).
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import json
 import os
 import shutil
@@ -22,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.utils import timezone
 
 from deployments import states
 from deployments.models import Deployment, DeploymentRevision, DeploymentStatus
@@ -34,7 +32,7 @@ from workers.jobs import JobFailed, run_job, source
 from workers.loadtest import aiperf
 from workers.loadtest.aiperf import GRACE_S, Step, config_for, last_error
 from workers.loadtest.results import records_of
-from workers.loadtest.runs import NO_KEY, ORPHAN_AFTER_S, STARTUP_ALLOWANCE_S
+from workers.loadtest.runs import NO_KEY, STARTUP_ALLOWANCE_S, Stop, reconcile
 
 # A trial's generation gets this long to load on every replica (models reload one by one).
 ROLL_LIMIT_S = 900
@@ -46,33 +44,10 @@ def run_folder(run_id: int) -> Path:
 
 
 def reconcile_runs() -> None:
-    """Stop what a dead worker left on this host: for each tuning run still
-    marked running here whose heartbeat stopped, its load generators; the run
-    fails (its deployment gets its starting settings back), keeping the trials
-    it measured."""
-    cutoff = timezone.now() - dt.timedelta(seconds=ORPHAN_AFTER_S)
-    orphans = TuningRun.objects.filter(
-        host__name=settings.GANTRY_HOST_NAME,
-        status__in=[RunStatus.RUNNING, RunStatus.CANCELLING],
-        heartbeat_at__lt=cutoff,
-    )
-    for run in orphans:
-        processes.stop_groups_working_in(run_folder(run.pk))
-        services.tuning_finish(
-            run_id=run.pk,
-            status=RunStatus.FAILED,
-            message=f"the worker running this tuning run on {settings.GANTRY_HOST_NAME} stopped (killed or "
-            "restarted); its load generators were stopped; the trials it measured are kept",
-            source=source(),
-        )
-
-
-class _Stop(Exception):
-    """The run stops: ``status`` is how it ends, ``reason`` why."""
-
-    def __init__(self, status: str, reason: str) -> None:
-        super().__init__(reason)
-        self.status, self.reason = status, reason
+    """Stop what a dead worker left on this host: each tuning run's load
+    generators; the run fails (its deployment gets its starting settings back),
+    keeping the trials it measured."""
+    reconcile(services.TUNING_RUN, run_folder, services.tuning_finish, stopped="its load generators were stopped")
 
 
 def run(run_id: int, key: str) -> None:
@@ -129,7 +104,7 @@ def _run(run: TuningRun, key: str) -> None:
                 _done(run, searched if spec["search"] == "grid" else f"it reached {searched}")
                 return
             _trial(run, len(trials), params, key=key, folder=folder / str(len(trials)))
-    except _Stop as stop:
+    except Stop as stop:
         _finish(run.pk, stop.status, stop.reason)
 
 
@@ -157,7 +132,7 @@ def _done(run: TuningRun, why: str) -> None:
 def _report(run: TuningRun, progress: dict[str, Any]) -> None:
     status = services.tuning_report(run_id=run.pk, progress=progress)
     if status == RunStatus.CANCELLING:
-        raise _Stop(RunStatus.CANCELLED, "cancelled; the trials measured before are kept")
+        raise Stop(RunStatus.CANCELLED, "cancelled; the trials measured before are kept")
 
 
 def _trial(run: TuningRun, number: int, params: dict[str, Any], *, key: str, folder: Path) -> None:
@@ -194,10 +169,10 @@ def _rolled(run: TuningRun, trial: TuningTrial) -> str:
         ):
             return ""
         if deployment.status in (DeploymentStatus.FAILED, DeploymentStatus.STOPPED, DeploymentStatus.STOPPING):
-            raise _Stop(RunStatus.FAILED, f"{deployment.name} became {deployment.status} while trial "
+            raise Stop(RunStatus.FAILED, f"{deployment.name} became {deployment.status} while trial "
                         f"{trial.number} loaded")  # fmt: skip
         if time.monotonic() - began > ROLL_LIMIT_S:
-            raise _Stop(RunStatus.FAILED, f"generation {trial.generation} was not ready within {ROLL_LIMIT_S} s")
+            raise Stop(RunStatus.FAILED, f"generation {trial.generation} was not ready within {ROLL_LIMIT_S} s")
         _report(run, {"state": "loading", "trial": trial.number, "params": trial.params,
                       "generation": trial.generation, "elapsed_s": round(time.monotonic() - began)})  # fmt: skip
         time.sleep(1.0)
@@ -261,18 +236,18 @@ def _watch(run: TuningRun, trial: TuningTrial, loads: list[_Load], *, limit_s: i
     while any(load.process.poll() is None for load in loads):
         time.sleep(1.0)
         elapsed = time.monotonic() - began
-        stop: _Stop | None = None
+        stop: Stop | None = None
         try:
             _report(run, {"state": "measuring", "trial": trial.number, "params": trial.params,
                           "elapsed_s": round(elapsed), "trial_s": run.spec["trial_s"]})  # fmt: skip
-        except _Stop as cancelled:
+        except Stop as cancelled:
             stop = cancelled
         current = Deployment.objects.filter(pk=run.deployment_id).values_list("status", flat=True).first()
         if stop is None and current != DeploymentStatus.READY:
-            stop = _Stop(RunStatus.FAILED, f"{run.deployment_name} left ready ({current or 'deleted'}) during "
+            stop = Stop(RunStatus.FAILED, f"{run.deployment_name} left ready ({current or 'deleted'}) during "
                          f"trial {trial.number}")  # fmt: skip
         if stop is None and elapsed > limit_s:
-            stop = _Stop(RunStatus.FAILED, f"trial {trial.number}'s load ran past its {limit_s} s bound")
+            stop = Stop(RunStatus.FAILED, f"trial {trial.number}'s load ran past its {limit_s} s bound")
         if stop is not None:
             _stop_all(run, loads)
             raise stop

@@ -15,7 +15,7 @@ from deployments import queues
 from deployments.models import OutboxMessage
 from gateway import services as gateway
 from gateway.models import Alias, ApiKey
-from loadtests import services
+from loadtests import runs, services
 from loadtests.models import LoadTest, RunStatus
 from tests import factories
 
@@ -44,7 +44,7 @@ def test_a_run_is_queued_on_its_hosts_worker_with_what_was_under_test(ready, ope
     message = OutboxMessage.objects.get(task=queues.RUN_LOADTEST)
     # The run's gateway key travels with its task: the host's credentials may not make keys.
     assert message.queue == queues.jobs_queue(run.host.name) and message.args[0] == run.pk
-    key = ApiKey.objects.get(name=f"{services.KEY_NAME_PREFIX}{run.pk}", revoked_at=None)
+    key = ApiKey.objects.get(name=f"{runs.KEY_NAME_PREFIX}{run.pk}", revoked_at=None)
     assert key.prefix and message.args[1].startswith(key.prefix)
     assert list(key.aliases.values_list("name", flat=True)) == [run.alias]
     assert ready.events.filter(kind="loadtest.queued").exists()
@@ -71,7 +71,7 @@ def test_revoked_expired_and_load_test_keys_need_no_confirmation(ready, operator
     gateway.key_revoke(key_id=revoked.pk, user=operator)
     expired = gateway.key_create(name="expired", user=operator, all_aliases=True).key
     type(expired).objects.filter(pk=expired.pk).update(expires_at=timezone.now() - dt.timedelta(minutes=1))
-    gateway.key_create(name=f"{services.KEY_NAME_PREFIX}9", user=operator, alias_names=["embed"])
+    gateway.key_create(name=f"{runs.KEY_NAME_PREFIX}9", user=operator, alias_names=["embed"])
     assert _start(ready, operator).status == RunStatus.QUEUED
 
 
@@ -138,28 +138,28 @@ def test_a_run_left_by_a_dead_worker_has_its_load_generator_stopped_and_fails(
 
     from gateway.models import ApiKey
     from workers import processes
-    from workers.loadtest import runs
+    from workers.loadtest import runs as host_runs
 
     settings.GANTRY_HOST_NAME, settings.GANTRY_DATA_DIR = ready.replica_set.get().host.name, tmp_path
     run = _start(ready, operator)
     services.run_claim(run_id=run.pk, source="worker:h")
     # What a SIGKILLed worker leaves: the generator in a group of its own, working in the run's folder.
-    folder = runs.run_folder(run.pk) / "0-gateway"
+    folder = host_runs.run_folder(run.pk) / "0-gateway"
     folder.mkdir(parents=True)
     left = processes.start_group([sys.executable, "-c", "import time; time.sleep(120)"], cwd=folder,
                                  stdout=subprocess.DEVNULL)  # fmt: skip
     LoadTest.objects.filter(pk=run.pk).update(progress={"step": 1, "pid": left.pid} if pid_recorded else {})
-    runs.reconcile_runs()  # heartbeated just now: still its worker's
+    host_runs.reconcile_runs()  # heartbeated just now: still its worker's
     assert LoadTest.objects.get(pk=run.pk).status == RunStatus.RUNNING and left.poll() is None
     LoadTest.objects.filter(pk=run.pk).update(heartbeat_at=timezone.now() - dt.timedelta(seconds=60))
-    runs.reconcile_runs()
+    host_runs.reconcile_runs()
     assert left.wait(timeout=15) is not None
     failed = LoadTest.objects.get(pk=run.pk)
     assert failed.status == RunStatus.FAILED and "stopped (killed or restarted)" in failed.status_message
     # Its key lives until the beat's pass over ended runs revokes it.
-    assert ApiKey.objects.get(name=f"{services.KEY_NAME_PREFIX}{run.pk}").revoked_at is None
-    assert services.ended_run_keys_revoke() == 1 and services.ended_run_keys_revoke() == 0
-    assert ApiKey.objects.get(name=f"{services.KEY_NAME_PREFIX}{run.pk}").revoked_at is not None
+    assert ApiKey.objects.get(name=f"{runs.KEY_NAME_PREFIX}{run.pk}").revoked_at is None
+    assert runs.ended_keys_revoke() == 1 and runs.ended_keys_revoke() == 0
+    assert ApiKey.objects.get(name=f"{runs.KEY_NAME_PREFIX}{run.pk}").revoked_at is not None
 
 
 # --- the native ceiling: where trtllm-bench can run ---------------------------------

@@ -11,6 +11,7 @@ from deployments import outbox, queues
 from deployments.models import Event, GpuHost, OutboxMessage
 from deployments.services import deployments, hosts, registered_models
 from gateway.models import Alias, ApiKey
+from loadtests import runs
 from loadtests import services as loadtest_services
 from tests import factories
 from tests.unit.deployments.test_outbox import Broker
@@ -66,7 +67,7 @@ def test_a_broker_restart_sends_again_what_each_passing_row_waits_for(settings, 
     watch.beat()
     queue = queues.host_queue(host.name)
     # The load test's task again, with a new gateway key (the first one's secret is gone with the message).
-    key = ApiKey.objects.get(name=f"{loadtest_services.KEY_NAME_PREFIX}{run.pk}", revoked_at=None)
+    key = ApiKey.objects.get(name=f"{runs.KEY_NAME_PREFIX}{run.pk}", revoked_at=None)
     (again,) = [args for task, args, _ in sent if task == queues.RUN_LOADTEST]
     assert again[0] == run.pk and again[1].startswith(key.prefix)
     assert sorted((task, args[:1], q) for task, args, q in sent) == sorted(
