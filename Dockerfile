@@ -37,6 +37,7 @@ COPY docs/prometheus.yml docs/
 COPY docs/grafana docs/grafana
 COPY controlplane controlplane
 COPY common common
+COPY core core
 COPY triton_server triton_server
 COPY inference inference
 COPY access access

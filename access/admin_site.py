@@ -1,4 +1,4 @@
-"""The Django admin admits the admin role only (deployments.permissions):
+"""The Django admin admits the admin role only (core.permissions):
 superusers and members of the group 'gantry-admins', whatever their is_staff."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 
-from deployments.permissions import can_admin
+from core.permissions import can_admin
 
 
 class _AdminLogin(AdminAuthenticationForm):

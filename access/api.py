@@ -16,9 +16,9 @@ from rest_framework.views import APIView
 from access import services
 from access.idempotency import idempotent
 from access.models import ApiToken
-from deployments.api.base import StrictSerializer, require_empty_body, validated
-from deployments.api.lists import ListEndpoint
-from deployments.permissions import CanView, can_admin
+from core.api.base import StrictSerializer, require_empty_body, validated
+from core.api.lists import ListEndpoint
+from core.permissions import CanView, can_admin
 
 
 class TokenOut(serializers.ModelSerializer):

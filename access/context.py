@@ -1,10 +1,10 @@
-"""Every page knows the signed-in user's role (deployments.permissions)."""
+"""Every page knows the signed-in user's role (core.permissions)."""
 
 from __future__ import annotations
 
 from django.http import HttpRequest
 
-from deployments.permissions import role_of
+from core.permissions import role_of
 
 
 def role(request: HttpRequest) -> dict[str, str]:

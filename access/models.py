@@ -7,19 +7,11 @@ authenticates. The prefix lets a person recognise a token in a list.
 
 from __future__ import annotations
 
-import hashlib
-
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from deployments.fields import JSONField
-
-
-def secret_digest(secret: str) -> str:
-    """What is stored of a secret Gantry issues (a personal token, a gateway key).
-    They are 256 random bits, so a fast hash is enough."""
-    return hashlib.sha256(secret.encode()).hexdigest()
+from core.fields import JSONField
 
 
 class IssuedSecret(models.Model):

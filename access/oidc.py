@@ -48,7 +48,7 @@ from mozilla_django_oidc.utils import import_from_settings
 from mozilla_django_oidc.views import OIDCAuthenticationCallbackView, OIDCAuthenticationRequestView
 
 from access.models import ExternalIdentity
-from deployments.permissions import ADMIN_GROUP, OPERATOR_GROUP
+from core.permissions import ADMIN_GROUP, OPERATOR_GROUP
 
 log = logging.getLogger(__name__)
 DISCOVERY_TTL_S = 3600.0

@@ -12,9 +12,10 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from access.models import ApiToken, secret_digest
+from access.models import ApiToken
 from common.errors import NotFound, PermissionDenied, ValidationFailed
 from common.ttl_cache import MISSING, TtlCache
+from core.secrets import secret_digest
 from deployments.events import record, source_of
 
 TOKEN_PREFIX = "gt-"
@@ -55,7 +56,7 @@ def token_create(*, user: Any, name: str, expires_at: dt.datetime | None = None)
 
 def token_revoke(*, token_id: int, user: Any) -> ApiToken:
     """Revoke a token: its owner or an admin may. Revoking twice changes nothing."""
-    from deployments.permissions import can_admin
+    from core.permissions import can_admin
 
     with transaction.atomic():
         token = ApiToken.objects.select_for_update().select_related("user").filter(pk=token_id).first()

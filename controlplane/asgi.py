@@ -33,10 +33,10 @@ from django.conf import settings  # noqa: E402
 from django.core.wsgi import get_wsgi_application  # noqa: E402
 from django.urls import Resolver404, resolve  # noqa: E402
 
+from access.ws_auth import TokenOrSessionAuthMiddlewareStack  # noqa: E402
 from common.asgi_io import Door, Doors, send_bytes  # noqa: E402
 from controlplane import metrics  # noqa: E402
 from deployments.routing import websocket_urlpatterns  # noqa: E402
-from deployments.ws_auth import TokenOrSessionAuthMiddlewareStack  # noqa: E402
 from gateway import app as gateway  # noqa: E402
 from playground import lean  # noqa: E402
 

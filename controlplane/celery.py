@@ -1,6 +1,6 @@
 """The Celery application shared by the control plane and the GPU-host workers.
 
-Work for a host travels on its two queues (deployments.queues); the worker on
+Work for a host travels on its two queues (core.queues); the worker on
 that host consumes only those (workers.hostworker; docs/gpu-hosts.md).
 """
 

@@ -72,7 +72,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     django.setup()
     from controlplane.celery import host_worker_argv
-    from deployments.queues import host_queue, jobs_queue
+    from core.queues import host_queue, jobs_queue
 
     host = args.host or settings.GANTRY_HOST_NAME
     return _exec(

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from common import metrics
 from common.asgi_io import send_bytes
-from deployments import queues
+from core import queues
 from deployments.models import Deployment, EngineBuild, GpuHost, OutboxMessage, Replica
 from deployments.outbox import SENT_AT_HEADER
 from loadtests.models import LoadTest

@@ -22,7 +22,7 @@ from controlplane.env import (
     env_str,
     env_ulimits,
 )
-from deployments import queues
+from core import queues
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -610,12 +610,12 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "EXCEPTION_HANDLER": "deployments.api.base.exception_handler",
-    "DEFAULT_SCHEMA_CLASS": "deployments.api.schema.GantrySchema",
+    "EXCEPTION_HANDLER": "core.api.base.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "core.api.schema.GantrySchema",
     # Bodies are JSON objects: nested specs and lists have no honest form encoding.
     "DEFAULT_PARSER_CLASSES": ["controlplane.parsers.JSONParser"],
     "DEFAULT_RENDERER_CLASSES": [
-        "deployments.api.renderers.JSONRenderer",
+        "core.api.renderers.JSONRenderer",
         "rest_framework.renderers.BrowsableAPIRenderer",
     ],
     "DEFAULT_THROTTLE_CLASSES": ["access.throttles.PerUser", "access.throttles.PerAddress"],
@@ -640,14 +640,14 @@ SPECTACULAR_SETTINGS = {
     "by OpenAI's own reference; this schema covers /api/.",
     "VERSION": gantry_version(),
     "SERVE_INCLUDE_SCHEMA": False,
-    "SERVE_PERMISSIONS": ["deployments.permissions.CanView"],
+    "SERVE_PERMISSIONS": ["core.permissions.CanView"],
     "SCHEMA_PATH_PREFIX": "/api/",
     "COMPONENT_SPLIT_REQUEST": True,
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
-        "deployments.api.schema.refuse_unknown_fields",
+        "core.api.schema.refuse_unknown_fields",
     ],
     "ENUM_NAME_OVERRIDES": {
         "BuildStatusEnum": "deployments.models.BuildStatus",

@@ -12,9 +12,9 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from common import metrics
+from core.permissions import can_view
 from deployments import events
 from deployments.models import Deployment, EngineBuild
-from deployments.permissions import can_view
 
 TOPICS = {"deployment": (Deployment, events.deployment_group), "build": (EngineBuild, events.build_group)}
 # The dashboard follows the deployments in view: at most this many, and the

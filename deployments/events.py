@@ -33,7 +33,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import transaction
 
 from common import metrics
-from deployments import queues
+from core import queues
 from deployments.models import Deployment, Event, GpuHost
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from common.errors import PermanentError, TransientError
-from deployments import queues
+from core import queues
 
 # The host the session's role belongs to, as every policy reads it: NULL for a
 # role that is not a host's (the control plane's), 0 for a host role without

@@ -27,7 +27,8 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from common import metrics
-from deployments import events, queues
+from core import queues
+from deployments import events
 from deployments.models import EngineBuild, Event, GpuHost, HostCredential, Replica
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,8 @@ from django.db import close_old_connections, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from deployments import events, queues
+from core import queues
+from deployments import events
 from deployments.models import GpuHost, OutboxMessage
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class HostTask:
     and how the rows on a host that wait for it send it again when the broker
     may have lost it (a restart: ``resend_waiting``)."""
 
-    name: str  # as deployments.queues names it
+    name: str  # as core.queues names it
     # Its first argument (a row's id) as event fields: {"deployment": ...}; {} when the row is gone.
     about: Callable[[int], dict[str, Any]] | None = None
     # (host name, source, message): send the task again for every row on the host that waits

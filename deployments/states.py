@@ -7,7 +7,7 @@ row changed under us, or the table does not allow the move, nothing is written
 and ``InvalidTransition`` is raised. Replica and build moves also append an
 event, published once the transaction commits. A deployment's status is not a
 machine of its own: it sums up its replicas' (deployment_sync). Builds are a job kind
-(deployments.jobs, the shape every job shares); load tests, the other one,
+(core.jobs, the shape every job shares); load tests, the other one,
 keep their table in loadtests.models and move through
 loadtests.services.run_transition. Nothing else writes a status field.
 """
@@ -20,7 +20,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from common.errors import InvalidTransition, NotFound
-from deployments import events, jobs, selectors
+from core import jobs
+from deployments import events, selectors
 from deployments.models import BuildStatus as B
 from deployments.models import Deployment, DeploymentRevision, DesiredState, EngineBuild, RegisteredModel, Replica
 from deployments.models import DeploymentStatus as S
@@ -260,7 +261,7 @@ def build_transition(
     *, build_id: int, to: str, source: str, message: str = "", actor: Any = None, **fields: Any
 ) -> EngineBuild:
     """Move a build to ``to`` if ``BUILD_ALLOWED`` permits it from its current status
-    (compare-and-swap, deployments.jobs), with ``fields`` written in the same update."""
+    (compare-and-swap, core.jobs), with ``fields`` written in the same update."""
     return jobs.job_transition(BUILD, job_id=build_id, to=to, source=source, message=message, actor=actor, **fields)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from deployments import live_relay, outbox, queues  # noqa: F401 - live_relay starts in the beat worker
+from core import queues
+from deployments import live_relay, outbox  # noqa: F401 - live_relay starts in the beat worker
 from deployments.services import autoscale, builds, channel, host_join, hosts, replicas
 
 

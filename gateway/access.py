@@ -15,12 +15,12 @@ from asgiref.sync import sync_to_async
 from django.db import InterfaceError, OperationalError, close_old_connections
 from django.utils import timezone
 
-from access.models import secret_digest
 from access.services import TOKEN_PREFIX
 from common.ttl_cache import TtlCache
 from common.words import a
+from core.permissions import can_operate
+from core.secrets import secret_digest
 from deployments.models import DeploymentModel, ModelKind
-from deployments.permissions import can_operate
 from gateway.errors import GatewayError, model_not_found, not_ready
 from gateway.models import Alias, ApiKey
 from gateway.services import KEY_PREFIX

@@ -14,9 +14,9 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from access.idempotency import idempotent
-from deployments.api.base import StrictSerializer, require_empty_body, validated
-from deployments.api.lists import ListEndpoint
-from deployments.permissions import ReadOrOperate
+from core.api.base import StrictSerializer, require_empty_body, validated
+from core.api.lists import ListEndpoint
+from core.permissions import ReadOrOperate
 from gateway import services
 from gateway.models import Alias, ApiKey, Usage, alias_validator
 

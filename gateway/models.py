@@ -8,7 +8,8 @@ from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 
 from access.models import IssuedSecret
-from deployments.models import Deployment, slug_validator
+from core.validation import slug_validator
+from deployments.models import Deployment
 
 # What OpenAI-style clients send as "model": letters, digits and . _ - : / (e.g. "org/llama-3-8b:fp8").
 alias_validator = RegexValidator(

@@ -13,8 +13,8 @@ from typing import Any
 from rest_framework import serializers
 from rest_framework.fields import empty
 
+from core.api.base import StrictSerializer
 from deployments import chat_template
-from deployments.api.base import StrictSerializer
 from gateway.errors import GatewayError, bad_request
 from inference.generation import MAX_PROMPT_CHARS
 

@@ -12,12 +12,12 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from access.models import secret_digest
 from common.errors import NotFound, ValidationFailed
 from common.words import a
+from core.permissions import require_operator
+from core.secrets import secret_digest
 from deployments.events import record, source_of
 from deployments.models import Deployment, DeploymentModel
-from deployments.permissions import require_operator
 from gateway.models import Alias, ApiKey, Usage
 
 KEY_PREFIX = "gk-"

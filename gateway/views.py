@@ -12,8 +12,8 @@ from django.shortcuts import redirect, render
 from django.utils import timezone
 
 from common.errors import GantryError
+from core.permissions import can_operate
 from deployments.models import DeploymentModel
-from deployments.permissions import can_operate
 from deployments.web.forms import show_refusal
 from gateway import services
 from gateway.api import keys_with_usage

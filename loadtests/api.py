@@ -19,9 +19,9 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from access.idempotency import idempotent
-from deployments.api.base import StrictSerializer, require_empty_body, validated
-from deployments.api.lists import CursorPage, ListEndpoint, checked_query
-from deployments.permissions import ReadOrOperate
+from core.api.base import StrictSerializer, require_empty_body, validated
+from core.api.lists import CursorPage, ListEndpoint, checked_query
+from core.permissions import ReadOrOperate
 from loadtests import selectors, services, tuning
 from loadtests import tuning_services as tunings
 from loadtests import workload as w

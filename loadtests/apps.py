@@ -7,6 +7,6 @@ class LoadTestsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        # The job kinds register themselves (deployments.jobs): a tuning run's hold
+        # The job kinds register themselves (core.jobs): a tuning run's hold
         # on its deployment is known to every process, not only those that imported it.
         from loadtests import services, tuning_services  # noqa: F401

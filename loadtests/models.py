@@ -7,7 +7,7 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
-from deployments.fields import JSONField
+from core.fields import JSONField
 from deployments.models import Deployment, GpuHost
 
 

@@ -1,7 +1,7 @@
 """What every run a host carries out for a person has, written once: load tests
 and tuning runs, and a third kind as one more ``RunKind``.
 
-A run's status moves through deployments.jobs (the table is
+A run's status moves through core.jobs (the table is
 loadtests.models.ALLOWED) with its deployment's row locked first; each move is
 on the deployment's timeline and told to its pages. The worker claims a queued
 run and reports a heartbeat; a person cancels or deletes it. The control plane
@@ -25,9 +25,10 @@ from django.db.models import Q
 from django.utils import timezone
 
 from common.errors import ConfirmationRequired, InvalidTransition, NotFound
-from deployments import events, jobs, outbox
+from core import jobs
+from core.permissions import require_operator
+from deployments import events, outbox
 from deployments.models import Deployment
-from deployments.permissions import require_operator
 from gateway import services as gateway_services
 from gateway.models import Alias, ApiKey
 from loadtests.models import ACTIVE, ALLOWED, TERMINAL, RunStatus
@@ -45,13 +46,13 @@ class RunKind:
     name: str  # as messages say it: "load test"
     event: str  # the timeline's and the pages' word: loadtest.running, {"type": "loadtest"}
     model: type[models.Model]
-    task: str  # the host task that carries it out (deployments.queues)
+    task: str  # the host task that carries it out (core.queues)
     key_name: str  # its gateway key's name, "{}" for the run's id
     key_aliases: Callable[[Any], list[str]]  # the aliases its key may name
     key_valid_s: Callable[[Any], int]  # how long its key lives
     about: Callable[[Any], tuple[str, dict[str, Any]]]  # the run in words on its timeline, and the events' data
     kept: str  # what a run that dies keeps: "the steps it finished"
-    holder: Callable[[int], str] | None = None  # see deployments.jobs.JobKind.holder
+    holder: Callable[[int], str] | None = None  # see core.jobs.JobKind.holder
     job: jobs.JobKind = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -108,7 +109,7 @@ def transition(
     kind: RunKind, *, run_id: int, to: str, source: str, message: str = "", actor: Any = None, **fields: Any
 ) -> Any:
     """Move run ``run_id`` to ``to`` if the table allows it from where it is (a
-    compare-and-swap, deployments.jobs), ``fields`` written with it."""
+    compare-and-swap, core.jobs), ``fields`` written with it."""
     return jobs.job_transition(kind.job, job_id=run_id, to=to, source=source, message=message, actor=actor, **fields)
 
 

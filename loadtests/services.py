@@ -18,9 +18,10 @@ from django.utils import timezone
 from common import metrics
 from common.errors import InvalidTransition, NotFound, ValidationFailed
 from common.version import gantry_version
-from deployments import events, outbox, queues, trtllm
+from core import queues
+from core.permissions import require_operator
+from deployments import events, outbox, trtllm
 from deployments.models import Deployment, DeploymentModel, DeploymentStatus, GpuHost
-from deployments.permissions import require_operator
 from gateway.models import Alias
 from loadtests import runs
 from loadtests import workload as workloads
@@ -48,7 +49,7 @@ LOAD_TEST = runs.register(
 
 def run_transition(*, run_id: int, to: str, source: str, message: str = "", actor: Any = None) -> LoadTest:
     """Move run ``run_id`` to ``to`` if the table allows it from where it is (a
-    compare-and-swap, deployments.jobs), and put it on its deployment's timeline."""
+    compare-and-swap, core.jobs), and put it on its deployment's timeline."""
     return runs.transition(LOAD_TEST, run_id=run_id, to=to, source=source, message=message, actor=actor)
 
 

@@ -28,10 +28,11 @@ from common.errors import (
     NothingToChange,
     ValidationFailed,
 )
-from deployments import events, outbox, queues
+from core import queues
+from core.permissions import require_operator
+from deployments import events, outbox
 from deployments.gpu_plan import placement_gpus, share_of
 from deployments.models import Deployment, DeploymentStatus
-from deployments.permissions import require_operator
 from deployments.services import deployments as deployment_services
 from deployments.services.placements import (
     placement_rows,

@@ -9,7 +9,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
 
 from common.errors import NotFound, ValidationFailed
-from deployments.permissions import can_operate
+from core.permissions import can_operate
 from loadtests import selectors, workload
 
 

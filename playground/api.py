@@ -17,16 +17,16 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from access.models import secret_digest
 from access.services import bearer_secret, token_user, token_user_if_known
 from access.throttles import door_throttled
 from common import jsonbody, metrics
 from common.errors import GantryError
 from common.problems import problem
 from common.ttl_cache import MISSING
+from core.api.base import StrictSerializer, error_body, gantry_error, json_type_errors, validated
+from core.permissions import CanView, can_view
+from core.secrets import secret_digest
 from deployments import chat_template
-from deployments.api.base import StrictSerializer, error_body, gantry_error, json_type_errors, validated
-from deployments.permissions import CanView, can_view
 from inference.embeddings import MAX_TEXT_CHARS, MAX_TEXTS, embed_texts, rerank_passages
 from inference.generation import MAX_PROMPT_CHARS, Outcome, Sampling, cached_route, generate, prepare_generation
 

@@ -15,8 +15,8 @@ import pytest
 from django.contrib.auth.models import Group, User
 from rest_framework.test import APIClient
 
+from core.permissions import OPERATOR_GROUP
 from deployments.models import GpuHost, RegisteredModel
-from deployments.permissions import OPERATOR_GROUP
 from tests import factories
 
 

@@ -22,7 +22,7 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from common import metrics
-from deployments.queues import host_queue
+from core.queues import host_queue
 from deployments.services import hosts
 from workers import broker, channel, exporter, nvml
 from workers.deploy import reconcile as deploy_reconcile

@@ -29,7 +29,7 @@ import time
 import traceback
 
 from common import metrics_folder
-from deployments.queues import host_queue, jobs_queue
+from core.queues import host_queue, jobs_queue
 
 # Slots per worker: control work is short and rarely concurrent; jobs are a
 # build beside a load test.

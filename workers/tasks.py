@@ -7,7 +7,7 @@ from __future__ import annotations
 from celery import shared_task
 from django.conf import settings
 
-from deployments import queues
+from core import queues
 from deployments.services import hosts, registered_models
 from workers import agent  # noqa: F401 - importing agent connects it to worker start
 from workers.deploy import lifecycle

@@ -10,10 +10,10 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from core.api.base import StrictSerializer, require_empty_body, validated
+from core.permissions import ReadOrOperate
 from deployments import selectors
-from deployments.api.base import StrictSerializer, require_empty_body, validated
 from deployments.api.deployments import AutoscaleIn, DeploymentOut, autoscale_spec
-from deployments.permissions import ReadOrOperate
 from deployments.services import deployments as deployment_services
 from deployments.services.autoscale import deployment_autoscale_set
 

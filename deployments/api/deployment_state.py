@@ -16,13 +16,14 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from core.api.base import StrictSerializer, validated
+from core.api.lists import CursorPage, ListEndpoint, checked_query
+from core.permissions import ReadOrOperate
+from core.validation import slug_validator
 from deployments import selectors
-from deployments.api.base import StrictSerializer, validated
 from deployments.api.deployments import IDS_MAX, DeploymentIn, as_sent, creation, ids_field, ids_of
-from deployments.api.lists import CursorPage, ListEndpoint, checked_query
 from deployments.api.timeline import Events, LogLines
-from deployments.models import Deployment, Event, LogLine, MetricSample, slug_validator
-from deployments.permissions import ReadOrOperate
+from deployments.models import Deployment, Event, LogLine, MetricSample
 from deployments.services import deployments as deployment_services
 from deployments.services import telemetry
 

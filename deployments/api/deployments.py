@@ -19,11 +19,12 @@ from rest_framework.views import APIView
 
 from access.idempotency import idempotent
 from common.errors import ValidationFailed
+from core.api.base import StrictModelSerializer, StrictSerializer, validated
+from core.api.lists import ListEndpoint
+from core.permissions import ReadOrOperate
+from core.validation import DB_INT_MAX, slug_validator
 from deployments import selectors, states
-from deployments.api.base import StrictModelSerializer, StrictSerializer, validated
-from deployments.api.lists import ListEndpoint
 from deployments.models import (
-    DB_INT_MAX,
     AutoscaleMetric,
     Deployment,
     DeploymentModel,
@@ -33,9 +34,7 @@ from deployments.models import (
     PlacementPolicy,
     Replica,
     Runtime,
-    slug_validator,
 )
-from deployments.permissions import ReadOrOperate
 from deployments.services import deployments as deployment_services
 from deployments.services.autoscale import AUTOSCALE_OFF, AutoscaleSpec, describe
 from deployments.services.deployments import ServerSpec

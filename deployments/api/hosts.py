@@ -11,11 +11,11 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from core.api.base import StrictSerializer, require_empty_body, validated
+from core.api.lists import ListEndpoint
+from core.permissions import ReadOrOperate, can_admin
 from deployments import selectors
-from deployments.api.base import StrictSerializer, require_empty_body, validated
-from deployments.api.lists import ListEndpoint
 from deployments.models import Gpu, GpuHost
-from deployments.permissions import ReadOrOperate, can_admin
 from deployments.services import host_join
 
 

@@ -13,11 +13,12 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from access.idempotency import idempotent
+from core.api.base import StrictSerializer, validated
+from core.api.lists import ListEndpoint
+from core.permissions import ReadOrOperate
+from core.validation import slug_validator
 from deployments import selectors
-from deployments.api.base import StrictSerializer, validated
-from deployments.api.lists import ListEndpoint
-from deployments.models import Inspection, ModelKind, RegisteredModel, slug_validator
-from deployments.permissions import ReadOrOperate
+from deployments.models import Inspection, ModelKind, RegisteredModel
 from deployments.services import registered_models
 
 

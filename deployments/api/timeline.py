@@ -10,12 +10,12 @@ from typing import Any
 from django.db.models import QuerySet
 from rest_framework import serializers
 
+from core.api.base import StrictSerializer
+from core.api.lists import CursorPage, ListEndpoint
+from core.permissions import ReadOrOperate
 from deployments import selectors
-from deployments.api.base import StrictSerializer
-from deployments.api.lists import CursorPage, ListEndpoint
 from deployments.events import EventPayload, payload_of_row
 from deployments.models import Event
-from deployments.permissions import ReadOrOperate
 
 
 class EventOut(serializers.Serializer):

@@ -51,10 +51,6 @@ from deployments.models.timeline import (
     MetricSample,
     OutboxMessage,
 )
-from deployments.models.validation import (
-    DB_INT_MAX,
-    slug_validator,
-)
 
 __all__ = [
     "AutoscaleMetric",
@@ -65,7 +61,6 @@ __all__ = [
     "ChannelAuthority",
     "ChannelCertificate",
     "ChannelSecrets",
-    "DB_INT_MAX",
     "DecodingMode",
     "Deployment",
     "DeploymentModel",
@@ -95,5 +90,4 @@ __all__ = [
     "SchedulerPolicy",
     "TimeoutAction",
     "new_admin_secret",
-    "slug_validator",
 ]

@@ -6,9 +6,9 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from deployments.fields import JSONField
+from core.fields import JSONField
+from core.validation import slug_validator
 from deployments.models.hosts import GpuHost
-from deployments.models.validation import slug_validator
 
 
 class ModelKind(models.TextChoices):

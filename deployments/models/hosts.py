@@ -10,9 +10,9 @@ from django.core.validators import MaxValueValidator
 from django.db import models
 from django.utils import timezone
 
-from deployments.fields import JSONField
-from deployments.models.validation import slug_validator
-from deployments.queues import host_queue, jobs_queue
+from core.fields import JSONField
+from core.queues import host_queue, jobs_queue
+from core.validation import slug_validator
 
 
 class GpuHost(models.Model):

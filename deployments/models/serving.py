@@ -10,10 +10,10 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
 
-from deployments.fields import JSONField
+from core.fields import JSONField
+from core.validation import slug_validator
 from deployments.models.checkpoints import EngineBuild, RegisteredModel
 from deployments.models.hosts import GpuHost
-from deployments.models.validation import slug_validator
 from triton_server.names import engine_model
 
 

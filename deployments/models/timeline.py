@@ -7,7 +7,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from deployments.fields import JSONField
+from core.fields import JSONField
 from deployments.models.checkpoints import EngineBuild, RegisteredModel
 from deployments.models.hosts import GpuHost
 from deployments.models.serving import Deployment, Replica

@@ -4,5 +4,5 @@ entity: hosts, registered models, placements, deployments, builds, telemetry.
 Views, API views, consumers and worker tasks are thin doors into these
 services (``<entity>_<action>``, keyword-only arguments). Status fields change
 only in deployments.states; work for a host is enqueued only through
-deployments.queues.
+core.queues.
 """

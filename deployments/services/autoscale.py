@@ -23,9 +23,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from common.errors import InvalidTransition, NotFound, NothingToChange, ValidationFailed
+from core.permissions import require_operator
 from deployments import events, states
 from deployments.models import AutoscaleMetric, Deployment, DeploymentStatus, DesiredState
-from deployments.permissions import require_operator
 from deployments.services import replicas as replicas_service
 
 # Within this fraction of the target, the count is left as it is (HPA's default tolerance).

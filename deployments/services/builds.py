@@ -19,10 +19,11 @@ from django.utils import timezone
 
 from common import metrics
 from common.errors import InvalidTransition, NotFound, ValidationFailed
-from deployments import build_spec, events, outbox, queues, selectors, states
+from core import queues
+from core.permissions import require_operator
+from deployments import build_spec, events, outbox, selectors, states
 from deployments.models import BuildExecutor, BuildLogLine, EngineBuild, GpuHost, RegisteredModel
 from deployments.models import BuildStatus as B
-from deployments.permissions import require_operator
 from deployments.services.telemetry import append_newest_lines
 
 

@@ -24,7 +24,9 @@ from django.db import IntegrityError, transaction
 from django.db.models import Max
 
 from common.errors import InvalidTransition, NotFound, NothingToChange, ValidationFailed
-from deployments import events, jobs, outbox, queues, selectors, states
+from core import jobs, queues
+from core.permissions import require_operator
+from deployments import events, outbox, selectors, states
 from deployments.gpu_plan import Choice, Holder, host_plan, replica_gpus
 from deployments.models import (
     Deployment,
@@ -33,17 +35,14 @@ from deployments.models import (
     DesiredState,
     GpuHost,
     PlacementPolicy,
-    RevisionStatus,
     Runtime,
 )
-from deployments.permissions import require_operator
 from deployments.services import replica_placement
 from deployments.services import replicas as replicas_service
 from deployments.services.autoscale import AUTOSCALE_OFF, AutoscaleSpec, autoscale_errors, describe
 from deployments.services.placements import (
     PlacementSpec,
     Resolved,
-    placement_from_snapshot,
     placement_rows,
     placements_check,
     placements_snapshot,
@@ -300,36 +299,6 @@ def deployment_change(
         )
         if running:
             replicas_service.roll_next(deployment_id=deployment.pk, source=events.source_of(user))
-    return Deployment.objects.get(pk=deployment_id)
-
-
-def deployment_rollback(*, deployment_id: int, failed_generation: int, reason: str, source: str) -> Deployment:
-    """Put back the placements of the generation before ``failed_generation``
-    (the replicas that took it roll back to them, one at a time); the failed
-    revision keeps its reason."""
-    with transaction.atomic():
-        deployment = Deployment.objects.select_for_update().get(pk=deployment_id)
-        if deployment.generation != failed_generation:
-            raise InvalidTransition(
-                f"{deployment.name} is at generation {deployment.generation}, not {failed_generation}"
-            )
-        previous = deployment.revisions.filter(status=RevisionStatus.SUPERSEDED).order_by("-generation").first()
-        if previous is None:
-            raise InvalidTransition(f"{deployment.name} has no earlier generation to roll back to")
-        placements_write(deployment=deployment, resolved=[placement_from_snapshot(item) for item in previous.spec])
-        Deployment.objects.filter(pk=deployment.pk).update(generation=previous.generation)
-        states.revision_transition(
-            deployment_id=deployment.pk, generation=failed_generation, to=RevisionStatus.FAILED, message=reason
-        )
-        states.revision_transition(
-            deployment_id=deployment.pk, generation=previous.generation, to=RevisionStatus.CURRENT
-        )
-        events.record(
-            kind="deployment.rollback",
-            source=source,
-            deployment=deployment,
-            message=f"generation {failed_generation} failed ({reason}); back to generation {previous.generation}",
-        )
     return Deployment.objects.get(pk=deployment_id)
 
 

@@ -16,12 +16,14 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from access.models import secret_digest
 from common import pki
 from common.errors import NotFound, PermissionDenied, ValidationFailed
-from deployments import events, host_access, queues
-from deployments.models import GpuHost, HostCredential, HostJoinToken, slug_validator
-from deployments.permissions import can_admin
+from core import queues
+from core.permissions import can_admin
+from core.secrets import secret_digest
+from core.validation import slug_validator
+from deployments import events, host_access
+from deployments.models import GpuHost, HostCredential, HostJoinToken
 from deployments.services import channel
 
 TOKEN_PREFIX = "gj-"

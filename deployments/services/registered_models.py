@@ -11,10 +11,11 @@ from django.db import IntegrityError, transaction
 
 from common.errors import InvalidTransition, NotFound, ValidationFailed
 from common.words import a
-from deployments import events, outbox, queues, states
+from core import queues
+from core.permissions import require_operator
+from deployments import events, outbox, states
 from deployments.checkpoints import CheckpointInfo, inspect_checkpoint, under_roots
 from deployments.models import GpuHost, Inspection, ModelKind, RegisteredModel
-from deployments.permissions import require_operator
 
 # Kinds whose clients send text, so the checkpoint must carry its tokenizer.
 NEEDS_TOKENIZER = frozenset({ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.LLM})

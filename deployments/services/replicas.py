@@ -28,10 +28,12 @@ from django.db.models import Count, Exists, F, OuterRef, Q
 from django.utils import timezone
 
 from common.errors import InvalidTransition, NotFound, NothingToChange, ValidationFailed
-from deployments import events, outbox, queues, states
+from core import queues
+from deployments import events, outbox, states
 from deployments.gpu_plan import Choice
 from deployments.models import Deployment, DeploymentStatus, DesiredState, Replica
 from deployments.services import replica_placement as placing
+from deployments.services.generations import deployment_rollback
 
 S = DeploymentStatus
 
@@ -426,8 +428,6 @@ def _roll_failed(replica_id: int, reason: str, source: str) -> None:
     replicas of an older one still serve (a surge, or a placement during a
     roll): the generation is rolled back, the replica removed, and the roll
     takes the replicas that already moved back."""
-    from deployments.services.deployments import deployment_rollback  # it imports this module
-
     with transaction.atomic():
         deployment = Deployment.objects.select_for_update().get(pk=Replica.objects.get(pk=replica_id).deployment_id)
         replica = Replica.objects.select_related("host", "deployment").get(pk=replica_id)

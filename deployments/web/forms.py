@@ -8,8 +8,9 @@ from __future__ import annotations
 from django import forms
 
 from common.errors import GantryError, ValidationFailed
+from core.validation import DB_INT_MAX, slug_validator
 from deployments import build_spec, selectors, trtllm
-from deployments.models import DB_INT_MAX, BuildStatus, DeploymentStatus, ModelKind, slug_validator
+from deployments.models import BuildStatus, DeploymentStatus, ModelKind
 
 
 class RegisterForm(forms.Form):

@@ -21,6 +21,7 @@ from django.urls import reverse
 from django.utils.html import format_html_join
 
 from common.errors import GantryError
+from core.permissions import OPERATOR_REQUIRED, can_operate
 from deployments import selectors
 from deployments.models import (
     GENERATIVE_BACKENDS,
@@ -36,7 +37,6 @@ from deployments.models import (
     SchedulerPolicy,
     TimeoutAction,
 )
-from deployments.permissions import OPERATOR_REQUIRED, can_operate
 from deployments.services import builds, registered_models
 from deployments.services.autoscale import AutoscaleSpec, describe
 from deployments.services.deployments import ServerSpec

@@ -28,7 +28,7 @@ import openai
 import pytest
 from django.contrib.auth.models import Group, User
 
-from deployments.permissions import OPERATOR_GROUP
+from core.permissions import OPERATOR_GROUP
 from gateway import services as gateway_services
 from gateway.models import Usage
 from tests.integration.conftest import Stack, wait_for

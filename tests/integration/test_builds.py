@@ -18,8 +18,8 @@ from django.contrib.auth.models import User
 from websockets.sync.client import connect
 
 from controlplane.celery import app as celery_app
+from core.queues import jobs_queue
 from deployments.models import BuildLogLine, BuildStatus, EngineBuild
-from deployments.queues import jobs_queue
 from tests.factories import LLAMA, write_checkpoint
 from tests.fixtures.trtllm_tree import lay_out
 from tests.integration.conftest import ROOT, RedisServer, Stack, built_image, make_stack, wait_for

@@ -18,7 +18,8 @@ import redis
 from channels.layers import get_channel_layer
 from django.contrib.auth.models import User
 
-from deployments import events, host_access, live_relay, queues
+from core import queues
+from deployments import events, host_access, live_relay
 from deployments.models import Deployment, Event, GpuHost, Replica
 from deployments.services import host_join
 from gateway import services as gateway_services

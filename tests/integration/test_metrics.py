@@ -19,7 +19,7 @@ import requests
 import yaml
 from websockets.sync.client import connect
 
-from deployments.queues import host_queues
+from core.queues import host_queues
 from tests.integration.conftest import ROOT, Stack, free_port, make_stack, stop_process, wait_for
 from tests.integration.test_browser import _sign_in
 from tests.integration.test_gateway import _alias, _client, _deploy, _key

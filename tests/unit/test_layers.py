@@ -1,8 +1,10 @@
-"""The layers point one way: shared < domain < doors < project (README,
-"Architecture"). A module may import its own layer or one below; the host
-side (workers) reaches the web side only through tasks and the database, and
-the web side runs no host code. This walks every import of Gantry's own code
-and fails on one that runs back up."""
+"""The layers point one way: shared < core < the domain apps, each on a floor
+of its own < doors < project (README, "Architecture"). A module may import its
+own floor or one below, so two domain apps never import each other; a door
+(an app's API, pages, tasks, ...) may use any domain app. The host side
+(workers) reaches the web side only through tasks and the database, and the
+web side runs no host code. This walks every import of Gantry's own code and
+fails on one that runs back up."""
 
 from __future__ import annotations
 
@@ -11,17 +13,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SHARED, DOMAIN, DOORS, PROJECT = 0, 1, 2, 3
-# The packages of each layer; a door module inside a domain app is named by its
+SHARED, CORE = 0, 1
+# The domain apps, lowest first: each may import those before it, never one after it.
+DOMAIN_APPS = ("deployments", "access", "inference", "gateway", "loadtests")
+DOORS = CORE + len(DOMAIN_APPS) + 1
+PROJECT = DOORS + 1
+# The floor of each package; a door module inside a domain app is named by its
 # part of the path (api, web, views, ...), see _layer.
 PACKAGES = {
     "common": SHARED,
     "triton_server": SHARED,
-    "deployments": DOMAIN,
-    "access": DOMAIN,
-    "gateway": DOMAIN,
-    "loadtests": DOMAIN,
-    "inference": DOMAIN,
+    "core": CORE,
+    **{app: CORE + 1 + rank for rank, app in enumerate(DOMAIN_APPS)},
     "playground": DOORS,
     "workers": DOORS,
     "controlplane": PROJECT,
@@ -50,7 +53,7 @@ HOST_MAY_NOT = ("gateway", "access", "playground", "inference")
 def _layer(module: str) -> int:
     parts = module.split(".")
     layer = PACKAGES[parts[0]]
-    if layer == DOMAIN and DOOR_PARTS & set(parts[1:]):
+    if parts[0] in DOMAIN_APPS and DOOR_PARTS & set(parts[1:]):
         return DOORS
     return layer
 
@@ -111,8 +114,46 @@ def web_to_host() -> list[str]:
     ]
 
 
+def circles() -> list[list[str]]:
+    """Modules that import one another round a circle, imports inside functions
+    counted (a local import is how a circle hides): each circle once, by
+    Tarjan's strongly connected components."""
+    graph: dict[str, set[str]] = {}
+    for module, target in _edges():
+        if module != target:
+            graph.setdefault(module, set()).add(target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph.get(module, ()):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            circle = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(circle) > 1:
+                found.append(sorted(circle))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
 def test_no_import_runs_back_up():
     assert back_up() == []
+
+
+def test_no_modules_import_each_other_round_a_circle():
+    assert circles() == []
 
 
 def test_the_host_side_reaches_the_web_side_only_through_tasks_and_the_database():

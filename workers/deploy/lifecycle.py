@@ -24,8 +24,7 @@ from common.errors import GantryError, InvalidTransition, PermanentError, Transi
 from deployments import states
 from deployments.models import Deployment, Replica
 from deployments.models import DeploymentStatus as S
-from deployments.services import builds, replicas
-from deployments.services import deployments as deployment_services
+from deployments.services import builds, generations, replicas
 from triton_server.config import CONFIG_FILE
 from triton_server.repository import ModelSpec, write_repository
 from triton_server.server import LaunchSpec
@@ -326,7 +325,7 @@ def _restart_previous(replica: Replica, generation: int, failed: JobFailed) -> N
     """The new server of ``generation`` failed and is stopped: put the previous
     generation back and start its server; JobFailed when even that fails."""
     try:
-        deployment_services.deployment_rollback(
+        generations.deployment_rollback(
             deployment_id=replica.deployment_id, failed_generation=generation, reason=failed.reason, source=source()
         )
         restored = load(replica.pk)
@@ -347,7 +346,7 @@ def roll_back(replica: Replica, generation: int, reason: str) -> None:
     """Put the generation before ``generation`` back, in the database and in the
     running server; JobFailed when even that fails."""
     try:
-        deployment_services.deployment_rollback(
+        generations.deployment_rollback(
             deployment_id=replica.deployment_id, failed_generation=generation, reason=reason, source=source()
         )
         restored = load(replica.pk)

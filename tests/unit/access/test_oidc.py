@@ -132,7 +132,7 @@ def test_a_new_person_never_takes_a_local_accounts_name(sso, rf) -> None:  # noq
 def test_a_provider_that_cannot_be_asked_changes_nobodys_access(sso) -> None:  # noqa: ANN001
     from django.contrib.auth.models import Group
 
-    from deployments.permissions import OPERATOR_GROUP, can_operate
+    from core.permissions import OPERATOR_GROUP, can_operate
 
     user = User.objects.create_user("carol")
     user.groups.add(Group.objects.get_or_create(name=OPERATOR_GROUP)[0])

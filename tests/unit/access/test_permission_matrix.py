@@ -17,10 +17,10 @@ from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
 from access.services import token_create
-from deployments.permissions import ADMIN_GROUP
+from access.ws_auth import TokenOrSessionAuthMiddlewareStack
+from core.permissions import ADMIN_GROUP
 from deployments.routing import websocket_urlpatterns
 from deployments.services import builds
-from deployments.ws_auth import TokenOrSessionAuthMiddlewareStack
 from gateway import services as gateway
 from gateway.models import Alias
 from loadtests.models import LoadTest, TuningRun

@@ -9,8 +9,9 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from access.models import ApiToken, secret_digest
+from access.models import ApiToken
 from access.services import token_create
+from core.secrets import secret_digest
 from deployments.models import Event
 
 

@@ -24,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from common import metrics
 from common.asgi_io import Door, Doors
 from controlplane.metrics import ControlPlane, MetricsDoor, owns
-from deployments import live_figures, queues
+from core import queues
+from deployments import live_figures
 from deployments.models import Event
 from tests import factories
 from triton_server import metrics as triton_metrics

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from common.errors import InvalidTransition, NotFound
-from deployments import jobs, states
+from core import jobs
+from deployments import states
 from deployments.models import BuildStatus, EngineBuild
 from deployments.services import builds
 from loadtests import services as loadtest_services
@@ -14,7 +15,7 @@ from tests import factories
 
 
 def test_builds_and_load_tests_are_the_registered_job_kinds():
-    assert jobs.KINDS["build"] is states.BUILD and jobs.KINDS["load test"] is loadtest_services.LOAD_TEST
+    assert jobs.KINDS["build"] is states.BUILD and jobs.KINDS["load test"] is loadtest_services.LOAD_TEST.job
     with pytest.raises(ValueError, match="registered twice"):
         jobs.register(jobs.JobKind(name="build", model=EngineBuild, allowed={}, terminal=frozenset(), after=print))
 

@@ -11,7 +11,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import outbox, queues
+from core import queues
+from deployments import outbox
 from deployments.models import Event, OutboxMessage
 from deployments.services import deployments, replicas
 from deployments.services.placements import PlacementSpec

@@ -4,8 +4,8 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from access.models import secret_digest
 from common.errors import PermissionDenied, ValidationFailed
+from core.secrets import secret_digest
 from deployments.models import Event
 from gateway import services
 from gateway.models import ApiKey, Usage

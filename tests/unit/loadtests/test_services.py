@@ -11,7 +11,7 @@ import pytest
 from django.utils import timezone
 
 from common.errors import ConfirmationRequired, InvalidTransition, ValidationFailed
-from deployments import queues
+from core import queues
 from deployments.models import OutboxMessage
 from gateway import services as gateway
 from gateway.models import Alias, ApiKey

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from common.errors import ConfirmationRequired, InvalidTransition, ValidationFailed
-from deployments import queues
+from core import queues
 from deployments.models import Deployment, OutboxMessage, Replica
 from deployments.services import deployments
 from deployments.services.deployments import ServerSpec

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from deployments import outbox, queues
+from core import queues
+from deployments import outbox
 from deployments.models import Event, GpuHost, OutboxMessage
 from deployments.services import deployments, hosts, registered_models
 from gateway.models import Alias, ApiKey

@@ -4,7 +4,7 @@ names they had in 0.1.0 still run them, for messages queued before an upgrade.""
 from __future__ import annotations
 
 from controlplane.celery import app
-from deployments import queues
+from core import queues
 from workers import tasks
 
 

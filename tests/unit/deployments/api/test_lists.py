@@ -164,7 +164,7 @@ def test_the_query_check_skips_the_serializer_only_where_it_could_not_refuse_any
     from rest_framework import serializers
     from rest_framework.exceptions import ValidationError
 
-    from deployments.api.lists import checked_query
+    from core.api.lists import checked_query
 
     class Filters(serializers.Serializer):
         kind = serializers.CharField(required=False)

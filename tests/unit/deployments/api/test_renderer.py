@@ -12,7 +12,7 @@ from rest_framework.exceptions import ErrorDetail
 from rest_framework.renderers import JSONRenderer as DRFRenderer
 from rest_framework.utils.serializer_helpers import ReturnDict, ReturnList
 
-from deployments.api.renderers import JSONRenderer
+from core.api.renderers import JSONRenderer
 
 WHEN = datetime.datetime(2026, 11, 24, 6, 30, 1, 123456, tzinfo=datetime.UTC)
 

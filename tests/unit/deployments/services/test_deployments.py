@@ -6,7 +6,7 @@ import pytest
 
 from common.errors import InvalidTransition, ValidationFailed
 from deployments.models import Deployment, DeploymentStatus, RevisionStatus
-from deployments.services import deployments
+from deployments.services import deployments, generations
 from deployments.services.placements import PlacementSpec
 from tests import factories
 
@@ -67,7 +67,7 @@ def test_a_ready_deployment_loads_its_new_generation(deployment, operator):
 
 def test_rollback_restores_the_previous_placements(deployment, operator):
     _change(deployment, operator, max_batch_size=8)
-    restored = deployments.deployment_rollback(
+    restored = generations.deployment_rollback(
         deployment_id=deployment.pk, failed_generation=2, reason="did not load", source="t"
     )
     assert restored.generation == 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from deployments.models import Deployment, Replica
-from deployments.services import deployments as deployment_services
+from deployments.services import generations
 from gateway.models import Alias
 from loadtests import tuning_services
 from loadtests.models import TrialStatus
@@ -40,7 +40,7 @@ def test_a_trial_is_measured_once_every_replica_serves_its_generation(trial):  #
 
 
 def test_a_generation_that_did_not_load_fails_the_trial_with_the_reason(trial):  # noqa: ANN001
-    deployment_services.deployment_rollback(
+    generations.deployment_rollback(
         deployment_id=trial.run.deployment_id, failed_generation=trial.generation,
         reason="minilm: failed to load (out of memory)", source="worker",
     )  # fmt: skip

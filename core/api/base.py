@@ -23,7 +23,7 @@ from common.errors import (
     ValidationFailed,
 )
 from common.problems import problem
-from deployments.models import DB_INT_MAX
+from core.validation import DB_INT_MAX
 
 # Each of Gantry's errors: its status code and machine-readable code.
 _STATUS_FOR: dict[type[GantryError], tuple[int, str]] = {

@@ -9,7 +9,7 @@ from typing import Any
 from drf_spectacular.openapi import AutoSchema
 from rest_framework import serializers
 
-from deployments.api.base import StrictSerializer
+from core.api.base import StrictSerializer
 
 
 class ErrorOut(serializers.Serializer):
