@@ -7,7 +7,9 @@ lines are composed only from flags the chosen release has, and the tests pin
 the table, so a build never fails on an unknown argument an hour in.
 
 Sources: ``tensorrt_llm/commands/build.py`` (argument parser and
-``add_plugin_argument``), ``examples/*/convert_checkpoint.py`` and
+``add_plugin_argument``; for 0.16.0 checked against the upstream parser by
+tests/unit/triton_server/test_upstream_trtllm.py, with tensorrtllm_backend's
+config templates of 0.12.0 and 0.16.0), ``examples/*/convert_checkpoint.py`` and
 ``examples/quantization/quantize.py`` of each release tag; for trtllm-bench,
 ``tensorrt_llm/bench/benchmark/throughput.py`` (``bench/run/run.py`` before it
 moved) and ``bench/dataclasses/reporting.py``, the report it writes.

@@ -136,7 +136,10 @@
       submit(false);
     });
     confirmButton.addEventListener("click", () => submit(true));
-    section.querySelector("#tuning-new").addEventListener("toggle", suggest, { once: true });
+    // Opened before this script ran (a slow load): its toggle came before the listener.
+    const opener = section.querySelector("#tuning-new");
+    if (opener.open) suggest();
+    else opener.addEventListener("toggle", suggest, { once: true });
   };
 
   // --- one run's page ------------------------------------------------------------------
