@@ -1,4 +1,7 @@
-"""Gantry settings: the one place that reads the environment (docs/configuration.md lists every variable)."""
+"""Gantry settings: the one place that reads the environment (docs/configuration.md lists every variable).
+
+Over 450 lines on purpose: every setting, its default, bounds and help, in one
+module that docs/configuration.md is generated from."""
 
 from __future__ import annotations
 

@@ -16,6 +16,10 @@ tokens, the LLM API's weights and KV cache, and for the transformers path the
 16-bit weights, a KV cache for max_num_sequences sequences of max_seq_len
 tokens (allocated at load: python_models/gantry_decode.py), and the activations
 of one prefill chunk.
+
+Over 450 lines on purpose: the shares, the contexts, the KV budgets and where a
+replica fits (choose_host) are one arithmetic over one plan, and every door
+that shows or checks a plan reads it from here.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ A placement's fields, defaults and bounds are defined once, on
 ``DeploymentModel``; ``PlacementSpec`` takes its defaults from there and the
 API serializer and the browser form derive their fields from it.
 
-Over 400 lines on purpose: the rules of the three LLM paths (engine, LLM API,
+Over 450 lines on purpose: the rules of the three LLM paths (engine, LLM API,
 transformers) and of the sentence models sit beside the rules they share, so
 one read shows every rule a placement passes.
 """

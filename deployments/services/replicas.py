@@ -15,6 +15,11 @@ that fails to load stops the roll and rolls every replica back.
 
 Every function here that writes locks the deployment's row first, then the
 candidate hosts' rows, as deployments.services.deployments does.
+
+Over 450 lines on purpose: converge, retire, relaunch, roll, surge and a lost
+host's replacement call one another (a ready replica takes the roll on, a
+failed one rolls it back); split, the pieces would import each other round a
+circle, which tests/unit/test_layers.py refuses.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """Real processes for end-to-end tests: the web and live servers (as
 controlplane.serving runs them) and a Celery
 worker pinned to a fresh host queue, both on the test PostgreSQL database and
-the test Redis. Everything started here is stopped by process id."""
+the test Redis. Everything started here is stopped by process id.
+
+Over 450 lines on purpose: the stack's processes, ports, images and the
+checkpoints the integration tests share are fixtures of one conftest, which
+pytest finds by its name."""
 
 from __future__ import annotations
 

@@ -179,3 +179,20 @@ def test_a_demo_on_sqlite_loads_every_door_without_the_postgresql_driver(tmp_pat
            "PATH": "/usr/bin:/bin"}  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+LONG = 450
+
+
+def test_a_module_over_450_lines_says_why():
+    """A long module is a place a newcomer gets lost in: one over LONG lines
+    gives its reason in its docstring ("Over 450 lines on purpose: ...")."""
+    long = []
+    for package in (*PACKAGES, "tests"):
+        for path in (ROOT / package).rglob("*.py"):
+            if "migrations" in path.parts or len(path.read_text().splitlines()) <= LONG:
+                continue
+            said = " ".join((ast.get_docstring(ast.parse(path.read_text())) or "").split()).lower()
+            if f"over {LONG} lines on purpose" not in said:
+                long.append(str(path.relative_to(ROOT)))
+    assert long == []

@@ -1,6 +1,8 @@
 """Continuous batching for Gantry's causal-LM python model, with no Triton in it.
 
-Gantry copies this file beside causal_lm_model.py. A Decoder owns one model's
+Gantry copies this file beside causal_lm_model.py (one file, over 450 lines on
+purpose: Triton's python backend loads a model's helpers from its folder, and
+the batch, the cache, the graphs and the sampler share one decode step). A Decoder owns one model's
 running batch: requests join it (admit) between two decode steps and leave it
 (release) when done, so N concurrent streams cost about one forward pass per
 token instead of N, however they arrive.

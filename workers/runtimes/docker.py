@@ -8,6 +8,10 @@ by device request, and labels naming the host, the deployment and its
 generation, so a restarted agent finds them again. Never privileged: the
 server runs as the host agent's own user, with no capabilities and no way to
 gain any, as the process runtime's server does (see server_user).
+
+Over 450 lines on purpose: serving containers and engine-build containers
+share the client, the removal that waits out Docker's 409, device requests
+and the no-privileges rules; they are the one place Gantry talks to Docker.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ says stopped), then every process it started, by process id. Where the
 database took no writes then, the next start records those stops before the
 worker starts, so they are never taken for crashes. The URL and the admin's
 password are the last lines it prints.
+
+Over 450 lines on purpose: starting, supervising and stopping the demo's
+processes is one lifecycle whose steps share its state (what it started,
+their restarts, the stop at Ctrl-C).
 """
 
 from __future__ import annotations
