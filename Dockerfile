@@ -44,7 +44,6 @@ COPY access access
 COPY deployments deployments
 COPY gateway gateway
 COPY workers workers
-COPY playground playground
 COPY loadtests loadtests
 RUN pip install --no-cache-dir --no-deps . && rm -rf build *.egg-info
 COPY manage.py ./

@@ -3,7 +3,7 @@
 - ``http_application``: Django, with the doors of ``HTTP_DOORS`` in front of
   it, which skip Django's request path: /metrics with the scrape token
   (controlplane.metrics), the OpenAI-compatible gateway (/v1/...,
-  gateway.app) and token-authenticated generate requests (playground.lean).
+  gateway.app) and token-authenticated generate requests (inference.lean).
   Django itself answers by ``DjangoDoors``: sync views in WSGI mode on a
   thread pool, async views (the streamed generate action) by its ASGI handler;
 - ``websocket_application``: the Channels consumers (the live server), and
@@ -38,7 +38,7 @@ from common.asgi_io import Door, Doors, send_bytes  # noqa: E402
 from controlplane import metrics  # noqa: E402
 from deployments.routing import websocket_urlpatterns  # noqa: E402
 from gateway import app as gateway  # noqa: E402
-from playground import lean  # noqa: E402
+from inference import lean  # noqa: E402
 
 
 class DjangoDoors:

@@ -526,7 +526,6 @@ INSTALLED_APPS = [
     "controlplane",
     "access",
     "deployments",
-    "playground",
     "gateway",
     "loadtests",
 ]

@@ -25,7 +25,7 @@ urlpatterns = [
     # private control plane); Swagger UI serves the same schema from the sidecar.
     path("api/redoc/", RedirectView.as_view(pattern_name="api-docs", permanent=True), name="api-redoc"),
     path("api/", include("deployments.api.urls")),
-    path("api/", include("playground.urls")),
+    path("api/", include("inference.urls")),
     path("api/", include("gateway.urls")),
     path("api/", include("access.urls")),
     path("api/", include("loadtests.urls")),

@@ -25,7 +25,6 @@ PACKAGES = {
     "triton_server": SHARED,
     "core": CORE,
     **{app: CORE + 1 + rank for rank, app in enumerate(DOMAIN_APPS)},
-    "playground": DOORS,
     "workers": DOORS,
     "controlplane": PROJECT,
 }
@@ -45,9 +44,10 @@ DOOR_PARTS = {
     "tasks",
     "management",
     "context",
+    "lean",
 }
 # The host side may use the domain of deployments and load tests, never a web app.
-HOST_MAY_NOT = ("gateway", "access", "playground", "inference")
+HOST_MAY_NOT = ("gateway", "access", "inference")
 
 
 def _layer(module: str) -> int:

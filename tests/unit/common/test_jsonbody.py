@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from common import jsonbody
-from playground.api import generate_answer
+from inference.api import generate_answer
 
 DEEP = b"[" * 5000 + b"]" * 5000
 

@@ -6,7 +6,7 @@ before its first token (docs/performance.md). Automation authenticates with an
 ``Authorization: Bearer`` header and needs none of that chain (no session, no
 CSRF, no messages), so ``answer`` takes ``POST
 /api/deployments/<id>/generate/`` with such a header itself, through the same
-``playground.api.generate_answer`` as the Django view: the same validation,
+``inference.api.generate_answer`` as the Django view: the same validation,
 checks, errors and stream. Everything else, browser sessions included, goes on
 to Django unchanged.
 """
@@ -19,7 +19,7 @@ from typing import Any
 from access.services import bearer_secret
 from common.asgi_io import BodyTooLarge, read_body, send_json, stream_events
 from common.problems import problem
-from playground.api import _token_may_view, _token_may_view_cached, generate_answer, token_identity
+from inference.api import _token_may_view, _token_may_view_cached, generate_answer, token_identity
 
 GENERATE = re.compile(r"^/api/deployments/(\d+)/generate/$")
 

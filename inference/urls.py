@@ -1,6 +1,6 @@
 from django.urls import path
 
-from playground.api import DeploymentEmbed, DeploymentRerank, deployment_generate
+from inference.api import DeploymentEmbed, DeploymentRerank, deployment_generate
 
 urlpatterns = [
     path("deployments/<int:pk>/embed/", DeploymentEmbed.as_view(), name="api-deployment-embed"),

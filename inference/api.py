@@ -261,7 +261,7 @@ async def deployment_generate(request: HttpRequest, pk: int) -> HttpResponse:
     JSON answer or, with "stream": true, server-sent events (one per piece of
     text, then a summary with usage and timings). A client that disconnects
     mid-stream cancels the request inside Triton. Requests with a Token header
-    usually arrive by the lean path instead (playground.lean); this view
+    usually arrive by the lean path instead (inference.lean); this view
     serves browser sessions (with Django's CSRF check) and the rest."""
     if request.method != "POST":
         return JsonResponse(problem(405, "method_not_allowed", f'Method "{request.method}" not allowed.'), status=405)

@@ -11,7 +11,7 @@ from asgiref.sync import async_to_sync
 from access.services import token_create
 from common.asgi_io import Door, Doors
 from common.redis_async import forget_clients
-from playground import lean
+from inference import lean
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -1,6 +1,0 @@
-from django.apps import AppConfig
-
-
-class PlaygroundConfig(AppConfig):
-    name = "playground"
-    verbose_name = "Gantry playground"
