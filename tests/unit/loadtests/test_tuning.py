@@ -287,6 +287,13 @@ def test_a_restore_that_cannot_be_made_at_the_end_is_retried_until_it_holds(read
     assert tunings.tunings_restore_pending() == 0
 
 
+def _ending_on_best(ready, operator):  # noqa: ANN001, ANN202
+    """A run asked to end on its winner, claimed by its worker."""
+    run = _start(ready, operator, spec=_spec(end_on="best"))
+    tunings.tuning_claim(run_id=run.pk, source="worker")
+    return run
+
+
 def _measured(run, number: int, batch: int, goodput: float, *, met: bool):  # noqa: ANN001, ANN202
     trial = tunings.trial_start(run_id=run.pk, number=number, params={"minilm.max_batch_size": batch})
     return tunings.trial_end(trial_id=trial.pk, status=TrialStatus.MEASURED, figures={"embed": {"met": met}},
@@ -316,8 +323,7 @@ def test_a_winner_already_held_costs_no_roll_out_and_a_run_that_met_nothing_ends
     ready,
     operator,  # noqa: ANN001
 ):
-    run = _start(ready, operator, spec=_spec(end_on="best"))
-    tunings.tuning_claim(run_id=run.pk, source="worker")
+    run = _ending_on_best(ready, operator)
     _measured(run, 0, 4, 9.0, met=True)
     _rolled(ready)
     held = Deployment.objects.get(pk=ready.pk).generation
@@ -325,8 +331,7 @@ def test_a_winner_already_held_costs_no_roll_out_and_a_run_that_met_nothing_ends
     assert Deployment.objects.get(pk=ready.pk).generation == held and ended.applied_generation == held
     assert f"holds trial 0's plan (9 good requests/s) (generation {held})" in ended.status_message
 
-    missed = _start(ready, operator, spec=_spec(end_on="best"))
-    tunings.tuning_claim(run_id=missed.pk, source="worker")
+    missed = _ending_on_best(ready, operator)
     _measured(missed, 0, 2, 5.0, met=False)
     _rolled(ready)
     ended = tunings.tuning_finish(run_id=missed.pk, status=RunStatus.SUCCEEDED, message="done", source="worker")
@@ -340,8 +345,7 @@ def test_a_cancelled_run_ends_on_its_start_and_a_winner_blocked_mid_roll_is_put_
     ready,
     operator,  # noqa: ANN001
 ):
-    run = _start(ready, operator, spec=_spec(end_on="best"))
-    tunings.tuning_claim(run_id=run.pk, source="worker")
+    run = _ending_on_best(ready, operator)
     _measured(run, 0, 4, 9.0, met=True)
     _rolled(ready)
     tunings.tuning_cancel(run_id=run.pk, user=operator)
@@ -350,8 +354,7 @@ def test_a_cancelled_run_ends_on_its_start_and_a_winner_blocked_mid_roll_is_put_
     assert Deployment.objects.get(pk=ready.pk).placements.get().max_batch_size == run.start_plan[0]["max_batch_size"]
     _rolled(ready)
 
-    second = _start(ready, operator, spec=_spec(end_on="best"))
-    tunings.tuning_claim(run_id=second.pk, source="worker")
+    second = _ending_on_best(ready, operator)
     _measured(second, 0, 2, 9.0, met=True)
     _rolled(ready)
     _measured(second, 1, 4, 1.0, met=True)  # still rolling when the run ends
