@@ -25,7 +25,7 @@ from gateway.errors import GatewayError, model_not_found, not_ready
 from gateway.models import Alias, ApiKey
 from gateway.services import KEY_PREFIX
 from inference.balancing import Endpoint, answering
-from inference.generation import route_of
+from inference.generation import Route, route_of
 
 CACHE_S = 1.0
 KEEP_WARM_S = 60.0
@@ -55,7 +55,7 @@ class Target:
     endpoints: list[Endpoint]  # the deployment's answering replicas (inference.balancing)
     triton_name: str
     max_batch_size: int
-    route: dict[str, Any] | None  # an llm's generation route (inference.generation)
+    route: Route | None  # an llm's generation route
 
     def require_ready(self) -> None:
         if not self.endpoints:
@@ -155,7 +155,7 @@ def _read_target(alias: str) -> Target | None:
         kind=kind,
         deployment=deployment.name,
         status=deployment.status,
-        endpoints=route["endpoints"] if route else answering(deployment.pk),
+        endpoints=route.endpoints if route else answering(deployment.pk),
         triton_name=placement.triton_name,
         max_batch_size=placement.max_batch_size,
         route=route,

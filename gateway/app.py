@@ -172,7 +172,7 @@ async def _completions(caller: Caller, body: Any, receive: Any, send: Any) -> No
 async def _generation(caller: Caller, data: dict[str, Any], receive: Any, send: Any, *, chat: bool) -> None:
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     target = await _resolve(caller, data["model"], ModelKind.LLM, endpoint)
-    context = target.route["context"] or 0
+    context = target.route.context or 0
     default = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS
     sampling = Sampling(
         max_tokens=data.get("max_tokens") or (min(default, context // 2) if context else default),

@@ -119,18 +119,33 @@ class Outcome:
         }
 
 
+@dataclass(frozen=True)
+class Route:
+    """What generation needs of an llm placement: the replicas that serve it now
+    and what its checkpoint says (the chat template and its special tokens, the
+    context a sequence may hold, the notice a page shows beside it)."""
+
+    endpoints: list[Endpoint]
+    triton_name: str
+    model_name: str
+    chat_template: str
+    special_tokens: dict[str, Any]
+    context: int | None
+    notice: str
+
+
 # Routes of ready LLM placements, kept a second per process so a busy door does
 # not read the database per request: a replica stopped meanwhile is tried for
 # at most that second (and its failed request retried on another).
 _routes = TtlCache()
 
 
-def cached_route(deployment_id: int, model: str) -> dict[str, Any] | None:
+def cached_route(deployment_id: int, model: str) -> Route | None:
     """The route of a ready placement if it was read less than a second ago."""
     return _routes.get((deployment_id, model))
 
 
-def read_route(deployment_id: int, model: str) -> dict[str, Any]:
+def read_route(deployment_id: int, model: str) -> Route:
     """Where a deployment's LLM (named, or its first) is served and what its checkpoint
     says, in one query; NotFound, ValidationFailed or InvalidTransition when it cannot
     be asked now."""
@@ -144,25 +159,24 @@ def read_route(deployment_id: int, model: str) -> dict[str, Any]:
             raise NotFound(f"deployment {deployment_id} does not exist")
         raise ValidationFailed({"model": f"{name} serves no llm" + (f" named {model!r}" if model else "")})
     route = route_of(placement)
-    if not route["endpoints"]:
+    if not route.endpoints:
         deployment = placement.deployment
         raise InvalidTransition(f"{deployment.name} is {deployment.status}; start it and wait until it is ready")
     return _routes.put((deployment_id, model), route)
 
 
-def route_of(placement: DeploymentModel) -> dict[str, Any]:
-    """What generation needs of an llm placement (loaded with its deployment and
-    registered model): the replicas that serve it now and what its checkpoint says."""
+def route_of(placement: DeploymentModel) -> Route:
+    """The route of an llm placement (loaded with its deployment and registered model)."""
     checkpoint = placement.registered_model
-    return {
-        "endpoints": answering(placement.deployment_id),
-        "triton_name": placement.triton_name,
-        "model_name": checkpoint.name,
-        "chat_template": checkpoint.chat_template,
-        "special_tokens": checkpoint.special_tokens,
-        "context": served_context(placement),
-        "notice": checkpoint.notice,
-    }
+    return Route(
+        endpoints=answering(placement.deployment_id),
+        triton_name=placement.triton_name,
+        model_name=checkpoint.name,
+        chat_template=checkpoint.chat_template,
+        special_tokens=checkpoint.special_tokens,
+        context=served_context(placement),
+        notice=checkpoint.notice,
+    )
 
 
 def served_context(placement: DeploymentModel) -> int | None:
@@ -184,7 +198,7 @@ def prepare_generation(
     prompt: str | None = None,
     messages: list[dict[str, Any]] | None = None,
     sampling: Sampling,
-    route: dict[str, Any] | None = None,
+    route: Route | None = None,
 ) -> Prepared:
     """Check a generation request against the deployment and its checkpoint.
 
@@ -204,7 +218,7 @@ def prepare_generation(
         if not messages:
             raise ValidationFailed({"messages": "must hold at least one message"})
         prompt = chat_template.render(
-            route["chat_template"], messages, special_tokens=route["special_tokens"], model_name=route["model_name"]
+            route.chat_template, messages, special_tokens=route.special_tokens, model_name=route.model_name
         )
     # What the person sent is named: a chat's messages are its prompt once rendered.
     field = "prompt" if messages is None else "messages"
@@ -212,10 +226,10 @@ def prepare_generation(
         raise ValidationFailed({field: "must not be empty"})
     if len(prompt) > MAX_PROMPT_CHARS:
         raise ValidationFailed({field: f"must be at most {MAX_PROMPT_CHARS} characters (rendered as one prompt)"})
-    context = route["context"]
+    context = route.context
     if context and sampling.max_tokens >= context:
         raise ValidationFailed(
-            {"max_tokens": f"must be below {context}, {route['model_name']}'s context (prompt and output together)"}
+            {"max_tokens": f"must be below {context}, {route.model_name}'s context (prompt and output together)"}
         )
     inputs: dict[str, Any] = {"text_input": prompt, "max_tokens": sampling.max_tokens}
     for name, value in (
@@ -230,8 +244,8 @@ def prepare_generation(
     if sampling.stop:
         inputs["stop_words"] = list(sampling.stop)
     return Prepared(
-        endpoints=route["endpoints"], model=route["triton_name"], inputs=inputs, max_tokens=sampling.max_tokens,
-        notice=route["notice"],
+        endpoints=route.endpoints, model=route.triton_name, inputs=inputs, max_tokens=sampling.max_tokens,
+        notice=route.notice,
     )  # fmt: skip
 
 

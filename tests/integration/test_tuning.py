@@ -142,20 +142,32 @@ def test_a_tuning_run_finds_a_plan_that_beats_the_starting_one(
     assert best["params"]["minilm.preferred_batch_sizes"] == [1], figures
     assert best["figures"]["embedder"]["goodput"] > trials[0]["figures"]["embedder"]["goodput"], figures
     assert best["goodput"] > trials[0]["goodput"], figures
-    assert run["result"]["met"], figures
     assert {"model": "minilm", "field": "preferred_batch_sizes", "from": [8], "to": [1]} in run["result"]["changes"]
-    # Each trial was a generation; the run ended on its winner, in one roll-out from the last trial's plan
-    # (none when the last trial was the winner), not back to the start and then on.
+    # Each trial was a generation.
     assert len({t["generation"] for t in trials.values()}) == 4
     last = max(t["generation"] for t in trials.values())
-    applied = run["applied_generation"]
-    assert applied == last + (best["number"] != 3), (applied, last, run["status_message"])
-    assert f"trial {best['number']}'s plan" in run["status_message"], run["status_message"]
+    if run["result"]["met"]:
+        # It ended on its winner, in one roll-out from the last trial's plan (none when the last
+        # trial was the winner), not back to the start and then on.
+        applied = run["applied_generation"]
+        assert applied == last + (best["number"] != 3), (applied, last, run["status_message"])
+        assert f"trial {best['number']}'s plan" in run["status_message"], run["status_message"]
+        page.reload()
+        page.wait_for_selector("#applied")
+    else:
+        # A p99 over the twenty requests of a trial can miss any target on a loaded CI core: then the
+        # run puts its start back and says why (the unit tests hold both ends exactly), and the best
+        # plan is applied from the run's page, which asks first (test_pages.py): yes.
+        assert run["applied_generation"] is None and "no plan met every target" in run["status_message"], run
+        _settled(stack, deployment, last + 1)
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.click("#apply")
+        page.wait_for_selector("#applied")
+        applied = _tuning(stack, run_id)["applied_generation"]
+        assert applied == last + 2, (applied, last)
     settled = _settled(stack, deployment, applied)
     assert settled["generation"] == applied
     assert _placements(stack, deployment)["minilm"] == ([1], start["minilm"][1])
-    page.reload()
-    page.wait_for_selector("#applied")
     timeline = http.get(f"{stack.web_url}/api/deployments/{deployment['id']}/events/?limit=200", timeout=10).json()
     kinds = {e["kind"] for e in timeline["results"]}
     assert {"tuning.queued", "tuning.running", "tuning.trial.measured", "tuning.succeeded"} <= kinds
