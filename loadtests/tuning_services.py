@@ -290,51 +290,41 @@ class Settled(NamedTuple):
     applied: int | None = None  # the generation holding the winner's plan, when the run ended on it
 
 
-def _winner(run: TuningRun, status: str) -> TuningTrial | None:
-    """The trial a run ends on: its best one, when the run finished, was asked
-    to end on it (spec ``end_on``) and that trial met every target; else None
-    (the starting settings)."""
-    if status != RunStatus.SUCCEEDED or run.spec.get("end_on") != tuning.END_ON_BEST:
-        return None
-    chosen = tuning.best(list(run.trials.all()))
-    return chosen if tuning.met(chosen) else None
-
-
 def tuning_settle(run: TuningRun, status: str | None = None) -> Settled:
     """Put the deployment on the settings the run ends on (``status``, its own
-    by default): its winner's plan (``_winner``), or the settings it started
-    from, in one roll-out; none when it holds them already."""
+    by default), in one roll-out, none when it holds them already: its best
+    trial's plan when the run finished, was asked to end on it (spec
+    ``end_on``) and that trial met every target; else the settings it started
+    from."""
     if run.deployment_id is None:
         return Settled(True, "the deployment was deleted")
     deployment = Deployment.objects.get(pk=run.deployment_id)
-    status = status or run.status
-    winner = _winner(run, status)
-    missed = "no plan met every target, so " if status == RunStatus.SUCCEEDED and (
-        run.spec.get("end_on") == tuning.END_ON_BEST and winner is None) else ""  # fmt: skip
-    plan = run.start_plan if winner is None else winner.plan
-    what = f"trial {winner.number}'s plan ({winner.goodput:g} good requests/s)" if winner else ""
+    asked = (status or run.status) == RunStatus.SUCCEEDED and run.spec.get("end_on") == tuning.END_ON_BEST
+    chosen = tuning.best(list(run.trials.all())) if asked else None
+    winner = chosen if tuning.met(chosen) else None
+    if winner is None:
+        plan, missed = run.start_plan, "no plan met every target, so " if asked else ""
+        holds, blocked = "holds its starting settings", "the starting settings could not be put back yet"
+        done = f"the settings of generation {run.start_generation} are back"
+        reason = f"the settings of generation {run.start_generation} back"
+    else:
+        reason = f"trial {winner.number}'s plan ({winner.goodput:g} good requests/s)"
+        plan, missed = winner.plan, ""
+        holds, blocked, done = f"holds {reason}", f"{reason} could not be put in place yet", f"{reason} is in place"
     try:
         deployment_services.deployment_change(
             deployment_id=run.deployment_id,
             placements=[spec_from_snapshot(item) for item in plan],
             user=None,  # the run's host makes the change; its asker was checked when it was asked for
-            reason=f"tuning run {run.pk} ended: {what or f'the settings of generation {run.start_generation} back'}",
+            reason=f"tuning run {run.pk} ended: {reason}",
         )
     except NothingToChange:
-        if winner is None:
-            return Settled(True, f"{missed}{deployment.name} holds its starting settings (generation "
-                           f"{deployment.generation})")  # fmt: skip
-        return Settled(True, f"{deployment.name} holds {what} (generation {deployment.generation})",
-                       deployment.generation)  # fmt: skip
+        applied = None if winner is None else deployment.generation
+        return Settled(True, f"{missed}{deployment.name} {holds} (generation {deployment.generation})", applied)
     except GantryError as refused:  # not changeable now (mid-roll, stopped), or a plan no longer placeable
-        if winner is None:
-            return Settled(False, f"{missed}the starting settings could not be put back yet: {refused}")
-        return Settled(False, f"{what} could not be put in place yet: {refused}")
+        return Settled(False, f"{missed}{blocked}: {refused}")
     generation = Deployment.objects.values_list("generation", flat=True).get(pk=run.deployment_id)
-    if winner is None:
-        return Settled(True, f"{missed}the settings of generation {run.start_generation} are back, as generation "
-                       f"{generation}")  # fmt: skip
-    return Settled(True, f"{what} is in place, as generation {generation}", generation)
+    return Settled(True, f"{missed}{done}, as generation {generation}", None if winner is None else generation)
 
 
 def tunings_restore_pending() -> int:
