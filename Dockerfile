@@ -38,6 +38,7 @@ COPY docs/grafana docs/grafana
 COPY controlplane controlplane
 COPY common common
 COPY core core
+COPY hosts hosts
 COPY triton_server triton_server
 COPY inference inference
 COPY access access

@@ -15,8 +15,8 @@ from django.utils import timezone
 from access.models import ApiToken
 from common.errors import NotFound, PermissionDenied, ValidationFailed
 from common.ttl_cache import MISSING, TtlCache
+from core.events import record, source_of
 from core.secrets import secret_digest
-from deployments.events import record, source_of
 
 TOKEN_PREFIX = "gt-"
 # Last use is written at most this often per token: a busy client must not

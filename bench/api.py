@@ -43,8 +43,9 @@ def _seed() -> tuple[str, int]:
     from django.db import connection, transaction
 
     from access.services import token_create
-    from deployments.models import Deployment, EngineBuild, Event, RegisteredModel
-    from deployments.services import hosts
+    from core.models import Event
+    from deployments.models import Deployment, EngineBuild, RegisteredModel
+    from hosts.services import hosts
 
     host = hosts.host_heartbeat(name="bench-host", address="127.0.0.1", gpus=[])
     model, _ = RegisteredModel.objects.get_or_create(
@@ -102,7 +103,7 @@ async def _deliveries(live: str, token: str, origin: str, clients: int, rate: fl
     """Milliseconds from publish (the worker's own path) to each client's receipt."""
     from websockets.asyncio.client import connect
 
-    from deployments.events import DASHBOARD_GROUP, publish
+    from core.events import DASHBOARD_GROUP, publish
 
     headers = {"Authorization": f"Bearer {token}", "Origin": origin}
     sockets = [await connect(f"{live}/ws/dashboard/", additional_headers=headers) for _ in range(clients)]

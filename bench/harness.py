@@ -139,7 +139,8 @@ def served(*, port: int, models: dict[str, tuple[Path, str]], placements: list[A
     from controlplane.serving import web_argv
     from deployments import states
     from deployments.services import deployments as deployment_services
-    from deployments.services import hosts, registered_models, replicas
+    from deployments.services import registered_models, replicas
+    from hosts.services import hosts
     from triton_server.client import TritonClient
     from triton_server.repository import write_repository
     from workers.deploy import plan

@@ -3,7 +3,7 @@ connections a host holds. Needs PostgreSQL and Redis; one run prints:
 
 - **a beat, a replica's report, an event**, each timed as the host makes it
   (the same services its worker calls): once with the host's own role, under
-  the grants and row-level policies of deployments.host_access, and once with
+  the grants and row-level policies of hosts.grants, and once with
   the control plane's role (the floor: no policy applies to a table's owner,
   which is what every host used before node restriction). The two sides run
   in separate processes, alternating which goes first every round;
@@ -36,13 +36,14 @@ OPERATIONS = ("beat", "report", "event")
 
 def _prepare() -> dict[str, str]:
     """A joined host serving one deployment; its database and Redis URLs."""
-    from deployments import host_access
-    from deployments.models import Deployment, GpuHost, HostCredential, Replica
-    from deployments.services import host_join
+    from deployments.models import Deployment, Replica
+    from hosts import grants
+    from hosts.models import GpuHost, HostCredential
+    from hosts.services import host_join
 
     for credential in HostCredential.objects.filter(host__name=HOST):
-        host_access.database_role_drop(credential.database_role)
-        host_access.redis_user_remove(credential.redis_user)
+        grants.database_role_drop(credential.database_role)
+        grants.redis_user_remove(credential.redis_user)
     Deployment.objects.filter(name="bench-served").delete()
     GpuHost.objects.filter(name=HOST).delete()
     token = host_join.host_join_token_create(user=None, host_name=HOST).secret
@@ -55,9 +56,11 @@ def _prepare() -> dict[str, str]:
 
 def _side(samples: int, deployment_id: int) -> dict[str, list[float]]:
     """Run in a child whose DATABASE_URL is one side's: each operation ``samples`` times (ms)."""
-    from deployments import events
-    from deployments.models import Deployment, GpuHost, Replica
-    from deployments.services import hosts, telemetry
+    from core import events
+    from deployments.models import Deployment, Replica
+    from deployments.services import telemetry
+    from hosts.models import GpuHost
+    from hosts.services import hosts
 
     gpu = hosts.GpuReport(index=0, uuid="GPU-bench", name="NVIDIA H100", compute_capability="9.0",
                           memory_total_bytes=85_000_000_000)  # fmt: skip
@@ -127,7 +130,7 @@ def main() -> None:
         return
     control_url = args.database_url
     setup_postgres(control_url)
-    from deployments.models import HostCredential
+    from hosts.models import HostCredential
 
     joined = _prepare()
     role = HostCredential.objects.get(host__name=HOST, revoked_at=None).database_role

@@ -90,7 +90,7 @@ class FloorPublisher:
 
 
 def _gantry_publish(group: str, payload: dict) -> None:
-    from deployments.events import publish
+    from core.events import publish
 
     publish(group, payload)
 
@@ -179,7 +179,7 @@ def _worker_cost(deployment_id: int) -> None:
     from channels.layers import get_channel_layer
     from django.db import transaction
 
-    from deployments import events
+    from core import events
     from deployments.models import Deployment
 
     deployment = Deployment.objects.select_related("host").get(pk=deployment_id)
@@ -299,7 +299,7 @@ def _run(args: argparse.Namespace, redis: Redis) -> None:
     setup_postgres(args.database_url)
     token, deployment_id = _seed()
     from controlplane.serving import web_argv
-    from deployments import events
+    from core import events
 
     web, live = args.port, args.port + 1
     web_url, live_url = f"http://127.0.0.1:{web}", f"ws://127.0.0.1:{live}"

@@ -37,15 +37,10 @@ def _seed(size: int) -> int:
     from django.contrib.auth.models import User
     from django.db import connection, transaction
 
-    from deployments.models import (
-        Deployment,
-        DeploymentModel,
-        Event,
-        GpuHost,
-        RegisteredModel,
-        Replica,
-    )
-    from deployments.services import hosts
+    from core.models import Event
+    from deployments.models import Deployment, DeploymentModel, RegisteredModel, Replica
+    from hosts.models import GpuHost
+    from hosts.services import hosts
 
     if not User.objects.filter(username="bench").exists():
         User.objects.create_superuser("bench", password="bench")

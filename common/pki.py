@@ -2,7 +2,7 @@
 certificate per GPU host (a TLS server, named for the host) and one for the
 web tier (a TLS client); a revocation list signed by the same authority cuts
 either off. Pure cryptography, no Django: the control plane
-(deployments.services.channel) and the host (workers.channel) share it.
+(hosts.services.channel) and the host (workers.channel) share it.
 
 Names: a host's certificate is valid for ``*.h<host id>.gantry``, and the web
 tier asks for ``p<port>.h<host id>.gantry`` (TLS server name indication): the

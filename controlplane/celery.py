@@ -13,7 +13,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
 app = Celery("gantry")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["access", "deployments", "workers", "loadtests"])
+app.autodiscover_tasks(["access", "hosts", "deployments", "workers", "loadtests"])
 
 
 def host_worker_argv(python: str, host_name: str) -> list[str]:

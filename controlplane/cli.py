@@ -188,8 +188,8 @@ def _join_token(args: argparse.Namespace) -> int:
     import django
 
     django.setup()
-    from deployments.api.hosts import join_command
-    from deployments.services.host_join import host_join_token_create
+    from hosts.api import join_command
+    from hosts.services.host_join import host_join_token_create
 
     made = host_join_token_create(user=None, host_name=args.host or "", minutes=args.minutes)
     _say(f"a one-time join token, valid until {made.row.expires_at:%Y-%m-%d %H:%M} UTC; on the GPU host run:")

@@ -26,8 +26,9 @@ from prometheus_client.registry import Collector
 from common import metrics
 from common.asgi_io import send_bytes
 from core import queues
-from deployments.models import Deployment, EngineBuild, GpuHost, OutboxMessage, Replica
-from deployments.outbox import SENT_AT_HEADER
+from deployments.models import Deployment, EngineBuild, Replica
+from hosts.models import GpuHost, OutboxMessage
+from hosts.outbox import SENT_AT_HEADER
 from loadtests.models import LoadTest
 
 log = logging.getLogger(__name__)

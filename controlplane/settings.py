@@ -524,7 +524,9 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "channels",
     "controlplane",
+    "core",
     "access",
+    "hosts",
     "deployments",
     "gateway",
     "loadtests",
@@ -699,13 +701,13 @@ CELERY_TASK_TIME_LIMIT = GANTRY_TRITON_READY_TIMEOUT + 180
 
 CELERY_BEAT_SCHEDULE = {
     "sweep-hosts": {
-        "task": "deployments.tasks.sweep_hosts",
+        "task": queues.SWEEP_HOSTS,
         "schedule": float(GANTRY_HEARTBEAT_INTERVAL),
         "options": {"queue": "control", "expires": float(GANTRY_HEARTBEAT_INTERVAL)},
     },
     # Joined hosts' database grants and Redis users, given again after a migration or a Redis restart.
     "sync-host-access": {
-        "task": "deployments.tasks.sync_host_access",
+        "task": queues.SYNC_HOST_ACCESS,
         "schedule": 30.0,
         "options": {"queue": "control", "expires": 30.0},
     },

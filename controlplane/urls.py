@@ -24,6 +24,7 @@ urlpatterns = [
     # Redoc drew a logo from its maker's CDN on every view (an outside request from a
     # private control plane); Swagger UI serves the same schema from the sidecar.
     path("api/redoc/", RedirectView.as_view(pattern_name="api-docs", permanent=True), name="api-redoc"),
+    path("api/", include("hosts.urls")),
     path("api/", include("deployments.api.urls")),
     path("api/", include("inference.urls")),
     path("api/", include("gateway.urls")),

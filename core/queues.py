@@ -1,6 +1,6 @@
 """Where work for a GPU host travels: its two queues, and the name of every task
-Gantry sends. Sending goes through deployments.outbox (this module imports no
-models, so deployments.models can name a host's queue).
+Gantry sends. Sending goes through hosts.outbox (this module imports no
+models, so hosts.models can name a host's queue).
 
 A host has a control queue (launch, stop, apply, inspect, forget: seconds to
 minutes) and a jobs queue (engine builds, load tests and tuning runs: up to hours), each
@@ -26,7 +26,8 @@ RUN_LOADTEST = "workers.tasks.run_loadtest"
 RUN_TUNING = "workers.tasks.run_tuning"
 # The control plane's periodic work (its beat runs it on queue "control", see settings).
 SWEEP_HOSTS = "deployments.tasks.sweep_hosts"
-SYNC_HOST_ACCESS = "deployments.tasks.sync_host_access"
+# Beat tasks expire within their interval, so a rename strands nothing queued.
+SYNC_HOST_ACCESS = "hosts.tasks.sync_host_access"
 
 
 # The long jobs: they travel on the host's jobs queue.

@@ -7,5 +7,5 @@ class DeploymentsConfig(AppConfig):
 
     def ready(self) -> None:
         # The host tasks register themselves where their rows' services are
-        # (deployments.outbox.HostTask): every process knows all of them.
+        # (hosts.outbox.HostTask): every process knows all of them.
         from deployments.services import builds, registered_models, replicas  # noqa: F401

@@ -2,7 +2,7 @@
 join its group, say where the group's numbering stands (a "hello"), and
 forward what services publish. Read-only: the browser acts through the REST
 API. With the hello, a page can tell a message lost right after it connected
-from one published before (deployments.events numbers them)."""
+from one published before (core.events numbers them)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from common import metrics
+from core import events
 from core.permissions import can_view
-from deployments import events
 from deployments.models import Deployment, EngineBuild
 
 TOPICS = {"deployment": (Deployment, events.deployment_group), "build": (EngineBuild, events.build_group)}

@@ -1,6 +1,6 @@
 """Joined hosts' live messages, checked at the source before a browser sees them.
 
-A joined host's Redis user reaches no channel-layer key (deployments.host_access):
+A joined host's Redis user reaches no channel-layer key (hosts.grants):
 its workers append each live message to the host's own stream
 (``queues.live_stream``). This relay, a thread of the control plane's beat
 worker, reads every joined host's stream and passes on only what the host may
@@ -27,9 +27,10 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from common import metrics
-from core import queues
-from deployments import events
-from deployments.models import EngineBuild, Event, GpuHost, HostCredential, Replica
+from core import events, queues
+from core.models import Event
+from deployments.models import EngineBuild, Replica
+from hosts.models import GpuHost, HostCredential
 
 log = logging.getLogger(__name__)
 

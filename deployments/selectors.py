@@ -13,7 +13,8 @@ from django.db.models import Exists, OuterRef, Prefetch, Q, QuerySet, prefetch_r
 from django.utils import timezone
 
 from common.errors import NotFound
-from deployments import events
+from core import events
+from core.models import Event
 from deployments.gpu_plan import Holder, host_plan, replica_gpus, share_of
 from deployments.models import (
     Deployment,
@@ -21,16 +22,10 @@ from deployments.models import (
     DeploymentStatus,
     DesiredState,
     EngineBuild,
-    Event,
-    Gpu,
-    GpuHost,
     RegisteredModel,
     Replica,
 )
-
-
-def host_list() -> QuerySet[GpuHost]:
-    return GpuHost.objects.prefetch_related("gpus")
+from hosts.models import Gpu, GpuHost
 
 
 def model_list() -> QuerySet[RegisteredModel]:

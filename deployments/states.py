@@ -20,8 +20,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from common.errors import InvalidTransition, NotFound
-from core import jobs
-from deployments import events, selectors
+from core import events, jobs
+from deployments import selectors
 from deployments.models import BuildStatus as B
 from deployments.models import Deployment, DeploymentRevision, DesiredState, EngineBuild, RegisteredModel, Replica
 from deployments.models import DeploymentStatus as S
@@ -123,7 +123,7 @@ def deployment_sync(*, deployment_id: int, source: str, actor: Any = None, moved
     deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
     if deployment is None:
         # A joined host that has just removed its last replica of it may no longer write
-        # it (deployments.host_access): the hosts still serving it sum it up at their next move.
+        # it (hosts.grants): the hosts still serving it sum it up at their next move.
         return Deployment.objects.get(pk=deployment_id)
     replicas = list(Replica.objects.select_related("host").filter(deployment_id=deployment_id))
     counted = [

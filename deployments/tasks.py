@@ -5,8 +5,10 @@ from __future__ import annotations
 from celery import shared_task
 
 from core import queues
-from deployments import live_relay, outbox  # noqa: F401 - live_relay starts in the beat worker
-from deployments.services import autoscale, builds, channel, host_join, hosts, replicas
+from deployments import live_relay  # noqa: F401 - live_relay starts in the beat worker
+from deployments.services import autoscale, builds, replicas
+from hosts import outbox
+from hosts.services import channel, hosts
 
 
 @shared_task(name=queues.SWEEP_HOSTS)
@@ -25,9 +27,3 @@ def sweep_hosts() -> list[str]:
     channel.channel_requests_sign()
     channel.revocation_list_refresh()
     return offline
-
-
-@shared_task(name=queues.SYNC_HOST_ACCESS)
-def sync_host_access() -> int:
-    """Joined hosts' database grants and Redis users match what the database holds."""
-    return host_join.host_access_sync()

@@ -14,9 +14,9 @@ from django.utils import timezone
 
 from common.errors import NotFound, ValidationFailed
 from common.words import a
+from core.events import record, source_of
 from core.permissions import require_operator
 from core.secrets import secret_digest
-from deployments.events import record, source_of
 from deployments.models import Deployment, DeploymentModel
 from gateway.models import Alias, ApiKey, Usage
 

@@ -34,9 +34,9 @@ from django.utils import timezone
 from common import pki
 from common.errors import TransientError
 from deployments.models import Replica
-from deployments.services.channel import client_context
 from deployments.services.replicas import record_replica_event
 from deployments.states import ANSWERING
+from hosts.services.channel import client_context
 from triton_server.client import Channel
 
 log = logging.getLogger(__name__)

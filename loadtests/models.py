@@ -8,7 +8,8 @@ from django.db import models
 from django.db.models import Q
 
 from core.fields import JSONField
-from deployments.models import Deployment, GpuHost
+from deployments.models import Deployment
+from hosts.models import GpuHost
 
 
 class RunStatus(models.TextChoices):

@@ -25,12 +25,12 @@ from django.db.models import Q
 from django.utils import timezone
 
 from common.errors import ConfirmationRequired, InvalidTransition, NotFound
-from core import jobs
+from core import events, jobs
 from core.permissions import require_operator
-from deployments import events, outbox
 from deployments.models import Deployment
 from gateway import services as gateway_services
 from gateway.models import Alias, ApiKey
+from hosts import outbox
 from loadtests.models import ACTIVE, ALLOWED, TERMINAL, RunStatus
 
 # The gateway keys a run makes for itself start so; they are not "real clients".
@@ -74,7 +74,7 @@ KINDS: dict[str, RunKind] = {}
 
 def register(kind: RunKind) -> RunKind:
     """Add a run kind once, where its app defines it: its task is a host task
-    the outbox knows (deployments.outbox.HostTask), sent again when lost."""
+    the outbox knows (hosts.outbox.HostTask), sent again when lost."""
     KINDS[kind.name] = kind
     outbox.register(outbox.HostTask(kind.task, resend_waiting=functools.partial(_resend, kind)))
     return kind

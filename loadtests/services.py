@@ -18,11 +18,13 @@ from django.utils import timezone
 from common import metrics
 from common.errors import InvalidTransition, NotFound, ValidationFailed
 from common.version import gantry_version
-from core import queues
+from core import events, queues
 from core.permissions import require_operator
-from deployments import events, outbox, trtllm
-from deployments.models import Deployment, DeploymentModel, DeploymentStatus, GpuHost
+from deployments import trtllm
+from deployments.models import Deployment, DeploymentModel, DeploymentStatus
 from gateway.models import Alias
+from hosts import outbox
+from hosts.models import GpuHost
 from loadtests import runs
 from loadtests import workload as workloads
 from loadtests.models import ACTIVE, LoadPoint, LoadTest, RunStatus

@@ -28,9 +28,8 @@ from common.errors import (
     NothingToChange,
     ValidationFailed,
 )
-from core import queues
+from core import events, queues
 from core.permissions import require_operator
-from deployments import events, outbox
 from deployments.gpu_plan import placement_gpus, share_of
 from deployments.models import Deployment, DeploymentStatus
 from deployments.services import deployments as deployment_services
@@ -41,6 +40,7 @@ from deployments.services.placements import (
     spec_from_snapshot,
 )
 from gateway.models import Alias
+from hosts import outbox
 from loadtests import runs, tuning
 from loadtests.models import ACTIVE, LoadTest, RunStatus, TrialStatus, TuningRun, TuningTrial
 

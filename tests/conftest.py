@@ -16,7 +16,8 @@ from django.contrib.auth.models import Group, User
 from rest_framework.test import APIClient
 
 from core.permissions import OPERATOR_GROUP
-from deployments.models import GpuHost, RegisteredModel
+from deployments.models import RegisteredModel
+from hosts.models import GpuHost
 from tests import factories
 
 

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from deployments import states
-from deployments.models import BuildStatus, Deployment, EngineBuild, GpuHost, RegisteredModel, Replica
-from deployments.services import builds, deployments, hosts, registered_models, replicas
-from deployments.services.hosts import GpuReport
+from deployments.models import BuildStatus, Deployment, EngineBuild, RegisteredModel, Replica
+from deployments.services import builds, deployments, registered_models, replicas
 from deployments.services.placements import PlacementSpec
+from hosts.models import GpuHost
+from hosts.services import hosts
+from hosts.services.hosts import GpuReport
 from triton_server.server import LaunchSpec
 
 # The builder image the unit tests allow-list, with the digest its host reports.

@@ -23,7 +23,7 @@ from django.db import close_old_connections
 
 from common import metrics
 from core.queues import host_queue
-from deployments.services import hosts
+from hosts.services import hosts
 from workers import broker, channel, exporter, nvml
 from workers.deploy import reconcile as deploy_reconcile
 from workers.engines import executors

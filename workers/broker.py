@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import redis
 from django.conf import settings
 
-from deployments import outbox
-from deployments.services import hosts
+from hosts import outbox
+from hosts.services import hosts
 from workers.jobs import source
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class BrokerWatch:
 
 def redrive_host(*, host_name: str, source: str, reason: str) -> list[str]:
     """Send again the task each passing row on ``host_name`` waits for (every
-    registered deployments.outbox.HostTask: launching, stopping and updating
+    registered hosts.outbox.HostTask: launching, stopping and updating
     replicas, pending builds and inspections, queued load tests and tuning
     runs), and say so on the host's timeline. Returns what was sent."""
     sent = outbox.resend_waiting(host_name=host_name, source=source, message=f"{reason}: sending its task again")

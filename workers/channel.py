@@ -107,7 +107,7 @@ def keep_certificate(host_id: int) -> None:
     revocation list; a certificate is asked for when there is none or it is due
     for renewal, and installed once signed. The host's row says where its
     channel listens (0 while it has no certificate, on loopback, or once revoked)."""
-    from deployments.models import GpuHost
+    from hosts.models import GpuHost
 
     port = _keep(host_id)
     GpuHost.objects.filter(pk=host_id).exclude(channel_port=port).update(channel_port=port)
@@ -126,7 +126,7 @@ def allow(host_id: int) -> None:
 
 
 def _keep(host_id: int) -> int:
-    from deployments.models import ChannelAuthority, ChannelCertificate, GpuHost
+    from hosts.models import ChannelAuthority, ChannelCertificate, GpuHost
 
     if not wanted():
         return 0

@@ -28,7 +28,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from common import metrics
-from deployments.services.hosts import GpuReport
+from hosts.services.hosts import GpuReport
 
 log = logging.getLogger(__name__)
 

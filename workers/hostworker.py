@@ -48,7 +48,7 @@ def celery_arguments(host_name: str, *, jobs: bool, extra: list[str] | None = No
         else (host_queue(host_name), f"gantry@{host_name}", CONTROL_SLOTS)
     )
     # No gossip, mingle, heartbeat events or remote control: each uses a shared
-    # fanout key that a host's Redis user may not touch (deployments.host_access).
+    # fanout key that a host's Redis user may not touch (hosts.grants).
     quiet = ["--without-gossip", "--without-mingle", "--without-heartbeat"]
     argv = ["-A", "controlplane", "worker", "-Q", queue, "-n", node, "-c", str(slots), "-l", "INFO", *quiet]
     return [*argv, *(extra or [])]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pynvml
 
-from deployments.services.hosts import GpuReport
+from hosts.services.hosts import GpuReport
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from celery import shared_task
 from django.conf import settings
 
 from core import queues
-from deployments.services import hosts, registered_models
+from deployments.services import registered_models
+from hosts.services import hosts
 from workers import agent  # noqa: F401 - importing agent connects it to worker start
 from workers.deploy import lifecycle
 from workers.engines import run

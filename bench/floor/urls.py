@@ -9,9 +9,10 @@ from django.http import HttpRequest, JsonResponse
 from django.urls import path
 
 from controlplane.urls import urlpatterns as gantry
+from core.events import EVENT_COLUMNS
+from core.models import Event
 from deployments.api.builds import BuildOut
-from deployments.events import EVENT_COLUMNS
-from deployments.models import EngineBuild, Event
+from deployments.models import EngineBuild
 
 
 def builds(request: HttpRequest) -> JsonResponse:

@@ -18,10 +18,11 @@ from rest_framework.views import APIView
 from access.idempotency import idempotent
 from core.api.base import StrictSerializer, require_empty_body, validated
 from core.api.lists import CursorPage, ListEndpoint
+from core.models import Event
 from core.permissions import ReadOrOperate
 from deployments import build_spec, selectors, states, trtllm
 from deployments.api.timeline import Events, LogLines
-from deployments.models import BuildLogLine, BuildStatus, EngineBuild, Event
+from deployments.models import BuildLogLine, BuildStatus, EngineBuild
 from deployments.services import builds
 
 

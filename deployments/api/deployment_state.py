@@ -18,12 +18,13 @@ from rest_framework.views import APIView
 
 from core.api.base import StrictSerializer, validated
 from core.api.lists import CursorPage, ListEndpoint, checked_query
+from core.models import Event
 from core.permissions import ReadOrOperate
 from core.validation import slug_validator
 from deployments import selectors
 from deployments.api.deployments import IDS_MAX, DeploymentIn, as_sent, creation, ids_field, ids_of
 from deployments.api.timeline import Events, LogLines
-from deployments.models import Deployment, Event, LogLine, MetricSample
+from deployments.models import Deployment, LogLine, MetricSample
 from deployments.services import deployments as deployment_services
 from deployments.services import telemetry
 

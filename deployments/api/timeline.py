@@ -12,14 +12,14 @@ from rest_framework import serializers
 
 from core.api.base import StrictSerializer
 from core.api.lists import CursorPage, ListEndpoint
+from core.events import EventPayload, payload_of_row
+from core.models import Event
 from core.permissions import ReadOrOperate
 from deployments import selectors
-from deployments.events import EventPayload, payload_of_row
-from deployments.models import Event
 
 
 class EventOut(serializers.Serializer):
-    """One event, in the same shape the websockets deliver (deployments.events.event_payload)."""
+    """One event, in the same shape the websockets deliver (core.events.event_payload)."""
 
     type = serializers.CharField()
     id = serializers.IntegerField()

@@ -1,14 +1,9 @@
 from django.urls import path
 
-from deployments.api import builds, deployment_state, deployments, hosts, models, timeline
+from deployments.api import builds, deployment_state, deployments, models, timeline
 from deployments.api import deployment_actions as actions
 
 urlpatterns = [
-    path("hosts/", hosts.HostList.as_view(), name="api-hosts"),
-    path("hosts/join-tokens/", hosts.HostJoinTokens.as_view(), name="api-host-join-tokens"),
-    path("hosts/join/", hosts.HostJoin.as_view(), name="api-host-join"),
-    path("hosts/<str:name>/", hosts.HostDetail.as_view(), name="api-host"),
-    path("hosts/<str:name>/revoke/", hosts.HostRevoke.as_view(), name="api-host-revoke"),
     path("models/", models.ModelList.as_view(), name="api-models"),
     path("models/<int:pk>/", models.ModelDetail.as_view(), name="api-model"),
     path("builds/", builds.BuildList.as_view(), name="api-builds"),

@@ -1,6 +1,7 @@
-"""Gantry's domain: GPU hosts, registered checkpoints, engine builds,
-deployments with their model placements, and the append-only event timeline,
-one module each; every model is importable from here.
+"""Gantry's deployments: registered checkpoints and engine builds, deployments
+with their model placements and replicas, and what replicas report, one
+module each; every model is importable from here. Hosts are in hosts.models,
+the event timeline in core.models.
 
 Status fields are only ever changed through ``deployments.states`` and the
 services; nothing here flips a status in ``save()`` or a signal.
@@ -14,15 +15,6 @@ from deployments.models.checkpoints import (
     Inspection,
     ModelKind,
     RegisteredModel,
-)
-from deployments.models.hosts import (
-    ChannelAuthority,
-    ChannelCertificate,
-    ChannelSecrets,
-    Gpu,
-    GpuHost,
-    HostCredential,
-    HostJoinToken,
 )
 from deployments.models.serving import (
     GENERATIVE_BACKENDS,
@@ -44,13 +36,7 @@ from deployments.models.serving import (
     TimeoutAction,
     new_admin_secret,
 )
-from deployments.models.timeline import (
-    Event,
-    EventQuerySet,
-    LogLine,
-    MetricSample,
-    OutboxMessage,
-)
+from deployments.models.timeline import LogLine, MetricSample
 
 __all__ = [
     "AutoscaleMetric",
@@ -58,9 +44,6 @@ __all__ = [
     "BuildExecutor",
     "BuildLogLine",
     "BuildStatus",
-    "ChannelAuthority",
-    "ChannelCertificate",
-    "ChannelSecrets",
     "DecodingMode",
     "Deployment",
     "DeploymentModel",
@@ -69,19 +52,12 @@ __all__ = [
     "DesiredState",
     "Dtype",
     "EngineBuild",
-    "Event",
-    "EventQuerySet",
     "GENERATIVE_BACKENDS",
-    "Gpu",
-    "GpuHost",
-    "HostCredential",
-    "HostJoinToken",
     "Inspection",
     "InstanceKind",
     "LogLine",
     "MetricSample",
     "ModelKind",
-    "OutboxMessage",
     "PlacementPolicy",
     "RegisteredModel",
     "Replica",

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from core.fields import JSONField
 from core.validation import slug_validator
-from deployments.models.hosts import GpuHost
+from hosts.models import GpuHost
 
 
 class ModelKind(models.TextChoices):

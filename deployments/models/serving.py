@@ -13,7 +13,7 @@ from django.utils import timezone
 from core.fields import JSONField
 from core.validation import slug_validator
 from deployments.models.checkpoints import EngineBuild, RegisteredModel
-from deployments.models.hosts import GpuHost
+from hosts.models import GpuHost
 from triton_server.names import engine_model
 
 

@@ -23,8 +23,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from common.errors import InvalidTransition, NotFound, NothingToChange, ValidationFailed
+from core import events
 from core.permissions import require_operator
-from deployments import events, states
+from deployments import states
 from deployments.models import AutoscaleMetric, Deployment, DeploymentStatus, DesiredState
 from deployments.services import replicas as replicas_service
 

@@ -19,12 +19,14 @@ from django.utils import timezone
 
 from common import metrics
 from common.errors import InvalidTransition, NotFound, ValidationFailed
-from core import queues
+from core import events, queues
 from core.permissions import require_operator
-from deployments import build_spec, events, outbox, selectors, states
-from deployments.models import BuildExecutor, BuildLogLine, EngineBuild, GpuHost, RegisteredModel
+from deployments import build_spec, selectors, states
+from deployments.models import BuildExecutor, BuildLogLine, EngineBuild, RegisteredModel
 from deployments.models import BuildStatus as B
 from deployments.services.telemetry import append_newest_lines
+from hosts import outbox
+from hosts.models import GpuHost
 
 
 class _Checked(NamedTuple):

@@ -6,7 +6,7 @@ re-drive a lost launch, fail, notes on the timeline).
 A deployment is its placements and a replica count; each replica is one
 Triton on one host, placed here on a host and GPUs with room
 (gpu_plan.choose_host). Status changes go through deployments.states; work
-for a host is enqueued through deployments.outbox once the change commits.
+for a host is enqueued through hosts.outbox once the change commits.
 
 Over 450 lines on purpose: every write that locks a deployment is here, so
 the one lock order (the deployment's row, then its hosts', then its
@@ -24,19 +24,11 @@ from django.db import IntegrityError, transaction
 from django.db.models import Max
 
 from common.errors import InvalidTransition, NotFound, NothingToChange, ValidationFailed
-from core import jobs, queues
+from core import events, jobs, queues
 from core.permissions import require_operator
-from deployments import events, outbox, selectors, states
+from deployments import selectors, states
 from deployments.gpu_plan import Choice, Holder, host_plan, replica_gpus
-from deployments.models import (
-    Deployment,
-    DeploymentRevision,
-    DeploymentStatus,
-    DesiredState,
-    GpuHost,
-    PlacementPolicy,
-    Runtime,
-)
+from deployments.models import Deployment, DeploymentRevision, DeploymentStatus, DesiredState, PlacementPolicy, Runtime
 from deployments.services import replica_placement
 from deployments.services import replicas as replicas_service
 from deployments.services.autoscale import AUTOSCALE_OFF, AutoscaleSpec, autoscale_errors, describe
@@ -50,6 +42,8 @@ from deployments.services.placements import (
     placements_write,
     spec_from_snapshot,
 )
+from hosts import outbox
+from hosts.models import GpuHost
 
 
 @dataclass(frozen=True)

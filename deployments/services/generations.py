@@ -8,7 +8,8 @@ from __future__ import annotations
 from django.db import transaction
 
 from common.errors import InvalidTransition
-from deployments import events, states
+from core import events
+from deployments import states
 from deployments.models import Deployment, RevisionStatus
 from deployments.services.placements import placement_from_snapshot, placements_write
 

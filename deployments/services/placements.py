@@ -44,7 +44,6 @@ from deployments.models import (
     DeploymentModel,
     Dtype,
     EngineBuild,
-    GpuHost,
     Inspection,
     InstanceKind,
     ModelKind,
@@ -52,6 +51,7 @@ from deployments.models import (
     Runtime,
     TimeoutAction,
 )
+from hosts.models import GpuHost
 
 # Kinds this version can place in a deployment, and the backend each uses.
 SERVABLE_KINDS = {

@@ -11,11 +11,13 @@ from django.db import IntegrityError, transaction
 
 from common.errors import InvalidTransition, NotFound, ValidationFailed
 from common.words import a
-from core import queues
+from core import events, queues
 from core.permissions import require_operator
-from deployments import events, outbox, states
+from deployments import states
 from deployments.checkpoints import CheckpointInfo, inspect_checkpoint, under_roots
-from deployments.models import GpuHost, Inspection, ModelKind, RegisteredModel
+from deployments.models import Inspection, ModelKind, RegisteredModel
+from hosts import outbox
+from hosts.models import GpuHost
 
 # Kinds whose clients send text, so the checkpoint must carry its tokenizer.
 NEEDS_TOKENIZER = frozenset({ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.LLM})

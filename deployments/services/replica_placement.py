@@ -18,15 +18,8 @@ from django.db.models import Max
 from common.errors import InvalidTransition
 from deployments import selectors
 from deployments.gpu_plan import Candidate, Choice, Holder, choose_host, host_plan, plan_problems
-from deployments.models import (
-    Deployment,
-    DeploymentModel,
-    DeploymentStatus,
-    DesiredState,
-    GpuHost,
-    PlacementPolicy,
-    Replica,
-)
+from deployments.models import Deployment, DeploymentModel, DeploymentStatus, DesiredState, PlacementPolicy, Replica
+from hosts.models import GpuHost
 
 S = DeploymentStatus
 

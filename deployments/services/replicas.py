@@ -33,12 +33,13 @@ from django.db.models import Count, Exists, F, OuterRef, Q
 from django.utils import timezone
 
 from common.errors import InvalidTransition, NotFound, NothingToChange, ValidationFailed
-from core import queues
-from deployments import events, outbox, states
+from core import events, queues
+from deployments import states
 from deployments.gpu_plan import Choice
 from deployments.models import Deployment, DeploymentStatus, DesiredState, Replica
 from deployments.services import replica_placement as placing
 from deployments.services.generations import deployment_rollback
+from hosts import outbox
 
 S = DeploymentStatus
 

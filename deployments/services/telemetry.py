@@ -10,7 +10,7 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from deployments import events
+from core import events
 from deployments.models import BuildLogLine, DeploymentModel, LogLine, MetricSample, Replica
 from deployments.services import replicas
 from deployments.states import SERVING

@@ -9,8 +9,9 @@ from django import forms
 
 from common.errors import GantryError, ValidationFailed
 from core.validation import DB_INT_MAX, slug_validator
-from deployments import build_spec, selectors, trtllm
+from deployments import build_spec, trtllm
 from deployments.models import BuildStatus, DeploymentStatus, ModelKind
+from hosts import selectors as host_selectors
 
 
 class RegisterForm(forms.Form):
@@ -32,7 +33,7 @@ class RegisterForm(forms.Form):
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
-        self.fields["host"].choices = [(h.name, h.name) for h in selectors.host_list()]
+        self.fields["host"].choices = [(h.name, h.name) for h in host_selectors.host_list()]
 
 
 class BuildFilterForm(forms.Form):
@@ -85,7 +86,7 @@ class BuildForm(forms.Form):
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
         # An engine is compiled on a GPU, with a builder the host has: only such hosts are offered.
-        builders = {h: build_spec.builder_choices(h) for h in selectors.host_list() if h.gpus.all()}
+        builders = {h: build_spec.builder_choices(h) for h in host_selectors.host_list() if h.gpus.all()}
         hosts = [h for h, choices in builders.items() if choices]
         self.fields["host"].choices = [(h.name, f"{h.name} ({len(h.gpus.all())} GPU)") for h in hosts]
         self.fields["image"].choices = [(i, i) for i in sorted({i for h in hosts for i in builders[h]})]

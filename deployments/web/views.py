@@ -49,6 +49,7 @@ from deployments.web.forms import (
     RegisterForm,
     show_refusal,
 )
+from hosts import selectors as host_selectors
 
 # The colors of the dashboard's memory bars, one per deployment (static/gantry.css has none to spare).
 _SHARE_COLORS = ("#2457c5", "#c4320a", "#087443", "#6938ef", "#b54708", "#0e7090", "#c11574")
@@ -67,7 +68,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     replicas, status and request-rate sparkline, live for the rows in view."""
     query = DashboardFilterForm(request.GET or None)
     found = query.cleaned_data if query.is_valid() else {}
-    hosts_page = Paginator(selectors.host_list(), DASHBOARD_HOSTS).get_page(request.GET.get("hosts_page"))
+    hosts_page = Paginator(host_selectors.host_list(), DASHBOARD_HOSTS).get_page(request.GET.get("hosts_page"))
     rows = selectors.deployment_search(
         name=found.get("q") or "", status=found.get("status") or "", host=found.get("host") or ""
     )
@@ -335,7 +336,7 @@ def deployment_new(request: HttpRequest) -> HttpResponse:
         request,
         "deployments/deployment_new.html",
         {
-            "hosts": selectors.host_list(),
+            "hosts": host_selectors.host_list(),
             "images": settings.GANTRY_ALLOWED_IMAGES,
             "server": ServerSpec(),
             "options": deploy_form_options(mode="create", initial=[{"model": wanted}] if wanted else []),

@@ -13,9 +13,11 @@ import pytest
 from django.utils import timezone
 
 from common.errors import ValidationFailed
-from deployments.models import BuildStatus, EngineBuild, GpuHost
-from deployments.services import deployments, hosts
+from deployments.models import BuildStatus, EngineBuild
+from deployments.services import deployments
 from deployments.services.placements import PlacementSpec
+from hosts.models import GpuHost
+from hosts.services import hosts
 from tests.factories import LLAMA, registered_model, write_checkpoint
 from triton_server.server import LaunchSpec
 from workers import nvml

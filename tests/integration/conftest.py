@@ -36,9 +36,9 @@ from django.db import connection
 from access.services import token_create
 from controlplane.celery import beat_argv, host_worker_argv
 from controlplane.serving import live_argv, web_argv
-from deployments import host_access
-from deployments.models import GpuHost, HostCredential
-from deployments.services import host_join
+from hosts import grants
+from hosts.models import GpuHost, HostCredential
+from hosts.services import host_join
 from workers import channel
 from workers.runtimes import process
 from workers.runtimes.base import busy_ports
@@ -373,7 +373,7 @@ def make_stack(
     data_dir.mkdir()
     triton_base = free_ports(30)
     # The worker reads and writes the database as a joined host does: with its own role,
-    # under the row policies of deployments.host_access. (Its Redis user stays the control
+    # under the row policies of deployments.grants. (Its Redis user stays the control
     # plane's here, so its live messages need no beat; the fleet's hosts use their own.)
     joined = host_join.host_join(
         token=host_join.host_join_token_create(user=None, host_name=host_name).secret,
@@ -441,8 +441,8 @@ def make_stack(
         # test database can be flushed and dropped.
         wait_for(lambda: _other_sessions() == 0, 15, "the stopped processes' database sessions to close")
         for credential in HostCredential.objects.filter(host__name=host_name):  # roles outlive the database's rows
-            host_access.database_role_drop(credential.database_role)
-            host_access.redis_user_remove(credential.redis_user)
+            grants.database_role_drop(credential.database_role)
+            grants.redis_user_remove(credential.redis_user)
         for log in sorted(log_dir.iterdir()):
             tail = log.read_text(errors="replace").splitlines()[-40:]
             sys.stderr.write(f"--- {log.name} (last lines) ---\n" + "\n".join(tail) + "\n")
@@ -590,7 +590,7 @@ def fleet(tmp_path: Path, count: int, extra_env: dict[str, str] | None = None) -
         joined: dict[str, dict[str, str]] = {}
 
         def host_env(name: str) -> dict[str, str]:
-            # Each host works with the credentials it joined with (deployments.host_access).
+            # Each host works with the credentials it joined with (hosts.grants).
             ns = hosts[name]
             return {
                 **base_env,

@@ -348,8 +348,8 @@ def test_a_page_repairs_a_lost_message_and_marks_itself_stale_while_redis_is_dow
     from django.db import connection
     from playwright.sync_api import expect
 
-    from deployments import events
-    from deployments.models import Event
+    from core import events
+    from core.models import Event
 
     stack = stack_on_own_redis
     # The page re-reads the timeline each time its socket opens; counting those

@@ -54,7 +54,7 @@ print(json.dumps(out))
 # Run on the control plane: the web tier's own context against B's channel.
 _HANDSHAKE = """
 import socket, ssl
-from deployments.services.channel import client_context
+from hosts.services.channel import client_context
 try:
     with socket.create_connection(("{address}", {port}), timeout=5) as raw:
         client_context().wrap_socket(raw, server_hostname="{name}").close()

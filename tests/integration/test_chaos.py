@@ -18,7 +18,9 @@ import requests
 
 from controlplane.celery import host_worker_argv
 from controlplane.serving import web_argv
-from deployments.models import Deployment, Event, GpuHost, OutboxMessage, Replica
+from core.models import Event
+from deployments.models import Deployment, Replica
+from hosts.models import GpuHost, OutboxMessage
 from tests import factories
 from tests.integration.conftest import (
     PostgresServer,

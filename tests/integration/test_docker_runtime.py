@@ -11,7 +11,8 @@ import docker
 import pytest
 import requests
 
-from deployments.models import Deployment, Event
+from core.models import Event
+from deployments.models import Deployment
 from tests import factories
 from tests.integration.conftest import Stack, built_image, wait_for
 from tests.integration.test_end_to_end import _socket, _stop, _wait_for_status

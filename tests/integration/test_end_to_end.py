@@ -18,8 +18,10 @@ import tritonclient.http as httpclient
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from deployments.models import Deployment, Event, GpuHost, MetricSample
+from core.models import Event
+from deployments.models import Deployment, MetricSample
 from deployments.services import replica_placement
+from hosts.models import GpuHost
 from tests import factories
 from tests.integration.conftest import Stack, wait_for
 from workers import processes

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import tritonclient.http as httpclient
 
-from deployments.models import Deployment, Event
+from core.models import Event
+from deployments.models import Deployment
 from tests import factories
 from tests.integration.conftest import Stack, wait_for
 from tests.integration.test_end_to_end import _socket, _stop, _wait_for_status

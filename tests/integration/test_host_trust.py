@@ -2,7 +2,7 @@
 would use them (docs/security.md, the threat model): real PostgreSQL roles and
 row-level policies, real Redis ACL users, the real live relay. Two hosts join;
 host A serves one deployment and host B another, and A tries to reach past
-its own work. Every refusal below is a rule of deployments.host_access (or of
+its own work. Every refusal below is a rule of hosts.grants (or of
 deployments.live_relay); each assertion fails when its rule goes (the run on
 the code before node restriction is kept in docs/security.md)."""
 
@@ -18,11 +18,14 @@ import redis
 from channels.layers import get_channel_layer
 from django.contrib.auth.models import User
 
-from core import queues
-from deployments import events, host_access, live_relay
-from deployments.models import Deployment, Event, GpuHost, Replica
-from deployments.services import host_join
+from core import events, queues
+from core.models import Event
+from deployments import live_relay
+from deployments.models import Deployment, Replica
 from gateway import services as gateway_services
+from hosts import grants
+from hosts.models import GpuHost
+from hosts.services import host_join
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -31,9 +34,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 def admin(transactional_db) -> Iterator[User]:  # noqa: ANN001
     yield User.objects.create_superuser(username="trust-admin", password="admin-pass")
     # Roles and Redis users outlive the test's rows: remove this database's.
-    for role in host_access.database_roles_listed():
-        host_access.database_role_drop(role)
-    host_access.redis_users_ensure({})
+    for role in grants.database_roles_listed():
+        grants.database_role_drop(role)
+    grants.redis_users_ensure({})
 
 
 def _join(admin: User, name: str) -> host_join.Joined:
@@ -129,7 +132,7 @@ def test_a_joined_hosts_credentials_reach_only_its_own_work(admin: User, operato
     for group in (events.deployment_group(own.pk), events.deployment_group(other.pk), events.DASHBOARD_GROUP):
         asyncio.run(layer.group_add(group, watcher))
     host_stream = redis.Redis.from_url(a.redis_url)
-    control = redis.Redis.from_url(host_access.settings.REDIS_URL)
+    control = redis.Redis.from_url(grants.settings.REDIS_URL)
     positions: dict[str, str] = {}
     try:
         live_relay.relay_once(control, positions)  # where each stream is now

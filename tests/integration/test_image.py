@@ -16,7 +16,7 @@ import requests
 from django.conf import settings
 
 from access.services import token_create
-from deployments.models import GpuHost
+from hosts.models import GpuHost
 from tests.integration.conftest import _other_sessions, built_image, free_port, free_ports, healthz_answers, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 @pytest.fixture
 def shown(stack: Stack, tmp_path: Path, minilm_path: Path) -> dict[str, Any]:
     """The rows the pages show, made before Chromium starts (its event loop owns the thread)."""
-    from deployments.models import GpuHost
+    from hosts.models import GpuHost
 
     host = GpuHost.objects.get(name=stack.host_name)
     llm = factories.registered_model(

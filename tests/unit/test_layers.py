@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SHARED, CORE = 0, 1
 # The domain apps, lowest first: each may import those before it, never one after it.
-DOMAIN_APPS = ("deployments", "access", "inference", "gateway", "loadtests")
+DOMAIN_APPS = ("hosts", "deployments", "access", "inference", "gateway", "loadtests")
 DOORS = CORE + len(DOMAIN_APPS) + 1
 PROJECT = DOORS + 1
 # The floor of each package; a door module inside a domain app is named by its

@@ -18,11 +18,13 @@ from django.db.models import Q
 from django.utils import timezone
 
 from common.errors import InvalidTransition, NotFound, TransientError
+from core.models import Event
 from deployments import states
 from deployments.models import DeploymentStatus as S
-from deployments.models import DesiredState, Event, Replica
+from deployments.models import DesiredState, Replica
 from deployments.models import Runtime as DeploymentRuntime
-from deployments.services import hosts, replicas
+from deployments.services import replicas
+from hosts.services import hosts
 from triton_server.client import Readiness
 from triton_server.server import STOP_GRACE_S, LaunchSpec
 from workers import exporter, nvml

@@ -11,8 +11,8 @@ from rest_framework.test import APIClient
 
 from access.models import ApiToken
 from access.services import token_create
+from core.models import Event
 from core.secrets import secret_digest
-from deployments.models import Event
 
 
 def _bearer(secret: str) -> APIClient:

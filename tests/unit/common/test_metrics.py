@@ -25,8 +25,8 @@ from common import metrics
 from common.asgi_io import Door, Doors
 from controlplane.metrics import ControlPlane, MetricsDoor, owns
 from core import queues
+from core.models import Event
 from deployments import live_figures
-from deployments.models import Event
 from tests import factories
 from triton_server import metrics as triton_metrics
 from workers import exporter
@@ -112,7 +112,7 @@ def test_the_control_plane_counts_the_fleet_the_outbox_and_the_host_queues_at_sc
     host,
     minilm,  # noqa: ANN001
 ):
-    from deployments import outbox
+    from hosts import outbox
 
     created = factories.deployment(host=host, name="a")
     message = outbox.OutboxMessage.objects.create(task="workers.tasks.launch_replica", queue="x", args=[1])

@@ -55,6 +55,9 @@ def test_the_previous_releases_rows_survive_the_upgrade():
     assert upgraded.artifacts[0]["name"] == "rank0.engine"
     placement = new.get_model("deployments", "DeploymentModel").objects.get(deployment_id=deployment.pk)
     assert (placement.triton_name, placement.gpu_memory_fraction) == ("llama", 0.8)
-    assert new.get_model("deployments", "Event").objects.filter(message="made").count() == 1
+    # Hosts moved to their own app and the timeline to core, their tables kept.
+    moved = new.get_model("hosts", "GpuHost").objects.get(pk=host.pk)
+    assert (moved.name, upgraded.host_id) == ("gpu-01", host.pk)
+    assert new.get_model("core", "Event").objects.filter(message="made").count() == 1
     assert new.get_model("access", "ApiToken").objects.get(name="ci").digest == "d" * 64
     assert new.get_model("gateway", "Alias").objects.get(name="chat").deployment_id == deployment.pk

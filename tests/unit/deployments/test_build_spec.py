@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from common.errors import ValidationFailed
-from deployments.models import EngineBuild, GpuHost
+from deployments.models import EngineBuild
 from deployments.services import builds
+from hosts.models import GpuHost
 from tests import factories
 from workers.engines import executors
 

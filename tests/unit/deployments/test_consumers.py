@@ -10,7 +10,7 @@ from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import AnonymousUser
 
-from deployments import events
+from core import events
 from deployments.routing import websocket_urlpatterns
 from tests import factories
 

@@ -2,7 +2,7 @@
 
 import json
 
-from deployments.models import Event
+from core.models import Event
 
 
 def _read_back(data):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from common.errors import InvalidTransition
+from core.models import Event
 from deployments import states
-from deployments.models import Deployment, Event
+from deployments.models import Deployment
 from deployments.models import DeploymentStatus as S
 from deployments.services import deployments
 from deployments.services.placements import PlacementSpec

@@ -5,8 +5,8 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from common.errors import PermissionDenied, ValidationFailed
+from core.models import Event
 from core.secrets import secret_digest
-from deployments.models import Event
 from gateway import services
 from gateway.models import ApiKey, Usage
 from tests import factories

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from common.errors import PermanentError, TransientError
-from deployments.models import Event
+from core.models import Event
 from inference import balancing
 from inference.balancing import Balancer, Endpoint
 from tests import factories

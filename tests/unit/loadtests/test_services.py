@@ -12,9 +12,9 @@ from django.utils import timezone
 
 from common.errors import ConfirmationRequired, InvalidTransition, ValidationFailed
 from core import queues
-from deployments.models import OutboxMessage
 from gateway import services as gateway
 from gateway.models import Alias, ApiKey
+from hosts.models import OutboxMessage
 from loadtests import runs, services
 from loadtests.models import LoadTest, RunStatus
 from tests import factories

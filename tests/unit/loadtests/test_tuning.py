@@ -14,12 +14,13 @@ import pytest
 
 from common.errors import ConfirmationRequired, InvalidTransition, ValidationFailed
 from core import queues
-from deployments.models import Deployment, OutboxMessage, Replica
+from deployments.models import Deployment, Replica
 from deployments.services import deployments
 from deployments.services.deployments import ServerSpec
 from deployments.services.placements import spec_from_snapshot
 from gateway import services as gateway
 from gateway.models import Alias
+from hosts.models import OutboxMessage
 from loadtests import selectors, services, tuning
 from loadtests import tuning_services as tunings
 from loadtests.models import RunStatus, TrialStatus, TuningRun

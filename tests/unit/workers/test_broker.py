@@ -1,21 +1,23 @@
 """The broker as the host agent sees it, against the real Redis: an outage and
 the broker's return on the host's timeline, the outbox relayed once it
 answers, and a restart (a new run id) re-driving what each passing row waits
-for. Celery's send is replaced at its seam (tests/unit/deployments/test_outbox.py)."""
+for. Celery's send is replaced at its seam (tests/unit/hosts/test_outbox.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from core import queues
-from deployments import outbox
-from deployments.models import Event, GpuHost, OutboxMessage
-from deployments.services import deployments, hosts, registered_models
+from core.models import Event
+from deployments.services import deployments, registered_models
 from gateway.models import Alias, ApiKey
+from hosts import outbox
+from hosts.models import GpuHost, OutboxMessage
+from hosts.services import hosts
 from loadtests import runs
 from loadtests import services as loadtest_services
 from tests import factories
-from tests.unit.deployments.test_outbox import Broker
+from tests.unit.hosts.test_outbox import Broker
 from workers import broker
 
 

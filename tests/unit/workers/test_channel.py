@@ -20,9 +20,10 @@ import pytest
 from django.utils import timezone
 
 from common import pki
-from deployments.models import ChannelCertificate, Event, GpuHost
-from deployments.services import channel as authority
-from deployments.services.host_join import host_credentials_revoke
+from core.models import Event
+from hosts.models import ChannelCertificate, GpuHost
+from hosts.services import channel as authority
+from hosts.services.host_join import host_credentials_revoke
 from tests import factories
 from workers import channel
 

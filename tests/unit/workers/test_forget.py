@@ -3,8 +3,8 @@ so a failure is said on the host's timeline, with its cause."""
 
 from __future__ import annotations
 
-from deployments.models import Event
-from deployments.services import hosts
+from core.models import Event
+from hosts.services import hosts
 from workers import tasks
 from workers.deploy.plan import deployment_root
 from workers.engines.run import work_dir

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from deployments import trtllm
-from deployments.services.hosts import GpuReport
+from hosts.services.hosts import GpuReport
 from workers import native_bench
 from workers.engines.executors import NativeExecutor
 from workers.nvml import Inventory

@@ -3,7 +3,8 @@ and each refusal with its reason."""
 
 from __future__ import annotations
 
-from deployments.models import Deployment, DeploymentRevision, EngineBuild, Event, RegisteredModel
+from core.models import Event
+from deployments.models import Deployment, DeploymentRevision, EngineBuild, RegisteredModel
 from deployments.services import replicas
 from gateway.models import Alias
 from tests import factories

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from deployments.models import EngineBuild, Event
+from core.models import Event
+from deployments.models import EngineBuild
 from tests import factories
 
 

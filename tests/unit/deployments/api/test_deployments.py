@@ -7,7 +7,9 @@ from datetime import timedelta
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from deployments.models import Deployment, DeploymentModel, DeploymentStatus, Event, GpuHost
+from core.models import Event
+from deployments.models import Deployment, DeploymentModel, DeploymentStatus
+from hosts.models import GpuHost
 
 
 def test_deployments_of_an_offline_host_show_unknown_and_keep_their_status(api, host, minilm):

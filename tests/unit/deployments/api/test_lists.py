@@ -10,7 +10,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from deployments import events
+from core import events
 from deployments.models import DeploymentRevision, EngineBuild, MetricSample, RegisteredModel
 from deployments.services import builds, telemetry
 from gateway import services as gateway

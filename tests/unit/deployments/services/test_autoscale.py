@@ -8,12 +8,14 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from core.models import Event
 from deployments import states
-from deployments.models import Deployment, Event, GpuHost, Replica
+from deployments.models import Deployment, Replica
 from deployments.models import DeploymentStatus as S
 from deployments.services import autoscale, deployments
 from deployments.services.autoscale import AutoscaleSpec, autoscale_decide
 from deployments.services.placements import PlacementSpec
+from hosts.models import GpuHost
 from tests import factories
 
 SPEC = AutoscaleSpec(min_replicas=2, max_replicas=8, target=4.0)

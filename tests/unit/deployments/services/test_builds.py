@@ -8,7 +8,8 @@ from datetime import timedelta
 from django.db import connection
 from django.utils import timezone
 
-from deployments.models import BuildStatus, EngineBuild, Event
+from core.models import Event
+from deployments.models import BuildStatus, EngineBuild
 from deployments.services import builds
 from tests import factories
 from workers.engines import run

@@ -10,9 +10,10 @@ from django.utils import timezone
 from common.errors import ValidationFailed
 from deployments import selectors
 from deployments.gpu_plan import kv_bytes_per_token, kv_cache_tokens
-from deployments.models import BuildStatus, EngineBuild, GpuHost, RegisteredModel
+from deployments.models import BuildStatus, EngineBuild, RegisteredModel
 from deployments.services import deployments
 from deployments.services.placements import PlacementSpec
+from hosts.models import GpuHost
 from tests import factories
 
 DIGEST = "sha256:" + "ab" * 32

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from common.errors import PermissionDenied, ValidationFailed
-from deployments.models import Event, Inspection
+from core.models import Event
+from deployments.models import Inspection
 from deployments.services import registered_models
 from tests import factories
 from workers import tasks as worker_tasks

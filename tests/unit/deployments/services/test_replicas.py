@@ -9,11 +9,13 @@ import pytest
 from django.utils import timezone
 
 from common.errors import InvalidTransition
+from core.models import Event
 from deployments import states
-from deployments.models import Deployment, Event, GpuHost, Replica
+from deployments.models import Deployment, Replica
 from deployments.models import DeploymentStatus as S
 from deployments.services import deployments, replicas
 from deployments.services.placements import PlacementSpec
+from hosts.models import GpuHost
 from tests import factories
 
 

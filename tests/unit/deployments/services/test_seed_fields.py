@@ -14,10 +14,11 @@ from django.utils import timezone
 
 from common.errors import ValidationFailed
 from deployments import selectors
-from deployments.models import BuildStatus, EngineBuild, GpuHost, RegisteredModel
+from deployments.models import BuildStatus, EngineBuild, RegisteredModel
 from deployments.services import builds, deployments
 from deployments.services.deployments import ServerSpec
 from deployments.services.placements import PlacementSpec
+from hosts.models import GpuHost
 from tests import factories
 from triton_server.config import read_config
 from triton_server.repository import write_repository

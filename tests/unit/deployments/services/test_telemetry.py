@@ -20,7 +20,7 @@ def test_log_lines_keep_the_newest_and_the_api_serves_them(api, host, minilm, se
 
 
 def test_each_models_readiness_is_kept_and_pushed_each_check(api, host, minilm, operator, monkeypatch):
-    from deployments import events
+    from core import events
     from tests import factories
 
     deployment = factories.deployment(host=host, name="r", models=["minilm"], user=operator)

@@ -8,7 +8,8 @@ import re
 import pytest
 from django.contrib.auth.models import User
 
-from deployments.models import EngineBuild, Event, RegisteredModel
+from core.models import Event
+from deployments.models import EngineBuild, RegisteredModel
 from deployments.services import builds, deployments, telemetry
 from deployments.services.placements import PlacementSpec
 from tests import factories

@@ -6,10 +6,13 @@ from datetime import timedelta
 
 from django.utils import timezone
 
+from core.models import Event
 from deployments import states
-from deployments.models import Deployment, DeploymentStatus, Event, OutboxMessage, Replica
-from deployments.services import deployments, hosts, replicas
+from deployments.models import Deployment, DeploymentStatus, Replica
+from deployments.services import deployments, replicas
 from deployments.services.placements import PlacementSpec
+from hosts.models import OutboxMessage
+from hosts.services import hosts
 from tests import factories
 from triton_server.client import TritonClient
 from workers import processes

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from deployments.models import Event, LogLine
+from core.models import Event
+from deployments.models import LogLine
 from deployments.services import deployments
-from deployments.services.hosts import GpuReport
 from deployments.services.placements import PlacementSpec
+from hosts.services.hosts import GpuReport
 from tests import factories
 from workers import nvml
 from workers.deploy import telemetry as deploy_telemetry

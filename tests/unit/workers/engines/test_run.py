@@ -6,7 +6,7 @@ import pytest
 
 from deployments.models import BuildStatus
 from deployments.services import builds
-from deployments.services.hosts import GpuReport
+from hosts.services.hosts import GpuReport
 from tests import factories
 from workers import nvml
 from workers.engines import run

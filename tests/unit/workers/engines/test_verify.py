@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from common.errors import ValidationFailed
-from deployments.models import BuildStatus, EngineBuild, Event
+from core.models import Event
+from deployments.models import BuildStatus, EngineBuild
 from deployments.services import builds, deployments
 from deployments.services.placements import PlacementSpec
 from tests import factories

@@ -16,9 +16,9 @@ from django.utils import timezone
 
 from deployments.models import BuildStatus, EngineBuild
 from deployments.services import deployments
-from deployments.services.hosts import GpuReport
 from deployments.services.placements import PlacementSpec
 from gateway.models import Alias
+from hosts.services.hosts import GpuReport
 from loadtests import selectors, services
 from loadtests.models import LoadPoint, LoadTest
 from tests import factories

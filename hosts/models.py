@@ -1,5 +1,8 @@
-"""GPU hosts: their GPUs, how they joined (tokens and credentials), and the
-channel's authority and certificates."""
+"""GPU hosts: their GPUs, how they joined (tokens and credentials), the
+channel's authority and certificates, and the outbox of tasks for them.
+
+The tables keep the names they were made with in the deployments app (each
+Meta.db_table): the move to this app changed no schema."""
 
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ class GpuHost(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
+        db_table = "deployments_gpuhost"
         ordering = ["name"]
 
     def __str__(self) -> str:
@@ -85,16 +89,22 @@ class ChannelAuthority(models.Model):
     revocation_signed_at = models.DateTimeField()
     created_at = models.DateTimeField(auto_now_add=True)
 
+    class Meta:
+        db_table = "deployments_channelauthority"
+
     def __str__(self) -> str:
         return f"channel authority (revocation list {self.revocation_number})"
 
 
 class ChannelSecrets(models.Model):
     """The authority's private key and the web tier's (one row). Withheld from
-    hosts' database roles (deployments.host_access.WITHHELD_TABLES)."""
+    hosts' database roles (hosts.grants.WITHHELD_TABLES)."""
 
     authority_key = models.TextField()
     client_key = models.TextField(blank=True, help_text="The web tier's key; its certificate is a ChannelCertificate.")
+
+    class Meta:
+        db_table = "deployments_channelsecrets"
 
     def __str__(self) -> str:
         return "channel secrets"
@@ -115,6 +125,7 @@ class ChannelCertificate(models.Model):
     revoked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
+        db_table = "deployments_channelcertificate"
         ordering = ["-created_at", "-pk"]
 
     def __str__(self) -> str:
@@ -137,6 +148,7 @@ class HostJoinToken(models.Model):
     used_by_host = models.CharField(max_length=63, blank=True)
 
     class Meta:
+        db_table = "deployments_hostjointoken"
         ordering = ["-created_at"]
 
     def __str__(self) -> str:
@@ -156,6 +168,7 @@ class HostCredential(models.Model):
     revoked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
+        db_table = "deployments_hostcredential"
         ordering = ["-created_at"]
         constraints = [
             models.UniqueConstraint(
@@ -179,6 +192,7 @@ class Gpu(models.Model):
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
+        db_table = "deployments_gpu"
         ordering = ["host__name", "index"]
         constraints = [
             models.UniqueConstraint(fields=["host", "index"], name="gpu_unique_index_per_host"),
@@ -191,3 +205,31 @@ class Gpu(models.Model):
     @property
     def sm(self) -> str:
         return "SM" + self.compute_capability.replace(".", "")
+
+
+class OutboxMessage(models.Model):
+    """A task for a host's worker, written in the same transaction as the change
+    that asks for it (hosts.outbox). It is deleted once the broker has
+    taken it; while the broker is unreachable it waits here, so an outage delays
+    work and never loses it."""
+
+    task = models.CharField(max_length=100)
+    queue = models.CharField(max_length=80)
+    args = JSONField(default=list)
+    created_at = models.DateTimeField(default=timezone.now)
+    attempts = models.PositiveIntegerField(default=0)
+    last_error = models.CharField(max_length=255, blank=True)
+    parked_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When the broker, answering, refused this message itself PARK_AFTER times: it is kept here "
+        "and on the timeline, and never sent again.",
+    )
+
+    class Meta:
+        db_table = "deployments_outboxmessage"
+        ordering = ["id"]
+        indexes = [models.Index(fields=["queue", "id"])]
+
+    def __str__(self) -> str:
+        return f"{self.task}{tuple(self.args)} for {self.queue}"

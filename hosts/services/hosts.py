@@ -11,8 +11,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import events
-from deployments.models import Gpu, GpuHost
+from core import events
+from hosts.models import Gpu, GpuHost
 
 
 @dataclass(frozen=True)

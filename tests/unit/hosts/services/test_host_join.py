@@ -14,9 +14,10 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 
 from common.errors import PermissionDenied, ValidationFailed
-from deployments import host_access
-from deployments.models import Event, GpuHost, HostCredential, HostJoinToken
-from deployments.services import host_join
+from core.models import Event
+from hosts import grants
+from hosts.models import GpuHost, HostCredential, HostJoinToken
+from hosts.services import host_join
 
 
 @pytest.fixture
@@ -28,9 +29,9 @@ def admin(db) -> User:  # noqa: ANN001
 def no_host_access_left(transactional_db) -> Iterator[None]:  # noqa: ANN001
     """Roles and Redis users outlive the test's rows: remove this database's."""
     yield
-    for role in host_access.database_roles_listed():
-        host_access.database_role_drop(role)
-    host_access.redis_users_ensure({})
+    for role in grants.database_roles_listed():
+        grants.database_role_drop(role)
+    grants.redis_users_ensure({})
 
 
 def _join(admin: User, name: str = "gpu-07", **token: object) -> host_join.Joined:
@@ -140,10 +141,10 @@ def test_the_sync_gives_back_what_a_redis_restart_lost_and_removes_what_is_revok
 ) -> None:
     joined = _join(admin)
     credential = HostCredential.objects.get()
-    control = redis.Redis.from_url(host_access.settings.REDIS_URL)
+    control = redis.Redis.from_url(grants.settings.REDIS_URL)
     try:
         control.execute_command("ACL", "DELUSER", credential.redis_user)  # as a restart without an ACL file
-        stray = f"{host_access.redis_user_prefix()}ghost-1"
+        stray = f"{grants.redis_user_prefix()}ghost-1"
         control.execute_command("ACL", "SETUSER", stray, "on", ">x", "+@all")  # left by a join that did not commit
         assert host_join.host_access_sync() == 1
         users = {u.decode() for u in control.execute_command("ACL", "USERS")}
@@ -154,7 +155,7 @@ def test_the_sync_gives_back_what_a_redis_restart_lost_and_removes_what_is_revok
     # A role whose credential is revoked in the database alone (a crash mid-revoke) is dropped.
     HostCredential.objects.filter(pk=credential.pk).update(revoked_at=timezone.now())
     assert host_join.host_access_sync() == 0
-    assert credential.database_role not in host_access.database_roles_listed()
+    assert credential.database_role not in grants.database_roles_listed()
 
 
 def test_join_tokens_and_revoking_through_the_api(admin: User, operator: User, no_host_access_left: None) -> None:
@@ -182,13 +183,13 @@ def test_join_tokens_and_revoking_through_the_api(admin: User, operator: User, n
 
 
 def test_every_table_is_either_given_to_hosts_or_withheld_from_them() -> None:
-    """A new table gives hosts nothing until it is classified here (deployments.host_access)."""
+    """A new table gives hosts nothing until it is classified here (hosts.grants)."""
     from django.apps import apps
 
     tables = {m._meta.db_table for m in apps.get_models(include_auto_created=True)}
     tables.add("django_migrations")
-    assert not set(host_access.HOST_TABLES) & host_access.WITHHELD_TABLES
-    assert tables == set(host_access.HOST_TABLES) | host_access.WITHHELD_TABLES
+    assert not set(grants.HOST_TABLES) & grants.WITHHELD_TABLES
+    assert tables == set(grants.HOST_TABLES) | grants.WITHHELD_TABLES
 
 
 def test_a_host_name_whose_queues_would_be_another_hosts_is_refused(admin: User) -> None:

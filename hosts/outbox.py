@@ -29,9 +29,8 @@ from django.db import close_old_connections, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from core import queues
-from deployments import events
-from deployments.models import GpuHost, OutboxMessage
+from core import events, queues
+from hosts.models import GpuHost, OutboxMessage
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,11 @@ from django.db import transaction
 from django.utils import timezone
 
 from core import queues
-from deployments import outbox
-from deployments.models import Event, OutboxMessage
+from core.models import Event
 from deployments.services import deployments, replicas
 from deployments.services.placements import PlacementSpec
+from hosts import outbox
+from hosts.models import OutboxMessage
 from tests import factories
 
 

@@ -30,11 +30,11 @@ import redis.asyncio
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import transaction
+from django.db import models, transaction
 
 from common import metrics
 from core import queues
-from deployments.models import Deployment, Event, GpuHost
+from core.models import Event
 
 log = logging.getLogger(__name__)
 
@@ -222,14 +222,18 @@ def record(
     source: str,
     message: str = "",
     actor: Any = None,
-    deployment: Deployment | None = None,
-    host: GpuHost | None = None,
+    deployment: models.Model | None = None,
+    host: models.Model | None = None,
     from_status: str = "",
     to_status: str = "",
     data: dict[str, Any] | None = None,
     **objects: Any,
 ) -> Event:
-    """Append an event and publish it after the surrounding transaction commits."""
+    """Append an event and publish it after the surrounding transaction commits.
+
+    ``deployment`` is a Deployment, ``host`` a GpuHost, and ``objects`` may name
+    a ``build`` (an EngineBuild) or a ``model`` (a RegisteredModel): core knows
+    them only as rows."""
     event = Event.objects.create(
         kind=kind,
         source=source,

@@ -6,8 +6,9 @@ from datetime import timedelta
 
 from django.utils import timezone
 
-from deployments.models import Event, GpuHost
-from deployments.services import hosts
+from core.models import Event
+from hosts.models import GpuHost
+from hosts.services import hosts
 
 
 def test_first_beat_registers_the_host_with_its_gpus(gpu_host):
@@ -41,7 +42,7 @@ def test_live_host_is_not_swept(host):
 def test_the_pages_of_a_host_s_deployments_are_told_when_it_goes_and_comes_back(
     host, minilm, operator, monkeypatch, django_capture_on_commit_callbacks
 ):
-    from deployments import events
+    from core import events
     from tests import factories
 
     deployment = factories.deployment_in(factories.deployment(host=host, user=operator), "launching")

@@ -14,9 +14,9 @@ from rest_framework.views import APIView
 from core.api.base import StrictSerializer, require_empty_body, validated
 from core.api.lists import ListEndpoint
 from core.permissions import ReadOrOperate, can_admin
-from deployments import selectors
-from deployments.models import Gpu, GpuHost
-from deployments.services import host_join
+from hosts import selectors
+from hosts.models import Gpu, GpuHost
+from hosts.services import host_join
 
 
 class GpuOut(serializers.ModelSerializer):

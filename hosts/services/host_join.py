@@ -18,13 +18,13 @@ from django.utils import timezone
 
 from common import pki
 from common.errors import NotFound, PermissionDenied, ValidationFailed
-from core import queues
+from core import events, queues
 from core.permissions import can_admin
 from core.secrets import secret_digest
 from core.validation import slug_validator
-from deployments import events, host_access
-from deployments.models import GpuHost, HostCredential, HostJoinToken
-from deployments.services import channel
+from hosts import grants
+from hosts.models import GpuHost, HostCredential, HostJoinToken
+from hosts.services import channel
 
 TOKEN_PREFIX = "gj-"
 JOIN_TOKEN_MINUTES_MAX = 7 * 24 * 60
@@ -111,7 +111,7 @@ def _shared_settings(gateway_url: str) -> dict[str, str]:
         "GANTRY_BUILDER_IMAGES": ",".join(f"{i}={v}" for i, v in settings.GANTRY_BUILDER_IMAGES.items()),
         "GANTRY_HEARTBEAT_INTERVAL": str(settings.GANTRY_HEARTBEAT_INTERVAL),
         "GANTRY_GATEWAY_URL": gateway_url,
-        "GANTRY_JOINED_HOST": "1",  # its Redis user reaches no channel-layer key (deployments.host_access)
+        "GANTRY_JOINED_HOST": "1",  # its Redis user reaches no channel-layer key (hosts.grants)
     }
 
 
@@ -131,8 +131,8 @@ def _used_token(secret: str, name: str) -> HostJoinToken:
 
 
 def _revoke(credential: HostCredential) -> None:
-    host_access.database_role_drop(credential.database_role)
-    host_access.redis_user_remove(credential.redis_user)
+    grants.database_role_drop(credential.database_role)
+    grants.redis_user_remove(credential.redis_user)
     HostCredential.objects.filter(pk=credential.pk, revoked_at=None).update(revoked_at=timezone.now())
 
 
@@ -167,12 +167,12 @@ def host_join(*, token: str, name: str, address: str, gateway_url: str, certific
             _revoke(old)
         credential = HostCredential.objects.create(
             host=host,
-            database_role=host_access.host_role(name, serial),
-            redis_user=host_access.host_redis_user(name, serial),
+            database_role=grants.host_role(name, serial),
+            redis_user=grants.host_redis_user(name, serial),
             redis_password_sha256=secret_digest(redis_password),  # Redis takes a SHA-256 in hex (ACL SETUSER #...)
         )
-        host_access.database_role_create(credential.database_role, password)
-        host_access.redis_user_set(credential.redis_user, name, credential.redis_password_sha256)
+        grants.database_role_create(credential.database_role, password)
+        grants.redis_user_set(credential.redis_user, name, credential.redis_password_sha256)
         events.record(
             kind="host.joined",
             source=f"worker:{name}",
@@ -230,10 +230,10 @@ def host_access_sync() -> int:
     active = list(HostCredential.objects.filter(revoked_at=None).select_related("host"))
     if not active and not HostCredential.objects.exists():
         return 0  # no host ever joined: nothing to converge (and SQLite has no roles)
-    host_access.database_grants_ensure()
+    grants.database_grants_ensure()
     roles = {c.database_role for c in active}
-    for role in host_access.database_roles_listed():
+    for role in grants.database_roles_listed():
         if role not in roles:
-            host_access.database_role_drop(role)
-    host_access.redis_users_ensure({c.redis_user: (c.host.name, c.redis_password_sha256) for c in active})
+            grants.database_role_drop(role)
+    grants.redis_users_ensure({c.redis_user: (c.host.name, c.redis_password_sha256) for c in active})
     return len(active)

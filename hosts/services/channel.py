@@ -33,8 +33,8 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from common import pki
-from deployments import events
-from deployments.models import ChannelAuthority, ChannelCertificate, ChannelSecrets, GpuHost
+from core import events
+from hosts.models import ChannelAuthority, ChannelCertificate, ChannelSecrets, GpuHost
 
 log = logging.getLogger(__name__)
 CLIENT_NAME = "gantry web tier"
