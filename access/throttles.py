@@ -1,8 +1,9 @@
-"""Limits on how fast one client may call: the REST API per user or address
-(DRF throttles), and failed sign-ins per account and per address (a lockout).
+"""Limits on how fast one client may call: the REST API and the lean generate
+door per token or user (one counter), unauthenticated calls per address, and
+failed sign-ins per account and per address (a lockout).
 
-The API's rate counters live in the shared Redis cache, so every web process
-counts together; they fail open: while Redis is unreachable nothing is
+The API's rate counters live in Redis, so every web process counts together;
+they fail open: while Redis is unreachable nothing is
 limited, since refusing everyone would turn a cache outage into a full one.
 Sign-in failures are few and matter more: they are counted in the database,
 so a lockout holds through a Redis outage or restart."""
@@ -14,6 +15,7 @@ import math
 from datetime import timedelta
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.core.cache import caches
 from django.db import transaction
@@ -21,10 +23,12 @@ from django.db.models import F
 from django.utils import timezone
 from redis.exceptions import RedisError
 from rest_framework.request import Request
-from rest_framework.throttling import AnonRateThrottle, UserRateThrottle
+from rest_framework.throttling import AnonRateThrottle, BaseThrottle
 
 from access.models import SignInFailures
+from access.services import bearer_secret
 from common.redis_async import Reach, fixed_window, loop_client
+from core.secrets import secret_digest
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +37,13 @@ def _shared() -> Any:
     return caches["shared"]
 
 
-class _FailOpen:
-    setting = ""
+class PerAddress(AnonRateThrottle):
+    """Unauthenticated calls, per address (GANTRY_API_THROTTLE_ANON), in DRF's
+    own counter; open while the cache is unreachable."""
 
     def get_rate(self) -> str | None:
         # Read when a throttle is made, not when DRF was imported: settings may change.
-        rate = getattr(settings, self.setting)
+        rate = settings.GANTRY_API_THROTTLE_ANON
         return None if rate == "off" else rate
 
     def allow_request(self, request: Request, view: Any) -> bool:
@@ -50,45 +55,96 @@ class _FailOpen:
             return True
 
 
-class PerUser(_FailOpen, UserRateThrottle):
-    setting = "GANTRY_API_THROTTLE"
+def throttle_identity(*, token: str | None, user_pk: Any) -> str:
+    """Whom a request is counted as: its API token (by digest, never the secret)
+    when it carries one, else its signed-in user. The REST API and the lean
+    generate door count the same identity in the same window."""
+    return f"token:{secret_digest(token)[:24]}" if token is not None else f"user:{user_pk}"
 
 
-class PerAddress(_FailOpen, AnonRateThrottle):
-    setting = "GANTRY_API_THROTTLE_ANON"
+def _window() -> tuple[int, int, int, int] | None:
+    """GANTRY_API_THROTTLE as (allowed, period, window start), with the seconds
+    left in the window; None when it is off. DRF's rate format: "100/minute"."""
+    rate = settings.GANTRY_API_THROTTLE
+    if rate == "off":
+        return None
+    count_text, unit = rate.split("/")
+    period = {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit[0]]
+    start, left = fixed_window(period)
+    return int(count_text), period, start, left
 
 
-_door_reach = Reach(
+def _counter(who: str, start: int) -> str:
+    return f"gantry:throttle:{who}:{start}"
+
+
+_reach = Reach(
     log,
-    lambda exc: f"throttle counters unreachable ({exc}); not limiting the generate action until Redis is back",
-    "throttle counters reachable again; the generate action is limited again",
+    lambda exc: f"throttle counters unreachable ({exc}); not limiting the API until Redis is back",
+    "throttle counters reachable again; the API is limited again",
     logging.WARNING,
 )
+_sync_clients: dict[str, redis.Redis] = {}
+
+
+def throttled(who: str) -> int:
+    """Count a request of ``who``: seconds to wait when over GANTRY_API_THROTTLE,
+    else 0. One fixed window per identity in Redis, shared by every process and
+    by both doors (PerUser, door_throttled); open while Redis is unreachable,
+    since refusing everyone would turn a cache outage into a full one."""
+    window = _window()
+    if window is None:
+        return 0
+    allowed, period, start, left = window
+    name = _counter(who, start)
+    client = _sync_clients.get(settings.REDIS_URL)
+    if client is None:
+        client = _sync_clients[settings.REDIS_URL] = redis.Redis.from_url(
+            settings.REDIS_URL, socket_timeout=0.5, socket_connect_timeout=0.5
+        )
+    try:
+        with client.pipeline(transaction=False) as pipe:
+            count, _ = pipe.incr(name).expire(name, period + 1).execute()
+    except (RedisError, OSError) as exc:
+        _reach.lost(exc, "the API's throttle")
+        return 0
+    _reach.reached()
+    return 0 if count <= allowed else left
 
 
 async def door_throttled(who: str) -> int:
-    """Count a request of ``who`` (a user or a token) at a door that takes the
-    lean path before DRF (the generate action): seconds to wait when over
-    GANTRY_API_THROTTLE, else 0. Fixed windows in Redis shared by every
-    process; open while Redis is unreachable, as the API's throttles are
-    (said once in the log)."""
-    rate = settings.GANTRY_API_THROTTLE
-    if rate == "off":
+    """``throttled`` on the event loop, for a door that takes the lean path before
+    DRF (the generate action): the same counter, the same window."""
+    window = _window()
+    if window is None:
         return 0
-    count_text, unit = rate.split("/")
-    allowed, period = int(count_text), {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit[0]]  # DRF's rate format
-    start, left = fixed_window(period)
-    name = f"gantry:throttle:door:{who}:{start}"
+    allowed, period, start, left = window
+    name = _counter(who, start)
     try:
         async with loop_client().pipeline(transaction=False) as pipe:
             pipe.incr(name)
             pipe.expire(name, period + 1)
             count, _ = await pipe.execute()
     except (RedisError, OSError) as exc:
-        _door_reach.lost(exc, "the generate action's throttle")
+        _reach.lost(exc, "the API's throttle")
         return 0
-    _door_reach.reached()
+    _reach.reached()
     return 0 if count <= allowed else left
+
+
+class PerUser(BaseThrottle):
+    """Signed-in calls to the REST API, in the one counter (``throttled``):
+    per token when the call carries one, else per user."""
+
+    def allow_request(self, request: Request, view: Any) -> bool:
+        if not request.user or not request.user.is_authenticated:
+            return True  # PerAddress counts those
+        token = bearer_secret(request.headers.get("Authorization", ""))
+        self.wait_s = throttled(throttle_identity(token=token, user_pk=request.user.pk))
+        return self.wait_s == 0
+
+    def wait(self) -> float | None:
+        return self.wait_s
 
 
 def _login_limits(username: str, address: str) -> dict[str, int]:

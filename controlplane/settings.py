@@ -93,7 +93,8 @@ GANTRY_API_THROTTLE = env_str(
     "GANTRY_API_THROTTLE",
     "1200/minute",
     help=(
-        "REST API requests per signed-in user (`<n>/second|minute|hour|day`, or `off`); over it, 429 with"
+        "REST API requests per API token, or per user for a browser session (`<n>/second|minute|hour|day`, or"
+        " `off`), in one fixed window shared by the API and the generate action; over it, 429 with"
         " `Retry-After`. Counted in Redis across processes; not limited while Redis is down"
     ),
 )

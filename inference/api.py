@@ -18,14 +18,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from access.services import bearer_secret, token_user, token_user_if_known
-from access.throttles import door_throttled
+from access.throttles import door_throttled, throttle_identity
 from common import jsonbody, metrics
 from common.errors import GantryError
 from common.problems import problem
 from common.ttl_cache import MISSING
 from core.api.base import StrictSerializer, error_body, gantry_error, json_type_errors, validated
 from core.permissions import CanView, can_view
-from core.secrets import secret_digest
 from deployments import chat_template
 from inference.embeddings import MAX_TEXT_CHARS, MAX_TEXTS, embed_texts, rerank_passages
 from inference.generation import MAX_PROMPT_CHARS, Outcome, Sampling, cached_route, generate, prepare_generation
@@ -120,11 +119,6 @@ def _token_may_view_cached(key: str) -> bool | None:
     """Whether the key's user may view, if known without the database; None if not known."""
     user = token_user_if_known(key)
     return None if user is MISSING else can_view(user)
-
-
-def token_identity(key: str) -> str:
-    """Whom a token's requests are throttled as: the token (its digest, never the secret)."""
-    return f"token:{secret_digest(key)[:24]}"
 
 
 def _token_may_view(key: str) -> bool:
@@ -277,7 +271,7 @@ async def deployment_generate(request: HttpRequest, pk: int) -> HttpResponse:
         pk,
         request.body,
         lambda: can_view(request.user) if token is None else _token_may_view(token),
-        who=f"user:{(await request.auser()).pk}" if token is None else token_identity(token),
+        who=throttle_identity(token=token, user_pk=None if token else (await request.auser()).pk),
     )
     if answer.events is None:
         response = JsonResponse(answer.body, status=answer.status)

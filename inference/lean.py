@@ -17,9 +17,10 @@ import re
 from typing import Any
 
 from access.services import bearer_secret
+from access.throttles import throttle_identity
 from common.asgi_io import BodyTooLarge, read_body, send_json, stream_events
 from common.problems import problem
-from inference.api import _token_may_view, _token_may_view_cached, generate_answer, token_identity
+from inference.api import _token_may_view, _token_may_view_cached, generate_answer
 
 GENERATE = re.compile(r"^/api/deployments/(\d+)/generate/$")
 
@@ -50,7 +51,11 @@ async def _generate(pk: int, token: str, receive: Any, send: Any) -> None:
     if raw is None:
         return
     answer = await generate_answer(
-        pk, raw, lambda: _token_may_view(token), token_identity(token), lambda: _token_may_view_cached(token)
+        pk,
+        raw,
+        lambda: _token_may_view(token),
+        throttle_identity(token=token, user_pk=None),
+        lambda: _token_may_view_cached(token),
     )
     if answer.events is None:
         headers = [(b"retry-after", str(answer.retry_after).encode())] if answer.retry_after else []

@@ -82,3 +82,23 @@ def test_generate_requests_are_throttled_per_token_on_the_lean_path_and_per_user
     client.force_login(operator)
     answers = [client.post("/api/deployments/999999/generate/", {}, content_type="application/json") for _ in range(4)]
     assert [a.status_code for a in answers] == [404, 404, 404, 429] and int(answers[-1]["Retry-After"]) > 0
+
+
+def test_a_token_has_one_count_across_the_rest_api_and_the_lean_door(operator, settings):  # noqa: ANN001
+    """GANTRY_API_THROTTLE is one budget: calls through DRF and through the lean
+    generate door draw on the same counter, so neither doubles a client's rate."""
+    from django.core.cache import caches
+    from rest_framework.test import APIClient
+
+    caches["shared"].clear()
+    settings.GANTRY_API_THROTTLE = "3/minute"
+    forget_clients()
+    secret = token_create(user=operator, name="one-budget").secret
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    assert [api.get("/api/hosts/").status_code for _ in range(2)] == [200, 200]
+    router = _router(lambda *a: None)
+    auth = [(b"authorization", f"Bearer {secret}".encode())]
+    codes = [_call(router, "POST", "/api/deployments/999999/generate/", auth, b"{}")[0]["status"] for _ in range(2)]
+    assert codes == [404, 429]
+    assert api.get("/api/hosts/").status_code == 429
