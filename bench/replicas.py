@@ -165,7 +165,7 @@ def _floor_tls(plane, http_port: int) -> dict:  # noqa: ANN001
     from tests.integration.conftest import manage
 
     script = (
-        "import json; from deployments.services import channel as c; from deployments.models import GpuHost as H; "
+        "import json; from hosts.services import channel as c; from hosts.models import GpuHost as H; "
         "a, k, cert = c.client_certificate(); h = H.objects.get(name='host-a'); "
         "print(json.dumps({'key': k, 'cert': cert, 'trust': c.trust_pem(a), 'host': h.pk, "
         "'port': h.channel_port}))"

@@ -92,7 +92,7 @@ def test_only_the_web_tier_reaches_a_hosts_triton_and_revoking_the_host_cuts_it_
             plane.control_env,
             "shell",
             "-c",
-            "from deployments.models import GpuHost as H; print(H.objects.get(name='host-b').pk)",
+            "from hosts.models import GpuHost as H; print(H.objects.get(name='host-b').pk)",
         )
         server_name = f"p{replica['http_port']}.h{host_b_id.split()[-1]}.gantry"
         probe = subprocess.run(

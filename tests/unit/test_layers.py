@@ -45,6 +45,7 @@ DOOR_PARTS = {
     "management",
     "context",
     "lean",
+    "endpoints",
 }
 # The host side may use the domain of deployments and load tests, never a web app.
 HOST_MAY_NOT = ("gateway", "access", "inference")

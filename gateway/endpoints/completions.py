@@ -1,0 +1,197 @@
+"""POST /v1/chat/completions and /v1/completions: an llm alias's text, whole or
+as server-sent events, in OpenAI's chat.completion and text_completion shapes."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from common.asgi_io import send_json, stream_events, unless_gone
+from common.errors import GantryError
+from deployments.models import ModelKind
+from gateway import requests
+from gateway.access import Caller, Target
+from gateway.endpoints.shared import count, note, resolve
+from gateway.errors import from_gantry
+from gateway.metering import Admission, admit, prompt_bound
+from gateway.requests import ChatRequest, CompletionRequest
+from inference.generation import Outcome, Piece, Sampling, generate, prepare_generation
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 1024  # chat has none in OpenAI's API (up to the context): this, within the context
+
+
+async def chat(caller: Caller, body: Any, receive: Any, send: Any) -> None:
+    await _generation(caller, requests.parse(ChatRequest, body), receive, send)
+
+
+async def completions(caller: Caller, body: Any, receive: Any, send: Any) -> None:
+    await _generation(caller, requests.parse(CompletionRequest, body), receive, send)
+
+
+async def _generation(caller: Caller, data: ChatRequest | CompletionRequest, receive: Any, send: Any) -> None:
+    chat = isinstance(data, ChatRequest)
+    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+    target = await resolve(caller, data.model, ModelKind.LLM, endpoint)
+    context = target.route.context or 0
+    default = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS
+    sampling = Sampling(
+        max_tokens=data.limit or (min(default, context // 2) if context else default),
+        temperature=data.temperature,
+        top_p=data.top_p,
+        seed=data.seed,
+        stop=tuple(data.stop or ()),
+    )
+    try:
+        prepared = prepare_generation(
+            prompt=None if chat else data.prompt[0],
+            messages=[m.as_sent() for m in data.messages] if chat else None,
+            sampling=sampling,
+            route=target.route,
+        )
+    except GantryError as exc:
+        raise from_gantry(exc, alias=target.alias) from exc
+    # The most this request can take: its rendered prompt and every token it may write.
+    admission = await admit(
+        caller, target.alias, reserve=prompt_bound(prepared.inputs["text_input"]) + prepared.max_tokens
+    )
+    shape = _Shape(chat=chat, alias=target.alias, notice=prepared.notice)
+    outcome = Outcome()
+    note(outcome=outcome)
+    prompt_param = "messages" if chat else "prompt"
+    if data.stream:
+        # The first piece before the stream's headers: a refusal (a prompt beyond the
+        # context, a model not ready) is an HTTP error, as OpenAI's, not an event.
+        pieces = generate(prepared, stream=True, outcome=outcome)
+        try:
+            first = await anext(pieces, None)
+        except GantryError as exc:
+            count(caller, target.alias, admission, failed=True)
+            raise from_gantry(exc, alias=target.alias, prompt_param=prompt_param) from exc
+        events = _stream(
+            caller, target, admission, _resumed(first, pieces), outcome, shape, include_usage=data.include_usage
+        )
+        await stream_events(send, receive, events)
+        return
+    try:
+        # A client that leaves before the whole answer stops the generation in Triton,
+        # and what it used is counted and settled then, not when the model is done.
+        answered, text = await unless_gone(receive, _joined(generate(prepared, stream=False, outcome=outcome)))
+    except GantryError as exc:
+        count(caller, target.alias, admission, completion=outcome.completion_tokens, failed=True)
+        raise from_gantry(exc, alias=target.alias, prompt_param=prompt_param) from exc
+    except BaseException:  # cancelled with the server, say: counted, its reservation returned
+        count(caller, target.alias, admission, completion=outcome.completion_tokens, failed=True)
+        raise
+    count(caller, target.alias, admission, prompt=outcome.prompt_tokens or 0, completion=outcome.completion_tokens)
+    if answered:
+        await send_json(send, 200, shape.whole(text, outcome))
+
+
+async def _joined(pieces: AsyncIterator[Piece]) -> str:
+    """A generation's whole text; closing it early (cancelled) ends Triton's request."""
+    try:
+        return "".join([piece.text async for piece in pieces])
+    finally:
+        await pieces.aclose()  # type: ignore[attr-defined]
+
+
+class _Shape:
+    """OpenAI's chat.completion / text_completion objects and their stream chunks."""
+
+    def __init__(self, *, chat: bool, alias: str, notice: str) -> None:
+        self.chat, self.alias, self.notice = chat, alias, notice
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.alias, "choices": choices}
+        if self.notice:
+            body["notice"] = self.notice  # e.g. an untrained checkpoint: its text is noise
+        return body
+
+    def whole(self, text: str, outcome: Outcome) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = outcome.finish_reason
+        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
+        return {**body, "usage": _usage(outcome)}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk with stream_options.include_usage: no choices, the usage."""
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text is not None and not first:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+
+def _usage(outcome: Outcome) -> dict[str, int]:
+    prompt = outcome.prompt_tokens or 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": prompt + outcome.completion_tokens,
+    }
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+async def _resumed(first: Piece | None, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    """``first`` (already read), then the rest; closing this closes the rest (and Triton's request)."""
+    try:
+        if first is not None:
+            yield first
+        async for piece in rest:
+            yield piece
+    finally:
+        await rest.aclose()
+
+
+async def _stream(
+    caller: Caller,
+    target: Target,
+    admission: Admission,
+    pieces: AsyncIterator[Piece],
+    outcome: Outcome,
+    shape: _Shape,
+    *,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    failed = False
+    try:
+        if shape.chat:
+            yield _sse(_with_usage(shape.chunk(None, first=True), include_usage))
+        async for piece in pieces:
+            yield _sse(_with_usage(shape.chunk(piece.text), include_usage))
+        yield _sse(_with_usage(shape.chunk(None if shape.chat else "", outcome.finish_reason), include_usage))
+        if include_usage:
+            yield _sse({**shape.usage_chunk(), "usage": _usage(outcome)})
+        yield b"data: [DONE]\n\n"
+    except GantryError as exc:
+        failed = True
+        yield _sse(from_gantry(exc, alias=target.alias).body())
+    finally:  # also when the client went away: Triton's request ends, and what was generated counts
+        await pieces.aclose()
+        count(
+            caller, target.alias, admission, prompt=outcome.prompt_tokens or 0, completion=outcome.completion_tokens,
+            failed=failed,
+        )  # fmt: skip
+
+
+def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+    # With include_usage, OpenAI sends "usage": null on every chunk before the last.
+    return {**chunk, "usage": None} if include_usage else chunk

@@ -1,0 +1,116 @@
+import pytest
+
+from gateway import requests
+from gateway.errors import GatewayError
+from gateway.requests import ChatRequest, CompletionRequest, EmbeddingRequest, RerankRequest
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _refusal(model, body) -> dict:  # noqa: ANN001
+    with pytest.raises(GatewayError) as refused:
+        requests.parse(model, body)
+    assert refused.value.status == 400
+    return refused.value.body()["error"]
+
+
+def test_chat_accepts_text_parts_neutral_fields_and_max_completion_tokens():
+    data = requests.parse(
+        ChatRequest,
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],  # noqa: E501
+         "n": 1, "presence_penalty": 0, "logprobs": False, "max_completion_tokens": 9, "stop": "END", "user": "u1"},
+    )  # fmt: skip
+    assert data.messages[0].content == "ab" and data.limit == 9 and data.stop == ["END"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "rule"),
+    [
+        ({**CHAT, "n": 2}, "n", "not supported by Gantry's gateway (only 1)"),
+        ({**CHAT, "frequency_penalty": 0.5}, "frequency_penalty", "only 0"),
+        ({**CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({**CHAT, "mystery": True}, "mystery", "not supported"),
+        ({**CHAT, "top_p": 0}, "top_p", "greater than 0"),
+        ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "1 to 4 strings"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
+        ({**CHAT, "max_tokens": 5, "max_completion_tokens": 5}, "max_tokens", "not both"),
+        ({"model": "m", "messages": []}, "messages", "may not be empty"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+            "only text parts",
+        ),
+        ({"messages": CHAT["messages"]}, "model", "required"),
+    ],
+)
+def test_chat_refusals_name_the_parameter(body, param, rule):  # noqa: ANN001
+    error = _refusal(ChatRequest, body)
+    assert error["param"] == param and rule in error["message"], error
+    assert error["type"] == "invalid_request_error"
+
+
+def test_embeddings_and_rerank_bodies():
+    assert requests.parse(EmbeddingRequest, {"model": "e", "input": "x"}).input == ["x"]
+    assert _refusal(EmbeddingRequest, {"model": "e", "input": [[1, 2, 3]]})["param"] == "input"
+    assert _refusal(EmbeddingRequest, {"model": "e", "input": "x", "encoding_format": "int8"})["param"] == (
+        "encoding_format"
+    )
+    assert _refusal(EmbeddingRequest, {"model": "e", "input": "x", "dimensions": 8})["param"] == "dimensions"
+    data = requests.parse(RerankRequest, {"model": "r", "query": "q", "documents": ["a", {"text": "b"}]})
+    assert data.documents == ["a", "b"] and data.return_documents is False
+    assert _refusal(RerankRequest, {"model": "r", "query": "q", "documents": [{"body": "b"}]})["param"] == (
+        "documents[0]"
+    )
+    assert _refusal(RerankRequest, {"model": "r", "query": "q", "documents": ["a"], "top_n": 0})["param"] == "top_n"
+    assert _refusal(CompletionRequest, {"model": "m", "prompt": ["a", "b"]})["param"] == "prompt"
+    assert _refusal(CompletionRequest, [])["code"] == "invalid_body"
+
+
+def test_a_body_is_typed_and_its_defaults_are_filled():
+    data = requests.parse(ChatRequest, {**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    assert data.messages[0].as_sent() == {"role": "user", "content": "hi"} and data.include_usage
+    again = requests.parse(ChatRequest, CHAT)
+    assert again.stream is False and again.include_usage is False and again.limit is None
+    named = requests.parse(ChatRequest, {**CHAT, "messages": [{"role": "user", "content": "hi", "name": " ann "}]})
+    assert named.messages[0].as_sent() == {"role": "user", "content": "hi", "name": "ann"}
+    assert requests.parse(EmbeddingRequest, {"model": " e ", "input": "x"}).model == "e"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "rule"),
+    [
+        ({**CHAT, "max_tokens": "8"}, "max_tokens", "valid integer"),
+        ({**CHAT, "stream": "true"}, "stream", "valid boolean"),
+        ({**CHAT, "temperature": "1"}, "temperature", "valid number"),
+        ({**CHAT, "temperature": float("nan")}, "temperature", "finite number"),
+        ({**CHAT, "model": " "}, "model", "may not be blank"),
+        ({**CHAT, "model": "m" * 129}, "model", "at most 128 characters"),
+        ({**CHAT, "model": "m\x00"}, "model", "null characters"),
+        ({**CHAT, "user": 5}, "user", "valid string"),
+        ({**CHAT, "messages": [{"role": "user"}]}, "messages[0].content", "is required"),
+        ({**CHAT, "messages": [{"role": "user", "content": "hi", "extra": 1}]}, "messages[0].extra", "not supported"),
+        (
+            {**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+            "boolean",
+        ),
+    ],
+)
+def test_json_types_are_kept_and_each_refusal_names_its_field(body, param, rule):  # noqa: ANN001
+    """No string is read as a number or a boolean, as OpenAI's API refuses them."""
+    error = _refusal(ChatRequest, body)
+    assert error["param"] == param and rule in error["message"], error
+
+
+def test_null_leaves_an_optional_field_unset():
+    data = requests.parse(ChatRequest, {**CHAT, "max_tokens": None, "temperature": None, "stop": None, "n": None})
+    assert (data.limit, data.temperature, data.stop) == (None, None, None)
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_tokens", 10**30), ("seed", 2**70)])
+def test_an_integer_beyond_64_bits_is_refused_by_its_bound(field, value):
+    from common import jsonbody
+
+    body = jsonbody.loads(f'{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "{field}": {value}}}')
+    refusal = _refusal(ChatRequest, body)
+    assert refusal["param"] == field and "less than or equal to" in refusal["message"], refusal
