@@ -40,6 +40,7 @@ COPY common common
 COPY core core
 COPY hosts hosts
 COPY triton_server triton_server
+COPY upstream upstream
 COPY inference inference
 COPY access access
 COPY deployments deployments

@@ -150,10 +150,10 @@ def main() -> int:
     from django.contrib.auth.models import Group, User
 
     from core.permissions import OPERATOR_GROUP
-    from deployments import chat_template
     from deployments.models import RegisteredModel
     from deployments.services.placements import PlacementSpec
     from gateway import services as gateway_services
+    from upstream import chat_template
     from workers.untrained import make_untrained_llm
 
     checkpoint = args.checkpoint or make_untrained_llm(work / "tiny-llama")

@@ -230,10 +230,10 @@ def main() -> int:
 
     from controlplane.serving import web_argv
     from core.permissions import OPERATOR_GROUP
-    from deployments import chat_template
     from deployments.models import RegisteredModel
     from deployments.services.placements import PlacementSpec
     from gateway import services as gateway_services
+    from upstream import chat_template
     from workers.untrained import make_untrained_llm
 
     tokenizer = os.environ.get("GANTRY_GPU_SUITE_TOKENIZER")  # the GPU machine has no packaged MiniLM

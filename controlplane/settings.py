@@ -661,7 +661,7 @@ SPECTACULAR_SETTINGS = {
         "ModelKindEnum": "deployments.models.ModelKind",
         "PlacementDtypeEnum": "deployments.models.Dtype",
         "MetricKindEnum": "deployments.models.MetricSample.Kind",
-        "PluginEnum": "deployments.trtllm.PLUGIN_CHOICES",
+        "PluginEnum": "upstream.trtllm.PLUGIN_CHOICES",
         "RunStatusEnum": "loadtests.models.RunStatus",
         "TrialStatusEnum": "loadtests.models.TrialStatus",
     },

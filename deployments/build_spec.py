@@ -12,9 +12,9 @@ from django.conf import settings
 
 from common.errors import ValidationFailed
 from common.words import a
-from deployments import trtllm
 from deployments.models import Inspection, ModelKind, RegisteredModel
 from hosts.models import GpuHost
+from upstream import trtllm
 
 MIN_TIME_LIMIT_S = 10
 NATIVE = "native"  # the builder "image" that means tensorrt_llm installed on the host itself

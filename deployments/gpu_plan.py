@@ -10,16 +10,11 @@ holds a CUDA context for every server process on the GPU
 process of its own, and tritonserver holds one too).
 
 A share is a fraction of the GPU times the placement's instances: every
-instance is a process that caps its own allocations at the fraction. What the
-share must hold is planned per backend: an engine's files and its KV-cache
-tokens, the LLM API's weights and KV cache, and for the transformers path the
-16-bit weights, a KV cache for max_num_sequences sequences of max_seq_len
-tokens (allocated at load: python_models/gantry_decode.py), and the activations
-of one prefill chunk.
-
-Over 450 lines on purpose: the shares, the contexts, the KV budgets and where a
-replica fits (choose_host) are one arithmetic over one plan, and every door
-that shows or checks a plan reads it from here.
+instance is a process that caps its own allocations at the fraction. What a
+share holds, and how many processes it brings, each backend says
+(deployments.backends): an engine's files and its KV-cache tokens, the LLM
+API's weights and KV cache, the transformers path's weights, KV cache and
+activations.
 """
 
 from __future__ import annotations
@@ -30,191 +25,21 @@ from typing import Any
 
 from django.conf import settings
 
-from deployments.models import Backend, DeploymentModel, EngineBuild, InstanceKind, RegisteredModel
-
-# Of an engine's budget left after its weights, the share TensorRT-LLM gives its
-# KV cache unless the placement says otherwise (kv_cache_free_gpu_mem_fraction).
-DEFAULT_KV_CACHE_SHARE = 0.9
-# The transformers path prefills at most this many (padded) prompt tokens per
-# forward pass (python_models/gantry_decode.py), so its activations are bounded.
-PREFILL_TOKENS = 4096
-# The context a transformers placement serves when it names none: the checkpoint's,
-# capped so that a long-context checkpoint does not plan its KV cache for 128k tokens.
-DEFAULT_MAX_SEQ_LEN = 4096
-# A model with sliding-window (or other non-full) attention layers decodes with
-# its own growing cache, which is re-allocated as it grows (old and new copies
-# live together for a moment): its KV cache is planned twice. Full attention
-# uses the decoder's slot cache, allocated once.
-GROWING_CACHE_COPIES = 2
-
-
-def kv_cache_sequences(config: dict[str, Any], max_num_sequences: int, max_seq_len: int) -> int:
-    """How many sequences of max_seq_len tokens a transformers LLM's KV cache holds at
-    once: the slot cache's, one slot per sequence and a scratch one (every layer full
-    attention within max_seq_len), else GROWING_CACHE_COPIES times them (the same
-    rule as gantry_decode.Decoder's)."""
-    window = config.get("sliding_window")
-    kinds = set(config.get("layer_types") or ["full_attention"])
-    if (window and window < max_seq_len) or kinds != {"full_attention"}:
-        return GROWING_CACHE_COPIES * max_num_sequences
-    return max_num_sequences + 1
-
-
-def resolve_instances(
-    instance_kind: str, gpu_ids: Iterable[int], host_gpus: Iterable[int]
-) -> tuple[str, tuple[int, ...]]:
-    """(KIND_CPU or KIND_GPU, GPU indexes): "auto" means GPU when the host has one;
-    a GPU placement without explicit GPUs takes the host's first."""
-    host = sorted(host_gpus)
-    kind = instance_kind
-    if kind == InstanceKind.AUTO:
-        kind = InstanceKind.GPU if host else InstanceKind.CPU
-    if kind == InstanceKind.CPU:
-        return InstanceKind.CPU.value, ()
-    return InstanceKind.GPU.value, tuple(gpu_ids) or tuple(host[:1])
-
-
-def placement_gpus(placement: DeploymentModel, host_gpus: Iterable[int]) -> tuple[int, ...]:
-    """The host GPUs a placement's server processes use (none on the CPU). An
-    engine's or the LLM API's GPUs are stored with instance kind KIND_GPU, so
-    the one rule covers every backend."""
-    return resolve_instances(placement.instance_kind, placement.gpu_ids, host_gpus)[1]
-
-
-def dtype_bytes(dtype: str) -> int:
-    return 4 if dtype == "float32" else 2
-
-
-def kv_bytes_per_token(
-    model: RegisteredModel, build: EngineBuild | None, *, tp_size: int = 1, element_bytes: int = 2
-) -> int:
-    """KV-cache bytes one token takes on each GPU: keys and values for every
-    layer and KV head, split across the tensor- and pipeline-parallel ranks;
-    an fp8 engine stores its cache in one byte. Without a build the checkpoint
-    runs on ``tp_size`` GPUs in ``element_bytes`` per value."""
-    if not (model.num_layers and model.num_kv_heads and model.head_dim):
-        raise ValueError(f"{model.name}'s config.json gives no layer, KV head or head size")
-    tp, pp = (build.tp_size, build.pp_size) if build else (tp_size, 1)
-    if build is not None:
-        element_bytes = 1 if build.spec.get("quantization") == "fp8" else 2
-    layers = -(-model.num_layers // pp)
-    heads = max(1, model.num_kv_heads // tp)
-    return 2 * layers * heads * model.head_dim * element_bytes
-
-
-def engine_bytes_per_gpu(build: EngineBuild) -> int:
-    return build.engine_size_bytes // max(1, build.world_size)
-
-
-def weights_bytes_per_gpu(model: RegisteredModel, build: EngineBuild | None, *, tp_size: int = 1) -> int:
-    """The engine files' real size per GPU; without a build, the checkpoint's weights."""
-    return engine_bytes_per_gpu(build) if build else model.size_bytes // max(1, tp_size)
-
-
-def kv_cache_tokens(
-    *,
-    model: RegisteredModel,
-    build: EngineBuild | None,
-    fraction: float,
-    gpu_memory_bytes: int,
-    tp_size: int = 1,
-    kv_share: float | None = None,
-) -> int:
-    """Absolute KV-cache token budget for a model given ``fraction`` of each of
-    its GPUs: the ``kv_share`` of what is left after its weights, in tokens.
-    Zero or less means the fraction cannot even hold the weights."""
-    share = DEFAULT_KV_CACHE_SHARE if kv_share is None else kv_share
-    budget = fraction * gpu_memory_bytes - weights_bytes_per_gpu(model, build, tp_size=tp_size)
-    return int(budget * share) // kv_bytes_per_token(model, build, tp_size=tp_size)
-
-
-def transformers_max_seq_len(model: RegisteredModel, asked: int | None) -> int:
-    """The context a transformers placement serves: what it asks, else the
-    checkpoint's up to DEFAULT_MAX_SEQ_LEN."""
-    if asked:
-        return asked
-    return min(model.max_position_embeddings or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN)
-
-
-@dataclass(frozen=True)
-class TransformersNeeds:
-    """What one instance of a transformers LLM holds on its GPU, in bytes."""
-
-    weights: int
-    kv_cache: int
-    activations: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv_cache + self.activations
-
-
-def transformers_needs(
-    model: RegisteredModel, *, max_num_sequences: int, max_seq_len: int, element_bytes: int = 2
-) -> TransformersNeeds:
-    """The 16-bit (or fp32) weights, a KV cache for ``max_num_sequences`` sequences of
-    ``max_seq_len`` tokens (kv_cache_sequences), and the
-    activations of one prefill pass of PREFILL_TOKENS tokens (or one whole
-    sequence, if longer) plus the logits of a decode step."""
-    parameters = model.parameter_count or model.size_bytes // 2
-    config = model.config or {}
-    hidden = model.hidden_size or 0
-    intermediate = int(config.get("intermediate_size") or 4 * hidden)
-    vocab = model.vocab_size or int(config.get("vocab_size") or 0)
-    kv = (
-        kv_cache_sequences(config, max_num_sequences, max_seq_len)
-        * max_seq_len
-        * kv_bytes_per_token(model, None, element_bytes=element_bytes)
-    )
-    tokens = max(PREFILL_TOKENS, max_seq_len)
-    # The MLP's gate, up and activation buffers and a few hidden-sized ones per token,
-    # and fp32 logits for every sequence of a decode step.
-    activations = tokens * (3 * intermediate + 6 * hidden) * element_bytes + max_num_sequences * vocab * 4
-    return TransformersNeeds(weights=parameters * element_bytes, kv_cache=kv, activations=activations)
+from deployments.backends import backend_of
+from deployments.backends.memory import placement_gpus
+from deployments.models import DeploymentModel
 
 
 def processes_per_gpu(placement: DeploymentModel) -> int:
     """Server processes a placement adds on each of its GPUs (each holds a CUDA
     context): one per python-backend instance; an engine runs inside
     tritonserver; the LLM API's python model drives an executor process."""
-    if placement.backend == Backend.TENSORRTLLM:
-        return 0
-    if placement.backend == Backend.LLM_API:
-        return 2
-    return placement.instance_count
+    return backend_of(placement).processes_per_gpu(placement)
 
 
 def share_of(placement: DeploymentModel) -> float:
-    """The part of each of its GPUs a placement holds: its fraction for every
-    instance that caps itself at it (an engine and the LLM API run one)."""
-    if placement.backend in (Backend.TENSORRTLLM, Backend.LLM_API):
-        return placement.gpu_memory_fraction
-    return placement.gpu_memory_fraction * placement.instance_count
-
-
-def _details(placement: DeploymentModel, memory_total_bytes: int) -> dict[str, Any]:
-    """What a placement's share holds, as the plan shows it."""
-    model, build = placement.registered_model, placement.engine_build
-    if placement.backend in (Backend.TENSORRTLLM, Backend.LLM_API):
-        tp = len(placement.gpu_ids) or 1
-        per_token = kv_bytes_per_token(model, build, tp_size=tp)
-        return {
-            "engine_bytes": weights_bytes_per_gpu(model, build, tp_size=tp),
-            "kv_cache_tokens": placement.kv_cache_tokens,
-            "kv_cache_bytes": (placement.kv_cache_tokens or 0) * per_token,
-        }
-    if placement.backend == Backend.TRANSFORMERS and placement.instance_kind != InstanceKind.CPU:
-        try:
-            needs = transformers_needs(
-                model,
-                max_num_sequences=placement.max_num_sequences or placement.max_batch_size,
-                max_seq_len=transformers_max_seq_len(model, placement.max_seq_len),
-                element_bytes=dtype_bytes(placement.dtype),
-            )
-        except ValueError:
-            return {}
-        return {"weights_bytes": needs.weights, "kv_cache_bytes": needs.kv_cache, "activation_bytes": needs.activations}
-    return {}
+    """The part of each of its GPUs a placement holds (ServingBackend.share)."""
+    return backend_of(placement).share(placement)
 
 
 @dataclass(frozen=True)
@@ -342,7 +167,7 @@ def host_plan(host: Any, holders: Iterable[Holder]) -> list[GpuPlan]:
                         "processes": processes,
                         # What NVML may show its processes holding: the share and their contexts.
                         "nvml_budget_bytes": int(share * plan.memory_total_bytes) + processes * reserve,
-                        **_details(placement, plan.memory_total_bytes),
+                        **backend_of(placement).memory(placement),
                     }
                 )
     return [plan for plan in plans.values() if plan.rows]

@@ -25,9 +25,9 @@ from pydantic import (
     model_validator,
 )
 
-from deployments import chat_template
 from gateway.errors import GatewayError, bad_request
 from inference.generation import MAX_PROMPT_CHARS
+from upstream import chat_template
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per embeddings request
 MAX_INPUT_CHARS = 32_000

@@ -25,9 +25,9 @@ from common.problems import problem
 from common.ttl_cache import MISSING
 from core.api.base import StrictSerializer, error_body, gantry_error, json_type_errors, validated
 from core.permissions import CanView, can_view
-from deployments import chat_template
 from inference.embeddings import MAX_TEXT_CHARS, MAX_TEXTS, embed_texts, rerank_passages
 from inference.generation import MAX_PROMPT_CHARS, Outcome, Sampling, cached_route, generate, prepare_generation
+from upstream import chat_template
 
 
 class EmbedIn(StrictSerializer):

@@ -18,11 +18,12 @@ from typing import Any
 
 from common.errors import InvalidTransition, NotFound, TransientError, ValidationFailed
 from common.ttl_cache import TtlCache
-from deployments import chat_template, live_figures
-from deployments.gpu_plan import transformers_max_seq_len
-from deployments.models import GENERATIVE_BACKENDS, Backend, Deployment, DeploymentModel
+from deployments import live_figures
+from deployments.backends import GENERATIVE_BACKENDS, served_context
+from deployments.models import Deployment, DeploymentModel
 from inference.balancing import Endpoint, Tries, answering, finish
 from triton_server.client import generate_stream
+from upstream import chat_template
 
 MAX_PROMPT_CHARS = 200_000
 DEFAULT_MAX_TOKENS = 128
@@ -177,18 +178,6 @@ def route_of(placement: DeploymentModel) -> Route:
         context=served_context(placement),
         notice=checkpoint.notice,
     )
-
-
-def served_context(placement: DeploymentModel) -> int | None:
-    """The most tokens (prompt and output) one sequence of the placement may hold:
-    its engine's max_seq_len, the transformers path's planned length, or the
-    checkpoint's positions."""
-    checkpoint = placement.registered_model
-    if placement.backend == Backend.TENSORRTLLM and placement.engine_build is not None:
-        return int(placement.engine_build.spec.get("max_seq_len") or 0) or checkpoint.max_position_embeddings
-    if placement.backend == Backend.TRANSFORMERS:
-        return transformers_max_seq_len(checkpoint, placement.max_seq_len)
-    return placement.max_seq_len or checkpoint.max_position_embeddings
 
 
 def prepare_generation(

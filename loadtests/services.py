@@ -20,7 +20,6 @@ from common.errors import InvalidTransition, NotFound, ValidationFailed
 from common.version import gantry_version
 from core import events, queues
 from core.permissions import require_operator
-from deployments import trtllm
 from deployments.models import Deployment, DeploymentModel, DeploymentStatus
 from gateway.models import Alias
 from hosts import outbox
@@ -28,6 +27,7 @@ from hosts.models import GpuHost
 from loadtests import runs
 from loadtests import workload as workloads
 from loadtests.models import ACTIVE, LoadPoint, LoadTest, RunStatus
+from upstream import trtllm
 
 
 def _about(run: LoadTest) -> tuple[str, dict[str, Any]]:

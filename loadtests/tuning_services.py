@@ -30,7 +30,8 @@ from common.errors import (
 )
 from core import events, queues
 from core.permissions import require_operator
-from deployments.gpu_plan import placement_gpus, share_of
+from deployments.backends.memory import placement_gpus
+from deployments.gpu_plan import share_of
 from deployments.models import Deployment, DeploymentStatus
 from deployments.services import deployments as deployment_services
 from deployments.services.placements import (

@@ -3,7 +3,7 @@ same workload, with no server in between, so a run can show served/native.
 
 This module writes trtllm-bench's dataset, checks the GPUs can hold a second
 copy of the engine beside the running deployment, and reads the report it
-writes; the command line is deployments.trtllm.compose_bench (per release,
+writes; the command line is upstream.trtllm.compose_bench (per release,
 like the builds'). It runs only where the host has TensorRT-LLM installed
 (GANTRY_TRTLLM_PYTHON) at the version that built the engine: never on the
 machines Gantry is developed and tested on, which have neither TensorRT-LLM

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from deployments.checkpoints import UNTRAINED_MARKER, UNTRAINED_NOTICE
+from upstream.checkpoints import UNTRAINED_MARKER, UNTRAINED_NOTICE
 
 # A plain role-tagged template; the demo tokenizer has no chat format of its own.
 CHAT_TEMPLATE = (

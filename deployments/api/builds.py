@@ -20,10 +20,11 @@ from core.api.base import StrictSerializer, require_empty_body, validated
 from core.api.lists import CursorPage, ListEndpoint
 from core.models import Event
 from core.permissions import ReadOrOperate
-from deployments import build_spec, selectors, states, trtllm
+from deployments import build_spec, selectors, states
 from deployments.api.timeline import Events, LogLines
 from deployments.models import BuildLogLine, BuildStatus, EngineBuild
 from deployments.services import builds
+from upstream import trtllm
 
 
 class BuildOut(serializers.ModelSerializer):

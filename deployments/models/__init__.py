@@ -17,7 +17,6 @@ from deployments.models.checkpoints import (
     RegisteredModel,
 )
 from deployments.models.serving import (
-    GENERATIVE_BACKENDS,
     AutoscaleMetric,
     Backend,
     DecodingMode,
@@ -52,7 +51,6 @@ __all__ = [
     "DesiredState",
     "Dtype",
     "EngineBuild",
-    "GENERATIVE_BACKENDS",
     "Inspection",
     "InstanceKind",
     "LogLine",

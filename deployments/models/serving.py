@@ -14,7 +14,6 @@ from core.fields import JSONField
 from core.validation import slug_validator
 from deployments.models.checkpoints import EngineBuild, RegisteredModel
 from hosts.models import GpuHost
-from triton_server.names import engine_model
 
 
 class DeploymentStatus(models.TextChoices):
@@ -151,6 +150,11 @@ class Replica(models.Model):
     grpc_port = models.PositiveIntegerField(validators=[MinValueValidator(1024), MaxValueValidator(65535)])
     metrics_port = models.PositiveIntegerField(validators=[MinValueValidator(1024), MaxValueValidator(65535)])
     generation = models.PositiveIntegerField(help_text="The deployment's generation this replica serves.")
+    plan = JSONField(
+        default=dict, blank=True,
+        help_text="What it runs, resolved when the control plane sends its launch or generation: each "
+        "placement's host GPUs, instances, KV-cache budget and lengths (deployments.backends.replica_plan).",
+    )  # fmt: skip
     desired_state = models.CharField(max_length=16, choices=DesiredState.choices, default=DesiredState.RUNNING)
     status = models.CharField(max_length=16, choices=DeploymentStatus.choices, default=DeploymentStatus.PENDING)
     status_message = models.TextField(blank=True)
@@ -206,11 +210,6 @@ class Backend(models.TextChoices):
     TENSORRTLLM = "tensorrtllm", "tensorrtllm (an engine build)"
     LLM_API = "llmapi", "TensorRT-LLM LLM API (the checkpoint, no engine build)"
     TRANSFORMERS = "transformers", "HuggingFace transformers on the python backend (any Triton host)"
-
-
-# The backends that generate text, all behind the same interface (text_input,
-# max_tokens, sampling fields, stream -> text_output).
-GENERATIVE_BACKENDS = frozenset({Backend.TENSORRTLLM, Backend.LLM_API, Backend.TRANSFORMERS})
 
 
 class SchedulerPolicy(models.TextChoices):
@@ -321,15 +320,6 @@ class DeploymentModel(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment.name}/{self.triton_name}"
-
-    @property
-    def triton_models(self) -> list[str]:
-        """The Triton models this placement becomes, in load order: an engine
-        placement is its engine and the generate model clients call by the
-        placement's name (as triton_server.config.TrtllmSpec.model_names)."""
-        if self.backend == Backend.TENSORRTLLM:
-            return [engine_model(self.triton_name), self.triton_name]
-        return [self.triton_name]
 
 
 class RevisionStatus(models.TextChoices):

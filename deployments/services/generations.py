@@ -12,6 +12,7 @@ from core import events
 from deployments import states
 from deployments.models import Deployment, RevisionStatus
 from deployments.services.placements import placement_from_snapshot, placements_write
+from deployments.services.replica_placement import replicas_plan_write
 
 
 def deployment_rollback(*, deployment_id: int, failed_generation: int, reason: str, source: str) -> Deployment:
@@ -29,6 +30,7 @@ def deployment_rollback(*, deployment_id: int, failed_generation: int, reason: s
             raise InvalidTransition(f"{deployment.name} has no earlier generation to roll back to")
         placements_write(deployment=deployment, resolved=[placement_from_snapshot(item) for item in previous.spec])
         Deployment.objects.filter(pk=deployment.pk).update(generation=previous.generation)
+        replicas_plan_write(deployment.pk)
         states.revision_transition(
             deployment_id=deployment.pk, generation=failed_generation, to=RevisionStatus.FAILED, message=reason
         )

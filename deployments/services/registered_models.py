@@ -14,10 +14,10 @@ from common.words import a
 from core import events, queues
 from core.permissions import require_operator
 from deployments import states
-from deployments.checkpoints import CheckpointInfo, inspect_checkpoint, under_roots
 from deployments.models import Inspection, ModelKind, RegisteredModel
 from hosts import outbox
 from hosts.models import GpuHost
+from upstream.checkpoints import CheckpointInfo, inspect_checkpoint, under_roots
 
 # Kinds whose clients send text, so the checkpoint must carry its tokenizer.
 NEEDS_TOKENIZER = frozenset({ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.LLM})

@@ -16,7 +16,7 @@ from django.conf import settings
 from django.db.models import Max
 
 from common.errors import InvalidTransition
-from deployments import selectors
+from deployments import backends, selectors
 from deployments.gpu_plan import Candidate, Choice, Holder, choose_host, host_plan, plan_problems
 from deployments.models import Deployment, DeploymentModel, DeploymentStatus, DesiredState, PlacementPolicy, Replica
 from hosts.models import GpuHost
@@ -142,6 +142,18 @@ def replica_create(deployment: Deployment, choice: Choice) -> Replica:
     )
     replica.deployment = deployment
     return replica
+
+
+def replicas_plan_write(deployment_id: int, *, replica_id: int | None = None) -> None:
+    """Store on the deployment's replicas (or the one given) what each runs at
+    the deployment's generation now (Replica.plan): the host reads it when it
+    launches, applies or checks the replica."""
+    deployment = Deployment.objects.get(pk=deployment_id)
+    placements = list(deployment.placements.select_related("registered_model", "engine_build"))
+    replicas = deployment.replica_set.select_related("host").prefetch_related("host__gpus")
+    for replica in replicas.filter(pk=replica_id) if replica_id is not None else replicas:
+        plan = backends.replica_plan(placements, replica.gpus, len(replica.host.gpus.all()), deployment.generation)
+        Replica.objects.filter(pk=replica.pk).update(plan=plan)
 
 
 def gpus_words(replica: Replica) -> str:

@@ -53,7 +53,13 @@ def _launch(replica: Replica, *, source: str, actor: Any = None, message: str) -
     return replica
 
 
+# The tasks that run a replica by its plan: it is resolved as they are sent.
+_PLANNED_TASKS = frozenset({queues.LAUNCH_REPLICA, queues.APPLY_GENERATION})
+
+
 def enqueue(task_name: str, replica: Replica, *more_args: Any) -> None:
+    if task_name in _PLANNED_TASKS:
+        placing.replicas_plan_write(replica.deployment_id, replica_id=replica.pk)
     outbox.enqueue_on_commit(task_name, host_name=replica.host.name, args=[replica.pk, *more_args])
 
 

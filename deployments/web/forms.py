@@ -9,9 +9,10 @@ from django import forms
 
 from common.errors import GantryError, ValidationFailed
 from core.validation import DB_INT_MAX, slug_validator
-from deployments import build_spec, trtllm
+from deployments import build_spec
 from deployments.models import BuildStatus, DeploymentStatus, ModelKind
 from hosts import selectors as host_selectors
+from upstream import trtllm
 
 
 class RegisterForm(forms.Form):

@@ -23,8 +23,8 @@ from django.utils.html import format_html_join
 from common.errors import GantryError
 from core.permissions import OPERATOR_REQUIRED, can_operate
 from deployments import selectors
+from deployments.backends import GENERATIVE_BACKENDS, SERVABLE_KINDS
 from deployments.models import (
-    GENERATIVE_BACKENDS,
     AutoscaleMetric,
     BuildStatus,
     DecodingMode,
@@ -40,7 +40,7 @@ from deployments.models import (
 from deployments.services import builds, registered_models
 from deployments.services.autoscale import AutoscaleSpec, describe
 from deployments.services.deployments import ServerSpec
-from deployments.services.placements import SERVABLE_KINDS, placements_snapshot
+from deployments.services.placements import placements_snapshot
 from deployments.web.forms import (
     BuildFilterForm,
     BuildForm,

@@ -212,9 +212,9 @@ def test_the_openai_client_chats_through_the_engine_path_via_the_gateway(engine,
     process, the generate model and the stand-in engine are real."""
     import openai
 
-    from deployments import chat_template
     from deployments.models import Backend, Deployment, DeploymentModel, DeploymentStatus, Replica
     from gateway import services as gateway
+    from upstream import chat_template
 
     url, _, tokenizers = engine
     host = factories.cpu_host("engine-host")

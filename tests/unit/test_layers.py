@@ -23,6 +23,7 @@ PROJECT = DOORS + 1
 PACKAGES = {
     "common": SHARED,
     "triton_server": SHARED,
+    "upstream": SHARED,
     "core": CORE,
     **{app: CORE + 1 + rank for rank, app in enumerate(DOMAIN_APPS)},
     "workers": DOORS,

@@ -1,5 +1,5 @@
 """Turning a replica's rows into what its host runs: the Triton model specs of
-its deployment's placements (their GPUs mapped onto the host's), the
+its deployment's placements (each from its backend, by the replica's plan), the
 LaunchSpec of its server (ports, image, GPUs, mounts, MPI ranks), where its
 files live, and which runtime runs it."""
 
@@ -7,27 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 
-from common.errors import PermanentError
-from deployments import trtllm
-from deployments.gpu_plan import DEFAULT_KV_CACHE_SHARE, replica_gpus, resolve_instances, transformers_max_seq_len
-from deployments.models import Backend, DeploymentModel, ModelKind, Replica
+from deployments import backends
+from deployments.backends.base import Placed
+from deployments.models import Replica
 from deployments.models import Runtime as DeploymentRuntime
 from triton_server.client import TritonClient
-from triton_server.config import (
-    EMBED,
-    LLMAPI_CONFIG_FILE,
-    RERANK,
-    Batching,
-    CausalLmSpec,
-    Instances,
-    LlmApiSpec,
-    PythonModelSpec,
-    TrtllmSpec,
-)
-from triton_server.names import engine_model
 from triton_server.repository import ModelSpec
 from triton_server.server import LOCAL, LaunchSpec
 from workers.engines.verify import engine_files_problem
@@ -71,19 +59,6 @@ def load(replica_id: int) -> Replica | None:
     )
 
 
-def _batching(placement: DeploymentModel) -> Batching:
-    return Batching(
-        max_batch_size=placement.max_batch_size,
-        preferred_batch_sizes=tuple(placement.preferred_batch_sizes),
-        max_queue_delay_us=placement.max_queue_delay_us,
-        priority_levels=placement.priority_levels,
-        default_priority_level=placement.default_priority_level,
-        queue_timeout_us=placement.queue_timeout_us,
-        max_queue_size=placement.max_queue_size,
-        timeout_action=placement.timeout_action,
-    )
-
-
 @dataclass(frozen=True)
 class MissingInput:
     placement: str
@@ -114,115 +89,42 @@ def missing_inputs(replica: Replica) -> list[MissingInput]:
     return found
 
 
+def replica_plan(replica: Replica) -> dict[str, Any]:
+    """What the replica runs, as the control plane resolved it when it sent the
+    launch or the generation (Replica.plan). A replica placed before plans were
+    stored has none for its deployment's generation: it is resolved here once,
+    by the same code."""
+    stored = replica.plan or {}
+    if stored.get("generation") == replica.deployment.generation:
+        return stored
+    return backends.replica_plan(
+        replica.deployment.placements.all(), replica.gpus, len(replica.host.gpus.all()), replica.deployment.generation
+    )
+
+
 def server_gpus(replica: Replica) -> tuple[int, ...]:
     """Every host GPU the replica's server uses, in order."""
-    count = len(replica.host.gpus.all())
-    return tuple(sorted({g for p in replica.deployment.placements.all() for g in replica_gpus(p, replica.gpus, count)}))
+    return tuple(replica_plan(replica)["gpus"])
 
 
 def model_specs(replica: Replica) -> list[ModelSpec]:
-    """Triton model specs for the deployment's placements, with GPUs numbered as
-    the replica's server sees them: its host indexes (through the replica's GPU
-    map) for a process, and for a container the positions among the GPUs Docker
-    hands it (it renumbers them from 0)."""
+    """Triton model specs for the deployment's placements, each built by its
+    backend from the replica's plan, with GPUs numbered as the replica's server
+    sees them: the host's indexes for a process, and for a container the
+    positions among the GPUs Docker hands it (it renumbers them from 0)."""
     deployment = replica.deployment
-    host_gpus = sorted(gpu.index for gpu in replica.host.gpus.all())
-    logical = range(len(host_gpus))
+    plan = replica_plan(replica)
+    placed = {item["triton_name"]: Placed.from_json(item) for item in plan["models"]}
     if deployment.runtime == DeploymentRuntime.DOCKER:
-        seen = {host_index: i for i, host_index in enumerate(server_gpus(replica))}
+        seen = {host_index: i for i, host_index in enumerate(plan["gpus"])}
     else:
-        seen = {index: index for index in host_gpus}
-
-    def visible(gpus: tuple[int, ...] | list[int]) -> tuple[int, ...]:
-        return tuple(seen.get(h, h) for h in (replica.gpus.get(g, g) for g in gpus))
-
+        seen = {}
     specs: list[ModelSpec] = []
     for placement in deployment.placements.all():
-        model = placement.registered_model
-        if placement.backend == Backend.LLM_API:
-            release = trtllm.release_for(settings.GANTRY_BUILDER_IMAGES.get(deployment.image, ""))
-            if release is None or not release.llmapi_model_dir:
-                raise PermanentError(f"{deployment.image} has no LLM-API backend in Gantry's version table")
-            devices = visible(placement.gpu_ids)
-            if devices != tuple(range(len(devices))):
-                # LLM() takes no device ids: its ranks take the container's first GPUs (placements_check).
-                raise PermanentError(
-                    f"{placement.triton_name} would run on the container's first {len(devices)} GPU(s), not on its "
-                    f"own GPUs {list(placement.gpu_ids)}: place the LLM-API model on the deployment's lowest GPUs"
-                )
-            specs.append(
-                LlmApiSpec(
-                    name=placement.triton_name,
-                    checkpoint_path=model.path,
-                    image_model_dir=release.llmapi_model_dir,
-                    gpu_device_ids=devices,
-                    max_batch_size=placement.max_num_sequences or placement.max_batch_size,
-                    max_tokens_in_kv_cache=placement.kv_cache_tokens,
-                    kv_cache_free_gpu_mem_fraction=_kv_share(placement),
-                    enable_block_reuse=placement.enable_kv_cache_reuse,
-                    max_seq_len=placement.max_seq_len,
-                    trust_remote_code=model.trust_remote_code,
-                    decoupled=placement.decoupled,
-                )
-            )
-            continue
-        if placement.backend == Backend.TENSORRTLLM:
-            build = placement.engine_build
-            specs.append(
-                TrtllmSpec(
-                    name=placement.triton_name,
-                    engine_dir=build.output_dir,
-                    tokenizer_dir=model.path,
-                    batching=_batching(placement),
-                    gpu_device_ids=visible(placement.gpu_ids),
-                    max_beam_width=int(build.spec.get("max_beam_width", 1)),
-                    batch_scheduler_policy=placement.batch_scheduler_policy,
-                    kv_cache_free_gpu_mem_fraction=_kv_share(placement),
-                    max_tokens_in_paged_kv_cache=placement.kv_cache_tokens,
-                    decoupled=placement.decoupled,
-                    enable_kv_cache_reuse=placement.enable_kv_cache_reuse,
-                    decoding_mode=placement.decoding_mode,
-                    trust_remote_code=model.trust_remote_code,
-                )
-            )
-            continue
-        kind, gpus = resolve_instances(placement.instance_kind, placement.gpu_ids, logical)
-        instances = Instances(count=placement.instance_count, kind=kind, gpus=visible(gpus))
-        if placement.backend == Backend.TRANSFORMERS:
-            specs.append(
-                CausalLmSpec(
-                    name=placement.triton_name,
-                    checkpoint_path=model.path,
-                    batching=_batching(placement),
-                    instances=instances,
-                    gpu_memory_fraction=placement.gpu_memory_fraction,
-                    trust_remote_code=model.trust_remote_code,
-                    dtype=placement.dtype,
-                    max_num_sequences=placement.max_num_sequences or placement.max_batch_size,
-                    max_seq_len=transformers_max_seq_len(model, placement.max_seq_len),
-                )
-            )
-            continue
-        specs.append(
-            PythonModelSpec(
-                name=placement.triton_name,
-                task=RERANK if model.kind == ModelKind.RERANKER else EMBED,
-                checkpoint_path=model.path,
-                batching=_batching(placement),
-                instances=instances,
-                gpu_memory_fraction=placement.gpu_memory_fraction,
-                max_seq_len=placement.max_seq_len,
-                dtype=placement.dtype,
-                trust_remote_code=model.trust_remote_code,
-            )
-        )
+        item = placed[placement.triton_name]
+        devices = tuple(seen.get(g, g) for g in item.gpus)
+        specs.append(backends.backend_of(placement).model_spec(placement, item, devices, deployment.image))
     return specs
-
-
-def _kv_share(placement: DeploymentModel) -> float:
-    if placement.kv_cache_free_gpu_mem_fraction is None:
-        return DEFAULT_KV_CACHE_SHARE
-    return placement.kv_cache_free_gpu_mem_fraction
 
 
 def triton_client(replica: Replica) -> TritonClient:
@@ -245,29 +147,21 @@ def runtime_for(replica: Replica) -> Runtime:
     return ProcessRuntime(settings.GANTRY_DATA_DIR)
 
 
-def _server_env(paths: Paths, placements: list[DeploymentModel]) -> dict[str, str]:
-    """The LLM-API model finds its model.yaml through LLM_CONFIG_PATH (so a server holds at most one)."""
-    for placement in placements:
-        if placement.backend == Backend.LLM_API:
-            return {"LLM_CONFIG_PATH": str(paths.repository / placement.triton_name / LLMAPI_CONFIG_FILE)}
-    return {}
-
-
 def launch_spec(replica: Replica) -> LaunchSpec:
     """How to run the replica's server: its repository, ports, image, GPUs,
     checkpoint and engine mounts, and one MPI rank per GPU of a multi-GPU engine."""
     deployment = replica.deployment
     paths = paths_for(replica)
     placements = list(deployment.placements.all())
-    engines = [p for p in placements if p.engine_build_id]
+    served = [(p, backends.backend_of(p)) for p in placements]
     return LaunchSpec(
         deployment_id=deployment.pk,
         replica_id=replica.pk,
         generation=deployment.generation,
         repository=paths.repository,
-        models=[name for p in placements for name in p.triton_models],
-        world_size=max((p.engine_build.world_size for p in engines), default=1),
-        engine_models=[engine_model(p.triton_name) for p in engines],
+        models=[name for p, backend in served for name in backend.triton_models(p.triton_name)],
+        world_size=max((backend.world_size(p) for p, backend in served), default=1),
+        engine_models=[name for p, backend in served for name in backend.rank_models(p)],
         http_port=replica.http_port,
         grpc_port=replica.grpc_port,
         metrics_port=replica.metrics_port,
@@ -278,10 +172,6 @@ def launch_spec(replica: Replica) -> LaunchSpec:
         admin_secret=deployment.admin_secret,
         shm_size_mib=deployment.shm_size_mib,
         log_verbose=deployment.log_verbose,
-        extra_env=_server_env(paths, placements),
-        read_only_mounts=tuple(
-            sorted(
-                {Path(p.registered_model.path) for p in placements} | {Path(p.engine_build.output_dir) for p in engines}
-            )
-        ),
+        extra_env={k: v for p, backend in served for k, v in backend.server_env(p, paths.repository).items()},
+        read_only_mounts=tuple(sorted({path for p, backend in served for path in backend.mounts(p)})),
     )

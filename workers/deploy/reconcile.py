@@ -20,6 +20,7 @@ from django.utils import timezone
 from common.errors import InvalidTransition, NotFound, TransientError
 from core.models import Event
 from deployments import states
+from deployments.backends import triton_models
 from deployments.models import DeploymentStatus as S
 from deployments.models import DesiredState, Replica
 from deployments.models import Runtime as DeploymentRuntime
@@ -262,7 +263,7 @@ def _redrive(replica: Replica) -> None:
 def _readiness(replica: Replica) -> Readiness:
     client = triton_client(replica)
     try:
-        return client.readiness([name for p in replica.deployment.placements.all() for name in p.triton_models])
+        return client.readiness([name for p in replica.deployment.placements.all() for name in triton_models(p)])
     finally:
         client.close()
 

@@ -14,8 +14,8 @@ from typing import Protocol
 from django.conf import settings
 
 from common.errors import TransientError
-from deployments import trtllm
 from deployments.models import BuildExecutor, EngineBuild
+from upstream import trtllm
 from workers import processes
 from workers.runtimes import docker as docker_engine
 

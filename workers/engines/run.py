@@ -27,11 +27,11 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 
-from deployments import trtllm
-from deployments.checkpoints import fingerprint
 from deployments.models import BuildStatus as B
 from deployments.models import EngineBuild
 from deployments.services import builds
+from upstream import trtllm
+from upstream.checkpoints import fingerprint
 from workers.engines import verify
 from workers.engines.executors import RunningStep, StepContext, executor_for
 from workers.jobs import JobFailed, run_job, source

@@ -23,13 +23,13 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from deployments import trtllm
 from deployments.models import Deployment, DeploymentModel, DeploymentStatus
 from loadtests import services
 from loadtests import workload as workloads
 from loadtests.models import LoadTest, RunStatus
 from loadtests.runs import RunKind
 from triton_server.server import LOCAL
+from upstream import trtllm
 from workers import native_bench, nvml, processes
 from workers.engines.executors import NativeExecutor
 from workers.jobs import JobFailed, run_job, source

@@ -52,7 +52,6 @@ from common.errors import GantryError
 from controlplane.celery import beat_argv, host_worker_argv
 from controlplane.serving import live_argv, port_taken, web_argv
 from deployments import states
-from deployments.checkpoints import UNTRAINED_NOTICE
 from deployments.models import Deployment, DeploymentStatus, Inspection, RegisteredModel, Replica
 from deployments.services import deployments as deployment_services
 from deployments.services import registered_models
@@ -61,6 +60,7 @@ from gateway.models import Alias
 from gateway.services import alias_create
 from hosts.models import GpuHost
 from hosts.services import hosts
+from upstream.checkpoints import UNTRAINED_NOTICE
 from workers import processes
 from workers.deploy import lifecycle
 from workers.runtimes import process as triton_process

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from deployments.checkpoints import UNTRAINED_NOTICE
+from upstream.checkpoints import UNTRAINED_NOTICE
 from workers.untrained import SHAPES, make_untrained_llm
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from common.errors import InvalidTransition, ValidationFailed
 from deployments import selectors
-from deployments.gpu_plan import transformers_needs
+from deployments.backends.transformers import transformers_needs
 from deployments.models import Deployment, DeploymentStatus, RegisteredModel
 from deployments.services import deployments
 from deployments.services.placements import PlacementSpec

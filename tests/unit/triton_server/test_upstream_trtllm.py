@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
-from deployments import build_spec, trtllm
+from deployments import build_spec
 from triton_server.config import Batching, TrtllmSpec, tensorrtllm_model_config
+from upstream import trtllm
 
 UPSTREAM = json.loads((Path(__file__).parents[2] / "data/upstream/tensorrtllm_backend.json").read_text())
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from deployments import trtllm
 from hosts.services.hosts import GpuReport
+from upstream import trtllm
 from workers import native_bench
 from workers.engines.executors import NativeExecutor
 from workers.nvml import Inventory

@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from common.errors import ValidationFailed
 from deployments import selectors
-from deployments.gpu_plan import kv_bytes_per_token, kv_cache_tokens
+from deployments.backends.memory import kv_bytes_per_token, kv_cache_tokens
 from deployments.models import BuildStatus, EngineBuild, RegisteredModel
 from deployments.services import deployments
 from deployments.services.placements import PlacementSpec

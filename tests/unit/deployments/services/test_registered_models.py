@@ -45,7 +45,7 @@ def test_a_text_model_without_its_tokenizer_fails_inspection_with_the_reason(hos
 
 
 def _inspected(path, **options):  # noqa: ANN001, ANN003, ANN202
-    from deployments.checkpoints import inspect_checkpoint
+    from upstream.checkpoints import inspect_checkpoint
 
     return inspect_checkpoint(path, roots=[path.parent], **options)
 

@@ -6,7 +6,7 @@ transformers' ``apply_chat_template`` renders it: the Jinja template from the
 checkpoint's tokenizer files, in a sandbox, with ``messages``,
 ``add_generation_prompt``, the special tokens, ``raise_exception`` and
 ``strftime_now``. The template was read when the checkpoint was inspected
-(deployments.checkpoints), so the web tier never loads a tokenizer.
+(upstream.checkpoints), so the web tier never loads a tokenizer.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from deployments import build_spec, trtllm
+from deployments import build_spec
+from upstream import trtllm
 
 
 def paths() -> trtllm.BuildPaths:
