@@ -181,7 +181,7 @@ Gantry.deployForm = (root, options) => {
       }
       const replicas = root.querySelector("[name=replicas]").value.trim();
       result.replicas = replicas === "" || Number.isNaN(Number(replicas)) ? replicas : Number(replicas);
-      for (const name of ["shm_size_mib", "log_verbose"]) {
+      for (const name of ["shm_size_mib", "log_verbose", "drain_timeout_s"]) {
         const value = root.querySelector(`[name=${name}]`).value.trim();
         if (value !== "") result[name] = Number.isNaN(Number(value)) ? value : Number(value);
       }

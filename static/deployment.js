@@ -135,6 +135,8 @@
           if (i === 4) {
             const status = document.createElement("span");
             setStatus(status, r.shown_status);
+            // Out of balancing, answering what it holds until that ends or its drain timeout comes.
+            if (r.shown_status === "draining") status.textContent = `draining (${Math.round(r.in_flight ?? 0)} in flight)`;
             cell.append(status);
           } else cell.textContent = value;
           if (i === 7) cell.dataset.ejections = "";
@@ -241,7 +243,7 @@
         if (event.type === "tuning") document.dispatchEvent(new CustomEvent("gantry:tuning", { detail: event }));
         if (event.type !== "event") return;
         addEvent(event);
-        if (event.kind === "replica.status") {
+        if (event.kind === "replica.status" || event.kind === "replica.draining") {
           renderReplicas(await api("GET", `/api/deployments/${id}/`));
           return;
         }

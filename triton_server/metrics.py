@@ -28,6 +28,11 @@ _MODEL_COUNTERS = {
 _KV_CACHE_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"
 # What Gantry's causal-LM python model reports of its slot KV cache (kind: used, capacity).
 KV_CACHE_TOKENS = "gantry_kv_cache_tokens"
+# Requests Gantry's generating python models hold (queued for a slot or generating): a
+# decoupled model's request has left Triton's pending count once its execute() returned.
+REQUESTS_IN_FLIGHT = "gantry_requests_in_flight"
+# TensorRT-LLM's own count of the requests an engine holds, by request_type.
+_ENGINE_REQUESTS = "nv_trt_llm_request_metrics"
 _GPU_GAUGES = {
     "nv_gpu_utilization": "utilization",
     "nv_gpu_memory_used_bytes": "memory_used_bytes",
@@ -56,6 +61,8 @@ class Scrape:
     # Per model, its KV cache's used and capacity: a python model's tokens (gantry_kv_cache_tokens),
     # or an engine's blocks (under the generate model in front of it).
     kv_cache_tokens: dict[str, dict[str, float]] = field(default_factory=dict)
+    generating: float = 0.0  # gantry_requests_in_flight, summed over models
+    engine_requests: float = 0.0  # TensorRT-LLM's active and waiting requests, summed over engines
     text: str = ""  # the exposition as read, for the host's re-export (workers.exporter)
 
 
@@ -79,10 +86,22 @@ def parse(text: str, *, at: float | None = None) -> Scrape:
                     found = result.kv_cache_tokens.setdefault(placement_of(sample.labels.get("model", "")), {})
                     key = "capacity" if kind == "max" else "used"
                     found[key] = found.get(key, 0.0) + sample.value
+            elif name == REQUESTS_IN_FLIGHT:
+                result.generating += sample.value
+            elif name == _ENGINE_REQUESTS and sample.labels.get("request_type") in ("active", "waiting"):
+                result.engine_requests += sample.value
             elif name == KV_CACHE_TOKENS and "model" in sample.labels and "kind" in sample.labels:
                 found = result.kv_cache_tokens.setdefault(sample.labels["model"], {})  # summed over instances
                 found[sample.labels["kind"]] = found.get(sample.labels["kind"], 0.0) + sample.value
     return result
+
+
+def in_flight(scrape: Scrape) -> int:
+    """The requests a server holds now: queued in Triton, and those a generating
+    model took in (the engine behind a generate model counts the same requests:
+    the larger of the two is taken, not their sum)."""
+    queued = sum(counters.pending for counters in scrape.models.values())
+    return round(queued + max(scrape.generating, scrape.engine_requests))
 
 
 def scrape(url: str, *, timeout_s: float = 5.0) -> Scrape:

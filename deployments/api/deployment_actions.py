@@ -98,13 +98,22 @@ class DeploymentAutoscale(APIView):
         return Response(DeploymentOut(selectors.deployment_shown(deployment)).data, status=status.HTTP_202_ACCEPTED)
 
 
+class StopIn(StrictSerializer):
+    now = serializers.BooleanField(
+        default=False,
+        help_text="stop every server at once, cutting what it holds; false (or no body): each replica leaves "
+        "balancing and answers its requests in flight first, for up to the deployment's drain_timeout_s",
+    )
+
+
 class DeploymentStop(APIView):
-    """POST /api/deployments/<id>/stop/ (no body): every replica's host stops its server."""
+    """POST /api/deployments/<id>/stop/ (no body, or {"now": true}): every
+    replica's host stops its server, after draining it unless ``now``."""
 
     permission_classes = [ReadOrOperate]
 
-    @extend_schema(request=None, responses={202: DeploymentOut})
+    @extend_schema(request=StopIn, responses={202: DeploymentOut})
     def post(self, request: Request, pk: int) -> Response:
-        require_empty_body(request)
-        deployment = deployment_services.deployment_stop(deployment_id=pk, user=request.user)
+        data = validated(StopIn, request)
+        deployment = deployment_services.deployment_stop(deployment_id=pk, user=request.user, now=data["now"])
         return Response(DeploymentOut(selectors.deployment_shown(deployment)).data, status=status.HTTP_202_ACCEPTED)

@@ -6,6 +6,7 @@ deployments.api.deployment_state."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import replace
 from typing import Any
 
@@ -151,6 +152,7 @@ class DeploymentOut(serializers.ModelSerializer):
             "replica_set",
             "shm_size_mib",
             "log_verbose",
+            "drain_timeout_s",
             "desired_state",
             "status",
             "shown_status",
@@ -198,8 +200,8 @@ class ServerIn(StrictModelSerializer):
 
     class Meta:
         model = Deployment
-        fields = ["shm_size_mib", "log_verbose"]
-        extra_kwargs = {"shm_size_mib": {"required": False}, "log_verbose": {"required": False}}
+        fields = ["shm_size_mib", "log_verbose", "drain_timeout_s"]
+        extra_kwargs = {name: {"required": False} for name in fields}
 
 
 class AutoscaleIn(StrictSerializer):
@@ -241,6 +243,7 @@ class DeploymentIn(StrictSerializer):
     # ServerIn's fields (Deployment's bounds), re-instantiated for this serializer.
     shm_size_mib = copy.deepcopy(ServerIn().fields["shm_size_mib"])
     log_verbose = copy.deepcopy(ServerIn().fields["log_verbose"])
+    drain_timeout_s = copy.deepcopy(ServerIn().fields["drain_timeout_s"])
     models = PlacementIn(many=True, allow_empty=False)
 
 
@@ -302,9 +305,9 @@ def as_sent(errors: dict[str, list[str]], data: dict[str, Any]) -> dict[str, lis
 
 def server_spec(data: dict[str, Any], current: Deployment | None = None) -> ServerSpec:
     """The server settings a body asks for; unset ones keep ``current``'s (or the defaults)."""
-    base = ServerSpec() if current is None else ServerSpec(shm_size_mib=current.shm_size_mib,
-                                                             log_verbose=current.log_verbose)  # fmt: skip
-    return replace(base, **{name: data[name] for name in ("shm_size_mib", "log_verbose") if name in data})
+    names = [field.name for field in dataclasses.fields(ServerSpec)]
+    base = ServerSpec() if current is None else ServerSpec(**{name: getattr(current, name) for name in names})
+    return replace(base, **{name: data[name] for name in names if name in data})
 
 
 class DeploymentList(ListEndpoint):
@@ -356,8 +359,8 @@ class DeploymentDetail(APIView):
 
     @extend_schema(request=ServerIn, responses={202: DeploymentOut})
     def patch(self, request: Request, pk: int) -> Response:
-        """The server's settings (shm_size_mib, log_verbose): taken at the next start, or
-        now by a restart when it runs."""
+        """The server's settings (shm_size_mib, log_verbose, drain_timeout_s): taken at
+        the next start, or now by a restart when it runs (a new drain timeout needs none)."""
         data = validated(ServerIn, request)
         current = get_object_or_404(Deployment, pk=pk)
         deployment = deployment_services.deployment_configure(

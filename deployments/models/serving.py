@@ -103,6 +103,11 @@ class Deployment(models.Model):
     generation = models.PositiveIntegerField(default=1)
     # Server settings (restart to change): the container's /dev/shm (docker; Docker's own
     # default is 64 MB, the seeds use 16 GB) and Triton's --log-verbose level.
+    drain_timeout_s = models.PositiveIntegerField(
+        default=30, validators=[MaxValueValidator(3600)],
+        help_text="How long a replica being retired (scale-down, a roll, a stop) keeps answering the requests it "
+        "holds, out of balancing, before its server is stopped (0: stopped at once).",
+    )  # fmt: skip
     shm_size_mib = models.PositiveIntegerField(
         default=2048, validators=[MinValueValidator(64), MaxValueValidator(1_048_576)],
         help_text="The container's shared memory (/dev/shm) in MiB; the docker runtime only.",
@@ -170,6 +175,11 @@ class Replica(models.Model):
         help_text="Requests in its Triton, queued and executing: the mean over the last scrape interval "
         "(Little's law on Triton's request duration), or those queued at the scrape if more.",
     )
+    drain_until = models.DateTimeField(
+        null=True, blank=True,
+        help_text="Stopping: its server answers the requests it holds until they end or this time comes; "
+        "cleared once drained (none: stopped at once).",
+    )  # fmt: skip
     # Where the runtime can find what it started: a process id or a container id.
     # Cleared when the server is gone.
     runtime_handle = models.CharField(max_length=128, blank=True)
@@ -198,11 +208,18 @@ class Replica(models.Model):
 
     @property
     def shown_status(self) -> str:
-        """What the UI shows: the recorded status, or "unknown" while the host is offline
-        (its last report may be stale; nothing is torn down for that alone)."""
+        """What the UI shows: the recorded status ("draining" while a stopping one
+        still answers what it holds), or "unknown" while the host is offline (its
+        last report may be stale; nothing is torn down for that alone)."""
         if self.status in {DeploymentStatus.PENDING, DeploymentStatus.STOPPED, DeploymentStatus.LOST}:
             return self.status
-        return self.status if self.host.is_online else "unknown"
+        if not self.host.is_online:
+            return "unknown"
+        return "draining" if self.is_draining else self.status
+
+    @property
+    def is_draining(self) -> bool:
+        return self.status == DeploymentStatus.STOPPING and self.drain_until is not None
 
 
 class Backend(models.TextChoices):

@@ -49,10 +49,16 @@ from hosts.models import GpuHost
 @dataclass(frozen=True)
 class ServerSpec:
     """Settings of a deployment's tritonserver itself; a running server is
-    restarted to take a change. Defaults and bounds are Deployment's."""
+    restarted to take a change, except the drain timeout (read at each stop).
+    Defaults and bounds are Deployment's."""
 
     shm_size_mib: int = Deployment._meta.get_field("shm_size_mib").get_default()
     log_verbose: int = Deployment._meta.get_field("log_verbose").get_default()
+    drain_timeout_s: int = Deployment._meta.get_field("drain_timeout_s").get_default()
+
+    def restarts(self, before: dict[str, Any]) -> bool:
+        """Whether going from ``before`` to these settings needs a new server."""
+        return any(before[name] != value for name, value in asdict(self).items() if name != "drain_timeout_s")
 
 
 def _server_errors(server: ServerSpec, runtime: str) -> dict[str, list[str]]:
@@ -366,8 +372,9 @@ def deployment_delete(*, deployment_id: int, user: Any = None) -> None:
 
 
 def deployment_configure(*, deployment_id: int, server: ServerSpec, user: Any = None) -> Deployment:
-    """Change the deployment's server settings (shared memory, log verbosity). A
-    deployment at rest takes them at its next start; a running one is restarted."""
+    """Change the deployment's server settings (shared memory, log verbosity,
+    drain timeout). A deployment at rest takes them at its next start; a running
+    one is restarted, unless only the drain timeout changed (its next stop reads it)."""
     require_operator(user)
     with transaction.atomic():
         deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
@@ -392,7 +399,8 @@ def deployment_configure(*, deployment_id: int, server: ServerSpec, user: Any = 
             + ", ".join(f"{k} {before[k]} → {v}" for k, v in asdict(server).items() if before[k] != v),
             data={"before": before, "after": asdict(server)},
         )
-    if deployment.status in RESTARTABLE and deployment.replica_set.filter(status__in=states.ACTIVE).exists():
+    running = deployment.replica_set.filter(status__in=states.ACTIVE).exists()
+    if deployment.status in RESTARTABLE and running and server.restarts(before):
         return deployment_restart(deployment_id=deployment_id, user=user)
     return Deployment.objects.get(pk=deployment_id)
 
@@ -404,15 +412,17 @@ def deployment_start(*, deployment_id: int, user: Any = None) -> Deployment:
     return replicas_service.deployment_start(deployment_id=deployment_id, source=events.source_of(user), actor=user)
 
 
-def deployment_stop(*, deployment_id: int, user: Any = None) -> Deployment:
-    """Stop every replica's server; refused when nothing runs."""
+def deployment_stop(*, deployment_id: int, user: Any = None, now: bool = False) -> Deployment:
+    """Stop every replica's server, each answering what it holds first (up to
+    the deployment's drain timeout) unless ``now``; refused when nothing runs."""
     require_operator(user)
     deployment = _get_deployment(deployment_id)
     if not states.deployment_actions(deployment.status)["stop"]:
         raise InvalidTransition(f"{deployment.name} is {deployment.status}; there is nothing to stop")
     return replicas_service.deployment_stop(
-        deployment_id=deployment_id, source=events.source_of(user), actor=user, message="stop requested",
-        desired=DesiredState.STOPPED,
+        deployment_id=deployment_id, source=events.source_of(user), actor=user,
+        message="stop requested" + (" (now: requests in flight are cut)" if now else ""),
+        desired=DesiredState.STOPPED, drain=not now,
     )  # fmt: skip
 
 

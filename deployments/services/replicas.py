@@ -112,10 +112,25 @@ def _retire(replica: Replica, *, source: str, why: str) -> None:
     removed now if none does."""
     Replica.objects.filter(pk=replica.pk).update(desired_state=DesiredState.STOPPED)
     if replica.status in states.ACTIVE - {S.STOPPING}:
-        states.replica_transition(replica_id=replica.pk, to=S.STOPPING, source=source, message=f"retiring: {why}")
-        enqueue(queues.STOP_REPLICA, replica)
+        _stop(replica, source=source, message=f"retiring: {why}", drain=True)
     elif replica.status not in (S.STOPPING,):
         replica_remove(replica=replica, source=source, why=why)
+
+
+def _stop(replica: Replica, *, source: str, message: str, drain: bool, actor: Any = None) -> None:
+    """Move a replica that may run a server to stopping and send its host the
+    stop. With ``drain``, one that answers requests leaves balancing (stopping
+    is not answering: every door stops sending to it within its route cache's
+    second) and its host lets it finish what it holds, for up to the
+    deployment's drain timeout, before its server is stopped."""
+    seconds = replica.deployment.drain_timeout_s if drain and replica.status in states.ANSWERING else 0
+    until = timezone.now() + timedelta(seconds=seconds) if seconds else None
+    if until is not None:
+        message += f"; draining the requests it holds for up to {seconds}s"
+    states.replica_transition(
+        replica_id=replica.pk, to=S.STOPPING, source=source, actor=actor, message=message, drain_until=until
+    )
+    enqueue(queues.STOP_REPLICA, replica)
 
 
 def replica_remove(*, replica: Replica, source: str, why: str) -> None:
@@ -191,9 +206,12 @@ def deployment_start(*, deployment_id: int, source: str, actor: Any = None) -> D
         return deployment_converge(deployment_id=deployment_id, source=source, actor=actor)
 
 
-def deployment_stop(*, deployment_id: int, source: str, actor: Any = None, message: str, desired: str) -> Deployment:
-    """Stop every replica that may run a server; with ``desired`` running (a
-    restart) each starts again once stopped."""
+def deployment_stop(
+    *, deployment_id: int, source: str, actor: Any = None, message: str, desired: str, drain: bool = True
+) -> Deployment:
+    """Stop every replica that may run a server, each drained first unless not
+    ``drain`` (a stop "now"); with ``desired`` running (a restart) each starts
+    again once stopped."""
     with transaction.atomic():
         deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
         if deployment is None:
@@ -203,10 +221,7 @@ def deployment_stop(*, deployment_id: int, source: str, actor: Any = None, messa
         stopped = 0
         for replica in replicas:
             if replica.status in states.ACTIVE - {S.STOPPING}:
-                states.replica_transition(
-                    replica_id=replica.pk, to=S.STOPPING, source=source, actor=actor, message=message
-                )
-                enqueue(queues.STOP_REPLICA, replica)
+                _stop(replica, source=source, actor=actor, message=message, drain=drain)
                 stopped += 1
             elif replica.status == S.LOST:
                 states.replica_transition(
@@ -365,6 +380,16 @@ def record_replica_event(*, replica_id: int, kind: str, source: str, message: st
             message=f"{replica.label} on {replica.host.name}: {message}",
             data={"replica": replica.serial, "replica_id": replica.pk},
         )  # fmt: skip
+
+
+def replica_drain_told(*, replica_id: int, in_flight: int, source: str, message: str, ended: bool = False) -> None:
+    """What a draining replica's host saw: the requests its server still holds
+    (on its row, for the page) and, ``ended``, how the drain ended."""
+    fields: dict[str, Any] = {"in_flight": in_flight}
+    if ended:
+        fields["drain_until"] = None
+    Replica.objects.filter(pk=replica_id, status=S.STOPPING).update(**fields)
+    record_replica_event(replica_id=replica_id, kind="replica.draining", source=source, message=message)
 
 
 # A roll waits while one of these is under way: one replica at a time.

@@ -54,6 +54,10 @@ CANCEL_CHECK_EVERY = 8
 # The KV cache's use, told to Triton's metrics at most this often (seconds).
 KV_TELL_EVERY_S = 0.5
 KV_METRIC = "gantry_kv_cache_tokens"
+# The requests it holds, waiting for a slot or generating: what a draining replica's host
+# waits on (triton_server.metrics.in_flight), since Triton's pending count lets go of a
+# decoupled request once execute() returns.
+IN_FLIGHT_METRIC = "gantry_requests_in_flight"
 
 
 def _parameter(config, key, default):
@@ -204,14 +208,23 @@ class TritonPythonModel:
         family.Metric(labels={**labels, "kind": "capacity"}).set(capacity)
         used = family.Metric(labels={**labels, "kind": "used"})
         used.set(0)
-        self.kv_family = family  # the metrics live as long as their family
+        held = pb_utils.MetricFamily(
+            name=IN_FLIGHT_METRIC,
+            description="Requests the model holds: waiting for a slot or generating",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        self.in_flight = held.Metric(labels=labels)
+        self.in_flight.set(0)
+        self.kv_family, self.held_family = family, held  # the metrics live as long as their family
         return used
 
-    def _tell_kv_use(self):
+    def _tell_use(self, waiting):
+        """The cache's use and the requests held, every KV_TELL_EVERY_S while it generates."""
         now = time.monotonic()
         if now - self.kv_told_at >= KV_TELL_EVERY_S:
             self.kv_told_at = now
             self.kv_used.set(sum(self.decoder.lengths))
+            self.in_flight.set(len(self.decoder.rows) + len(waiting) + self.pending.qsize())
 
     def execute(self, requests):
         for request in requests:
@@ -255,14 +268,15 @@ class TritonPythonModel:
                     if joining:
                         waiting = decoder.admit(joining) + waiting
                 if not decoder.rows:
-                    if self.kv_told_at:
+                    if self.kv_told_at and not waiting:
                         self.kv_used.set(0)
+                        self.in_flight.set(self.pending.qsize())
                         self.kv_told_at = 0.0
                     continue
                 for sequence, token in decoder.step():
                     self._advance(sequence, token)
                 decoder.release([s for s in decoder.rows if s.done])
-                self._tell_kv_use()
+                self._tell_use(waiting)
             except Exception as exc:  # noqa: BLE001 - every request in the batch gets the error
                 pb_utils.Logger.log_error(f"generation failed: {exc}")
                 for sequence in {id(s): s for s in decoder.rows + joining}.values():

@@ -74,11 +74,29 @@ class TritonPythonModel:
         self.end_id = eos if eos is not None else (sep if sep is not None else 0)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.end_id
+        self.held_family = pb_utils.MetricFamily(
+            name="gantry_requests_in_flight",
+            description="Requests the model holds: generating on its engine",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        self.in_flight = self.held_family.Metric(
+            labels={"model": args["model_name"], "model_instance": args.get("model_instance_name", "")}
+        )
+        self.held, self.held_lock = 0, threading.Lock()
+        self.in_flight.set(0)
 
     def execute(self, requests):
+        self._count(len(requests))
         for request in requests:
             threading.Thread(target=self._serve, args=(request,), name="gantry-engine-request", daemon=True).start()
         return None
+
+    def _count(self, change):
+        """gantry_requests_in_flight: the requests this model holds, which a draining
+        replica's host waits on (triton_server.metrics.in_flight)."""
+        with self.held_lock:
+            self.held += change
+            self.in_flight.set(self.held)
 
     def _serve(self, request):
         sender = request.get_response_sender()
@@ -88,6 +106,8 @@ class TritonPythonModel:
             error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG if isinstance(exc, ValueError)
                                          else pb_utils.TritonError.INTERNAL)  # fmt: skip
             sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
+        finally:
+            self._count(-1)
 
     def _generate(self, request, sender):
         prompt = _strings(_values(request, "text_input"))

@@ -15,10 +15,12 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
+from django.utils import timezone
 
 from common.errors import GantryError, InvalidTransition, PermanentError, TransientError
 from deployments import states
@@ -29,6 +31,7 @@ from triton_server.config import CONFIG_FILE
 from triton_server.repository import ModelSpec, write_repository
 from triton_server.server import LaunchSpec
 from workers import channel, model_user, nvml
+from workers.deploy.drain import drain
 from workers.deploy.plan import (
     current_status,
     deployment_root,
@@ -303,6 +306,9 @@ def _restart_for_generation(
         source=source(),
         message=f"generation {generation} needs a new server ({'; '.join(changes)}): restarting its server",
     )
+    # Updating is not answering: it left balancing when the roll reached it.
+    seconds = replica.deployment.drain_timeout_s
+    drain(replica, timezone.now() + timedelta(seconds=seconds) if seconds else None, why="restarting in place")
     runtime.stop(replica.runtime_handle, spec)
     try:
         _replace_server(replica, runtime, spec, what=f"generation {generation}: ")
@@ -381,6 +387,7 @@ def _stop_server(replica_id: int) -> bool:
     message = "tritonserver stopped"
     to = S.STOPPED
     if replica.runtime_handle:
+        drain(replica, replica.drain_until, why="stopping")
         runtime = runtime_for(replica)
         spec = launch_spec(replica)
         pids = runtime.pids(replica.runtime_handle, spec) if spec.gpu_ids else []

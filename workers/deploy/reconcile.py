@@ -47,10 +47,18 @@ LAUNCH_STALL_S = 60
 CRASH_WINDOW_MIN = 10
 
 
-def stall_after_s(status: str) -> float:
+def stall_after_s(status: str, draining_s: float = 0.0) -> float:
+    """How long a replica may stay in ``status`` before its task is taken for
+    lost; a stop's drain (``draining_s``, its deadline past its move) counts too."""
     if status == S.STOPPING:
-        return STOP_GRACE_S + settings.GANTRY_GPU_RELEASE_TIMEOUT + 15
+        return draining_s + STOP_GRACE_S + settings.GANTRY_GPU_RELEASE_TIMEOUT + 15
     return LAUNCH_STALL_S
+
+
+def _draining_s(replica: Replica) -> float:
+    if replica.status != S.STOPPING or replica.drain_until is None:
+        return 0.0
+    return max(0.0, (replica.drain_until - replica.status_changed_at).total_seconds())
 
 
 def _recent_crash_restarts(replica: Replica) -> int:
@@ -153,7 +161,7 @@ def reconcile_host(inventory: nvml.Inventory | None = None) -> None:
         spec = launch_spec(replica)
         telemetry.ship_log(replica, runtime, spec)
         if replica.status in (S.LAUNCHING, S.STOPPING):
-            if (now - replica.status_changed_at).total_seconds() > stall_after_s(replica.status):
+            if (now - replica.status_changed_at).total_seconds() > stall_after_s(replica.status, _draining_s(replica)):
                 _redrive(replica)
         elif _server_gone(replica, runtime, spec):
             continue
@@ -245,7 +253,7 @@ def _remove_unwanted_containers() -> None:
 
 
 def _redrive(replica: Replica) -> None:
-    stall = stall_after_s(replica.status)
+    stall = stall_after_s(replica.status, _draining_s(replica))
     since = timezone.now() - timedelta(seconds=stall)
     redriven = Event.objects.filter(deployment_id=replica.deployment_id, kind="task.redriven", created_at__gte=since)
     if redriven.filter(data__args__0=replica.pk).exists():

@@ -335,7 +335,7 @@ class Command(BaseCommand):
         ).exclude(runtime_handle__in=running)
         for deployment_id in sorted(set(stale.values_list("deployment_id", flat=True))):
             try:
-                deployment = deployment_services.deployment_stop(deployment_id=deployment_id)
+                deployment = deployment_services.deployment_stop(deployment_id=deployment_id, now=True)
             except GantryError as exc:
                 self.stderr.write(f"could not record the last stop of deployment {deployment_id}: {exc}")
                 continue
@@ -455,7 +455,7 @@ class Command(BaseCommand):
         for deployment in Deployment.objects.filter(pk__in=active().values("deployment_id")):
             if states.deployment_actions(deployment.status)["stop"]:
                 try:
-                    deployment_services.deployment_stop(deployment_id=deployment.pk)
+                    deployment_services.deployment_stop(deployment_id=deployment.pk, now=True)
                 except GantryError as exc:
                     self.stderr.write(f"could not stop {deployment.name}: {exc}")
                     continue

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from triton_server.metrics import derive, parse
+from triton_server.metrics import derive, in_flight, parse
 
 EXPOSITION = """\
 # HELP nv_inference_request_success Number of successful inference requests, all batch sizes
@@ -67,3 +67,25 @@ def test_first_scrape_and_counter_reset_give_totals_only():
     assert derive(None, first)["minilm"] == {"requests_total": 5, "failures_total": 0, "pending": 0}
     restarted = _scrape(10, success=1, failure=0, queue=0, compute=0)
     assert "request_rate" not in derive(first, restarted)["minilm"]
+
+
+HELD = """\
+# TYPE nv_inference_pending_request_count gauge
+nv_inference_pending_request_count{model="minilm",version="1"} 2
+nv_inference_pending_request_count{model="llm",version="1"} 1
+# TYPE gantry_requests_in_flight gauge
+gantry_requests_in_flight{model="llm",model_instance="llm_0_0"} 5
+gantry_requests_in_flight{model="llm",model_instance="llm_0_1"} 2
+# TYPE nv_trt_llm_request_metrics gauge
+nv_trt_llm_request_metrics{model="llm-engine",request_type="active",version="1"} %(active)d
+nv_trt_llm_request_metrics{model="llm-engine",request_type="waiting",version="1"} 1
+nv_trt_llm_request_metrics{model="llm-engine",request_type="max",version="1"} 256
+"""
+
+
+def test_in_flight_counts_triton_s_queue_and_what_generating_models_hold_once():
+    # Queued 3; the python models hold 7; the engine behind a generate model counts the same
+    # requests (active and waiting, never its max): the larger of the two is taken.
+    assert in_flight(parse(HELD % {"active": 4})) == 3 + 7
+    assert in_flight(parse(HELD % {"active": 9})) == 3 + 10
+    assert in_flight(parse(EXPOSITION % {"success": 1, "failure": 0, "queue": 0, "compute": 0, "request": 0})) == 0

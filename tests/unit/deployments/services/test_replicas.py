@@ -268,3 +268,60 @@ def test_a_surge_replica_that_fails_to_load_rolls_the_generation_back(fleet, ope
     assert deployment.revisions.get(generation=2).status == "failed"
     assert sorted(_statuses(deployment).values()) == [(S.READY, 1), (S.READY, 1)]
     assert Event.objects.filter(deployment=deployment, kind="deployment.rollback").exists()
+
+
+def test_a_retired_or_stopped_replica_drains_unless_stopped_now(api, fleet, operator):
+    deployment = _create(operator, "drained", 0.2, 3)
+    Deployment.objects.filter(pk=deployment.pk).update(drain_timeout_s=45)
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    first, second, third = _ready(deployment)
+    states.replica_transition(replica_id=third.pk, to=S.DEGRADED, source="t")
+    before = timezone.now()
+    deployments.deployment_scale(deployment_id=deployment.pk, replicas=2, user=operator)
+    # The newest answering one is retired: out of balancing, and its host lets it answer what it holds.
+    retired = Replica.objects.get(pk=third.pk)
+    assert (retired.status, retired.shown_status) == (S.STOPPING, "draining")
+    assert before + timedelta(seconds=45) <= retired.drain_until <= timezone.now() + timedelta(seconds=45)
+    assert "draining the requests it holds for up to 45s" in retired.status_message
+
+    # A stop drains every answering replica; "now" drains none. Its body is checked by field.
+    url = f"/api/deployments/{deployment.pk}/stop/"
+    assert api.post(url, {"now": "yes"}, format="json").data["errors"] == {"now": ["must be a boolean"]}
+    assert api.post(url, {"now": True, "later": 1}, format="json").status_code == 400
+    assert Replica.objects.get(pk=first.pk).status == S.READY  # nothing half-done
+    stopped = api.post(url, {"now": True}, format="json")
+    assert stopped.status_code == 202, stopped.data
+    rows = {r.pk: r for r in Replica.objects.filter(deployment=deployment)}
+    assert rows[first.pk].status == S.STOPPING and rows[first.pk].drain_until is None
+    assert "now: requests in flight are cut" in rows[first.pk].status_message
+
+
+def test_a_stop_drains_and_a_replica_not_answering_has_nothing_to_drain(fleet, operator):
+    deployment = _create(operator, "graceful", 0.2, 2)
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    first, second = Replica.objects.filter(deployment=deployment).order_by("serial")
+    states.replica_transition(replica_id=first.pk, to=S.LOADING, source="t", runtime_handle="1")
+    states.replica_transition(replica_id=first.pk, to=S.READY, source="t", generation=1)
+    deployments.deployment_stop(deployment_id=deployment.pk, user=operator)
+    first, second = Replica.objects.filter(deployment=deployment).order_by("serial")
+    assert first.drain_until is not None and first.shown_status == "draining"  # the default 30 s
+    assert second.drain_until is None and second.shown_status == "stopping"  # launching: it holds nothing
+    # Its host's word on what it holds is on the row and the timeline; its end clears the deadline.
+    replicas.replica_drain_told(replica_id=first.pk, in_flight=3, source="t", message="draining: 3 in flight")
+    assert Replica.objects.get(pk=first.pk).in_flight == 3
+    replicas.replica_drain_told(replica_id=first.pk, in_flight=0, source="t", message="drained in 2.0s", ended=True)
+    first = Replica.objects.get(pk=first.pk)
+    assert (first.in_flight, first.drain_until, first.shown_status) == (0, None, "stopping")
+    assert Event.objects.filter(deployment=deployment, kind="replica.draining").count() == 2
+
+
+def test_a_new_drain_timeout_needs_no_restart(api, fleet, operator):
+    deployment = _create(operator, "tuned", 0.2, 1)
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    _ready(deployment)
+    url = f"/api/deployments/{deployment.pk}/"
+    assert api.patch(url, {"drain_timeout_s": 3601}, format="json").data["errors"]["drain_timeout_s"]
+    changed = api.patch(url, {"drain_timeout_s": 120}, format="json")
+    assert changed.status_code == 202, changed.data
+    assert changed.data["drain_timeout_s"] == 120 and changed.data["status"] == "ready"
+    assert not Replica.objects.filter(deployment=deployment, status=S.STOPPING).exists()
