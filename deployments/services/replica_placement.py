@@ -18,7 +18,15 @@ from django.db.models import Max
 from common.errors import InvalidTransition
 from deployments import backends, selectors
 from deployments.gpu_plan import Candidate, Choice, Holder, choose_host, host_plan, plan_problems
-from deployments.models import Deployment, DeploymentModel, DeploymentStatus, DesiredState, PlacementPolicy, Replica
+from deployments.models import (
+    Deployment,
+    DeploymentModel,
+    DeploymentStatus,
+    DesiredState,
+    InstanceKind,
+    PlacementPolicy,
+    Replica,
+)
 from hosts.models import GpuHost
 
 S = DeploymentStatus
@@ -51,6 +59,20 @@ def candidate_hosts(pinned: list[GpuHost], *, lock: bool, replacing: bool = Fals
     return online or (found if pinned and not replacing else [])
 
 
+def gpu_hosts_for_auto(hosts: list[GpuHost], placements: list[DeploymentModel]) -> tuple[list[GpuHost], list[str]]:
+    """The candidates for a replica with an "auto" placement: only hosts with
+    GPUs while any candidate has one (auto is a GPU where there is one: an LLM
+    on a CPU-only host beside GPU hosts would serve an equal share of the
+    traffic ~100x slower), every host when none has; and the names left out.
+    A placement that asks for KIND_CPU keeps every host."""
+    if not any(p.instance_kind == InstanceKind.AUTO for p in placements):
+        return hosts, []
+    with_gpus = [host for host in hosts if host.gpus.all()]
+    if not with_gpus:
+        return hosts, []
+    return with_gpus, [host.name for host in hosts if host not in with_gpus]
+
+
 def plan_replicas(
     *,
     deployment: Deployment | None,
@@ -67,7 +89,7 @@ def plan_replicas(
     other, each seeing the ones before: a Choice, or why it fits nowhere.
     ``besides``: a deployment whose replicas the plans leave out; ``replacing``:
     these replace lost replicas (candidate_hosts)."""
-    hosts = candidate_hosts(pinned, lock=lock, replacing=replacing)
+    hosts, left_out = gpu_hosts_for_auto(candidate_hosts(pinned, lock=lock, replacing=replacing), placements)
     holders = selectors.plan_holders_by_host(hosts, besides=besides)
     siblings: Counter[int] = Counter()
     if deployment is not None:
@@ -84,6 +106,11 @@ def plan_replicas(
         choice = choose_host(
             candidates, replica, pack=policy == PlacementPolicy.PACK, identity=bool(pinned) and not siblings
         )
+        if isinstance(choice, str) and left_out:
+            choice += (
+                f" ({', '.join(left_out)} without GPUs left out: instance_kind auto runs on a GPU where the "
+                "hosts have one; ask for KIND_CPU to run there)"
+            )
         choices.append(choice)
         if isinstance(choice, Choice):
             holders.setdefault(choice.host.pk, []).append(

@@ -325,3 +325,25 @@ def test_a_new_drain_timeout_needs_no_restart(api, fleet, operator):
     assert changed.status_code == 202, changed.data
     assert changed.data["drain_timeout_s"] == 120 and changed.data["status"] == "ready"
     assert not Replica.objects.filter(deployment=deployment, status=S.STOPPING).exists()
+
+
+def test_an_auto_placement_runs_on_the_gpu_hosts_while_there_are_any(fleet, operator, host):
+    deployment = deployments.deployment_create(
+        name="auto", hosts=[], replicas=3,
+        placements=[PlacementSpec(model="minilm", instance_kind="auto", gpu_memory_fraction=0.9)], user=operator,
+    )  # fmt: skip
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    assert sorted(where for where, _ in _where(deployment)) == ["gpu-1", "gpu-2", "gpu-3"]
+    # Six GPUs take six; the seventh is refused, not put on the CPU-only host beside them.
+    deployments.deployment_scale(deployment_id=deployment.pk, replicas=6, user=operator)
+    assert host.name not in {where for where, _ in _where(deployment)}
+    with pytest.raises(InvalidTransition) as refused:
+        deployments.deployment_scale(deployment_id=deployment.pk, replicas=7, user=operator)
+    assert f"({host.name} without GPUs left out: instance_kind auto runs on a GPU" in str(refused.value)
+    # Asked for the CPU, a replica may run there.
+    cpu = deployments.deployment_create(
+        name="cpu", hosts=[], replicas=4, placements=[PlacementSpec(model="minilm", instance_kind="KIND_CPU")],
+        user=operator,
+    )  # fmt: skip
+    deployments.deployment_start(deployment_id=cpu.pk, user=operator)
+    assert host.name in {where for where, _ in _where(cpu)}
