@@ -16,7 +16,7 @@ from django.db import InterfaceError, OperationalError, close_old_connections
 from django.utils import timezone
 
 from access.services import TOKEN_PREFIX
-from common.ttl_cache import TtlCache
+from common.ttl_cache import DatabaseAway, TtlCache
 from common.words import a
 from core.permissions import can_operate
 from core.secrets import secret_digest
@@ -65,7 +65,7 @@ class Target:
 _callers, _targets = TtlCache(CACHE_S, keep_warm_s=KEEP_WARM_S), TtlCache(CACHE_S, keep_warm_s=KEEP_WARM_S)
 # The errors of a database that cannot be reached (restarting, say): keys and routes
 # read before it went away keep serving, as they were read; anything else is a 503.
-DATABASE_AWAY = (OperationalError, InterfaceError)
+DATABASE_AWAY = (OperationalError, InterfaceError, DatabaseAway)
 
 
 def db(fn: Any) -> Any:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from common.ttl_cache import MISSING, TtlCache
+from common.ttl_cache import MISSING, Breaker, DatabaseAway, TtlCache
 
 
 def test_a_value_is_kept_for_its_time_then_forgotten():
@@ -87,22 +87,58 @@ def test_while_reads_fail_with_an_outage_the_last_value_serves_until_it_is_too_o
         return "caller"
 
     async def scenario() -> None:
-        cache = TtlCache(ttl_s=0.02, outage_s=0.3)
+        breaker = Breaker(probe_s=0.1)
+        cache = TtlCache(ttl_s=0.02, outage_s=0.3, breaker=breaker)
         assert await cache.fetch("seen", read, (Away,)) == "caller"
         state["away"] = True
-        await asyncio.sleep(0.05)  # past ttl twice over: a read is due, and fails
+        await asyncio.sleep(0.05)  # past ttl twice over: a read is due, and fails: the breaker opens
         assert await cache.fetch("seen", read, (Away,)) == "caller"
+        assert breaker.is_open and "connection refused" in breaker.cause
         reads = state["reads"]
-        # Within the outage no request waits on a read: the kept value, one refresh at a time.
+        # While it is open no request waits on a read: the kept value; a key never read fails at
+        # once, without a read of its own; one probe per probe_s asks the database again.
         assert [await cache.fetch("seen", read, (Away,)) for _ in range(5)] == ["caller"] * 5
-        assert state["reads"] <= reads + 1
-        with pytest.raises(Away):
+        with pytest.raises(DatabaseAway, match="the database is away \\(connection refused\\)"):
             await cache.fetch("never-seen", read, (Away,))
+        await asyncio.sleep(0)
+        assert state["reads"] <= reads + 1
         await asyncio.sleep(0.3)  # older than outage_s: no longer served
-        with pytest.raises(Away):
-            await cache.fetch("seen", read, (Away,))
+        with pytest.raises(DatabaseAway):
+            await cache.fetch("seen", read, (Away,))  # refused; the probe it starts asks again
+        # Back before that probe reads: it closes the breaker, and reads are as before.
         state["away"] = False
+        await asyncio.sleep(0.01)
+        assert not breaker.is_open
         assert await cache.fetch("seen", read, (Away,)) == "caller"
+
+    asyncio.run(scenario())
+
+
+def test_a_read_that_waits_on_a_database_gone_quiet_opens_the_breaker_and_no_one_waits_behind_it():
+    # A stopped PostgreSQL makes a read wait the pool's whole timeout, not fail: after
+    # away_after_s the breaker opens; a known key is served meanwhile, an unknown one refused.
+    gate = asyncio.Event()
+
+    async def read() -> str:
+        await gate.wait()
+        return "fresh"
+
+    async def scenario() -> None:
+        breaker = Breaker(probe_s=10, away_after_s=0.05)
+        cache = TtlCache(ttl_s=0.5, breaker=breaker)
+        cache.put("known", "kept")
+        cache._entries["known"] = (time.monotonic() - 1.1, "kept")  # past ttl twice over
+        started = time.monotonic()
+        assert await cache.fetch("known", read, (Away,)) == "kept"
+        assert breaker.is_open and "a read waited 0.05s" in breaker.cause
+        # Its read is still under way: the next request is served at once, not queued behind it.
+        assert await cache.fetch("known", read, (Away,)) == "kept"
+        with pytest.raises(DatabaseAway):
+            await cache.fetch("unknown", read, (Away,))
+        assert time.monotonic() - started < 1.0  # no request waited a probe's 10 s
+        gate.set()
+        await asyncio.sleep(0.01)
+        assert not breaker.is_open and cache.get("known") == "fresh"
 
     asyncio.run(scenario())
 
