@@ -128,18 +128,18 @@
         const row = document.createElement("tr");
         row.dataset.replica = r.serial;
         const gpus = Object.values(r.gpus).join(", ") || "CPU";
-        const cells = [`r${r.serial}`, r.host, gpus, String(r.generation), null,
-          `${r.http_port}/${r.grpc_port}/${r.metrics_port}`, (r.in_flight ?? 0).toFixed(1), ejections[r.serial] ?? "0"];
+        const cells = [`r${r.serial}`, r.host, gpus, r.threads === null ? "–" : String(r.threads), String(r.generation),
+          null, `${r.http_port}/${r.grpc_port}/${r.metrics_port}`, (r.in_flight ?? 0).toFixed(1), ejections[r.serial] ?? "0"];
         cells.forEach((value, i) => {
           const cell = document.createElement("td");
-          if (i === 4) {
+          if (i === 5) {
             const status = document.createElement("span");
             setStatus(status, r.shown_status);
             // Out of balancing, answering what it holds until that ends or its drain timeout comes.
             if (r.shown_status === "draining") status.textContent = `draining (${Math.round(r.in_flight ?? 0)} in flight)`;
             cell.append(status);
           } else cell.textContent = value;
-          if (i === 7) cell.dataset.ejections = "";
+          if (i === 8) cell.dataset.ejections = "";
           row.append(cell);
         });
         return row;

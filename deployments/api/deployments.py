@@ -105,6 +105,7 @@ class ReplicaOut(serializers.ModelSerializer):
             "models_ready",
             "queue_ms",
             "in_flight",
+            "threads",
         ]
 
     def get_gpus(self, replica: Replica) -> dict[str, int]:

@@ -175,6 +175,11 @@ class Replica(models.Model):
         help_text="Requests in its Triton, queued and executing: the mean over the last scrape interval "
         "(Little's law on Triton's request duration), or those queued at the scrape if more.",
     )
+    threads = models.PositiveSmallIntegerField(
+        null=True, blank=True,
+        help_text="The CPU threads each of its model processes may use, set by its host as its server starts: its "
+        "share of the host's cores (workers.deploy.plan.replica_threads).",
+    )  # fmt: skip
     drain_until = models.DateTimeField(
         null=True, blank=True,
         help_text="Stopping: its server answers the requests it holds until they end or this time comes; "

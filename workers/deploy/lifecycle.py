@@ -33,6 +33,7 @@ from triton_server.server import LaunchSpec
 from workers import channel, model_user, nvml
 from workers.deploy.drain import drain
 from workers.deploy.plan import (
+    THREAD_VARIABLES,
     current_status,
     deployment_root,
     launch_spec,
@@ -160,7 +161,9 @@ def _start_server(replica_id: int) -> tuple[Replica, Runtime, str, LaunchSpec] |
             source=source(),
             only_from=frozenset({S.LAUNCHING}),
             runtime_handle=handle,
-            message=f"tritonserver ({replica.deployment.runtime} {handle[:12]}) loading {', '.join(spec.models)}",
+            threads=int(spec.extra_env[THREAD_VARIABLES[0]]),
+            message=f"tritonserver ({replica.deployment.runtime} {handle[:12]}) loading {', '.join(spec.models)}, "
+            f"{spec.extra_env[THREAD_VARIABLES[0]]} thread(s) per model process",
         )
     except InvalidTransition:
         # Stopped while we were starting: undo our own start.

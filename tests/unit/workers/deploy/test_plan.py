@@ -58,9 +58,9 @@ def test_checkpoint_is_served_through_the_llm_api_where_the_image_has_it(llama, 
     config = read_config(folder)
     assert config.backend == "python" and config.model_transaction_policy.decoupled
     env = plan.launch_spec(factories.replica_for(deployment)).extra_env
-    assert env == {
-        "LLM_CONFIG_PATH": str(plan.paths_for(factories.replica_for(deployment)).repository / "llama" / "model.yaml")
-    }
+    assert env["LLM_CONFIG_PATH"] == str(
+        plan.paths_for(factories.replica_for(deployment)).repository / "llama" / "model.yaml"
+    )
 
 
 def test_the_llm_api_takes_the_lowest_gpus_of_its_container(llama, h100, minilm_path, operator, settings):
@@ -130,3 +130,28 @@ def test_a_replica_maps_the_deployments_gpus_onto_the_ones_its_host_gave_it(
     # The deployment's GPUs 0 and 1 are this host's 3 and 1; a container sees them as its 1 and 0.
     assert spec.instances.gpus == (seen if runtime == "process" else (1, 0))
     assert plan.launch_spec(replica).gpu_ids == (1, 3)
+
+
+def test_a_replicas_threads_are_its_share_of_the_host_s_cores(host, gpu_host, minilm, operator, monkeypatch):
+    monkeypatch.setattr(plan.os, "sched_getaffinity", lambda pid: set(range(8)))  # the host's cores
+
+    def started(name: str, where, count: int, **placement) -> list:  # noqa: ANN001, ANN003
+        deployment = deployments.deployment_create(
+            name=name, hosts=[where.name], replicas=count, placements=[PlacementSpec(model="minilm", **placement)],
+            user=operator,
+        )  # fmt: skip
+        deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+        return [plan.load(r.pk) for r in deployment.replica_set.order_by("serial")]
+
+    # Two CPU replicas on 8 cores: 4 threads each; one of two instances: 2 each, in every pool's variable.
+    first, _ = started("cpu", host, 2)
+    assert plan.replica_threads(first) == 4
+    assert {plan.launch_spec(first).extra_env[name] for name in plan.THREAD_VARIABLES} == {"4"}
+    [doubled] = started("doubled", host, 1, instance_count=2)
+    assert plan.replica_threads(doubled) == 8 // 3 // 2
+    # Beside a GPU, a small pool whatever the cores.
+    [gpu] = started("gpu", gpu_host, 1, instance_kind="KIND_GPU", gpu_memory_fraction=0.3)
+    assert plan.replica_threads(gpu) == plan.GPU_SIDE_THREADS
+    # The host's operator may fix it in the worker's environment.
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert plan.replica_threads(first) == 3
