@@ -18,7 +18,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-host-path bench-gpu bench-tuning
+.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-host-path bench-gpu bench-tuning bench-drain
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,11 @@ bench-gpu:
 BENCH_TUNING_ARGS ?=
 bench-tuning:
 	SECRET_KEY=gantry-gpu-bench-key $(GPU_PYTHON) bench/tuning.py $(BENCH_TUNING_ARGS)
+
+# A scale-down under 32 live streams, drained against stopped at once, on a GPU host
+# (bench/drain.py; GANTRY_GPU_SUITE_REHEARSAL=1 on a CPU host with the tiny LLM).
+bench-drain:
+	SECRET_KEY=gantry-gpu-bench-key $(GPU_PYTHON) bench/drain.py $(BENCH_DRAIN_ARGS)
 
 # Benchmarks print each figure beside its floor, measured in the same run (see docs/performance.md).
 BENCH_ARGS ?=
