@@ -19,12 +19,14 @@ from deployments.gpu_plan import Holder, host_plan, replica_gpus, share_of
 from deployments.models import (
     Deployment,
     DeploymentModel,
+    DeploymentRevision,
     DeploymentStatus,
     DesiredState,
     EngineBuild,
     RegisteredModel,
     Replica,
 )
+from deployments.services.placements import placement_from_snapshot, placement_rows
 from hosts.models import Gpu, GpuHost
 
 
@@ -225,12 +227,33 @@ def plan_holders_by_host(
         .order_by("deployment__name", "serial")
     )
     found: dict[int, list[Holder]] = {}
+    generations: dict[tuple[int, int], list[DeploymentModel] | None] = {}
     for r in rows:
+        placements = list(r.deployment.placements.all())
+        if r.generation != r.deployment.generation:  # mid-roll, or rolled back: it runs its own generation
+            placements = _generation_placements(r.deployment, r.generation, generations) or placements
         found.setdefault(r.host_id, []).append(
-            Holder(key=r.deployment_id, name=r.deployment.name, placements=list(r.deployment.placements.all()),
+            Holder(key=r.deployment_id, name=r.deployment.name, placements=placements,
                    status=r.status, replica=r.serial, gpu_map=r.gpus)
         )  # fmt: skip
     return found
+
+
+def _generation_placements(
+    deployment: Deployment, generation: int, known: dict[tuple[int, int], list[DeploymentModel] | None]
+) -> list[DeploymentModel] | None:
+    """The placements of ``generation`` as its revision recorded them (unsaved
+    rows), read once per plan; None when it has no revision or names a model
+    since deleted (then the current placements are counted)."""
+    key = (deployment.pk, generation)
+    if key not in known:
+        revision = DeploymentRevision.objects.filter(deployment=deployment, generation=generation).first()
+        try:
+            resolved = [placement_from_snapshot(item) for item in revision.spec] if revision else None
+        except RegisteredModel.DoesNotExist:
+            resolved = None
+        known[key] = placement_rows(resolved, deployment=deployment) if resolved else None
+    return known[key]
 
 
 def plan_holders(host: GpuHost, *, besides: int | None = None, besides_replica: int | None = None) -> list[Holder]:

@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from common.errors import InvalidTransition
 from core.models import Event
-from deployments import states
+from deployments import selectors, states
 from deployments.models import Deployment, Replica
 from deployments.models import DeploymentStatus as S
 from deployments.services import deployments, replicas
@@ -347,3 +347,18 @@ def test_an_auto_placement_runs_on_the_gpu_hosts_while_there_are_any(fleet, oper
     )  # fmt: skip
     deployments.deployment_start(deployment_id=cpu.pk, user=operator)
     assert host.name in {where for where, _ in _where(cpu)}
+
+
+def test_the_gpu_plan_counts_each_replica_by_its_own_generation(fleet, operator):
+    deployment = _create(operator, "rolling", 0.2, 2, hosts=["gpu-1"], policy="pack")
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    first, second = _ready(deployment)
+    _change_batch(deployment, operator, fraction=0.5)  # generation 2; the roll takes the first replica
+    replicas.replica_ready(replica_id=first.pk, source="t", message="ok", from_status=S.UPDATING, generation=2)
+    shares = {
+        h.replica: sum(p.gpu_memory_fraction for p in h.placements)
+        for h in selectors.plan_holders(GpuHost.objects.get(name="gpu-1"))
+    }
+    # The first serves generation 2 (0.5); the second still runs generation 1 (0.2), not 0.5.
+    assert Replica.objects.get(pk=second.pk).generation == 1
+    assert shares == {first.serial: 0.5, second.serial: 0.2}
