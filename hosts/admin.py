@@ -1,12 +1,12 @@
-"""Hosts in the admin, read-only: their GPUs, credentials, certificates, join
-tokens, and the outbox of tasks for them."""
+"""Hosts in the admin, read-only: their GPUs, cordons, credentials,
+certificates, join tokens, and the outbox of tasks for them."""
 
 from __future__ import annotations
 
 from django.contrib import admin
 
 from core.admin import ReadOnlyAdmin
-from hosts.models import ChannelCertificate, Gpu, GpuHost, HostCredential, HostJoinToken, OutboxMessage
+from hosts.models import ChannelCertificate, Cordon, Gpu, GpuHost, HostCredential, HostJoinToken, OutboxMessage
 
 
 class GpuInline(admin.TabularInline):
@@ -24,6 +24,13 @@ class GpuHostAdmin(ReadOnlyAdmin):
     list_display = ["name", "address", "channel_port", "channel_revoked", "last_heartbeat", "driver_version"]
     search_fields = ["name", "address"]
     inlines = [GpuInline]
+
+
+@admin.register(Cordon)
+class CordonAdmin(ReadOnlyAdmin):
+    """Hosts on which no replica is placed (cordon, uncordon and drain through the API)."""
+
+    list_display = ["host", "created_by", "created_at", "reason"]
 
 
 @admin.register(HostCredential)

@@ -1,10 +1,11 @@
-"""GET /api/hosts/ and /api/hosts/<name>/: GPU hosts and their GPUs; joining hosts and revoking them."""
+"""GET /api/hosts/ and /api/hosts/<name>/: GPU hosts and their GPUs; joining hosts
+and revoking them; cordoning and draining them."""
 
 from __future__ import annotations
 
 from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
-from rest_framework import serializers
+from rest_framework import serializers, status
 from rest_framework.generics import get_object_or_404
 from rest_framework.permissions import AllowAny, BasePermission
 from rest_framework.request import Request
@@ -14,9 +15,10 @@ from rest_framework.views import APIView
 from core.api.base import StrictSerializer, require_empty_body, validated
 from core.api.lists import ListEndpoint
 from core.permissions import ReadOrOperate, can_admin
+from deployments.services import replicas
 from hosts import selectors
 from hosts.models import Gpu, GpuHost
-from hosts.services import host_join
+from hosts.services import host_join, hosts
 
 
 class GpuOut(serializers.ModelSerializer):
@@ -37,6 +39,7 @@ class GpuOut(serializers.ModelSerializer):
 class HostOut(serializers.ModelSerializer):
     gpus = GpuOut(many=True, read_only=True)
     is_online = serializers.BooleanField(read_only=True)
+    cordoned = serializers.BooleanField(read_only=True, help_text="no replica is placed on it (an admin cordoned it)")
     queue = serializers.CharField(read_only=True, help_text="The control queue: launch, stop, apply, inspect.")
     jobs_queue = serializers.CharField(read_only=True, help_text="The jobs queue: engine builds and load tests.")
 
@@ -46,6 +49,7 @@ class HostOut(serializers.ModelSerializer):
             "name",
             "address",
             "is_online",
+            "cordoned",
             "last_heartbeat",
             "driver_version",
             "cuda_version",
@@ -192,3 +196,53 @@ class HostRevoke(APIView):
     def post(self, request: Request, name: str) -> Response:
         require_empty_body(request)
         return Response({"revoked": host_join.host_credentials_revoke(user=request.user, host_name=name)})
+
+
+class CordonIn(StrictSerializer):
+    reason = serializers.CharField(max_length=255, required=False, default="", allow_blank=True)
+
+
+class HostCordon(APIView):
+    """POST /api/hosts/<name>/cordon/ {"reason"?}: no replica is placed on the host
+    any more; those it runs stay (admins). /uncordon/ (no body) lifts it."""
+
+    permission_classes = [Admins]
+    cordoned = True
+
+    @extend_schema(request=CordonIn, responses=HostOut)
+    def post(self, request: Request, name: str) -> Response:
+        reason = ""
+        if self.cordoned:
+            reason = validated(CordonIn, request)["reason"]
+        else:
+            require_empty_body(request)
+        hosts.host_cordon(host_name=name, user=request.user, cordoned=self.cordoned, reason=reason)
+        return Response(HostOut(selectors.host_list().get(name=name)).data)
+
+
+class HostUncordon(HostCordon):
+    cordoned = False
+
+    @extend_schema(request=None, responses=HostOut)
+    def post(self, request: Request, name: str) -> Response:
+        return super().post(request, name)
+
+
+class DrainedOut(serializers.Serializer):
+    host = HostOut()
+    replicas = serializers.ListField(child=serializers.CharField(), help_text="what happened to each replica")
+
+
+class HostDrain(APIView):
+    """POST /api/hosts/<name>/drain/ (no body): cordon the host and move its
+    replicas to other hosts, each one's replacement ready before it is retired
+    (and drained of its requests); one with no room elsewhere stays (admins)."""
+
+    permission_classes = [Admins]
+
+    @extend_schema(request=None, responses={202: DrainedOut})
+    def post(self, request: Request, name: str) -> Response:
+        require_empty_body(request)
+        said = replicas.host_drain(host_name=name, user=request.user)
+        host = HostOut(selectors.host_list().get(name=name)).data
+        return Response({"host": host, "replicas": said}, status=status.HTTP_202_ACCEPTED)

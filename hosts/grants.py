@@ -70,6 +70,8 @@ EVENT_ABOUT_OWN_WORK = (
 HOST_TABLES: dict[str, tuple[str, dict[str, str]]] = {
     "deployments_gpuhost": ("SELECT, UPDATE", {"UPDATE": f"id = {HOST}"}),
     "deployments_gpu": ("SELECT, INSERT, UPDATE, DELETE", {"ALL": f"host_id = {HOST}"}),
+    # Read by placement, which a host's worker runs for a surge; only an admin cordons.
+    "hosts_cordon": ("SELECT", {}),
     "deployments_channelauthority": ("SELECT", {}),
     "deployments_channelcertificate": ("SELECT", {}),
     "deployments_registeredmodel": ("SELECT, UPDATE", {"UPDATE": f"host_id = {HOST}"}),

@@ -74,8 +74,27 @@ class GpuHost(models.Model):
         return host_queue(self.name)
 
     @property
+    def is_cordoned(self) -> bool:
+        return Cordon.objects.filter(host_id=self.pk).exists()
+
+    @property
     def jobs_queue(self) -> str:
         return jobs_queue(self.name)
+
+
+class Cordon(models.Model):
+    """A host marked unschedulable, as kubectl cordon does: no replica is placed
+    on it; those it runs stay until they are drained (moved) or retired. A row
+    of its own, not a column of GpuHost, whose row the host's own role may
+    update: a host cannot lift its own cordon (hosts.grants gives it SELECT only)."""
+
+    host = models.OneToOneField(GpuHost, on_delete=models.CASCADE, related_name="cordon")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    reason = models.CharField(max_length=255, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.host_id} cordoned"
 
 
 class ChannelAuthority(models.Model):

@@ -8,4 +8,7 @@ urlpatterns = [
     path("hosts/join/", api.HostJoin.as_view(), name="api-host-join"),
     path("hosts/<str:name>/", api.HostDetail.as_view(), name="api-host"),
     path("hosts/<str:name>/revoke/", api.HostRevoke.as_view(), name="api-host-revoke"),
+    path("hosts/<str:name>/cordon/", api.HostCordon.as_view(), name="api-host-cordon"),
+    path("hosts/<str:name>/uncordon/", api.HostUncordon.as_view(), name="api-host-uncordon"),
+    path("hosts/<str:name>/drain/", api.HostDrain.as_view(), name="api-host-drain"),
 ]

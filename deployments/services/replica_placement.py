@@ -47,16 +47,23 @@ def allocate_ports(host: GpuHost) -> tuple[int, int, int]:
 
 def candidate_hosts(pinned: list[GpuHost], *, lock: bool, replacing: bool = False) -> list[GpuHost]:
     """The hosts a deployment's replicas may go to: its pinned hosts that are
-    online, else every online host; their rows locked with ``lock`` (in id
-    order), so two placements are checked one after the other. A person's
+    online, else every online host, never a cordoned one; their rows locked
+    with ``lock`` (in id order), so two placements are checked one after the other. A person's
     start on pinned hosts that are all offline still places there (the launch
     waits for the host); a replacement for a lost replica never does."""
     rows = GpuHost.objects.filter(pk__in=[h.pk for h in pinned]) if pinned else GpuHost.objects.all()
     if lock:
         list(rows.select_for_update().order_by("pk").values_list("pk", flat=True))
-    found = list(rows.prefetch_related("gpus").order_by("name"))
+    found = list(rows.filter(cordon__isnull=True).prefetch_related("gpus").order_by("name"))
     online = [host for host in found if host.is_online]
     return online or (found if pinned and not replacing else [])
+
+
+def cordoned_words(pinned: list[GpuHost]) -> str:
+    """The cordoned hosts a placement left out, for its refusal ("" when none)."""
+    rows = GpuHost.objects.filter(pk__in=[h.pk for h in pinned]) if pinned else GpuHost.objects.all()
+    names = list(rows.filter(cordon__isnull=False).order_by("name").values_list("name", flat=True))
+    return f" ({', '.join(names)} cordoned: no replica is placed there)" if names else ""
 
 
 def gpu_hosts_for_auto(hosts: list[GpuHost], placements: list[DeploymentModel]) -> tuple[list[GpuHost], list[str]]:
@@ -106,6 +113,8 @@ def plan_replicas(
         choice = choose_host(
             candidates, replica, pack=policy == PlacementPolicy.PACK, identity=bool(pinned) and not siblings
         )
+        if isinstance(choice, str):
+            choice += cordoned_words(pinned)
         if isinstance(choice, str) and left_out:
             choice += (
                 f" ({', '.join(left_out)} without GPUs left out: instance_kind auto runs on a GPU where the "

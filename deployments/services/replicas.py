@@ -16,8 +16,8 @@ that fails to load stops the roll and rolls every replica back.
 Every function here that writes locks the deployment's row first, then the
 candidate hosts' rows, as deployments.services.deployments does.
 
-Over 450 lines on purpose: converge, retire, relaunch, roll, surge and a lost
-host's replacement call one another (a ready replica takes the roll on, a
+Over 450 lines on purpose: converge, retire, relaunch, roll, surge, a host's
+drain and a lost host's replacement call one another (a ready replica takes the roll on, a
 failed one rolls it back); split, the pieces would import each other round a
 circle, which tests/unit/test_layers.py refuses.
 """
@@ -40,6 +40,8 @@ from deployments.models import Deployment, DeploymentStatus, DesiredState, Repli
 from deployments.services import replica_placement as placing
 from deployments.services.generations import deployment_rollback
 from hosts import outbox
+from hosts.models import Cordon
+from hosts.services import hosts
 
 S = DeploymentStatus
 
@@ -82,6 +84,7 @@ def deployment_converge(*, deployment_id: int, source: str, actor: Any = None) -
             if (
                 len(alive) >= deployment.replicas
                 or not replica.host.is_online
+                or replica.host.is_cordoned
                 or placing.fits_where_it_is(replica, placements)
             ):
                 _retire(replica, source=source, why="not needed where it was")
@@ -100,11 +103,15 @@ def deployment_converge(*, deployment_id: int, source: str, actor: Any = None) -
 
 
 def _surplus(replicas: list[Replica], count: int, generation: int) -> list[Replica]:
-    """Which ``count`` of ``replicas`` to retire: those not ready first, then
-    those not at the deployment's ``generation`` (the oldest first), then the
-    newest replica."""
-    ranked = sorted(replicas, key=lambda r: (r.status == S.READY, r.generation == generation, r.generation, -r.serial))
-    return ranked[:count]
+    """Which ``count`` of ``replicas`` to retire: those on cordoned hosts first
+    (a host drain's replacements are ready), then those not ready, then those
+    not at the deployment's ``generation`` (the oldest first), then the newest."""
+    cordoned = set(Cordon.objects.filter(host_id__in={r.host_id for r in replicas}).values_list("host_id", flat=True))
+
+    def rank(r: Replica) -> tuple:
+        return (r.host_id not in cordoned, r.status == S.READY, r.generation == generation, r.generation, -r.serial)
+
+    return sorted(replicas, key=rank)[:count]
 
 
 def _retire(replica: Replica, *, source: str, why: str) -> None:
@@ -412,7 +419,10 @@ def roll_next(*, deployment_id: int, source: str) -> Replica | None:
         alive = [r for r in rows if r.desired_state == DesiredState.RUNNING and r.status in states.ANSWERING]
         if len(alive) > deployment.replicas:
             for replica in _surplus(alive, len(alive) - deployment.replicas, deployment.generation):
-                _retire(replica, source=source, why=f"rolled: generation {deployment.generation} serves in its place")
+                why = f"rolled: generation {deployment.generation} serves in its place"
+                if replica.host.is_cordoned:
+                    why = f"its host {replica.host.name} is cordoned: its replacement is ready"
+                _retire(replica, source=source, why=why)
             return None
         behind = sorted(
             (r for r in alive if r.status == S.READY and r.generation != deployment.generation), key=lambda r: r.serial
@@ -493,6 +503,64 @@ def replica_ready(*, replica_id: int, source: str, message: str, from_status: st
     )  # fmt: skip
     roll_next(deployment_id=replica.deployment_id, source=source)
     return replica
+
+
+def host_drain(*, host_name: str, user: Any = None) -> list[str]:
+    """Cordon a host and move its replicas off it, as kubectl drain does: each
+    serving replica gets a replacement placed on another host, and is retired
+    (drained) only once that one is ready (roll_next retires the replicas on
+    cordoned hosts first); one not serving is retired and placed anew at once.
+    A replica with no room elsewhere keeps serving there, said on the timeline.
+    What happened to each replica, in words."""
+    host = hosts.host_cordon(host_name=host_name, user=user, reason="drained")
+    source = events.source_of(user)
+    said: list[str] = []
+    deployment_ids = (
+        Replica.objects.filter(
+            host=host, desired_state=DesiredState.RUNNING, deployment__desired_state=DesiredState.RUNNING
+        )
+        .exclude(status=S.LOST)
+        .values_list("deployment_id", flat=True)
+        .distinct()
+    )
+    for deployment_id in sorted(set(deployment_ids)):
+        with transaction.atomic():
+            deployment = Deployment.objects.select_for_update().get(pk=deployment_id)
+            leaving = (
+                deployment.replica_set.select_related("host", "deployment")
+                .filter(host=host, desired_state=DesiredState.RUNNING)
+                .exclude(status=S.LOST)
+            )
+            resting = False
+            for replica in leaving:
+                where = f"{deployment.name} {replica.label}"
+                if replica.status not in states.ANSWERING:
+                    _retire(replica, source=source, why=f"its host {host.name} is drained")
+                    said.append(f"{where}: retired ({replica.status}), placed anew elsewhere")
+                    resting = True
+                    continue
+                choice = placing.replicas_plan_for(deployment, 1, replacing=True)[0]
+                if not isinstance(choice, Choice):
+                    record_replica_event(
+                        replica_id=replica.pk, kind="replica.unplaced", source=source,
+                        message=f"stays on {host.name}, which is cordoned: no room elsewhere ({choice})",
+                    )  # fmt: skip
+                    said.append(f"{where}: stays, no room elsewhere ({choice})")
+                    continue
+                moved = placing.replica_create(deployment, choice)
+                _launch(
+                    moved, source=source, actor=user,
+                    message=f"replaces {replica.label} on {host.name}, which is drained: placed on "
+                    f"{moved.host.name} GPU(s) {placing.gpus_words(moved)}; {replica.label} goes once it is ready",
+                )  # fmt: skip
+                said.append(f"{where}: moving to {moved.host.name} as {moved.label}")
+        if resting:
+            deployment_converge(deployment_id=deployment_id, source=source, actor=user)
+    events.record(
+        kind="host.drain", source=source, actor=user, host=host,
+        message="drained: " + ("; ".join(said) if said else "no replica to move"),
+    )  # fmt: skip
+    return said
 
 
 def replace_lost(*, source: str) -> list[Replica]:

@@ -1,5 +1,5 @@
 """GPU hosts: the heartbeat that registers them and reports their GPUs, the
-sweep that notices one went quiet, and notes on a host's timeline."""
+sweep that notices one went quiet, a cordon, and notes on a host's timeline."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from common.errors import NotFound, PermissionDenied
 from core import events
-from hosts.models import Gpu, GpuHost
+from core.permissions import can_admin
+from hosts.models import Cordon, Gpu, GpuHost
 
 
 @dataclass(frozen=True)
@@ -160,3 +162,30 @@ def record_host_event(*, host_name: str, kind: str, source: str, message: str) -
     with transaction.atomic():
         host = GpuHost.objects.get(name=host_name)
         events.record(kind=kind, source=source, host=host, message=message)
+
+
+CORDON_REQUIRED = "cordoning and draining GPU hosts needs the admin role"
+
+
+def host_cordon(*, host_name: str, user: Any, cordoned: bool = True, reason: str = "") -> GpuHost:
+    """Mark a host unschedulable (``cordoned``) or schedulable again (admins):
+    no replica is placed on a cordoned host; those it runs stay, until drained.
+    Saying what it already is changes nothing."""
+    if user is not None and not can_admin(user):
+        raise PermissionDenied(CORDON_REQUIRED)
+    with transaction.atomic():
+        host = GpuHost.objects.select_for_update().filter(name=host_name).first()
+        if host is None:
+            raise NotFound(f"no GPU host named {host_name!r}")
+        if cordoned == host.is_cordoned:
+            return host
+        if cordoned:
+            Cordon.objects.create(host=host, created_by=events.signed_in(user), reason=reason)
+            message = "cordoned: no replica is placed here; those it runs stay until drained" + (
+                f" ({reason})" if reason else ""
+            )
+        else:
+            Cordon.objects.filter(host=host).delete()
+            message = "uncordoned: replicas may be placed here again"
+        events.record(kind="host.cordon", source=events.source_of(user), actor=user, host=host, message=message)
+    return host

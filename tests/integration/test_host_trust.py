@@ -25,7 +25,7 @@ from deployments.models import Deployment, Replica
 from gateway import services as gateway_services
 from hosts import grants
 from hosts.models import GpuHost
-from hosts.services import host_join
+from hosts.services import host_join, hosts
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -67,6 +67,7 @@ def test_a_joined_hosts_credentials_reach_only_its_own_work(admin: User, operato
     own, other = _serving("own", host_a, 21000), _serving("other", host_b, 21010)
     key = gateway_services.key_create(name="production", user=operator, all_aliases=True)
     other_replica = Replica.objects.get(deployment=other)
+    hosts.host_cordon(host_name="host-a", user=admin, reason="maintenance")
 
     with psycopg.connect(a.database_url, autocommit=True) as db:
         # What its work needs still works: its host row, its replica, an event about its deployment.
@@ -92,6 +93,10 @@ def test_a_joined_hosts_credentials_reach_only_its_own_work(admin: User, operato
                      "used_by_host) VALUES (repeat('1', 64), '', now(), now() + interval '1 day', '')")  # fmt: skip
         _refused(db, "UPDATE deployments_replica SET status = 'failed' WHERE id = %s", other_replica.pk)
         _refused(db, "UPDATE deployments_gpuhost SET address = '10.6.6.6' WHERE name = 'host-b'")
+        # Its cordon (an admin's): read by placement, never lifted nor made by the host itself.
+        assert db.execute("SELECT count(*) FROM hosts_cordon WHERE host_id = %s", [host_a.pk]).fetchone() == (1,)
+        _refused(db, "DELETE FROM hosts_cordon")
+        _refused(db, "INSERT INTO hosts_cordon (host_id, created_at, reason) VALUES (%s, now(), 'mine')", host_b.pk)
         _refused(db, "UPDATE deployments_deployment SET desired_state = 'stopped' WHERE id = %s", other.pk)
         # The timeline is append-only, and only about its own work.
         _refused(db, "DELETE FROM deployments_event")

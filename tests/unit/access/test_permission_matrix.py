@@ -35,8 +35,15 @@ VIEWER_WRITES = {
     ("POST", "/api/deployments/{id}/rerank/"),
     ("POST", "/api/deployments/{id}/generate/"),
 }
-# Joining and revoking GPU hosts hands out database access: admins only.
-ADMIN_ONLY = {("POST", "/api/hosts/join-tokens/"), ("POST", "/api/hosts/{name}/revoke/")}
+# Joining and revoking GPU hosts hands out database access, and cordoning or draining
+# one moves every deployment on it: admins only.
+ADMIN_ONLY = {
+    ("POST", "/api/hosts/join-tokens/"),
+    ("POST", "/api/hosts/{name}/revoke/"),
+    ("POST", "/api/hosts/{name}/cordon/"),
+    ("POST", "/api/hosts/{name}/uncordon/"),
+    ("POST", "/api/hosts/{name}/drain/"),
+}
 # A host joining has no account: its one-time join token, in the body, is the credential.
 BODY_TOKEN = {("POST", "/api/hosts/join/")}
 # Beside the schema: the generate action streams, so it is a plain async view.

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.contrib.auth.models import User
 from django.utils import timezone
 
 from common.errors import InvalidTransition
@@ -362,3 +363,41 @@ def test_the_gpu_plan_counts_each_replica_by_its_own_generation(fleet, operator)
     # The first serves generation 2 (0.5); the second still runs generation 1 (0.2), not 0.5.
     assert Replica.objects.get(pk=second.pk).generation == 1
     assert shares == {first.serial: 0.5, second.serial: 0.2}
+
+
+def test_a_drained_host_s_replicas_move_and_each_goes_only_once_its_replacement_is_ready(api, fleet, operator):
+    admin = User.objects.create_superuser(username="admin-drain", password="admin-pass")
+    deployment = _create(operator, "moving", 0.3, 2, policy="spread")
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    first, second = _ready(deployment)
+    drained = first.host.name
+
+    # An operator may not cordon or drain; an admin may, naming the host.
+    for action in ("cordon", "drain"):
+        assert api.post(f"/api/hosts/{drained}/{action}/", format="json").status_code == 403
+    api.force_authenticate(admin)
+    assert api.post("/api/hosts/nowhere/drain/", format="json").status_code == 404
+    answer = api.post(f"/api/hosts/{drained}/drain/", format="json")
+    assert answer.status_code == 202, answer.data
+    assert answer.data["host"]["cordoned"] is True
+    [said] = answer.data["replicas"]
+    assert said.startswith(f"moving {first.label}: moving to ")
+
+    # The replacement starts elsewhere; the old one keeps serving until it is ready.
+    replacement = Replica.objects.filter(deployment=deployment).order_by("-serial").first()
+    assert replacement.host.name != drained and replacement.status == S.LAUNCHING
+    assert Replica.objects.get(pk=first.pk).status == S.READY
+    states.replica_transition(replica_id=replacement.pk, to=S.LOADING, source="t", runtime_handle="2")
+    replicas.replica_ready(replica_id=replacement.pk, source="t", message="ok", from_status=S.LOADING, generation=1)
+    old = Replica.objects.get(pk=first.pk)
+    assert (old.status, old.desired_state, old.shown_status) == (S.STOPPING, "stopped", "draining")
+    assert f"its host {drained} is cordoned: its replacement is ready" in old.status_message
+    assert Replica.objects.get(pk=second.pk).status == S.READY
+
+    # Nothing is placed on it any more, and a scale-up that finds no other room says why.
+    deployments.deployment_scale(deployment_id=deployment.pk, replicas=3, user=operator)
+    assert drained not in {r.host.name for r in Replica.objects.filter(deployment=deployment, desired_state="running")}
+    assert any(e.kind == "host.cordon" for e in Event.objects.filter(host__name=drained))
+    # Uncordoned, it takes replicas again.
+    assert api.post(f"/api/hosts/{drained}/uncordon/", format="json").data["cordoned"] is False
+    assert not GpuHost.objects.get(name=drained).is_cordoned
