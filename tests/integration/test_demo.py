@@ -136,11 +136,12 @@ def test_the_demo_restarts_a_killed_worker_which_adopts_the_running_stack(tmp_pa
         demo = _spawn([sys.executable, "manage.py", "gantry_demo", "--port", str(web_port)], env, tmp_path / "demo.log")
         restarted_stack = lambda: [row for row in _rows(database, ready) if row[1] != server]  # noqa: E731 - a new server
         wait_for(restarted_stack, 420, "the demo stack to be ready again, on a new server")
-        # Through the normal path: asked (stopping), then stopped by the worker.
+        # Through the normal path: asked (stopping, at once: a server gone has nothing to drain),
+        # then stopped by the worker.
         moves = "SELECT to_status, message FROM deployments_event WHERE kind = 'replica.status' ORDER BY id"
         rows = _rows(database, moves)
         last_stop = max(i for i, (to, _) in enumerate(rows) if to == "stopping")
-        assert rows[last_stop][1].endswith("stop requested"), rows
+        assert rows[last_stop][1].endswith("stop requested (now: requests in flight are cut)"), rows
         assert rows[last_stop + 1][0] == "stopped", rows
         assert _crashes(database) == []
         demo.send_signal(signal.SIGINT)
