@@ -18,7 +18,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-host-path bench-gpu bench-tuning bench-drain bench-outage
+.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-host-path bench-gpu bench-tuning bench-drain bench-outage bench-threads
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,10 @@ bench-outage: venv
 	scripts/ensure-services.sh
 	$(PY) bench/outage.py $(BENCH_OUTAGE_ARGS)
 
+# Replicas sharing one CPU host: Gantry's threads against every process on all cores (bench/threads.py).
+bench-threads: venv
+	SECRET_KEY=gantry-bench-threads $(PY) bench/threads.py $(BENCH_THREADS_ARGS)
+
 # A scale-down under 32 live streams, drained against stopped at once, on a GPU host
 # (bench/drain.py; GANTRY_GPU_SUITE_REHEARSAL=1 on a CPU host with the tiny LLM).
 bench-drain:
@@ -97,6 +101,7 @@ bench: venv
 	$(MAKE) bench-metrics
 	$(MAKE) bench-host-path
 	$(MAKE) bench-outage
+	$(MAKE) bench-threads
 
 # The REST API at fleet scale: PostgreSQL (BENCH_DATABASE_URL), Redis and wrk.
 bench-api: venv
