@@ -103,6 +103,23 @@ def is_alive(pid: int) -> bool:
     return state is not None and state[0] not in {"Z", "X"}
 
 
+# How long a command line may read empty while its process is alive: the
+# kernel closes the exec error pipe (Popen returns) before it maps the new
+# program's arguments, so a process seen at once can show none for a moment.
+EXEC_SETTLE_S = 1.0
+
+
+def command_line(pid: int) -> list[bytes]:
+    """``pid``'s arguments as /proc shows them; waits out the moment an exec
+    that just returned to its parent shows none. Raises OSError when it is gone."""
+    deadline = time.monotonic() + EXEC_SETTLE_S
+    while True:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if raw or not is_alive(pid) or time.monotonic() >= deadline:
+            return raw.split(b"\0")[:-1] if raw.endswith(b"\0") else raw.split(b"\0")
+        time.sleep(0.01)
+
+
 def is_ours(
     pid: int,
     *,
@@ -119,7 +136,7 @@ def is_ours(
     if not is_alive(pid):
         return False
     try:
-        if argv_contains is not None and argv_contains not in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+        if argv_contains is not None and argv_contains not in command_line(pid):
             return False
         if env_contains is not None and env_contains not in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
             return False

@@ -231,7 +231,7 @@ class ProcessRuntime:
         arguments (a process sees every folder and GPU of the host, and its
         configs name host GPUs, so a move reloads in place)."""
         try:
-            argv = [a.decode() for a in (Path("/proc") / handle / "cmdline").read_bytes().split(b"\0") if a]
+            argv = [a.decode() for a in processes.command_line(int(handle)) if a]
         except (OSError, ValueError):
             return []
         if server_settings(argv[1:]) != server_settings(tritonserver_args(spec)):
