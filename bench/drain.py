@@ -30,8 +30,6 @@ import threading
 import time
 from pathlib import Path
 
-import requests
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -39,33 +37,10 @@ REHEARSAL = os.environ.get("GANTRY_GPU_SUITE_REHEARSAL") == "1"
 
 
 def _stream(url: str, key: str, body: dict, out: dict, begun: threading.Semaphore) -> None:
-    """One streamed chat completion read to its end: whether it was cut, and when it ended."""
-    pieces, finish, done, error = 0, None, False, None
-    try:
-        with requests.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, stream=True, timeout=900) as r:
-            if r.status_code != 200:
-                error = f"{r.status_code}: {r.text[:200]}"
-            for line in r.iter_lines(decode_unicode=True) if r.status_code == 200 else []:
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    error = str(chunk["error"])[:200]
-                    continue
-                for choice in chunk["choices"]:
-                    pieces += 1
-                    if pieces == 1:
-                        begun.release()
-                    finish = choice.get("finish_reason") or finish
-    except requests.RequestException as exc:
-        error = repr(exc)[:200]
-    if pieces == 0:
-        begun.release()  # never began: the round does not wait for it
-    out.update(cut=bool(error) or not done or finish is None, error=error, ended=time.monotonic())
+    from tests.sse import chat_stream
+
+    end = chat_stream(url, key, body, begun=begun)
+    out.update(cut=end.cut, error=end.error, ended=end.ended)
 
 
 def _round(plane, deployment_id: int, key: str, args: argparse.Namespace, drain_s: int) -> dict:  # noqa: ANN001
@@ -80,7 +55,7 @@ def _round(plane, deployment_id: int, key: str, args: argparse.Namespace, drain_
     )
     body = {
         "model": "drained", "messages": [{"role": "user", "content": "Write about GPUs, models and serving."}],
-        "max_tokens": args.tokens, "stream": True, "temperature": 1.0,
+        "max_tokens": args.tokens, "temperature": 1.0,
     }  # fmt: skip
     results: list[dict] = [{} for _ in range(args.streams)]
     begun = threading.Semaphore(0)

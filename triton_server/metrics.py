@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.errors import TransientError
 from triton_server.names import placement_of
+from triton_server.server import LOCAL
 
 _MODEL_COUNTERS = {
     "nv_inference_request_success": "success",
@@ -102,6 +103,11 @@ def in_flight(scrape: Scrape) -> int:
     the larger of the two is taken, not their sum)."""
     queued = sum(counters.pending for counters in scrape.models.values())
     return round(queued + max(scrape.generating, scrape.engine_requests))
+
+
+def local_url(port: int) -> str:
+    """The metrics URL of a server on this host listening on ``port``."""
+    return f"http://{LOCAL}:{port}/metrics"
 
 
 def scrape(url: str, *, timeout_s: float = 5.0) -> Scrape:

@@ -10,17 +10,16 @@ than they run), which is what this test would see if draining went away."""
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from pathlib import Path
 
 import pytest
-import requests
 
 from tests.integration.conftest import Stack, wait_for
 from tests.integration.test_browser import _sign_in
 from tests.integration.test_gateway import _alias, _key
+from tests.sse import chat_stream
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -30,35 +29,11 @@ DRAIN_S = 300
 
 
 def _stream(url: str, key: str, results: list, index: int, begun: threading.Semaphore) -> None:
-    """One streamed chat completion, read to its end: its pieces, its finish_reason, whether [DONE] came."""
     body = {
         "model": "chat", "messages": [{"role": "user", "content": f"Tell me a long story, number {index}."}],
-        "max_tokens": MAX_TOKENS, "stream": True,
+        "max_tokens": MAX_TOKENS,
     }  # fmt: skip
-    pieces, finish, done, error = 0, None, False, None
-    try:
-        with requests.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, stream=True, timeout=600) as r:
-            if r.status_code != 200:
-                error = f"{r.status_code}: {r.text}"
-            for line in r.iter_lines(decode_unicode=True) if r.status_code == 200 else []:
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    error = chunk["error"]
-                    continue
-                for choice in chunk["choices"]:
-                    pieces += 1
-                    if pieces == 1:
-                        begun.release()
-                    finish = choice.get("finish_reason") or finish
-    except requests.RequestException as exc:
-        error = repr(exc)
-    results[index] = {"pieces": pieces, "finish_reason": finish, "done": done, "error": error}
+    results[index] = chat_stream(url, key, body, begun=begun, timeout_s=600)
 
 
 def test_a_scale_down_under_live_streams_cuts_none_and_the_page_shows_the_drain(
@@ -110,7 +85,7 @@ def test_a_scale_down_under_live_streams_cuts_none_and_the_page_shows_the_drain(
         thread.join(timeout=600)
     assert all(r is not None for r in results), results
     # Not one stream was cut: each ended with its finish_reason and [DONE], with no error event.
-    assert all(r["error"] is None and r["done"] and r["finish_reason"] in ("length", "stop") for r in results), results
+    assert all(not r.cut and r.finish_reason in ("length", "stop") for r in results), results
 
     # Then the retired replica was stopped and removed; its timeline says what it held and that it drained.
     wait_for(lambda: len(http.get(url, timeout=10).json()["replica_set"]) == 1, 120, "the retired replica removed")

@@ -21,7 +21,6 @@ from common.errors import TransientError
 from deployments.models import Replica
 from deployments.services import replicas
 from triton_server import metrics
-from triton_server.server import LOCAL
 from workers.jobs import source
 
 log = logging.getLogger(__name__)
@@ -40,7 +39,7 @@ def drain(replica: Replica, until: datetime | None, *, why: str) -> None:
     (none: no wait). Said on its timeline: how it ended, and what it held."""
     if until is None or not replica.runtime_handle:
         return
-    url = f"http://{LOCAL}:{replica.metrics_port}/metrics"
+    url = metrics.local_url(replica.metrics_port)
     started = time.monotonic()
     # It left balancing when it moved (the control plane's clock: it set the deadline too).
     settled_at = started + ROUTES_SETTLE_S - max(0.0, (timezone.now() - replica.status_changed_at).total_seconds())

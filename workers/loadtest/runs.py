@@ -28,6 +28,7 @@ from loadtests import services
 from loadtests import workload as workloads
 from loadtests.models import LoadTest, RunStatus
 from loadtests.runs import RunKind
+from triton_server import metrics
 from triton_server.server import LOCAL
 from upstream import trtllm
 from workers import native_bench, nvml, processes
@@ -277,7 +278,7 @@ def _generate(
     local = deployment.replica_set.filter(host_id=run.host_id).order_by("serial").first()
     if local is None:
         raise JobFailed(f"{deployment.name} has no replica on {settings.GANTRY_HOST_NAME} any more")
-    sampler = ServerSampler(url=f"http://{LOCAL}:{local.metrics_port}/metrics")
+    sampler = ServerSampler(url=metrics.local_url(local.metrics_port))
     sampler.sample(force=True)
     started_at = timezone.now()
     tail: deque[str] = deque(maxlen=40)
