@@ -22,9 +22,12 @@ def metrics_record(
     replica_id: int | None = None,
     models: dict[str, dict[str, float]],
     gpus: dict[str, dict[str, float]],
+    held: int = 0,
 ) -> None:
     """Store one scrape's figures, prune samples past the retention window, and
-    push the figures to the deployment's page."""
+    push the figures to the deployment's page. ``held``: the requests the server
+    held at the scrape (triton_server.metrics.in_flight), which counts a
+    generating model's streams after Triton's own figures have let them go."""
     now = timezone.now()
     MetricSample.objects.bulk_create(
         [
@@ -45,6 +48,7 @@ def metrics_record(
     if replica_id is not None:
         queue_ms = max((values.get("queue_ms", 0.0) for values in models.values()), default=0.0)
         in_flight = max(
+            float(held),
             sum(values.get("pending", 0.0) for values in models.values()),
             sum(values.get("concurrency", 0.0) for values in models.values()),
         )

@@ -16,7 +16,7 @@ from deployments import gpu_plan, live_figures
 from deployments.models import Replica
 from deployments.services import replicas, telemetry
 from triton_server import metrics
-from triton_server.server import LOCAL, LaunchSpec
+from triton_server.server import LaunchSpec
 from workers import exporter, nvml
 from workers.jobs import source
 from workers.runtimes.base import Runtime
@@ -119,7 +119,7 @@ def collect_metrics(
     latency, tokens/s: deployments.live_figures). Keep all of it for the host's
     /metrics (workers.exporter). A failed scrape says why on the timeline and
     the page, once per cause, and again when figures are back."""
-    url = f"http://{LOCAL}:{replica.metrics_port}/metrics"
+    url = metrics.local_url(replica.metrics_port)
     labels = exporter.replica_labels(deployment=replica.deployment.name, replica_id=replica.pk, serial=replica.serial)
     try:
         current = metrics.scrape(url)
@@ -148,6 +148,7 @@ def collect_metrics(
         replica_id=replica.pk,
         models=models,
         gpus=_gpu_figures(current.gpus, inventory),
+        held=metrics.in_flight(current),
     )
 
 
