@@ -17,6 +17,7 @@ from core import events
 from core.models import Event
 from deployments.gpu_plan import Holder, host_plan, replica_gpus, share_of
 from deployments.models import (
+    CheckpointCopy,
     Deployment,
     DeploymentModel,
     DeploymentRevision,
@@ -31,7 +32,9 @@ from hosts.models import Gpu, GpuHost
 
 
 def model_list() -> QuerySet[RegisteredModel]:
-    return RegisteredModel.objects.select_related("created_by", "host")
+    return RegisteredModel.objects.select_related("created_by", "host").prefetch_related(
+        Prefetch("copies", CheckpointCopy.objects.select_related("host").order_by("host__name"))
+    )
 
 
 _BUILD_COLUMNS = [f.name for f in EngineBuild._meta.concrete_fields]

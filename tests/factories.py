@@ -95,10 +95,25 @@ def registered_model(*, name: str, kind: str, path: Path, host: GpuHost) -> Regi
     return model
 
 
+def surveyed() -> None:
+    """Every host's agent looks for the registered checkpoints on its disk
+    (workers.deploy.copies.survey), here where every host shares this machine's
+    files: each host holds every checkpoint it can read."""
+    from django.test import override_settings
+
+    from workers.deploy import copies
+
+    for name in GpuHost.objects.values_list("name", flat=True):
+        with override_settings(GANTRY_HOST_NAME=name):
+            copies.survey()
+
+
 def deployment(
     *, host: GpuHost, models: list[str] | None = None, name: str = "d", user: Any = None, **placement: Any
 ) -> Deployment:
-    """A stopped deployment of ``models`` (each with ``placement`` settings) pinned to ``host``."""
+    """A stopped deployment of ``models`` (each with ``placement`` settings)
+    pinned to ``host``; every host has surveyed its disk first."""
+    surveyed()
     return deployments.deployment_create(
         name=name,
         hosts=[host.name],
@@ -114,6 +129,7 @@ def deployment_in(deployment_row: Deployment, *path: str, handle: str = "1") -> 
     for to in path:
         replica = Replica.objects.filter(deployment_id=deployment_row.pk).order_by("serial").first()
         if to == "launching" and (replica is None or replica.status in ("pending", "stopped")):
+            surveyed()
             replicas.deployment_start(deployment_id=deployment_row.pk, source="test")
             continue
         states.replica_transition(

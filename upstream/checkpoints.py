@@ -69,7 +69,7 @@ def inspect_checkpoint(path: Path, *, roots: list[Path], field_name: str = "path
         raise ValidationFailed({field_name: f"{path} is not a folder on this host"})
     # Every file is resolved before any is opened: one that links out of the roots
     # (config.json to /etc/passwd) is as far out of reach as a folder there.
-    entries = sorted(p for p in path.rglob("*") if not p.name.startswith(".") and (p.is_symlink() or p.is_file()))
+    entries = _entries(path)
     for entry in entries:
         if not under_roots(entry, roots):
             raise ValidationFailed({field_name: f"{entry} resolves to {entry.resolve()}, outside the model roots"})
@@ -214,6 +214,22 @@ def parameter_count(files: list[Path]) -> int | None:
     except (OSError, ValueError, struct.error, AttributeError):
         return None  # not a readable safetensors file: the count stays unknown
     return total
+
+
+def _entries(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if not p.name.startswith(".") and (p.is_symlink() or p.is_file()))
+
+
+def checkpoint_files(path: Path, roots: list[Path]) -> list[Path] | None:
+    """The files of the checkpoint folder ``path`` that its fingerprint covers,
+    in its order; None when the folder is not here or not a checkpoint, or when
+    it or one of its files resolves outside ``roots`` (inspect_checkpoint's rules)."""
+    if not under_roots(path, roots) or not (path / "config.json").is_file():
+        return None
+    entries = _entries(path)
+    if not all(under_roots(entry, roots) for entry in entries):
+        return None
+    return [p for p in entries if p.is_file()]
 
 
 def fingerprint(root: Path, files: list[Path]) -> str:

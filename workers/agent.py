@@ -5,10 +5,11 @@ host's name, address and GPU inventory (NVML), keeps the host's channel
 certificate (workers.channel), sends what waits in the outbox
 for this host (workers.broker), and reconciles the host's deployments with the
 servers that really run here; between beats it checks every second that the
-servers it shows as serving still run. None of it needs the broker: the database is the
-source of truth, so the agent keeps converging through a broker outage, and
-says on the host's timeline when it lost and regained the broker or the
-database.
+servers it shows as serving still run. A second thread records which
+registered checkpoints this host's disk holds (workers.deploy.copies). None
+of it needs the broker: the database is the source of truth, so the agent
+keeps converging through a broker outage, and says on the host's timeline
+when it lost and regained the broker or the database.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from common import metrics
 from core.queues import host_queue
 from hosts.services import hosts
 from workers import broker, channel, exporter, nvml
+from workers.deploy import copies
 from workers.deploy import reconcile as deploy_reconcile
 from workers.engines import executors
 from workers.engines import reconcile as build_reconcile
@@ -137,6 +139,7 @@ def _start_agent(sender, **kwargs) -> None:  # noqa: ANN001
     if _metrics_server is None:
         _metrics_server = exporter.serve(settings.GANTRY_HOST_ADDRESS, settings.GANTRY_WORKER_METRICS_PORT)
     threading.Thread(target=run_forever, name="gantry-host-agent", daemon=True).start()
+    threading.Thread(target=copies.run_forever, args=(_stop,), name="gantry-checkpoint-survey", daemon=True).start()
     log.info("host agent started for %s", settings.GANTRY_HOST_NAME)
 
 

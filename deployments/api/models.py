@@ -22,8 +22,19 @@ from deployments.models import Inspection, ModelKind, RegisteredModel
 from deployments.services import registered_models
 
 
+class CopyOut(serializers.Serializer):
+    host = serializers.CharField(source="host.name")
+    matches = serializers.BooleanField(help_text="its files match the registered fingerprint: replicas may go there")
+    checked_at = serializers.DateTimeField(help_text="when the host last read them")
+
+
 class ModelOut(serializers.ModelSerializer):
     host = serializers.CharField(source="host.name", default=None)
+    copies = CopyOut(
+        many=True, read_only=True,
+        help_text="the hosts whose disk holds the checkpoint at its path, as their agents found it; a replica "
+        "is placed only on a host whose copy matches",
+    )  # fmt: skip
     has_chat_template = serializers.SerializerMethodField(help_text="whether chat messages can be sent to it")
 
     def get_has_chat_template(self, model: RegisteredModel) -> bool:
@@ -40,6 +51,7 @@ class ModelOut(serializers.ModelSerializer):
             "revision",
             "architecture",
             "host",
+            "copies",
             "inspection",
             "inspection_message",
             "model_type",

@@ -82,6 +82,30 @@ class RegisteredModel(models.Model):
         return self.name
 
 
+class CheckpointCopy(models.Model):
+    """A registered checkpoint's folder as one host holds it: found at the
+    model's path by that host's agent (workers.deploy.copies), with the
+    fingerprint of what it found there. Placement sends a replica only to hosts
+    whose copy matches the registered fingerprint
+    (deployments.services.replica_placement.holding_hosts)."""
+
+    model = models.ForeignKey(RegisteredModel, on_delete=models.CASCADE, related_name="copies")
+    host = models.ForeignKey(GpuHost, on_delete=models.CASCADE, related_name="checkpoint_copies")
+    fingerprint = models.CharField(max_length=64, help_text="sha256 over the files this host found at the path.")
+    checked_at = models.DateTimeField(default=timezone.now, help_text="When the host last read the files.")
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["model", "host"], name="one_copy_per_model_and_host")]
+
+    def __str__(self) -> str:
+        return f"{self.model} on {self.host}"
+
+    @property
+    def matches(self) -> bool:
+        """The files are the ones registered (a copy that differs is never served)."""
+        return self.fingerprint == self.model.fingerprint
+
+
 class BuildStatus(models.TextChoices):
     PENDING = "pending"
     RUNNING = "running"

@@ -173,7 +173,8 @@ class Replica(models.Model):
     in_flight = models.FloatField(
         default=0.0,
         help_text="Requests in its Triton, queued and executing: the mean over the last scrape interval "
-        "(Little's law on Triton's request duration), or those queued at the scrape if more.",
+        "(Little's law on Triton's request duration), or those held at the scrape if more (queued in Triton, "
+        "or streams a generating model holds).",
     )
     threads = models.PositiveSmallIntegerField(
         null=True, blank=True,

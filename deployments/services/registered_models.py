@@ -8,13 +8,14 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.utils import timezone
 
 from common.errors import InvalidTransition, NotFound, ValidationFailed
 from common.words import a
 from core import events, queues
 from core.permissions import require_operator
 from deployments import states
-from deployments.models import Inspection, ModelKind, RegisteredModel
+from deployments.models import CheckpointCopy, Inspection, ModelKind, RegisteredModel
 from hosts import outbox
 from hosts.models import GpuHost
 from upstream.checkpoints import CheckpointInfo, inspect_checkpoint, under_roots
@@ -194,6 +195,9 @@ def _record_inspection(model: RegisteredModel, info: CheckpointInfo, *, source: 
         )
         if not recorded:
             return
+        CheckpointCopy.objects.update_or_create(
+            model=model, host=model.host, defaults={"fingerprint": info.fingerprint, "checked_at": timezone.now()}
+        )
         params = f", {info.parameter_count / 1e6:.0f}M parameters" if info.parameter_count else ""
         events.record(
             kind="model.inspected",
@@ -202,6 +206,43 @@ def _record_inspection(model: RegisteredModel, info: CheckpointInfo, *, source: 
             message=f"{model.name}: {info.architecture or info.model_type}{params}, "
             f"{info.size_bytes / 1e6:.0f} MB, fingerprint {info.fingerprint[:12]}",
         )
+
+
+def checkpoint_copy_record(*, model_id: int, host_name: str, fingerprint: str | None, source: str) -> None:
+    """What ``host_name``'s agent found at a registered model's path: the files'
+    fingerprint, or None when no checkpoint is there (its copy is forgotten).
+    Said on the model's timeline when a copy is found, changes or goes."""
+    with transaction.atomic():
+        model = RegisteredModel.objects.filter(pk=model_id, inspection=Inspection.READY).first()
+        host = GpuHost.objects.filter(name=host_name).first()
+        if model is None or host is None:
+            return
+        copy = CheckpointCopy.objects.select_for_update().filter(model=model, host=host).first()
+        before = copy.fingerprint if copy is not None else None
+        if fingerprint == before:
+            if copy is not None:
+                CheckpointCopy.objects.filter(pk=copy.pk).update(checked_at=timezone.now())
+            return
+        where = f"{model.name}'s checkpoint on {host_name} ({model.path})"
+        if fingerprint is None:
+            message, kind = f"{where} is gone: no replica is placed there", "model.copy_gone"
+        elif fingerprint == model.fingerprint:
+            message, kind = (
+                f"{where} is found and matches its fingerprint: replicas may be placed there",
+                "model.copy_found",
+            )
+        else:
+            message, kind = (
+                f"{where} differs from the registered files (fingerprint {fingerprint[:12]}, registered "
+                f"{model.fingerprint[:12]}): no replica is placed there until it matches", "model.copy_differs"
+            )  # fmt: skip
+        if copy is None:
+            CheckpointCopy.objects.create(model=model, host=host, fingerprint=fingerprint)
+        elif fingerprint is not None:
+            CheckpointCopy.objects.filter(pk=copy.pk).update(fingerprint=fingerprint, checked_at=timezone.now())
+        events.record(kind=kind, source=source, model=model, host=host, message=message)
+        if fingerprint is None:
+            CheckpointCopy.objects.filter(pk=copy.pk).delete()
 
 
 def model_inspection_failed(*, model_id: int, reason: str, source: str) -> None:

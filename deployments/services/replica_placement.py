@@ -1,4 +1,5 @@
-"""Where a deployment's replicas go: the candidate hosts, their free ports,
+"""Where a deployment's replicas go: the candidate hosts (online, not cordoned,
+holding the model's files: holding_hosts), their free ports,
 and a host and GPUs for each new replica from the hosts' one GPU plan
 (gpu_plan.choose_host). Spread puts replicas on different hosts first, pack
 onto the fewest; a replica that fits nowhere is refused before anything
@@ -13,18 +14,20 @@ from __future__ import annotations
 from collections import Counter
 
 from django.conf import settings
-from django.db.models import Max
+from django.db.models import F, Max
 
 from common.errors import InvalidTransition
 from deployments import backends, selectors
 from deployments.gpu_plan import Candidate, Choice, Holder, choose_host, host_plan, plan_problems
 from deployments.models import (
+    CheckpointCopy,
     Deployment,
     DeploymentModel,
     DeploymentStatus,
     DesiredState,
     InstanceKind,
     PlacementPolicy,
+    RegisteredModel,
     Replica,
 )
 from hosts.models import GpuHost
@@ -80,6 +83,29 @@ def gpu_hosts_for_auto(hosts: list[GpuHost], placements: list[DeploymentModel]) 
     return with_gpus, [host.name for host in hosts if host not in with_gpus]
 
 
+def holding_hosts(hosts: list[GpuHost], placements: list[DeploymentModel]) -> tuple[list[GpuHost], list[str]]:
+    """The candidates that hold every file the placements read: a copy of each
+    registered checkpoint that matches its fingerprint (CheckpointCopy, which
+    each host's agent records), and an engine build's folder, which is on the
+    host that built it. And, for a refusal, what each host left out lacks."""
+    model_ids = {p.registered_model_id for p in placements}
+    held = set(
+        CheckpointCopy.objects.filter(model_id__in=model_ids, host__in=hosts, fingerprint=F("model__fingerprint"))
+        .values_list("host_id", "model_id")
+    )  # fmt: skip
+    names = dict(RegisteredModel.objects.filter(pk__in=model_ids).values_list("pk", "name"))
+    builds = {p.engine_build_id: p.engine_build.host_id for p in placements if p.engine_build_id}
+    kept, lacking = [], []
+    for host in hosts:
+        missing = [f"{names[m]}'s checkpoint" for m in sorted(model_ids) if (host.pk, m) not in held]
+        missing += [f"build {b}'s engine" for b, built_on in sorted(builds.items()) if built_on != host.pk]
+        if missing:
+            lacking.append(f"{host.name} lacks {' and '.join(missing)}")
+        else:
+            kept.append(host)
+    return kept, lacking
+
+
 def plan_replicas(
     *,
     deployment: Deployment | None,
@@ -96,7 +122,8 @@ def plan_replicas(
     other, each seeing the ones before: a Choice, or why it fits nowhere.
     ``besides``: a deployment whose replicas the plans leave out; ``replacing``:
     these replace lost replicas (candidate_hosts)."""
-    hosts, left_out = gpu_hosts_for_auto(candidate_hosts(pinned, lock=lock, replacing=replacing), placements)
+    hosts, lacking = holding_hosts(candidate_hosts(pinned, lock=lock, replacing=replacing), placements)
+    hosts, left_out = gpu_hosts_for_auto(hosts, placements)
     holders = selectors.plan_holders_by_host(hosts, besides=besides)
     siblings: Counter[int] = Counter()
     if deployment is not None:
@@ -115,6 +142,11 @@ def plan_replicas(
         )
         if isinstance(choice, str):
             choice += cordoned_words(pinned)
+        if isinstance(choice, str) and lacking:
+            choice += (
+                f" ({'; '.join(lacking)}: a replica goes only where its files are; copy the folder to the same "
+                "path there and its agent finds it within seconds)"
+            )
         if isinstance(choice, str) and left_out:
             choice += (
                 f" ({', '.join(left_out)} without GPUs left out: instance_kind auto runs on a GPU where the "

@@ -177,6 +177,7 @@ def model_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "deployments/model_detail.html",
         {
             "model": model,
+            "copies": model.copies.all(),
             "build_form": build_form,
             "servable": model.kind in SERVABLE_KINDS,
             "buildable": model.kind == ModelKind.LLM,

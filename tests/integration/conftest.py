@@ -10,6 +10,7 @@ pytest finds by its name."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import random
 import shutil
@@ -39,7 +40,8 @@ from controlplane.serving import live_argv, web_argv
 from hosts import grants
 from hosts.models import GpuHost, HostCredential
 from hosts.services import host_join
-from workers import channel
+from workers import channel, processes
+from workers.loadtest.aiperf import KEY_ENV, Step, aiperf_executable, config_for
 from workers.runtimes import process
 from workers.runtimes.base import busy_ports
 
@@ -552,6 +554,16 @@ class Fleet:
     def get(self, path: str) -> dict:
         return self.session().get(f"{self.base}{path}", timeout=10).json()
 
+    def wait_held(self, model: str, timeout_s: float = 60) -> None:
+        """Until every host's agent has found ``model``'s checkpoint on its disk (the
+        hosts share this machine's files) and recorded its copy, which placement needs."""
+
+        def held() -> set[str]:
+            [row] = self.get(f"/api/models/?name={model}")["results"]
+            return {copy["host"] for copy in row["copies"] if copy["matches"]}
+
+        wait_for(lambda: held() == set(self.hosts), timeout_s, f"every host's copy of {model}")
+
     def start_worker(self, name: str) -> subprocess.Popen:
         argv = ["ip", "netns", "exec", self.hosts[name].name, *host_worker_argv(sys.executable, name)]
         worker = _spawn(argv, self.host_env(name), self.logs / f"worker-{name}.log")
@@ -630,3 +642,28 @@ def fleet(tmp_path: Path, count: int, extra_env: dict[str, str] | None = None) -
             clean_up([tmp_path / name for name in hosts], logs)
             redis.stop()
             next(postgres_runner, None)  # stops and removes it
+
+
+def start_aiperf(
+    folder: Path, *, base: str, key: str, tokenizer: Path, kind: str, alias: str, workload: dict[str, Any]
+) -> subprocess.Popen:
+    """AIPerf through the gateway at ``base`` on ``alias``, configured as a Gantry
+    load test of ``workload`` (loadtests.workload's rules) would be; its own
+    process group, its records under ``folder``/artifacts."""
+    from loadtests import workload as workloads
+    from loadtests.models import LoadTest
+
+    folder.mkdir()
+    checked = workloads.check(kind, workload)
+    run = LoadTest(kind=kind, alias=alias, triton_name=alias, workload=checked)
+    step = Step(target="gateway", level=checked["levels"][0], index=0, total=1)
+    config = config_for(run, step, gateway_url=base, triton_url="", tokenizer=str(tokenizer),
+                        artifacts=folder / "artifacts")  # fmt: skip
+    (folder / "aiperf.json").write_text(json.dumps(config))
+    env = processes.child_environment({KEY_ENV: key, "HF_HUB_DISABLE_TELEMETRY": "1"})
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.pop(name, None)
+    argv = [str(aiperf_executable()), "profile", "--config", str(folder / "aiperf.json"), "--ui", "none",
+            "--no-gpu-telemetry", "--no-server-metrics"]  # fmt: skip
+    with (folder / "aiperf.log").open("wb") as log:
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # noqa: S603

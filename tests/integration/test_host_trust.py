@@ -21,7 +21,7 @@ from django.contrib.auth.models import User
 from core import events, queues
 from core.models import Event
 from deployments import live_relay
-from deployments.models import Deployment, Replica
+from deployments.models import CheckpointCopy, Deployment, RegisteredModel, Replica
 from gateway import services as gateway_services
 from hosts import grants
 from hosts.models import GpuHost
@@ -68,6 +68,8 @@ def test_a_joined_hosts_credentials_reach_only_its_own_work(admin: User, operato
     key = gateway_services.key_create(name="production", user=operator, all_aliases=True)
     other_replica = Replica.objects.get(deployment=other)
     hosts.host_cordon(host_name="host-a", user=admin, reason="maintenance")
+    model = RegisteredModel.objects.create(name="m", kind="embedding", path="/m", host=host_b, fingerprint="f" * 64)
+    CheckpointCopy.objects.create(model=model, host=host_b, fingerprint="f" * 64)
 
     with psycopg.connect(a.database_url, autocommit=True) as db:
         # What its work needs still works: its host row, its replica, an event about its deployment.
@@ -93,6 +95,15 @@ def test_a_joined_hosts_credentials_reach_only_its_own_work(admin: User, operato
                      "used_by_host) VALUES (repeat('1', 64), '', now(), now() + interval '1 day', '')")  # fmt: skip
         _refused(db, "UPDATE deployments_replica SET status = 'failed' WHERE id = %s", other_replica.pk)
         _refused(db, "UPDATE deployments_gpuhost SET address = '10.6.6.6' WHERE name = 'host-b'")
+        # Where the files are: A records its own disk's copies, never another host's (a copy claimed
+        # for B would send B replicas it cannot serve; one of B's removed would keep them from B).
+        db.execute("INSERT INTO deployments_checkpointcopy (model_id, host_id, fingerprint, checked_at) VALUES "
+                   "(%s, %s, %s, now())", [model.pk, host_a.pk, "f" * 64])  # fmt: skip
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
+            db.execute("INSERT INTO deployments_checkpointcopy (model_id, host_id, fingerprint, checked_at) VALUES "
+                       "(%s, %s, %s, now())", [model.pk, host_b.pk, "f" * 64])  # fmt: skip
+        _refused(db, "DELETE FROM deployments_checkpointcopy WHERE host_id = %s", host_b.pk)
+        _refused(db, "UPDATE deployments_checkpointcopy SET fingerprint = 'x' WHERE host_id = %s", host_b.pk)
         # Its cordon (an admin's): read by placement, never lifted nor made by the host itself.
         assert db.execute("SELECT count(*) FROM hosts_cordon WHERE host_id = %s", [host_a.pk]).fetchone() == (1,)
         _refused(db, "DELETE FROM hosts_cordon")

@@ -9,20 +9,14 @@ start, and the killed host's return leaves no surplus."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from loadtests import workload as workloads
-from loadtests.models import LoadTest
-from tests.integration.conftest import fleet, wait_for
-from workers import processes
-from workers.loadtest.aiperf import KEY_ENV, Step, aiperf_executable, config_for
+from tests.integration.conftest import fleet, start_aiperf, wait_for
 from workers.loadtest.results import records_of
 from workers.runtimes import process
 
@@ -41,6 +35,7 @@ def test_an_alias_keeps_answering_while_a_host_dies_and_its_replica_comes_back_e
         body = {"name": "minilm", "kind": "embedding", "path": str(minilm_path), "host": "host-a"}
         assert http.post(f"{base}/api/models/", json=body, timeout=30).status_code == 201
         wait_for(lambda: plane.get("/api/models/?name=minilm")["results"][0]["inspection"] == "ready", 60, "inspection")
+        plane.wait_held("minilm")
         body = {"name": "svc", "replicas": 3, "models": [{"model": "minilm", "max_batch_size": 8}]}
         created = http.post(f"{base}/api/deployments/", json=body, timeout=30).json()
         url = f"{base}/api/deployments/{created['id']}/"
@@ -53,7 +48,15 @@ def test_an_alias_keeps_answering_while_a_host_dies_and_its_replica_comes_back_e
         assert http.post(f"{base}/api/gateway/aliases/", json=alias, timeout=30).status_code == 201
         key = http.post(f"{base}/api/gateway/keys/", json={"name": "load", "all_aliases": True}, timeout=30).json()
 
-        aiperf = _aiperf(tmp_path / "aiperf", base=base, key=key["key"], tokenizer=minilm_path, seconds=LOAD_S)
+        aiperf = start_aiperf(
+            tmp_path / "aiperf",
+            base=base,
+            key=key["key"],
+            tokenizer=minilm_path,
+            kind="embedding",
+            alias="embed",
+            workload={"mode": "concurrency", "levels": [8], "duration_s": LOAD_S},
+        )
         try:
             wait_for(lambda: _serving(plane, created["id"]), 120, "AIPerf's load on the replicas")
             serials = sorted(r["serial"] for r in plane.get(url[len(base) :])["replica_set"])
@@ -117,24 +120,6 @@ def test_an_alias_keeps_answering_while_a_host_dies_and_its_replica_comes_back_e
         assert "replica.removed" in timeline and timeline.count("deployment.scaled") == 0
         http.post(f"{url}stop/", timeout=30)
         wait_for(lambda: plane.get(url[len(base) :])["status"] == "stopped", 90, "the stop")
-
-
-def _aiperf(folder: Path, *, base: str, key: str, tokenizer: Path, seconds: int) -> subprocess.Popen:
-    """AIPerf embedding through the gateway at concurrency 8 for ``seconds``, as a
-    Gantry load test would configure it; its own process group."""
-    folder.mkdir()
-    workload = workloads.check("embedding", {"mode": "concurrency", "levels": [8], "duration_s": seconds})
-    run = LoadTest(kind="embedding", alias="embed", triton_name="minilm", workload=workload)
-    config = config_for(run, Step(target="gateway", level=8, index=0, total=1), gateway_url=base,
-                        triton_url="", tokenizer=str(tokenizer), artifacts=folder / "artifacts")  # fmt: skip
-    (folder / "aiperf.json").write_text(json.dumps(config))
-    env = processes.child_environment({KEY_ENV: key, "HF_HUB_DISABLE_TELEMETRY": "1"})
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        env.pop(name, None)
-    argv = [str(aiperf_executable()), "profile", "--config", str(folder / "aiperf.json"), "--ui", "none",
-            "--no-gpu-telemetry", "--no-server-metrics"]  # fmt: skip
-    with (folder / "aiperf.log").open("wb") as log:
-        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # noqa: S603
 
 
 def _serving(plane, deployment_id: int) -> bool:  # noqa: ANN001

@@ -31,7 +31,7 @@ from deployments.models import BuildStatus as B
 from deployments.models import EngineBuild
 from deployments.services import builds
 from upstream import trtllm
-from upstream.checkpoints import fingerprint
+from upstream.checkpoints import checkpoint_files, fingerprint
 from workers.engines import verify
 from workers.engines.executors import RunningStep, StepContext, executor_for
 from workers.jobs import JobFailed, run_job, source
@@ -183,9 +183,9 @@ def _prepare(build: EngineBuild, batcher: LogBatcher) -> None:
     """Check the GPUs, and that the checkpoint is whole and unchanged since it was registered."""
     batcher.add(verify.verify_gpus(build))
     checkpoint = Path(build.model.path)
-    if not (checkpoint / "config.json").is_file():
-        raise JobFailed(f"{checkpoint}/config.json is missing")
-    files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and not p.name.startswith("."))
+    files = checkpoint_files(checkpoint, settings.GANTRY_MODEL_ROOTS)
+    if files is None:
+        raise JobFailed(f"{checkpoint}/config.json is missing, or the folder is outside GANTRY_MODEL_ROOTS")
     batcher.add(f"[gantry] checking {len(files)} checkpoint files in {checkpoint}")
     batcher.flush()
     if _beating(build, "preparing the checkpoint", lambda: fingerprint(checkpoint, files)) != build.model.fingerprint:

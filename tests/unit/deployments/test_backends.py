@@ -44,6 +44,7 @@ def test_a_placement_goes_to_the_backend_it_asks_for(kind, asked, backend):  # n
 
 def _two_gpus(operator):  # noqa: ANN001, ANN202
     factories.gpu_host("gpu-1", count=2)
+    factories.surveyed()
     return deployments.deployment_create(
         name="emb",
         hosts=["gpu-1"],

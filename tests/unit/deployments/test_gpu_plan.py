@@ -17,6 +17,7 @@ from tests import factories
 
 
 def _create(name: str, operator, fraction: float, **placement) -> Deployment:  # noqa: ANN001, ANN003
+    factories.surveyed()
     return deployments.deployment_create(
         name=name,
         hosts=["gpu-host"],

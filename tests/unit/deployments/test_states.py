@@ -47,6 +47,7 @@ def test_ready_is_reached_by_loading_updating_recovering_or_a_host_come_back():
 
 @pytest.fixture
 def deployment(host, minilm, operator):
+    factories.surveyed()
     return deployments.deployment_create(
         name="demo", hosts=[host.name], placements=[PlacementSpec(model="minilm")], user=operator
     )

@@ -72,6 +72,7 @@ def test_a_rolled_back_change_leaves_no_task(db, broker, handed, django_capture_
 
 def _started(minilm, operator):  # noqa: ANN001, ANN202
     OutboxMessage.objects.all().delete()  # the model's inspection: not what these tests are about
+    factories.surveyed()
     deployment = deployments.deployment_create(
         name="web", hosts=[minilm.host.name], placements=[PlacementSpec(model="minilm")], user=operator
     )

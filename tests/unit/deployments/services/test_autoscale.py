@@ -12,7 +12,7 @@ from core.models import Event
 from deployments import states
 from deployments.models import Deployment, Replica
 from deployments.models import DeploymentStatus as S
-from deployments.services import autoscale, deployments
+from deployments.services import autoscale, deployments, telemetry
 from deployments.services.autoscale import AutoscaleSpec, autoscale_decide
 from deployments.services.placements import PlacementSpec
 from hosts.models import GpuHost
@@ -50,6 +50,7 @@ def test_queue_time_is_held_at_its_target_per_replica():
 def web(db, minilm, operator):  # noqa: ANN001, ANN201 - a ready deployment of one replica; room for one a host
     for i in (1, 2, 3):
         factories.gpu_host(f"gpu-{i}", count=1)
+    factories.surveyed()
     deployment = deployments.deployment_create(
         name="web",
         hosts=[],
@@ -93,6 +94,20 @@ def test_load_scales_out_after_the_cooldown_and_each_decision_says_why(web):
     [(_, decision)] = autoscale.deployments_autoscale()
     assert decision.replicas == 2  # idle: one fewer per step
     assert Replica.objects.filter(deployment=web, desired_state="running").count() == 2
+
+
+def test_streams_a_generating_model_holds_count_as_load(web):
+    """A decoupled model's request leaves Triton's own figures once execute()
+    returns; the streams it still generates (held, from the server's metrics)
+    are the load the autoscaler holds at its target."""
+    [replica] = Replica.objects.filter(deployment=web)
+    models = {"minilm": {"pending": 0.0, "concurrency": 0.02}}
+    telemetry.metrics_record(deployment_id=web.pk, replica_id=replica.pk, models=models, gpus={}, held=6)
+    assert Replica.objects.get(pk=replica.pk).in_flight == 6.0
+    [(_, decision)] = autoscale.deployments_autoscale()
+    assert decision.replicas == 2
+    telemetry.metrics_record(deployment_id=web.pk, replica_id=replica.pk, models=models, gpus={}, held=0)
+    assert Replica.objects.get(pk=replica.pk).in_flight == 0.02  # Triton's own mean, when more
 
 
 def test_a_scale_out_that_fits_nowhere_is_said_once_per_cooldown(web):

@@ -24,6 +24,7 @@ def test_stop_of_stopped_deployment_is_refused(deployment, operator):
 
 @pytest.fixture
 def deployment(host, minilm, operator):
+    factories.surveyed()
     return deployments.deployment_create(
         name="d", hosts=[host.name], placements=[PlacementSpec(model="minilm")], user=operator
     )

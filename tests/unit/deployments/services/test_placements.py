@@ -62,6 +62,7 @@ def test_kv_cache_tokens_come_from_the_checkpoint_shape(llama, h100):
 def _deploy(llama: RegisteredModel, build: EngineBuild, operator, **placement):  # noqa: ANN001, ANN003
     values = {"runtime": "docker", "image": factories.IMAGE}
     values.update(placement.pop("deployment", {}))
+    factories.surveyed()
     return deployments.deployment_create(
         name="stack",
         hosts=["h100-host"],
@@ -148,6 +149,7 @@ def test_engine_gates_name_the_model_and_the_rule(llama, mini, h100, operator):
 
 
 def test_an_llm_with_neither_engine_nor_llm_api_is_served_by_transformers(llama, operator):
+    factories.surveyed()
     deployment = deployments.deployment_create(
         name="x",
         hosts=["h100-host"],
@@ -183,6 +185,7 @@ def test_auto_placements_on_a_host_without_gpus_must_fit_the_gpu_it_may_report(h
     factories.registered_model(name="rerank", kind="reranker", path=minilm_path, host=host)
 
     def create(embed: float, rerank: float):  # noqa: ANN202
+        factories.surveyed()
         return deployments.deployment_create(
             name=f"auto-{int(embed * 100)}",
             hosts=[host.name],

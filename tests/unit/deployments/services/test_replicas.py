@@ -21,6 +21,7 @@ from tests import factories
 
 
 def _create(operator, name: str, fraction: float, count: int, *, hosts=(), policy: str = "spread", gpus=(0,)):  # noqa: ANN001, ANN202
+    factories.surveyed()
     return deployments.deployment_create(
         name=name,
         hosts=list(hosts),
@@ -70,6 +71,7 @@ def test_a_replica_that_fits_nowhere_is_refused_with_the_closest_hosts_shortfall
 
 
 def test_the_preflight_says_where_each_replica_would_go(api, fleet, operator):
+    factories.surveyed()
     body = {"name": "", "replicas": 2, "models": [{"model": "minilm", "gpu_ids": [0], "gpu_memory_fraction": 0.5,
                                                     "instance_kind": "KIND_GPU"}]}  # fmt: skip
     answer = api.post("/api/deployments/preflight/", body, format="json").data
@@ -329,6 +331,7 @@ def test_a_new_drain_timeout_needs_no_restart(api, fleet, operator):
 
 
 def test_an_auto_placement_runs_on_the_gpu_hosts_while_there_are_any(fleet, operator, host):
+    factories.surveyed()
     deployment = deployments.deployment_create(
         name="auto", hosts=[], replicas=3,
         placements=[PlacementSpec(model="minilm", instance_kind="auto", gpu_memory_fraction=0.9)], user=operator,
@@ -342,6 +345,7 @@ def test_an_auto_placement_runs_on_the_gpu_hosts_while_there_are_any(fleet, oper
         deployments.deployment_scale(deployment_id=deployment.pk, replicas=7, user=operator)
     assert f"({host.name} without GPUs left out: instance_kind auto runs on a GPU" in str(refused.value)
     # Asked for the CPU, a replica may run there.
+    factories.surveyed()
     cpu = deployments.deployment_create(
         name="cpu", hosts=[], replicas=4, placements=[PlacementSpec(model="minilm", instance_kind="KIND_CPU")],
         user=operator,

@@ -63,6 +63,7 @@ def _engine(model: RegisteredModel, host: GpuHost, **spec) -> EngineBuild:  # no
 
 
 def _create(operator, *specs: PlacementSpec, runtime: str = "docker", image: str = factories.IMAGE, **more):  # noqa: ANN001, ANN003
+    factories.surveyed()
     return deployments.deployment_create(
         name="stack",
         hosts=["h100-host"],
@@ -211,6 +212,7 @@ def test_tensorrt_llm_settings_are_refused_on_the_sentence_and_transformers_path
 
 
 def test_sentence_models_take_16_bits_on_a_gpu_and_a_length_up_to_their_positions(gpu_host, host, minilm, operator):
+    factories.surveyed()
     deployment = deployments.deployment_create(
         name="fp16",
         hosts=["gpu-host"],
@@ -253,6 +255,7 @@ def test_sentence_models_take_16_bits_on_a_gpu_and_a_length_up_to_their_position
 
 
 def test_transformers_sequences_in_flight_and_length_are_planned_and_bounded(llama, operator):
+    factories.surveyed()
     deployment = deployments.deployment_create(
         name="t",
         hosts=["h100-host"],

@@ -116,6 +116,7 @@ def test_dashboard_renders_for_a_signed_in_user(client, operator, host, minilm):
 
 def test_deployment_page_shows_the_gpu_plan(client, operator, gpu_host, minilm):
 
+    factories.surveyed()
     deployment = deployments.deployment_create(
         name="g", hosts=["gpu-host"], placements=[PlacementSpec(model="minilm")], user=operator
     )

@@ -60,6 +60,7 @@ def stopping(settings, gpu_host, minilm, operator, server, monkeypatch) -> Repli
     settings.GANTRY_HOST_NAME = gpu_host.name
     monkeypatch.setattr(drain, "ROUTES_SETTLE_S", 0.3)
     monkeypatch.setattr(drain, "TELL_EVERY_S", 0.0)
+    factories.surveyed()
     deployment = deployments.deployment_create(
         name="d", hosts=[gpu_host.name], placements=[PlacementSpec(model="minilm")], user=operator
     )

@@ -18,6 +18,7 @@ from workers.deploy import lifecycle
 def stopping(settings, gpu_host, minilm, operator, monkeypatch):
     settings.GANTRY_HOST_NAME = gpu_host.name
     settings.GANTRY_GPU_RELEASE_TIMEOUT = 1
+    factories.surveyed()
     deployment = deployments.deployment_create(
         name="g", hosts=[gpu_host.name], placements=[PlacementSpec(model="minilm")], user=operator
     )
@@ -56,6 +57,7 @@ def test_memory_still_held_after_the_timeout_is_not_called_stopped(stopping, mon
 def test_a_checkpoint_that_is_not_on_this_host_fails_the_launch_naming_it(settings, gpu_host, minilm, operator):
     """Registered on another host (or removed since): the launch fails before any server starts."""
     settings.GANTRY_HOST_NAME = gpu_host.name
+    factories.surveyed()
     deployment = deployments.deployment_create(
         name="far", hosts=[gpu_host.name], placements=[PlacementSpec(model="minilm")], user=operator
     )

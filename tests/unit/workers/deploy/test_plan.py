@@ -25,6 +25,7 @@ NEWER = "tritonserver:25.06-trtllm-python-py3"
 
 
 def _llm_api(operator, image: str, **placement):  # noqa: ANN001, ANN003
+    factories.surveyed()
     return deployments.deployment_create(
         name="direct",
         hosts=["h100-host"],
@@ -71,6 +72,7 @@ def test_the_llm_api_takes_the_lowest_gpus_of_its_container(llama, h100, minilm_
     factories.registered_model(name="embed", kind="embedding", path=minilm_path, host=h100)
 
     def beside(llm_gpu: int, embed_gpu: int):  # noqa: ANN202
+        factories.surveyed()
         return deployments.deployment_create(
             name=f"llm-on-{llm_gpu}",
             hosts=[h100.name],
@@ -96,6 +98,7 @@ def test_a_placement_on_host_gpus_2_and_3_runs_on_them_whatever_the_runtime(
 ):
     settings.GANTRY_ALLOWED_IMAGES = ["triton:test"]
     quad = factories.gpu_host("quad", count=4)
+    factories.surveyed()
     created = deployments.deployment_create(
         name="pinned",
         hosts=[quad.name],
@@ -117,6 +120,7 @@ def test_a_replica_maps_the_deployments_gpus_onto_the_ones_its_host_gave_it(
 ):
     settings.GANTRY_ALLOWED_IMAGES = ["triton:test"]
     quad = factories.gpu_host("quad", count=4)
+    factories.surveyed()
     created = deployments.deployment_create(
         name="mapped",
         hosts=[quad.name],
@@ -136,6 +140,7 @@ def test_a_replicas_threads_are_its_share_of_the_host_s_cores(host, gpu_host, mi
     monkeypatch.setattr(plan.os, "sched_getaffinity", lambda pid: set(range(8)))  # the host's cores
 
     def started(name: str, where, count: int, **placement) -> list:  # noqa: ANN001, ANN003
+        factories.surveyed()
         deployment = deployments.deployment_create(
             name=name, hosts=[where.name], replicas=count, placements=[PlacementSpec(model="minilm", **placement)],
             user=operator,

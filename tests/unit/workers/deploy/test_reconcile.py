@@ -22,6 +22,7 @@ from workers.runtimes.docker import Container
 
 def _launching_deployment(settings, minilm, operator, age_s: int) -> Deployment:
     host = hosts.host_heartbeat(name=settings.GANTRY_HOST_NAME, gpus=[])
+    factories.surveyed()
     deployment = deployments.deployment_create(
         name="stuck", hosts=[host.name], placements=[PlacementSpec(model="minilm")], user=operator
     )

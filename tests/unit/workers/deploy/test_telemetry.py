@@ -25,6 +25,7 @@ def test_nvml_figures_stand_in_when_triton_reports_zeros(gpu_host):
 
 def test_a_server_log_that_cannot_be_read_is_said_once_on_the_timeline(settings, tmp_path, gpu_host, minilm, operator):
     settings.GANTRY_HOST_NAME = gpu_host.name
+    factories.surveyed()
     created = deployments.deployment_create(
         name="unread", hosts=[gpu_host.name], placements=[PlacementSpec(model="minilm")], user=operator
     )

@@ -71,6 +71,7 @@ def test_an_engine_folder_gone_from_its_host_is_never_reused_or_served(llama, op
     again, how = request(operator, max_batch_size=16)
     assert how == "queued" and again.pk != build.pk
     with pytest.raises(ValidationFailed) as refused:
+        factories.surveyed()
         deployments.deployment_create(
             name="old-engine",
             hosts=["h100-host"],

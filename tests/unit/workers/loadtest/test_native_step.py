@@ -70,6 +70,7 @@ def stack(tmp_path: Path, builder_images, operator, trt_python):  # noqa: ANN001
         artifacts=[{"name": "rank0.engine", "size": ENGINE_BYTES, "sha256": "0"}], cache_key="k",
         finished_at=timezone.now(),
     )  # fmt: skip
+    factories.surveyed()
     deployment = deployments.deployment_create(
         name="stack", hosts=[host.name], runtime="docker", image=factories.IMAGE, user=operator,
         placements=[PlacementSpec(model="llama", engine_build=build.pk, gpu_memory_fraction=0.5)],
