@@ -123,10 +123,19 @@ def autoscale_decide(*, current: int, values: list[float], spec: AutoscaleSpec) 
         f"{mean:.2f} {_METRIC_WORDS[spec.metric]} per ready replica ({len(values)}) against a target of {spec.target:g}"
     )
     ratio = mean / spec.target
-    wanted = len(values) if abs(ratio - 1) <= TOLERANCE else math.ceil(len(values) * ratio)
+    # Replicas wanted but not reporting yet (starting) count as HPA counts pods without
+    # metrics: at 0 for a step up, at the target for a step down, so a replica still
+    # starting is neither shrunk away nor doubled before its load is known.
+    starting = max(0, current - len(values))
+    total = sum(values) + (starting * spec.target if ratio < 1 else 0.0)
+    counted = total / ((len(values) + starting) * spec.target)
+    if abs(ratio - 1) <= TOLERANCE or abs(counted - 1) <= TOLERANCE or (counted - 1) * (ratio - 1) < 0:
+        wanted = current
+    else:
+        wanted = math.ceil(total / spec.target)
     bounded = min(max(wanted, current - 1), current * 2)  # shrink by one, grow at most twofold
     final = min(max(bounded, low), high)
-    notes = []
+    notes = [f"{starting} replica(s) starting, counted at {'the target' if ratio < 1 else '0'}"] if starting else []
     if bounded != wanted:
         notes.append(f"the metric asks for {wanted}; a step grows at most twofold and shrinks by one")
     if final != bounded:

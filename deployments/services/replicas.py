@@ -252,9 +252,11 @@ def replica_start_after_stop(*, replica_id: int, source: str) -> None:
         if replica.status != S.STOPPED:
             return
         if replica.desired_state != DesiredState.RUNNING:
+            # The roll's next step first: a joined host whose last replica of the deployment
+            # this was may not lock the deployment once the row is gone (hosts.grants).
+            roll_next(deployment_id=deployment.pk, source=source)
             replica_remove(replica=replica, source=source, why="retired")
             states.deployment_sync(deployment_id=deployment.pk, source=source)
-            roll_next(deployment_id=deployment.pk, source=source)
             return
         if deployment.desired_state == DesiredState.RUNNING:
             _launch(replica, source=source, message="restarting: starting again")
@@ -410,8 +412,10 @@ def roll_next(*, deployment_id: int, source: str) -> Replica | None:
     deployment's to it. One at a time: None while a replica is starting,
     updating or being retired, or when every replica serves the generation."""
     with transaction.atomic():
-        deployment = Deployment.objects.select_for_update().get(pk=deployment_id)
-        if deployment.desired_state != DesiredState.RUNNING:
+        deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+        # None: a joined host that serves none of it may not lock it (hosts.grants); the hosts
+        # that do take the next step at their next move.
+        if deployment is None or deployment.desired_state != DesiredState.RUNNING:
             return None
         rows = list(deployment.replica_set.select_related("host", "deployment"))
         if any(r.status in ROLL_BUSY or r.status == S.STOPPING for r in rows):

@@ -38,6 +38,19 @@ def test_the_count_follows_the_load_within_its_bounds(current, values, wanted):
     assert autoscale_decide(current=current, values=values, spec=SPEC).replicas == wanted
 
 
+def test_a_replica_still_starting_is_neither_shrunk_away_nor_doubled_before_its_load_is_known():
+    spec = AutoscaleSpec(min_replicas=1, max_replicas=4, target=6.0)
+    # Two wanted, one ready and at its target: the second is starting, not surplus.
+    assert autoscale_decide(current=2, values=[6.0], spec=spec).replicas == 2
+    # One ready, lightly loaded: the one starting counts at the target, so no step down yet.
+    assert autoscale_decide(current=2, values=[2.0], spec=spec).replicas == 2
+    # One ready holding twice the target: the one starting counts at 0, and together they hold it.
+    assert autoscale_decide(current=2, values=[12.0], spec=spec).replicas == 2
+    # Far above even with the one starting: up, said with what was counted.
+    decision = autoscale_decide(current=2, values=[30.0], spec=spec)
+    assert decision.replicas == 4 and "1 replica(s) starting, counted at 0" in decision.reason
+
+
 def test_queue_time_is_held_at_its_target_per_replica():
     spec = AutoscaleSpec(min_replicas=1, max_replicas=4, metric="queue_ms", target=50.0)
     decision = autoscale_decide(current=1, values=[120.0], spec=spec)
