@@ -227,10 +227,13 @@ def _problems(candidate: Candidate, replica: Holder, gpu_map: dict[int, int]) ->
     return plan_problems(plans, own=replica.key, gpus=gpu_map.values())
 
 
-def _map_on(candidate: Candidate, replica: Holder, *, pack: bool, identity: bool) -> tuple[dict[int, int] | None, str]:
+def _map_on(
+    candidate: Candidate, replica: Holder, *, pack: bool, identity: bool, physical: bool = False
+) -> tuple[dict[int, int] | None, str]:
     """A mapping of the replica's GPUs onto distinct GPUs of the host that keeps
     every GPU's plan sound, or None and the shortfall in words. With ``identity``
-    its own GPU numbers are tried first. Then each of its GPUs, the most
+    its own GPU numbers are tried first; with ``physical`` they are the only
+    mapping (they name the host's own GPUs). Then each of its GPUs, the most
     demanding first, goes to the host GPU with the most room (spread) or the
     least room that still fits (pack)."""
     host = candidate.host
@@ -238,6 +241,14 @@ def _map_on(candidate: Candidate, replica: Holder, *, pack: bool, identity: bool
     logical = logical_gpus(replica.placements, len(indexes))
     if len(logical) > len(indexes):
         return None, f"{host.name} has {len(indexes)} GPU(s); the placements use {len(logical)}"
+    if physical:
+        absent = sorted(set(logical) - set(indexes))
+        if absent:
+            return None, f"{host.name} has no GPU {', '.join(map(str, absent))} (physical GPU ids)"
+        problems = _problems(candidate, replica, {g: g for g in logical})
+        if problems:
+            return None, f"{host.name}'s GPU(s) {', '.join(map(str, logical))} (physical): {'; '.join(problems)}"
+        return {g: g for g in logical}, ""
     if identity and set(logical) <= set(indexes) and not _problems(candidate, replica, {g: g for g in logical}):
         return {g: g for g in logical}, ""
     plans = {plan.index: plan for plan in host_plan(host, candidate.holders)}
@@ -262,7 +273,7 @@ def _map_on(candidate: Candidate, replica: Holder, *, pack: bool, identity: bool
 
 
 def choose_host(
-    candidates: list[Candidate], replica: Holder, *, pack: bool = False, identity: bool = False
+    candidates: list[Candidate], replica: Holder, *, pack: bool = False, identity: bool = False, physical: bool = False
 ) -> Choice | str:
     """Where ``replica`` runs: the candidate hosts in order of preference (spread:
     fewest replicas of its deployment, then most room; pack: most of them, then
@@ -280,7 +291,7 @@ def choose_host(
 
     shortfalls: list[str] = []
     for candidate in sorted(candidates, key=preference):
-        gpu_map, shortfall = _map_on(candidate, replica, pack=pack, identity=identity)
+        gpu_map, shortfall = _map_on(candidate, replica, pack=pack, identity=identity, physical=physical)
         if gpu_map is not None:
             return Choice(host=candidate.host, gpu_map=gpu_map)
         shortfalls.append(shortfall)

@@ -179,6 +179,7 @@ Gantry.deployForm = (root, options) => {
       for (const name of ["name", "host", "runtime", "image", "placement_policy"]) {
         result[name] = root.querySelector(`[name=${name}]`).value;
       }
+      result.physical_gpus = root.querySelector("[name=physical_gpus]").checked;
       const replicas = root.querySelector("[name=replicas]").value.trim();
       result.replicas = replicas === "" || Number.isNaN(Number(replicas)) ? replicas : Number(replicas);
       for (const name of ["shm_size_mib", "log_verbose", "drain_timeout_s"]) {

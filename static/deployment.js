@@ -127,7 +127,7 @@
       body.replaceChildren(...deployment.replica_set.map((r) => {
         const row = document.createElement("tr");
         row.dataset.replica = r.serial;
-        const gpus = Object.values(r.gpus).join(", ") || "CPU";
+        const gpus = Object.entries(r.gpus).map(([own, host]) => `${own}→${host}`).join(", ") || "CPU";
         const cells = [`r${r.serial}`, r.host, gpus, r.threads === null ? "–" : String(r.threads), String(r.generation),
           null, `${r.http_port}/${r.grpc_port}/${r.metrics_port}`, (r.in_flight ?? 0).toFixed(1), ejections[r.serial] ?? "0"];
         cells.forEach((value, i) => {

@@ -149,6 +149,7 @@ class DeploymentOut(serializers.ModelSerializer):
             "image",
             "replicas",
             "placement_policy",
+            "physical_gpus",
             "autoscale",
             "replica_set",
             "shm_size_mib",
@@ -238,6 +239,11 @@ class DeploymentIn(StrictSerializer):
     )  # fmt: skip
     replicas = serializers.IntegerField(min_value=1, max_value=64, default=1)
     placement_policy = serializers.ChoiceField(choices=PlacementPolicy.choices, default=PlacementPolicy.SPREAD)
+    physical_gpus = serializers.BooleanField(
+        default=False,
+        help_text="the models' gpu_ids are each host's own GPU indexes, never mapped onto other GPUs (as "
+        "CUDA_VISIBLE_DEVICES pins a process); a host where those GPUs lack room takes no replica",
+    )
     autoscale = AutoscaleIn(required=False, help_text="autoscaling between min and max replicas; off if absent")
     runtime = serializers.ChoiceField(choices=Runtime.choices, default=Runtime.PROCESS)
     image = serializers.CharField(max_length=255, required=False, default="", allow_blank=True)
@@ -289,6 +295,7 @@ def creation(data: dict[str, Any]) -> dict[str, Any]:
         "hosts": [data["host"]] if "host" in data else list(dict.fromkeys(data.get("hosts", []))),
         "replicas": data["replicas"],
         "placement_policy": data["placement_policy"],
+        "physical_gpus": data["physical_gpus"],
         "autoscale": autoscale_spec(data["autoscale"]) if "autoscale" in data else AUTOSCALE_OFF,
         "runtime": data["runtime"],
         "image": data["image"],

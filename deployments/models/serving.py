@@ -69,6 +69,11 @@ class Deployment(models.Model):
         max_length=8, choices=PlacementPolicy.choices, default=PlacementPolicy.SPREAD,
         help_text="spread: replicas on different hosts where they fit; pack: onto the fewest hosts.",
     )  # fmt: skip
+    physical_gpus = models.BooleanField(
+        default=False,
+        help_text="The placements' gpu_ids are each host's own GPU indexes, as CUDA_VISIBLE_DEVICES pins a process: "
+        "never mapped onto other GPUs; a host where those GPUs lack room takes no replica.",
+    )
     pinned_hosts = models.ManyToManyField(
         GpuHost, blank=True, related_name="pinned_deployments",
         help_text="The hosts replicas may run on (none: any online host with room).",

@@ -127,6 +127,7 @@ def deployment_preflight(
     server: ServerSpec = ServerSpec(),
     replicas: int = 1,
     placement_policy: str = PlacementPolicy.SPREAD,
+    physical_gpus: bool = False,
     autoscale: AutoscaleSpec = AUTOSCALE_OFF,
     replaces: int | None = None,
     user: Any = None,
@@ -147,7 +148,7 @@ def deployment_preflight(
     rows = placement_rows(resolved)
     choices = replica_placement.plan_replicas(
         deployment=None, name=name or "this deployment", placements=rows, count=replicas, pinned=pinned,
-        policy=placement_policy, lock=False, besides=replaces,
+        policy=placement_policy, lock=False, besides=replaces, physical=physical_gpus,
     )  # fmt: skip
     where = [
         {"replica": n, "host": c.host.name, "gpus": {str(k): v for k, v in c.gpu_map.items()}}
@@ -180,6 +181,7 @@ def deployment_create(
     server: ServerSpec = ServerSpec(),
     replicas: int = 1,
     placement_policy: str = PlacementPolicy.SPREAD,
+    physical_gpus: bool = False,
     autoscale: AutoscaleSpec = AUTOSCALE_OFF,
     user: Any = None,
 ) -> Deployment:
@@ -201,6 +203,7 @@ def deployment_create(
                 image=image,
                 replicas=replicas,
                 placement_policy=placement_policy,
+                physical_gpus=physical_gpus,
                 **autoscale.columns(),
                 **asdict(server),
                 created_by=events.signed_in(user),

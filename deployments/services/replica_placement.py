@@ -117,11 +117,13 @@ def plan_replicas(
     lock: bool,
     besides: int | None = None,
     replacing: bool = False,
+    physical: bool = False,
 ) -> list[Choice | str]:
     """Where ``count`` more replicas of the placements would go, one after the
     other, each seeing the ones before: a Choice, or why it fits nowhere.
     ``besides``: a deployment whose replicas the plans leave out; ``replacing``:
-    these replace lost replicas (candidate_hosts)."""
+    these replace lost replicas (candidate_hosts); ``physical``:
+    the placements' GPU ids are the hosts' own (Deployment.physical_gpus)."""
     hosts, lacking = holding_hosts(candidate_hosts(pinned, lock=lock, replacing=replacing), placements)
     hosts, left_out = gpu_hosts_for_auto(hosts, placements)
     holders = selectors.plan_holders_by_host(hosts, besides=besides)
@@ -138,8 +140,9 @@ def plan_replicas(
         replica = Holder(key=key, name=name, placements=placements, status="planned", replica=-(n + 1))
         candidates = [Candidate(host=h, holders=holders.get(h.pk, []), siblings=siblings[h.pk]) for h in hosts]
         choice = choose_host(
-            candidates, replica, pack=policy == PlacementPolicy.PACK, identity=bool(pinned) and not siblings
-        )
+            candidates, replica, pack=policy == PlacementPolicy.PACK, identity=bool(pinned) and not siblings,
+            physical=physical,
+        )  # fmt: skip
         if isinstance(choice, str):
             choice += cordoned_words(pinned)
         if isinstance(choice, str) and lacking:
@@ -192,6 +195,7 @@ def replicas_plan_for(deployment: Deployment, count: int, *, replacing: bool) ->
         policy=deployment.placement_policy,
         lock=True,
         replacing=replacing,
+        physical=deployment.physical_gpus,
     )
 
 

@@ -20,13 +20,15 @@ from hosts.models import GpuHost
 from tests import factories
 
 
-def _create(operator, name: str, fraction: float, count: int, *, hosts=(), policy: str = "spread", gpus=(0,)):  # noqa: ANN001, ANN202
+def _create(operator, name: str, fraction: float, count: int, *, hosts=(), policy: str = "spread", gpus=(0,),  # noqa: ANN001, ANN202
+            physical: bool = False):  # fmt: skip
     factories.surveyed()
     return deployments.deployment_create(
         name=name,
         hosts=list(hosts),
         replicas=count,
         placement_policy=policy,
+        physical_gpus=physical,
         placements=[
             PlacementSpec(model="minilm", instance_kind="KIND_GPU", gpu_ids=gpus, gpu_memory_fraction=fraction)
         ],
@@ -77,6 +79,25 @@ def test_the_preflight_says_where_each_replica_would_go(api, fleet, operator):
     answer = api.post("/api/deployments/preflight/", body, format="json").data
     assert answer["valid"], answer
     assert [(r["host"], r["gpus"]) for r in answer["replicas"]] == [("gpu-1", {"0": 0}), ("gpu-2", {"0": 0})]
+
+
+def test_physical_gpu_ids_name_the_hosts_own_gpus_and_are_never_moved(fleet, operator):
+    # GPU 1 of gpu-1 is nearly full; GPU 0 of every host is free.
+    factories.deployment_in(_create(operator, "big", 0.8, 1, hosts=["gpu-1"], gpus=(1,), physical=True), "launching")
+    assert _where(Deployment.objects.get(name="big")) == [("gpu-1", {1: 1})]
+    # Its own numbers: GPU 1 stays GPU 1, and a host whose GPU 1 lacks room takes no replica...
+    pinned = _create(operator, "pinned", 0.5, 1, hosts=["gpu-1"], gpus=(1,), physical=True)
+    with pytest.raises(InvalidTransition) as refused:
+        deployments.deployment_start(deployment_id=pinned.pk, user=operator)
+    assert "gpu-1's GPU(s) 1 (physical)" in str(refused.value), refused.value
+    # ...while without physical ids the same request maps GPU 1 onto the free GPU 0.
+    moved = _create(operator, "moved", 0.5, 1, hosts=["gpu-1"], gpus=(1,))
+    deployments.deployment_start(deployment_id=moved.pk, user=operator)
+    assert _where(moved) == [("gpu-1", {1: 0})]
+    # Spread, physical: the other hosts' own GPU 1.
+    spread = _create(operator, "spread", 0.5, 2, gpus=(1,), physical=True)
+    deployments.deployment_start(deployment_id=spread.pk, user=operator)
+    assert sorted(_where(spread)) == [("gpu-2", {1: 1}), ("gpu-3", {1: 1})]
 
 
 def test_scaling_places_more_and_retires_the_least_useful(fleet, operator):
