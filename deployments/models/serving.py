@@ -101,6 +101,11 @@ class Deployment(models.Model):
         help_text="Seconds after any change of the replica count before autoscaling changes it again.",
     )  # fmt: skip
     scaled_at = models.DateTimeField(null=True, blank=True, help_text="When the replica count last changed.")
+    autoscale_low_since = models.DateTimeField(
+        null=True, blank=True,
+        help_text="Since when every autoscaling decision has asked for fewer replicas (a step down waits a whole "
+        "cooldown of them: HPA's scale-down stabilization).",
+    )  # fmt: skip
     desired_state = models.CharField(max_length=16, choices=DesiredState.choices, default=DesiredState.STOPPED)
     status = models.CharField(max_length=16, choices=DeploymentStatus.choices, default=DeploymentStatus.PENDING)
     status_message = models.TextField(blank=True)

@@ -7,7 +7,8 @@ is the requests in each replica's Triton (queued and executing, the mean over
 its last scrape interval) or its mean queue time per request. A change waits
 ``autoscale_cooldown_s`` after the last change of the count (a person's
 scale included), grows at most to twice the count at once and shrinks by one
-replica at a time. Every change, and every one held back by a bound or a
+replica at a time, and only once every decision for a whole cooldown has
+asked for fewer (HPA's scale-down stabilization). Every change, and every one held back by a bound or a
 shortage of room, goes on the deployment's timeline with its reason.
 """
 
@@ -167,7 +168,7 @@ def deployments_autoscale(*, now: datetime | None = None) -> list[tuple[int, Dec
         if not values:
             continue
         decision = autoscale_decide(current=deployment.replicas, values=values, spec=spec)
-        if decision.replicas == deployment.replicas:
+        if not _stable(deployment, decision, now):
             continue
         decided.append((deployment.pk, decision))
         try:
@@ -184,6 +185,23 @@ def deployments_autoscale(*, now: datetime | None = None) -> list[tuple[int, Dec
                     message=f"wanted {decision.replicas} replicas ({decision.reason}) but could not: {exc}",
                 )  # fmt: skip
     return decided
+
+
+def _stable(deployment: Deployment, decision: Decision, now: datetime) -> bool:
+    """Whether to act on ``decision``: a step up at once; a step down only once
+    every decision for a whole cooldown has asked for fewer (Kubernetes HPA's
+    scale-down stabilization), so a dip between requests, or the moment a new
+    replica takes its share, does not remove a replica the load still needs."""
+    lower = decision.replicas < deployment.replicas
+    since = deployment.autoscale_low_since
+    if not lower:
+        if since is not None:
+            Deployment.objects.filter(pk=deployment.pk).update(autoscale_low_since=None)
+        return decision.replicas > deployment.replicas
+    if since is None:
+        Deployment.objects.filter(pk=deployment.pk).update(autoscale_low_since=now)
+        return False
+    return now - since >= timedelta(seconds=deployment.autoscale_cooldown_s)
 
 
 def deployment_autoscale_set(*, deployment_id: int, spec: AutoscaleSpec, user: Any = None) -> Deployment:

@@ -184,7 +184,9 @@ def deployment_scale(
                 {"replicas": f"{replicas} is outside autoscaling's bounds {low}..{high}: change those, or turn it off"}
             )
         before = deployment.replicas
-        Deployment.objects.filter(pk=deployment_id).update(replicas=replicas, scaled_at=timezone.now())
+        Deployment.objects.filter(pk=deployment_id).update(
+            replicas=replicas, scaled_at=timezone.now(), autoscale_low_since=None
+        )
         events.record(
             kind=kind,
             source=source,

@@ -104,7 +104,14 @@ def test_load_scales_out_after_the_cooldown_and_each_decision_says_why(web):
     _all_ready(web)
     _load(web, 0.0)
     Deployment.objects.filter(pk=web.pk).update(scaled_at=timezone.now() - timedelta(seconds=61))
-    [(_, decision)] = autoscale.deployments_autoscale()
+    # Idle: a step down waits until the decisions have asked for fewer for a whole cooldown...
+    assert autoscale.deployments_autoscale() == []
+    _load(web, 2.0)  # ...and a decision that does not starts the wait again
+    assert autoscale.deployments_autoscale() == []
+    assert Deployment.objects.get(pk=web.pk).autoscale_low_since is None
+    _load(web, 0.0)
+    assert autoscale.deployments_autoscale() == []
+    [(_, decision)] = autoscale.deployments_autoscale(now=timezone.now() + timedelta(seconds=61))
     assert decision.replicas == 2  # idle: one fewer per step
     assert Replica.objects.filter(deployment=web, desired_state="running").count() == 2
 
