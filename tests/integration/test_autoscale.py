@@ -8,7 +8,8 @@ twice the target, and the autoscaler adds the second within the stated
 number of cooldowns. Load off: four streams on two replicas are a third of
 the target, so it removes one replica, and only one, which leaves balancing
 and answers the streams it holds before its server stops. AIPerf counts no
-error, and every stream of ours ends with its finish_reason and [DONE]."""
+error, and every stream of ours ends with its finish_reason and [DONE]. The
+model's page lists both hosts as holding its files."""
 
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ COOLDOWNS_TO_ADD = 3
 
 
 def test_load_adds_a_replica_and_its_end_removes_one_drained_with_no_failed_or_cut_request(
-    tmp_path: Path, tiny_llm: Path
+    tmp_path: Path,
+    tiny_llm: Path,
+    page,
+    screenshot,  # noqa: ANN001
 ):
     with fleet(tmp_path, 2) as plane:
         http = plane.session()
@@ -116,3 +120,12 @@ def test_load_adds_a_replica_and_its_end_removes_one_drained_with_no_failed_or_c
         held = [int(m.split("): ")[1].split()[0]) for m in drained if "): " in m and "request(s) in flight" in m]
         assert held and max(held) > 0, drained
         assert not any("cut" in m for m in drained), drained
+
+        # The model's page says which hosts hold its files (where its replicas may go).
+        model = plane.get("/api/models/?name=tiny")["results"][0]
+        page.goto(f"{base}/models/{model['id']}/")
+        page.fill("input[name=username]", "ops")
+        page.fill("input[name=password]", "ops-pass")
+        page.click("button[type=submit]")
+        assert page.inner_text("#copies").startswith("host-a, host-b"), page.inner_text("#copies")
+        screenshot("model-held-on")
