@@ -106,6 +106,23 @@ def holding_hosts(hosts: list[GpuHost], placements: list[DeploymentModel]) -> tu
     return kept, lacking
 
 
+def _refusal_notes(pinned: list[GpuHost], lacking: list[str], left_out: list[str]) -> str:
+    """What a refusal adds about the hosts placement left out: cordoned, lacking
+    the files, without GPUs for an auto placement."""
+    notes = cordoned_words(pinned)
+    if lacking:
+        notes += (
+            f" ({'; '.join(lacking)}: a replica goes only where its files are; copy the folder to the same "
+            "path there and its agent finds it within seconds)"
+        )
+    if left_out:
+        notes += (
+            f" ({', '.join(left_out)} without GPUs left out: instance_kind auto runs on a GPU where the "
+            "hosts have one; ask for KIND_CPU to run there)"
+        )
+    return notes
+
+
 def plan_replicas(
     *,
     deployment: Deployment | None,
@@ -136,6 +153,7 @@ def plan_replicas(
         )
     key = deployment.pk if deployment is not None else None
     choices: list[Choice | str] = []
+    notes: str | None = None  # what a refusal adds, worked out at the first
     for n in range(count):
         replica = Holder(key=key, name=name, placements=placements, status="planned", replica=-(n + 1))
         candidates = [Candidate(host=h, holders=holders.get(h.pk, []), siblings=siblings[h.pk]) for h in hosts]
@@ -144,17 +162,8 @@ def plan_replicas(
             physical=physical,
         )  # fmt: skip
         if isinstance(choice, str):
-            choice += cordoned_words(pinned)
-        if isinstance(choice, str) and lacking:
-            choice += (
-                f" ({'; '.join(lacking)}: a replica goes only where its files are; copy the folder to the same "
-                "path there and its agent finds it within seconds)"
-            )
-        if isinstance(choice, str) and left_out:
-            choice += (
-                f" ({', '.join(left_out)} without GPUs left out: instance_kind auto runs on a GPU where the "
-                "hosts have one; ask for KIND_CPU to run there)"
-            )
+            notes = notes if notes is not None else _refusal_notes(pinned, lacking, left_out)
+            choice += notes
         choices.append(choice)
         if isinstance(choice, Choice):
             holders.setdefault(choice.host.pk, []).append(
