@@ -3,7 +3,8 @@
 The agent's second thread looks, every SURVEY_EVERY_S, for each inspected
 model's folder at its path on this host's disk (within GANTRY_MODEL_ROOTS,
 inspect_checkpoint's rules). A folder found is fingerprinted again only when
-its files' names, sizes or modification times changed since the last look;
+its files' names, sizes or modification times changed since the last look
+(remembered in the host's data folder, across restarts);
 a change, a new copy or a copy gone is recorded
 (registered_models.checkpoint_copy_record), so a folder copied to the same
 path on another host makes that host a candidate within seconds, and one
@@ -13,7 +14,9 @@ takes seconds to minutes: it runs here, beside the heartbeat, never in it.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -29,26 +32,52 @@ log = logging.getLogger(__name__)
 
 SURVEY_EVERY_S = 2.0
 
-# By model: the signature of the files last hashed (name, size, mtime of each) and their fingerprint.
-_hashed: dict[int, tuple[tuple, str]] = {}
+# By checkpoint folder: the signature of the files last hashed ([name, size, mtime] of each) and
+# their fingerprint; kept in the host's data folder, so a restarted worker hashes nothing again.
+_hashed: dict[str, tuple[list, str]] | None = None
 
 
-def _fingerprint(model_id: int, path: Path) -> str | None:
+def _kept() -> Path:
+    return Path(settings.GANTRY_DATA_DIR) / "checkpoint-hashes.json"
+
+
+def _hashes() -> dict[str, tuple[list, str]]:
+    global _hashed
+    if _hashed is None:
+        try:
+            _hashed = {path: (signature, found) for path, (signature, found) in json.loads(_kept().read_text()).items()}
+        except (OSError, ValueError, TypeError):
+            _hashed = {}
+    return _hashed
+
+
+def _keep() -> None:
+    kept = _kept()
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_name(f"{kept.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(_hashes()))
+    partial.replace(kept)
+
+
+def _fingerprint(path: Path) -> str | None:
     """The fingerprint of the checkpoint at ``path`` (None: none is here), from
     the last hash while its files have not changed."""
     files = checkpoint_files(path, settings.GANTRY_MODEL_ROOTS)
+    hashed = _hashes()
     if files is None:
-        _hashed.pop(model_id, None)
+        if hashed.pop(str(path), None) is not None:
+            _keep()
         return None
     try:
-        signature = tuple((str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-        known = _hashed.get(model_id)
+        signature = [[str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        known = hashed.get(str(path))
         if known is not None and known[0] == signature:
             return known[1]
         found = fingerprint(path, files)
     except OSError:  # a file went while it was read: looked at again next time
         return None
-    _hashed[model_id] = (signature, found)
+    hashed[str(path)] = (signature, found)
+    _keep()
     return found
 
 
@@ -56,12 +85,19 @@ def survey() -> None:
     """Look once for every inspected model's folder; record what changed."""
     host = settings.GANTRY_HOST_NAME
     held = dict(CheckpointCopy.objects.filter(host__name=host).values_list("model_id", "fingerprint"))
-    for model_id, path in RegisteredModel.objects.filter(inspection=Inspection.READY).values_list("pk", "path"):
-        found = _fingerprint(model_id, Path(path))
+    registered = list(RegisteredModel.objects.filter(inspection=Inspection.READY).values_list("pk", "path"))
+    for model_id, path in registered:
+        found = _fingerprint(Path(path))
         if found != held.get(model_id):
             registered_models.checkpoint_copy_record(
                 model_id=model_id, host_name=host, fingerprint=found, source=source()
             )
+    hashed = _hashes()
+    forgotten = set(hashed) - {path for _, path in registered}  # models unregistered since
+    if forgotten:
+        for path in forgotten:
+            del hashed[path]
+        _keep()
 
 
 def run_forever(stop: threading.Event) -> None:

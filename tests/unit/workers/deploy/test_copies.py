@@ -46,15 +46,19 @@ def test_the_host_that_inspects_a_model_holds_it_and_others_hold_it_once_they_fi
     del other
 
 
-def test_a_copy_is_hashed_again_only_when_its_files_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_a_copy_is_hashed_again_only_when_its_files_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings):  # noqa: ANN001
+    settings.GANTRY_DATA_DIR = tmp_path / "data"
+    copies._hashed = None
     home = factories.cpu_host("home")
     folder = factories.write_checkpoint(tmp_path / "m", {"model_type": "bert"})
     model = factories.registered_model(name="m", kind="embedding", path=folder, host=home)
     hashed = []
     real = copies.fingerprint
     monkeypatch.setattr(copies, "fingerprint", lambda root, files: hashed.append(root) or real(root, files))
-    copies._hashed.pop(model.pk, None)
     _survey("home")
+    _survey("home")
+    assert len(hashed) == 1
+    copies._hashed = None  # a restarted worker: what was hashed is read back from the data folder
     _survey("home")
     assert len(hashed) == 1
     (folder / "config.json").write_text('{"model_type": "bert", "edited": true}')
