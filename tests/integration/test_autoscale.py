@@ -34,7 +34,7 @@ CLIENTS = 4  # our own streams, throughout: below the target on two replicas, wi
 LOAD = 8  # AIPerf's streams on top, for LOAD_S
 LOAD_S = 60
 # The sweep reads each replica's figures every beat (1 s here); a change waits out the cooldown since
-# the last one. Added within this many cooldowns of the load's start:
+# the last one. Added within this many cooldowns of the load showing on the replica's server:
 COOLDOWNS_TO_ADD = 3
 
 
@@ -77,12 +77,19 @@ def test_load_adds_a_replica_and_its_end_removes_one_drained_with_no_failed_or_c
         clients = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
         for thread in clients:
             thread.start()
-        load_began = datetime.now(timezone.utc)
         aiperf = start_aiperf(
             tmp_path / "aiperf", base=base, key=key["key"], tokenizer=tiny_llm, kind="llm", alias="chat",
             workload={"mode": "concurrency", "levels": [LOAD], "duration_s": LOAD_S, "output_tokens": 64},
         )  # fmt: skip
         try:
+            # The load is there once the replica's server reports it (AIPerf takes a while to start):
+            # from then, the cooldowns count.
+            def loaded() -> bool:
+                rows = plane.get(path)["replica_set"]
+                return len(rows) > 1 or rows[0]["in_flight"] > TARGET * 1.1
+
+            wait_for(loaded, 240, "AIPerf's load on the replica", interval_s=0.5)
+            load_seen = datetime.now(timezone.utc)
             # Load up: a second replica, ready while AIPerf still runs.
             two_ready = lambda: sum(r["status"] == "ready" for r in plane.get(path)["replica_set"]) == 2  # noqa: E731
             wait_for(two_ready, COOLDOWNS_TO_ADD * COOLDOWN_S + 240, "the autoscaler's second replica ready")
@@ -111,7 +118,7 @@ def test_load_adds_a_replica_and_its_end_removes_one_drained_with_no_failed_or_c
         up, down = changes
         assert up["message"].startswith("replicas 1 → 2"), up
         assert down["message"].startswith("replicas 2 → 1"), down
-        assert datetime.fromisoformat(up["at"]) - load_began < timedelta(seconds=COOLDOWNS_TO_ADD * COOLDOWN_S)
+        assert datetime.fromisoformat(up["at"]) - load_seen < timedelta(seconds=COOLDOWNS_TO_ADD * COOLDOWN_S)
         # The replica removed left balancing with streams in flight, answered them, then stopped.
         rows = plane.get(path)["replica_set"]
         assert len(rows) == 1 and rows[0]["status"] == "ready", rows
