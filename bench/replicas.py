@@ -198,10 +198,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gantry-bench-replicas-") as folder, \
             fleet(Path(folder), 3, {"GANTRY_HOST_LOST_GRACE_S": str(GRACE_S)}) as plane:  # fmt: skip
         http = plane.session()
-        body = {"name": "minilm", "kind": "embedding", "path": str(minilm), "host": "host-a"}
-        assert http.post(f"{plane.base}/api/models/", json=body, timeout=30).status_code == 201
-        wait_for(lambda: plane.get("/api/models/?name=minilm")["results"][0]["inspection"] == "ready", 60, "inspection")
-        plane.wait_held("minilm")
+        plane.register("minilm", "embedding", minilm, "host-a")
         one = _deploy(plane, http, "one", 1, ["host-a"])
         started = time.monotonic()
         wait_for(lambda: _ready(plane, one, 1), 300, "one replica ready")

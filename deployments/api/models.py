@@ -25,7 +25,7 @@ from deployments.services import registered_models
 class CopyOut(serializers.Serializer):
     host = serializers.CharField(source="host.name")
     matches = serializers.BooleanField(help_text="its files match the registered fingerprint: replicas may go there")
-    checked_at = serializers.DateTimeField(help_text="when the host last read them")
+    checked_at = serializers.DateTimeField(help_text="since when the host has held them as they are")
 
 
 class ModelOut(serializers.ModelSerializer):

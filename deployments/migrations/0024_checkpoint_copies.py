@@ -34,7 +34,7 @@ class Migration(migrations.Migration):
             fields=[
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
                 ('fingerprint', models.CharField(help_text='sha256 over the files this host found at the path.', max_length=64)),
-                ('checked_at', models.DateTimeField(default=django.utils.timezone.now, help_text='When the host last read the files.')),
+                ('checked_at', models.DateTimeField(default=django.utils.timezone.now, help_text='Since when the host has held the files as they are (found, or changed).')),
                 ('host', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='checkpoint_copies', to='hosts.gpuhost')),
                 ('model', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='copies', to='deployments.registeredmodel')),
             ],

@@ -92,7 +92,9 @@ class CheckpointCopy(models.Model):
     model = models.ForeignKey(RegisteredModel, on_delete=models.CASCADE, related_name="copies")
     host = models.ForeignKey(GpuHost, on_delete=models.CASCADE, related_name="checkpoint_copies")
     fingerprint = models.CharField(max_length=64, help_text="sha256 over the files this host found at the path.")
-    checked_at = models.DateTimeField(default=timezone.now, help_text="When the host last read the files.")
+    checked_at = models.DateTimeField(
+        default=timezone.now, help_text="Since when the host has held the files as they are (found, or changed)."
+    )
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["model", "host"], name="one_copy_per_model_and_host")]

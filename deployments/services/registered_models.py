@@ -219,9 +219,7 @@ def checkpoint_copy_record(*, model_id: int, host_name: str, fingerprint: str | 
             return
         copy = CheckpointCopy.objects.select_for_update().filter(model=model, host=host).first()
         before = copy.fingerprint if copy is not None else None
-        if fingerprint == before:
-            if copy is not None:
-                CheckpointCopy.objects.filter(pk=copy.pk).update(checked_at=timezone.now())
+        if fingerprint == before:  # another look recorded it meanwhile
             return
         where = f"{model.name}'s checkpoint on {host_name} ({model.path})"
         if fingerprint is None:

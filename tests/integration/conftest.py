@@ -554,15 +554,18 @@ class Fleet:
     def get(self, path: str) -> dict:
         return self.session().get(f"{self.base}{path}", timeout=10).json()
 
-    def wait_held(self, model: str, timeout_s: float = 60) -> None:
-        """Until every host's agent has found ``model``'s checkpoint on its disk (the
-        hosts share this machine's files) and recorded its copy, which placement needs."""
-
-        def held() -> set[str]:
-            [row] = self.get(f"/api/models/?name={model}")["results"]
-            return {copy["host"] for copy in row["copies"] if copy["matches"]}
-
-        wait_for(lambda: held() == set(self.hosts), timeout_s, f"every host's copy of {model}")
+    def register(self, name: str, kind: str, path: Path, host: str) -> None:
+        """Register the checkpoint at ``path`` on ``host`` through the REST API; wait
+        until that host has inspected it and every host's agent has found it on its
+        disk (the hosts share this machine's files) and recorded its copy, which
+        placement needs."""
+        body = {"name": name, "kind": kind, "path": str(path), "host": host}
+        created = self.session().post(f"{self.base}/api/models/", json=body, timeout=30)
+        assert created.status_code == 201, created.text
+        row = lambda: self.get(f"/api/models/{created.json()['id']}/")  # noqa: E731
+        wait_for(lambda: row()["inspection"] == "ready", 60, f"the inspection of {name}")
+        held = lambda: {copy["host"] for copy in row()["copies"] if copy["matches"]}  # noqa: E731
+        wait_for(lambda: held() == set(self.hosts), 60, f"every host's copy of {name}")
 
     def start_worker(self, name: str) -> subprocess.Popen:
         argv = ["ip", "netns", "exec", self.hosts[name].name, *host_worker_argv(sys.executable, name)]

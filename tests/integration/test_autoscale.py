@@ -47,10 +47,7 @@ def test_load_adds_a_replica_and_its_end_removes_one_drained_with_no_failed_or_c
     with fleet(tmp_path, 2) as plane:
         http = plane.session()
         base = plane.base
-        body = {"name": "tiny", "kind": "llm", "path": str(tiny_llm), "host": "host-a"}
-        assert http.post(f"{base}/api/models/", json=body, timeout=30).status_code == 201
-        wait_for(lambda: plane.get("/api/models/?name=tiny")["results"][0]["inspection"] == "ready", 60, "inspection")
-        plane.wait_held("tiny")
+        plane.register("tiny", "llm", tiny_llm, "host-a")
         body = {
             "name": "chat", "replicas": 1, "drain_timeout_s": 300, "models": [{"model": "tiny"}],
             "autoscale": {"min_replicas": 1, "max_replicas": 2, "metric": "in_flight", "target": TARGET,

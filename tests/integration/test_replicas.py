@@ -32,10 +32,7 @@ def test_an_alias_keeps_answering_while_a_host_dies_and_its_replica_comes_back_e
     with fleet(tmp_path, 3, {"GANTRY_HOST_LOST_GRACE_S": str(GRACE_S)}) as plane:
         http = plane.session()
         base = plane.base
-        body = {"name": "minilm", "kind": "embedding", "path": str(minilm_path), "host": "host-a"}
-        assert http.post(f"{base}/api/models/", json=body, timeout=30).status_code == 201
-        wait_for(lambda: plane.get("/api/models/?name=minilm")["results"][0]["inspection"] == "ready", 60, "inspection")
-        plane.wait_held("minilm")
+        plane.register("minilm", "embedding", minilm_path, "host-a")
         body = {"name": "svc", "replicas": 3, "models": [{"model": "minilm", "max_batch_size": 8}]}
         created = http.post(f"{base}/api/deployments/", json=body, timeout=30).json()
         url = f"{base}/api/deployments/{created['id']}/"
