@@ -429,6 +429,34 @@ GANTRY_MODEL_ROOTS = [
         shown="`$GANTRY_DATA_DIR/models`",
     )
 ]
+# Models downloaded from a hub (huggingface_hub's snapshot download) land in
+# each host's own cache, in the hub's layout (blobs named by their hash,
+# snapshots by commit). The cache is a model root of its own.
+GANTRY_HUB_CACHE = Path(
+    env_str(
+        "GANTRY_HUB_CACHE",
+        str(GANTRY_DATA_DIR / "hub"),
+        help="a GPU host's cache of models downloaded from the hub (always readable as a model root)",
+        shown="`$GANTRY_DATA_DIR/hub`",
+    )
+).resolve()
+if not any(GANTRY_HUB_CACHE == root or root in GANTRY_HUB_CACHE.parents for root in GANTRY_MODEL_ROOTS):
+    GANTRY_MODEL_ROOTS.append(GANTRY_HUB_CACHE)
+GANTRY_HUB_ENDPOINT = env_str(
+    "GANTRY_HUB_ENDPOINT",
+    "",
+    help="the hub (or a mirror of it) a GPU host downloads models from, as `HF_ENDPOINT` says it; empty: "
+    "huggingface_hub's default",
+)
+GANTRY_HUB_TOKEN = env_str(
+    "GANTRY_HUB_TOKEN",
+    "",
+    help="a GPU host's access token for gated and private models (or GANTRY_HUB_TOKEN_FILE); never logged, "
+    "shown or passed to model code",
+)
+GANTRY_HUB_DOWNLOAD_WORKERS = env_int(
+    "GANTRY_HUB_DOWNLOAD_WORKERS", 8, minimum=1, maximum=64, help="files a host downloads at once"
+)
 # Engine builds. Builder images are allow-listed with the TensorRT-LLM version
 # they carry (image=version): that version picks the command-line table.
 GANTRY_BUILDER_IMAGES = env_image_versions(

@@ -3,7 +3,7 @@ Gantry sends. Sending goes through hosts.outbox (this module imports no
 models, so hosts.models can name a host's queue).
 
 A host has a control queue (launch, stop, apply, inspect, forget: seconds to
-minutes) and a jobs queue (engine builds, load tests and tuning runs: up to hours), each
+minutes) and a jobs queue (engine builds, hub downloads, load tests and tuning runs: up to hours), each
 consumed by its own Celery worker with its own slots (workers.hostworker), so
 control work never waits behind a long job.
 """
@@ -17,6 +17,8 @@ STOP_REPLICA = "workers.tasks.stop_replica"
 APPLY_GENERATION = "workers.tasks.apply_generation"
 INSPECT_MODEL = "workers.tasks.inspect_model"
 RUN_BUILD = "workers.tasks.run_build"
+# Download a hub model into the host's cache (deployments.models.ModelDownload).
+RUN_DOWNLOAD = "workers.tasks.run_download"
 # Remove what a deleted deployment or build left on its host's disk.
 FORGET_DEPLOYMENT = "workers.tasks.forget_deployment"
 FORGET_BUILD = "workers.tasks.forget_build"
@@ -31,7 +33,7 @@ SYNC_HOST_ACCESS = "hosts.tasks.sync_host_access"
 
 
 # The long jobs: they travel on the host's jobs queue.
-JOB_TASKS = frozenset({RUN_BUILD, RUN_LOADTEST, RUN_TUNING})
+JOB_TASKS = frozenset({RUN_BUILD, RUN_DOWNLOAD, RUN_LOADTEST, RUN_TUNING})
 _PREFIX = "gpu."
 _JOBS_SUFFIX = ".jobs"
 

@@ -8,4 +8,4 @@ class DeploymentsConfig(AppConfig):
     def ready(self) -> None:
         # The host tasks register themselves where their rows' services are
         # (hosts.outbox.HostTask): every process knows all of them.
-        from deployments.services import builds, registered_models, replicas  # noqa: F401
+        from deployments.services import builds, downloads, registered_models, replicas  # noqa: F401

@@ -24,6 +24,7 @@ from deployments.models import (
     DeploymentStatus,
     DesiredState,
     EngineBuild,
+    ModelDownload,
     RegisteredModel,
     Replica,
 )
@@ -33,7 +34,8 @@ from hosts.models import Gpu, GpuHost
 
 def model_list() -> QuerySet[RegisteredModel]:
     return RegisteredModel.objects.select_related("created_by", "host").prefetch_related(
-        Prefetch("copies", CheckpointCopy.objects.select_related("host").order_by("host__name"))
+        Prefetch("copies", CheckpointCopy.objects.select_related("host").order_by("host__name")),
+        Prefetch("downloads", ModelDownload.objects.select_related("host")),
     )
 
 

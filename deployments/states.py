@@ -23,8 +23,17 @@ from common.errors import InvalidTransition, NotFound
 from core import events, jobs
 from deployments import selectors
 from deployments.models import BuildStatus as B
-from deployments.models import Deployment, DeploymentRevision, DesiredState, EngineBuild, RegisteredModel, Replica
+from deployments.models import (
+    Deployment,
+    DeploymentRevision,
+    DesiredState,
+    EngineBuild,
+    ModelDownload,
+    RegisteredModel,
+    Replica,
+)
 from deployments.models import DeploymentStatus as S
+from deployments.models import DownloadStatus as D
 from deployments.models import Inspection as I
 from deployments.models import RevisionStatus as R
 
@@ -265,10 +274,61 @@ def build_transition(
     return jobs.job_transition(BUILD, job_id=build_id, to=to, source=source, message=message, actor=actor, **fields)
 
 
+# --- hub downloads -----------------------------------------------------------------
+
+DOWNLOAD_ALLOWED: dict[str, frozenset[str]] = {
+    D.PENDING: frozenset({D.RUNNING, D.CANCELLED, D.FAILED}),
+    # Running again: a new worker resumes what a dead one left (its partial files stay).
+    D.RUNNING: frozenset({D.RUNNING, D.CANCELLING, D.SUCCEEDED, D.FAILED}),
+    D.CANCELLING: frozenset({D.CANCELLED, D.FAILED}),
+}
+DOWNLOAD_TERMINAL = frozenset({D.SUCCEEDED, D.FAILED, D.CANCELLED})
+DOWNLOAD_ACTIVE = frozenset({D.PENDING, D.RUNNING, D.CANCELLING})
+
+
+def _download_moved(move: jobs.Move) -> ModelDownload:
+    download = ModelDownload.objects.select_related("model", "host").get(pk=move.job_id)
+    events.record(
+        kind="model.download",
+        source=move.source,
+        actor=move.actor,
+        model=download.model,
+        host=download.host,
+        from_status=move.previous,
+        to_status=move.to,
+        message=f"{download.model.name} on {download.host.name}: {move.message}",
+        data={"download": download.pk},
+    )
+    return download
+
+
+DOWNLOAD = jobs.register(
+    jobs.JobKind(
+        name="download",
+        model=ModelDownload,
+        allowed=DOWNLOAD_ALLOWED,
+        terminal=DOWNLOAD_TERMINAL,
+        after=_download_moved,
+        stamps=lambda to, now: {"heartbeat_at": now, **({"started_at": now} if to == D.RUNNING else {})},
+    )
+)
+
+
+def download_transition(
+    *, download_id: int, to: str, source: str, message: str = "", actor: Any = None, **fields: Any
+) -> ModelDownload:
+    """Move a hub download to ``to`` if ``DOWNLOAD_ALLOWED`` permits it (core.jobs)."""
+    return jobs.job_transition(
+        DOWNLOAD, job_id=download_id, to=to, source=source, message=message, actor=actor, **fields
+    )
+
+
 # --- checkpoint inspections -------------------------------------------------------
 
 INSPECTION_ALLOWED: dict[str, frozenset[str]] = {
     I.PENDING: frozenset({I.READY, I.FAILED}),
+    # A hub model whose first download failed is downloaded (and inspected) again.
+    I.FAILED: frozenset({I.PENDING}),
 }
 
 

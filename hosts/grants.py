@@ -44,10 +44,11 @@ HOST = "(SELECT gantry_host())"
 SERVED = f"(SELECT deployment_id FROM deployments_replica WHERE host_id = {HOST})"
 OWN_BUILDS = f"(SELECT id FROM deployments_enginebuild WHERE host_id = {HOST})"
 OWN_MODELS = f"(SELECT id FROM deployments_registeredmodel WHERE host_id = {HOST})"
-# The models a host's work touches: those it registered or holds a copy of, builds or serves.
+# The models a host's work touches: those it registered, holds a copy of, downloads, builds or serves.
 USED_MODELS = (
     f"(SELECT id FROM deployments_registeredmodel WHERE host_id = {HOST} UNION SELECT model_id FROM "
     f"deployments_checkpointcopy WHERE host_id = {HOST} UNION SELECT model_id FROM "
+    f"deployments_modeldownload WHERE host_id = {HOST} UNION SELECT model_id FROM "
     f"deployments_enginebuild WHERE host_id = {HOST} UNION SELECT registered_model_id FROM "
     f"deployments_deploymentmodel WHERE deployment_id IN {SERVED})"
 )
@@ -79,6 +80,7 @@ HOST_TABLES: dict[str, tuple[str, dict[str, str]]] = {
     # Each host records only what its own disk holds (workers.deploy.copies); placement reads them all.
     "deployments_checkpointcopy": ("SELECT, INSERT, UPDATE, DELETE", {"ALL": f"host_id = {HOST}"}),
     "deployments_enginebuild": ("SELECT, UPDATE", {"UPDATE": f"host_id = {HOST}"}),
+    "deployments_modeldownload": ("SELECT, UPDATE", {"UPDATE": f"host_id = {HOST}"}),
     "deployments_buildlogline": ("SELECT, INSERT, DELETE", {"ALL": f"build_id IN {OWN_BUILDS}"}),
     "deployments_deployment": ("SELECT, UPDATE", {"UPDATE": f"id IN {SERVED}"}),
     "deployments_deployment_pinned_hosts": ("SELECT", {}),

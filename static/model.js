@@ -10,12 +10,52 @@
     const badge = document.querySelector("#inspection [data-status]");
     const buildForm = document.getElementById("build-form");
     if (buildForm) checkBuild(buildForm, specFields);
+    followDownloads(card.dataset.id);
     if (badge.textContent !== "pending") return;
     const timer = setInterval(async () => {
       const model = await api("GET", `/api/models/${card.dataset.id}/`).catch(() => null);
       if (!model || model.inspection === "pending") return;
       clearInterval(timer);
       swapFromServer("model");
+    }, 1000);
+  }
+
+  // Hub downloads: progress redrawn every second while one is active; cancel and
+  // "download to" go through the API, as automation's would.
+  function followDownloads(id) {
+    const section = () => document.getElementById("downloads");
+    if (!section()) return;
+    const wire = () => {
+      section().querySelectorAll("[data-cancel]").forEach((button) => {
+        button.addEventListener("click", async () => {
+          button.disabled = true;
+          await api("POST", `/api/downloads/${button.dataset.cancel}/cancel/`).catch(() => null);
+          redraw();
+        });
+      });
+      const form = section().querySelector("#download-form");
+      if (form) {
+        form.addEventListener("submit", async (event) => {
+          event.preventDefault();
+          try {
+            await api("POST", `/api/models/${id}/downloads/`, { host: form.elements.host.value });
+            redraw();
+          } catch (error) {
+            showFieldErrors(form, error.errors || { form: [String(error.message || error)] });
+          }
+        });
+      }
+    };
+    const redraw = async () => {
+      await swapFromServer("downloads");
+      wire();
+    };
+    wire();
+    setInterval(async () => {
+      if (section().dataset.active) {
+        await redraw();
+        if (!section().dataset.active) swapFromServer("model");
+      }
     }, 1000);
   }
 

@@ -8,11 +8,14 @@ from celery import shared_task
 from django.conf import settings
 
 from core import queues
-from deployments.services import registered_models
 from hosts.services import hosts
-from workers import agent  # noqa: F401 - importing agent connects it to worker start
+from workers import (
+    agent,  # noqa: F401 - importing agent connects it to worker start
+    downloads,
+)
 from workers.deploy import lifecycle
 from workers.engines import run
+from workers.inspection import inspect
 from workers.jobs import run_job, source
 from workers.loadtest import runs as loadtest_runs
 from workers.loadtest import tuning as loadtest_tuning
@@ -65,22 +68,16 @@ def inspect_model(model_id: int) -> None:
     inspect(model_id)
 
 
-def inspect(model_id: int) -> None:
-    """Inspect a registered checkpoint on this host; a checkpoint that cannot be
-    read leaves the model failed with the reason."""
-    run_job(
-        "inspection",
-        lambda: registered_models.model_inspect(model_id=model_id, source=source()),
-        fail=lambda reason, *, status, details: registered_models.model_inspection_failed(
-            model_id=model_id, reason=reason, source=source()
-        ),
-    )
-
-
 # A build enforces its own time limit (and may run for hours): no Celery limit.
 @shared_task(name=queues.RUN_BUILD, soft_time_limit=None, time_limit=None)
 def run_build(build_id: int) -> None:
     run.run_build(build_id)
+
+
+# A download may take hours for a large model; it ends itself on a cancel: no Celery limit.
+@shared_task(name=queues.RUN_DOWNLOAD, soft_time_limit=None, time_limit=None)
+def run_download(download_id: int) -> None:
+    downloads.run_download(download_id)
 
 
 # A load test bounds each of its steps itself (loadtests.workload): no Celery limit.

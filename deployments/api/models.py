@@ -1,4 +1,5 @@
-"""/api/models/: register a checkpoint on a host, and read what its inspection found."""
+"""/api/models/: register a checkpoint on a host (a folder, or a hub repository
+the host downloads), read what its inspection found, and download it to more hosts."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from access.idempotency import idempotent
-from core.api.base import StrictSerializer, validated
+from core.api.base import StrictSerializer, require_empty_body, validated
 from core.api.lists import ListEndpoint
 from core.permissions import ReadOrOperate
 from core.validation import slug_validator
 from deployments import selectors
-from deployments.models import Inspection, ModelKind, RegisteredModel
-from deployments.services import registered_models
+from deployments.models import Inspection, ModelDownload, ModelKind, RegisteredModel
+from deployments.services import downloads, registered_models
 
 
 class CopyOut(serializers.Serializer):
@@ -28,8 +29,23 @@ class CopyOut(serializers.Serializer):
     checked_at = serializers.DateTimeField(help_text="since when the host has held them as they are")
 
 
+class DownloadOut(serializers.ModelSerializer):
+    host = serializers.CharField(source="host.name")
+    eta_s = serializers.IntegerField(
+        allow_null=True, help_text="seconds left at the current rate (null when nothing is moving)"
+    )
+
+    class Meta:
+        model = ModelDownload
+        fields = ["id", "host", "status", "status_message", "commit", "files_done", "files_total", "bytes_done",
+                  "bytes_total", "rate_bps", "eta_s", "created_at", "started_at", "finished_at"]  # fmt: skip
+
+
 class ModelOut(serializers.ModelSerializer):
     host = serializers.CharField(source="host.name", default=None)
+    downloads = DownloadOut(
+        many=True, read_only=True, help_text="its hub downloads, newest first: live progress while they run"
+    )
     copies = CopyOut(
         many=True, read_only=True,
         help_text="the hosts whose disk holds the checkpoint at its path, as their agents found it; a replica "
@@ -49,6 +65,10 @@ class ModelOut(serializers.ModelSerializer):
             "path",
             "hub_id",
             "revision",
+            "commit",
+            "allow_patterns",
+            "ignore_patterns",
+            "downloads",
             "architecture",
             "host",
             "copies",
@@ -78,10 +98,28 @@ class ModelOut(serializers.ModelSerializer):
 class ModelIn(StrictSerializer):
     name = serializers.CharField(max_length=63, validators=[slug_validator])
     kind = serializers.ChoiceField(choices=ModelKind.choices)
-    host = serializers.CharField(max_length=63, help_text="the GPU host that holds the checkpoint")
-    path = serializers.CharField(max_length=1024)
-    hub_id = serializers.CharField(max_length=255, required=False, default="", allow_blank=True)
-    revision = serializers.CharField(max_length=64, required=False, default="", allow_blank=True)
+    host = serializers.CharField(
+        max_length=63, help_text="the GPU host that holds the checkpoint folder, or downloads it from the hub first"
+    )
+    path = serializers.CharField(
+        max_length=1024, required=False, default="", allow_blank=True,
+        help_text="the checkpoint folder on that host; leave it out to download hub_id from the hub",
+    )  # fmt: skip
+    hub_id = serializers.CharField(
+        max_length=255, required=False, default="", allow_blank=True, help_text="the hub repository, owner/name"
+    )
+    revision = serializers.CharField(
+        max_length=255, required=False, default="", allow_blank=True,
+        help_text="a branch, tag or commit (default main); pinned to its commit at the first download",
+    )  # fmt: skip
+    allow_patterns = serializers.ListField(
+        child=serializers.CharField(max_length=200), required=False, default=list,
+        help_text="download only files matching one of these globs",
+    )  # fmt: skip
+    ignore_patterns = serializers.ListField(
+        child=serializers.CharField(max_length=200), required=False, default=list,
+        help_text="do not download files matching one of these globs",
+    )  # fmt: skip
     trust_remote_code = serializers.BooleanField(
         default=False, help_text="let the checkpoint's own Python code (auto_map) run on the host"
     )
@@ -132,3 +170,36 @@ class ModelDetail(APIView):
     @extend_schema(responses=ModelOut)
     def get(self, request: Request, pk: int) -> Response:
         return Response(ModelOut(get_object_or_404(selectors.model_list(), pk=pk)).data)
+
+
+class DownloadIn(StrictSerializer):
+    host = serializers.CharField(max_length=63, help_text="the GPU host that downloads the model into its cache")
+
+
+class ModelDownloads(APIView):
+    """POST /api/models/<id>/downloads/: a host downloads the hub model (at the
+    commit its first download pinned) into its own cache."""
+
+    permission_classes = [ReadOrOperate]
+
+    @idempotent()
+    @extend_schema(request=DownloadIn, responses={202: DownloadOut})
+    def post(self, request: Request, pk: int) -> Response:
+        data = validated(DownloadIn, request)
+        download = downloads.download_request(model_id=pk, host=data["host"], user=request.user)
+        return Response(DownloadOut(download).data, status=status.HTTP_202_ACCEPTED)
+
+
+class DownloadCancel(APIView):
+    """POST /api/downloads/<id>/cancel/: stop a download (the files fetched stay; a new one resumes)."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(request=None, responses={202: DownloadOut})
+    def post(self, request: Request, pk: int) -> Response:
+        require_empty_body(request)
+        get_object_or_404(ModelDownload, pk=pk)
+        return Response(
+            DownloadOut(downloads.download_cancel(download_id=pk, user=request.user)).data,
+            status=status.HTTP_202_ACCEPTED,
+        )

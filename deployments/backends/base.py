@@ -203,7 +203,7 @@ class ServingBackend:
 
     def mounts(self, placement: DeploymentModel) -> set[Path]:
         """Folders the server reads (mounted read-only into a container)."""
-        return {Path(placement.registered_model.path)}
+        return {placement.registered_model.folder}
 
     def server_env(self, placement: DeploymentModel, repository: Path) -> dict[str, str]:
         """Environment the server needs for this placement."""

@@ -136,7 +136,7 @@ class LlmApi(ServingBackend):
             )
         return LlmApiSpec(
             name=placement.triton_name,
-            checkpoint_path=placement.registered_model.path,
+            checkpoint_path=str(placement.registered_model.folder),
             image_model_dir=release.llmapi_model_dir,
             gpu_device_ids=devices,
             max_batch_size=placed.max_num_sequences,

@@ -64,7 +64,7 @@ class SentenceModel(ServingBackend):
         return PythonModelSpec(
             name=placement.triton_name,
             task=RERANK if model.kind == ModelKind.RERANKER else EMBED,
-            checkpoint_path=model.path,
+            checkpoint_path=str(model.folder),
             batching=batching(placement),
             instances=Instances(count=placed.instance_count, kind=placed.instance_kind, gpus=devices),
             gpu_memory_fraction=placement.gpu_memory_fraction,

@@ -136,7 +136,7 @@ class TensorrtLlm(ServingBackend):
         return TrtllmSpec(
             name=placement.triton_name,
             engine_dir=build.output_dir,
-            tokenizer_dir=placement.registered_model.path,
+            tokenizer_dir=str(placement.registered_model.folder),
             batching=batching(placement),
             gpu_device_ids=devices,
             max_beam_width=int(build.spec.get("max_beam_width", 1)),
@@ -156,7 +156,7 @@ class TensorrtLlm(ServingBackend):
         return [engine_model(placement.triton_name)]
 
     def mounts(self, placement: DeploymentModel) -> set[Path]:
-        return {Path(placement.registered_model.path), Path(placement.engine_build.output_dir)}
+        return {placement.registered_model.folder, Path(placement.engine_build.output_dir)}
 
 
 def _check_runtime_parameters(spec: PlacementSpec, build: EngineBuild, fail: Fail) -> None:

@@ -174,7 +174,7 @@ class Transformers(ServingBackend):
 
         return CausalLmSpec(
             name=placement.triton_name,
-            checkpoint_path=placement.registered_model.path,
+            checkpoint_path=str(placement.registered_model.folder),
             batching=batching(placement),
             instances=Instances(count=placed.instance_count, kind=placed.instance_kind, gpus=devices),
             gpu_memory_fraction=placement.gpu_memory_fraction,

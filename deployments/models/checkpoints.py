@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
@@ -25,8 +27,10 @@ class Inspection(models.TextChoices):
 
 
 class RegisteredModel(models.Model):
-    """A HuggingFace-format checkpoint folder on a GPU host. The host that holds
-    it inspects it (workers.tasks.inspect_model) and fills in what it found."""
+    """A HuggingFace-format checkpoint: a folder on a GPU host, or a hub
+    repository at a revision that hosts download into their own cache
+    (ModelDownload). The host that holds it first inspects it
+    (workers.tasks.inspect_model) and fills in what it found."""
 
     name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
     kind = models.CharField(max_length=16, choices=ModelKind.choices)
@@ -34,9 +38,22 @@ class RegisteredModel(models.Model):
         GpuHost, null=True, blank=True, on_delete=models.PROTECT, related_name="models",
         help_text="The host that holds the checkpoint and inspected it.",
     )  # fmt: skip
-    path = models.CharField(max_length=1024, help_text="Checkpoint folder on the GPU hosts.")
-    hub_id = models.CharField(max_length=255, blank=True, help_text="Where it came from, for the record.")
-    revision = models.CharField(max_length=64, blank=True)
+    path = models.CharField(
+        max_length=1024, blank=True,
+        help_text="Checkpoint folder on the GPU hosts; empty for a model downloaded from the hub (each host keeps "
+        "it in its own GANTRY_HUB_CACHE).",
+    )  # fmt: skip
+    hub_id = models.CharField(
+        max_length=255, blank=True,
+        help_text="The hub repository: downloaded from there when no path is given, else where the folder came from.",
+    )  # fmt: skip
+    revision = models.CharField(max_length=255, blank=True, help_text="The branch, tag or commit asked for.")
+    commit = models.CharField(
+        max_length=40, blank=True,
+        help_text="The commit the revision pointed at when the model was first downloaded: every host gets this one.",
+    )  # fmt: skip
+    allow_patterns = JSONField(default=list, blank=True, help_text="Only files matching one of these are downloaded.")
+    ignore_patterns = JSONField(default=list, blank=True, help_text="Files matching one of these are not downloaded.")
     inspection = models.CharField(max_length=16, choices=Inspection.choices, default=Inspection.PENDING)
     inspection_message = models.TextField(blank=True)
     architecture = models.CharField(max_length=128, blank=True)
@@ -81,6 +98,25 @@ class RegisteredModel(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def downloaded(self) -> bool:
+        """Hosts download it from the hub (it has no folder of its own)."""
+        return not self.path
+
+    @property
+    def folder(self) -> Path:
+        """Where the checkpoint is on this host: its path, or its snapshot in this
+        host's hub cache (known once its revision is resolved to a commit)."""
+        if not self.downloaded:
+            return Path(self.path)
+        return hub_snapshot(Path(settings.GANTRY_HUB_CACHE), self.hub_id, self.commit or "unresolved")
+
+
+def hub_snapshot(cache: Path, hub_id: str, commit: str) -> Path:
+    """A hub repository's files at ``commit`` in a cache of the hub's own layout
+    (what huggingface_hub's snapshot download returns for it)."""
+    return cache / ("models--" + hub_id.replace("/", "--")) / "snapshots" / commit
+
 
 class CheckpointCopy(models.Model):
     """A registered checkpoint's folder as one host holds it: found at the
@@ -106,6 +142,57 @@ class CheckpointCopy(models.Model):
     def matches(self) -> bool:
         """The files are the ones registered (a copy that differs is never served)."""
         return self.fingerprint == self.model.fingerprint
+
+
+class DownloadStatus(models.TextChoices):
+    PENDING = "pending"
+    RUNNING = "running"
+    CANCELLING = "cancelling"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class ModelDownload(models.Model):
+    """One host downloading a hub model into its cache (workers.downloads), with
+    its progress. A job like a build: the row exists before its task, and only
+    deployments.states moves its status."""
+
+    model = models.ForeignKey(RegisteredModel, on_delete=models.CASCADE, related_name="downloads")
+    host = models.ForeignKey(GpuHost, on_delete=models.CASCADE, related_name="downloads")
+    status = models.CharField(max_length=16, choices=DownloadStatus.choices, default=DownloadStatus.PENDING)
+    status_message = models.TextField(blank=True)
+    commit = models.CharField(max_length=40, blank=True, help_text="The commit downloaded.")
+    files_total = models.PositiveIntegerField(default=0)
+    files_done = models.PositiveIntegerField(default=0)
+    bytes_total = models.BigIntegerField(default=0)
+    bytes_done = models.BigIntegerField(default=0, help_text="Bytes on the host's disk, resumed ones included.")
+    rate_bps = models.BigIntegerField(default=0, help_text="Bytes a second over the last few seconds.")
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["model", "host"],
+                condition=models.Q(status__in=["pending", "running", "cancelling"]),
+                name="one_active_download_per_model_and_host",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"download {self.pk} of {self.model} on {self.host}"
+
+    @property
+    def eta_s(self) -> int | None:
+        """Seconds left at the current rate; None when nothing is moving."""
+        if self.status != DownloadStatus.RUNNING or self.rate_bps <= 0:
+            return None
+        return max(0, self.bytes_total - self.bytes_done) // self.rate_bps
 
 
 class BuildStatus(models.TextChoices):

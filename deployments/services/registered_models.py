@@ -16,8 +16,10 @@ from core import events, queues
 from core.permissions import require_operator
 from deployments import states
 from deployments.models import CheckpointCopy, Inspection, ModelKind, RegisteredModel
+from deployments.services import downloads
 from hosts import outbox
 from hosts.models import GpuHost
+from upstream import hub
 from upstream.checkpoints import CheckpointInfo, inspect_checkpoint, under_roots
 
 # Kinds whose clients send text, so the checkpoint must carry its tokenizer.
@@ -28,15 +30,20 @@ def model_register(
     *,
     name: str,
     kind: str,
-    path: str,
     host: str,
+    path: str = "",
     hub_id: str = "",
     revision: str = "",
+    allow_patterns: list[str] | None = None,
+    ignore_patterns: list[str] | None = None,
     trust_remote_code: bool = False,
     user: Any = None,
 ) -> RegisteredModel:
-    """Register a HuggingFace-format checkpoint folder on ``host``. The row is
-    created at once (inspection pending) and the host inspects the folder
+    """Register a HuggingFace-format checkpoint: a folder at ``path`` on
+    ``host``, or, without a path, the hub repository ``hub_id`` at ``revision``
+    (its allow and ignore patterns choosing the files), which ``host`` downloads
+    first (deployments.services.downloads). The row is created at once
+    (inspection pending); the host inspects the files once they are there
     (workers.tasks.inspect_model), filling in what it found or why it failed."""
     require_operator(user)
     errors: dict[str, str] = {}
@@ -48,22 +55,33 @@ def model_register(
     if target is None:
         errors["host"] = f"no GPU host named {host!r}"
     checkpoint = Path(path)
-    if not checkpoint.is_absolute():
+    if not path:
+        if not hub_id:
+            errors["path"] = "give a checkpoint folder, or a hub_id to download"
+        elif problem := hub.check_repo_id(hub_id):
+            errors["hub_id"] = problem
+    elif not checkpoint.is_absolute():
         errors["path"] = "must be an absolute path"
     elif not under_roots(checkpoint, settings.GANTRY_MODEL_ROOTS):
         allowed = ", ".join(str(r) for r in settings.GANTRY_MODEL_ROOTS)
         errors["path"] = f"must be under one of the configured model roots ({allowed})"
+    if (allow_patterns or ignore_patterns) and path:
+        errors["allow_patterns" if allow_patterns else "ignore_patterns"] = "only for a model downloaded from the hub"
     if errors:
         raise ValidationFailed(errors)
+    allow = downloads.check_patterns("allow_patterns", allow_patterns or [])
+    ignore = downloads.check_patterns("ignore_patterns", ignore_patterns or [])
     try:
         with transaction.atomic():
             model = RegisteredModel.objects.create(
                 name=name,
                 kind=kind,
                 host=target,
-                path=str(checkpoint),
+                path=str(checkpoint) if path else "",
                 hub_id=hub_id,
                 revision=revision,
+                allow_patterns=allow,
+                ignore_patterns=ignore,
                 trust_remote_code=trust_remote_code,
                 inspection=Inspection.PENDING,
                 created_by=events.signed_in(user),
@@ -74,9 +92,14 @@ def model_register(
                 actor=user,
                 model=model,
                 host=target,
-                message=f"registered {name} at {path} on {host}; the host is inspecting it",
+                message=f"registered {name} at {path} on {host}; the host is inspecting it"
+                if path
+                else f"registered {name} from the hub, {hub_id}@{revision or 'main'}; {host} downloads it first",
             )
-            outbox.enqueue_on_commit(queues.INSPECT_MODEL, host_name=target.name, args=[model.pk])
+            if path:
+                outbox.enqueue_on_commit(queues.INSPECT_MODEL, host_name=target.name, args=[model.pk])
+            else:
+                downloads.download_start(model=model, host=target, user=user, why="its first download")
     except IntegrityError as exc:
         raise ValidationFailed({"name": f"a model named {name!r} is already registered"}) from exc
     return model
@@ -137,7 +160,9 @@ def model_delete(*, model_id: int, user: Any = None) -> None:
             source=events.source_of(user),
             actor=user,
             host=model.host,
-            message=f"model {model.name} unregistered; its checkpoint stays in {model.path}",
+            message=f"model {model.name} unregistered; its checkpoint stays in {model.path}"
+            if model.path
+            else f"model {model.name} unregistered; its files stay in each host's hub cache",
             data={"model": model.pk, "name": model.name, "path": model.path},
         )
         model.delete()
@@ -150,7 +175,7 @@ def model_inspect(*, model_id: int, source: str) -> None:
     model = RegisteredModel.objects.filter(pk=model_id, inspection=Inspection.PENDING).first()
     if model is None:
         return
-    info = inspect_checkpoint(Path(model.path), roots=settings.GANTRY_MODEL_ROOTS)
+    info = inspect_checkpoint(model.folder, roots=settings.GANTRY_MODEL_ROOTS)
     if model.kind in NEEDS_TOKENIZER and not info.tokenizer_files:
         raise ValidationFailed({"path": f"{a(model.kind)} model needs its tokenizer files beside config.json"})
     own_code = (
@@ -172,7 +197,7 @@ def _record_inspection(model: RegisteredModel, info: CheckpointInfo, *, source: 
         recorded = states.inspection_transition(
             model_id=model.pk,
             to=Inspection.READY,
-            path=str(Path(model.path).resolve()),
+            path=str(Path(model.path).resolve()) if model.path else "",
             architecture=info.architecture,
             model_type=info.model_type,
             parameter_count=info.parameter_count,
@@ -221,7 +246,7 @@ def checkpoint_copy_record(*, model_id: int, host_name: str, fingerprint: str | 
         before = copy.fingerprint if copy is not None else None
         if fingerprint == before:  # another look recorded it meanwhile
             return
-        where = f"{model.name}'s checkpoint on {host_name} ({model.path})"
+        where = f"{model.name}'s checkpoint on {host_name}" + (f" ({model.path})" if model.path else "")
         if fingerprint is None:
             message, kind = f"{where} is gone: no replica is placed there", "model.copy_gone"
         elif fingerprint == model.fingerprint:

@@ -16,16 +16,30 @@ from upstream import trtllm
 
 
 class RegisterForm(forms.Form):
-    """Register a checkpoint folder on a host; the rules are model_register's."""
+    """Register a checkpoint folder on a host, or a hub repository the host
+    downloads first; the rules are model_register's."""
 
     name = forms.CharField(max_length=63, validators=[slug_validator], help_text=slug_validator.message)
     kind = forms.ChoiceField(choices=ModelKind.choices)
-    host = forms.ChoiceField(help_text="the GPU host whose disk holds the checkpoint")
+    host = forms.ChoiceField(help_text="the GPU host whose disk holds the checkpoint, or that downloads it first")
     path = forms.CharField(
-        max_length=1024, help_text="a HuggingFace-format folder on that host, under GANTRY_MODEL_ROOTS"
+        max_length=1024, required=False,
+        help_text="a HuggingFace-format folder on that host, under GANTRY_MODEL_ROOTS; empty: download the hub id",
+    )  # fmt: skip
+    hub_id = forms.CharField(
+        max_length=255, required=False, label="Hub id",
+        help_text="owner/name: downloaded into the host's hub cache when no path is given",
+    )  # fmt: skip
+    revision = forms.CharField(
+        max_length=255, required=False, help_text="branch, tag or commit (default main), pinned at the first download"
     )
-    hub_id = forms.CharField(max_length=255, required=False, label="Hub id", help_text="where it came from (optional)")
-    revision = forms.CharField(max_length=64, required=False, help_text="the hub revision (optional)")
+    allow_patterns = forms.CharField(
+        max_length=2000, required=False, label="Only files matching",
+        help_text="comma-separated globs, e.g. *.json, *.safetensors, tokenizer*",
+    )  # fmt: skip
+    ignore_patterns = forms.CharField(
+        max_length=2000, required=False, label="Skip files matching", help_text="comma-separated globs, e.g. original/*"
+    )
     trust_remote_code = forms.BooleanField(
         required=False,
         label="Allow its remote code",
@@ -35,6 +49,16 @@ class RegisterForm(forms.Form):
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
         self.fields["host"].choices = [(h.name, h.name) for h in host_selectors.host_list()]
+
+    def clean_allow_patterns(self) -> list[str]:
+        return _globs(self.cleaned_data["allow_patterns"])
+
+    def clean_ignore_patterns(self) -> list[str]:
+        return _globs(self.cleaned_data["ignore_patterns"])
+
+
+def _globs(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
 
 
 class BuildFilterForm(forms.Form):

@@ -22,7 +22,7 @@ from django.utils.html import format_html_join
 
 from common.errors import GantryError
 from core.permissions import OPERATOR_REQUIRED, can_operate
-from deployments import selectors
+from deployments import selectors, states
 from deployments.backends import GENERATIVE_BACKENDS, SERVABLE_KINDS
 from deployments.models import (
     AutoscaleMetric,
@@ -178,6 +178,9 @@ def model_detail(request: HttpRequest, pk: int) -> HttpResponse:
         {
             "model": model,
             "copies": model.copies.all(),
+            "downloads": model.downloads.all(),
+            "downloads_active": any(d.status in states.DOWNLOAD_ACTIVE for d in model.downloads.all()),
+            "hosts": host_selectors.host_list(),
             "build_form": build_form,
             "servable": model.kind in SERVABLE_KINDS,
             "buildable": model.kind == ModelKind.LLM,

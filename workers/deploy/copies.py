@@ -1,7 +1,8 @@
 """Which registered checkpoints this host holds, for placement.
 
 The agent's second thread looks, every SURVEY_EVERY_S, for each inspected
-model's folder at its path on this host's disk (within GANTRY_MODEL_ROOTS,
+model's folder on this host's disk (its path, or its snapshot in the host's
+hub cache) (within GANTRY_MODEL_ROOTS,
 inspect_checkpoint's rules). A folder found is fingerprinted again only when
 its files' names, sizes or modification times changed since the last look
 (remembered in the host's data folder, across restarts);
@@ -83,21 +84,29 @@ def _fingerprint(path: Path) -> str | None:
 
 def survey() -> None:
     """Look once for every inspected model's folder; record what changed."""
-    host = settings.GANTRY_HOST_NAME
-    held = dict(CheckpointCopy.objects.filter(host__name=host).values_list("model_id", "fingerprint"))
-    registered = list(RegisteredModel.objects.filter(inspection=Inspection.READY).values_list("pk", "path"))
-    for model_id, path in registered:
-        found = _fingerprint(Path(path))
-        if found != held.get(model_id):
-            registered_models.checkpoint_copy_record(
-                model_id=model_id, host_name=host, fingerprint=found, source=source()
-            )
+    held = dict(
+        CheckpointCopy.objects.filter(host__name=settings.GANTRY_HOST_NAME).values_list("model_id", "fingerprint")
+    )
+    registered = list(RegisteredModel.objects.filter(inspection=Inspection.READY).only("path", "hub_id", "commit"))
+    for model in registered:
+        look_at(model, held=held.get(model.pk))
     hashed = _hashes()
-    forgotten = set(hashed) - {path for _, path in registered}  # models unregistered since
+    forgotten = set(hashed) - {str(model.folder) for model in registered}  # models unregistered since
     if forgotten:
         for path in forgotten:
             del hashed[path]
         _keep()
+
+
+def look_at(model: RegisteredModel, *, held: str | None | bool = False) -> None:
+    """Record what this host holds of ``model`` now, if it changed (``held``: the
+    fingerprint its copy has on record, None for none; read when not given)."""
+    host = settings.GANTRY_HOST_NAME
+    if held is False:
+        held = CheckpointCopy.objects.filter(host__name=host, model=model).values_list("fingerprint", flat=True).first()
+    found = _fingerprint(model.folder)
+    if found != held:
+        registered_models.checkpoint_copy_record(model_id=model.pk, host_name=host, fingerprint=found, source=source())
 
 
 def run_forever(stop: threading.Event) -> None:

@@ -77,11 +77,12 @@ def missing_inputs(replica: Replica) -> list[MissingInput]:
     found: list[MissingInput] = []
     for placement in replica.deployment.placements.all():
         model = placement.registered_model
-        if not Path(model.path).exists():
+        if not model.folder.exists():
+            where = f"{model.hub_id} (not downloaded here)" if model.downloaded else model.path
             found.append(
                 MissingInput(
                     placement.triton_name,
-                    f"checkpoint {model.path} (registered on {model.host.name}) is not on {settings.GANTRY_HOST_NAME}",
+                    f"checkpoint {where} (registered on {model.host.name}) is not on {settings.GANTRY_HOST_NAME}",
                 )
             )
         build = placement.engine_build

@@ -182,7 +182,7 @@ def _beating(build: EngineBuild, phase: str, work: Callable[[], T]) -> T:
 def _prepare(build: EngineBuild, batcher: LogBatcher) -> None:
     """Check the GPUs, and that the checkpoint is whole and unchanged since it was registered."""
     batcher.add(verify.verify_gpus(build))
-    checkpoint = Path(build.model.path)
+    checkpoint = build.model.folder
     files = checkpoint_files(checkpoint, settings.GANTRY_MODEL_ROOTS)
     if files is None:
         raise JobFailed(f"{checkpoint}/config.json is missing, or the folder is outside GANTRY_MODEL_ROOTS")
@@ -242,9 +242,7 @@ def _build(build: EngineBuild, batcher: LogBatcher) -> None:
         folder.mkdir(parents=True)
     cache.parent.mkdir(parents=True, exist_ok=True)
     _prepare(build, batcher)
-    paths = trtllm.BuildPaths(
-        checkpoint=Path(build.model.path), converted=converted, engine=engine_dir, timing_cache=cache
-    )
+    paths = trtllm.BuildPaths(checkpoint=build.model.folder, converted=converted, engine=engine_dir, timing_cache=cache)
     steps = trtllm.compose(build.spec, release, paths, executor.toolchain(release), build.model.architecture)
     for index, step in enumerate(steps):
         batcher.add(f"[gantry] {step.phase}: {' '.join(step.argv)}")

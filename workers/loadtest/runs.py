@@ -141,8 +141,9 @@ def _run(run: LoadTest, key: str) -> None:
                 _native_step(run, step, deployment=deployment, placement=placement,
                              workdir=workdir / f"{index}-{target}")  # fmt: skip
             else:
-                _step(run, step, key=key, deployment=deployment, triton_url=triton,
-                      tokenizer=placement.registered_model.path, workdir=workdir / f"{index}-{target}")  # fmt: skip
+                tokenizer = str(placement.registered_model.folder)
+                _step(run, step, key=key, deployment=deployment, triton_url=triton, tokenizer=tokenizer,
+                      workdir=workdir / f"{index}-{target}")  # fmt: skip
         except Stop as stop:
             services.run_finish(run_id=run.pk, status=stop.status, message=stop.reason, source=source())
             return
@@ -227,7 +228,7 @@ def _native_step(
                                entries=w["request_count"] + w["warmup_requests"])  # fmt: skip
     report = workdir / "report.json"
     bench = trtllm.BenchRun(
-        model_name=model.name, checkpoint=Path(model.path), engine=Path(build.output_dir),
+        model_name=model.name, checkpoint=model.folder, engine=Path(build.output_dir),
         dataset=dataset, report=report, workspace=workdir, requests=w["request_count"],
         concurrency=int(step.level), streaming=w["streaming"], warmup=w["warmup_requests"],
         kv_cache_fraction=native_bench.KV_CACHE_FRACTION, tp_size=build.tp_size, pp_size=build.pp_size,

@@ -19,6 +19,7 @@ from rest_framework.test import APIClient
 from access.services import token_create
 from access.ws_auth import TokenOrSessionAuthMiddlewareStack
 from core.permissions import ADMIN_GROUP
+from deployments.models import ModelDownload
 from deployments.routing import websocket_urlpatterns
 from deployments.services import builds
 from gateway import services as gateway
@@ -78,9 +79,11 @@ def world(llama, minilm, host, operator) -> dict[str, Any]:  # noqa: ANN001
                                   triton_name="minilm", kind="embedding", workload={}, status="succeeded")  # fmt: skip
     tuned = TuningRun.objects.create(deployment=deployment, deployment_name=deployment.name, start_generation=1,
                                      spec={"mix": [], "space": {}}, status="succeeded")  # fmt: skip
+    download = ModelDownload.objects.create(model=minilm, host=host)
     ids = {
         "deployments": deployment.pk, "builds": build.pk, "models": minilm.pk, "aliases": alias.pk,
-        "keys": key.pk, "tokens": token.pk, "hosts": host.name, "loadtests": run.pk, "tuning": tuned.pk,
+        "downloads": download.pk, "keys": key.pk, "tokens": token.pk, "hosts": host.name, "loadtests": run.pk,
+        "tuning": tuned.pk,
     }  # fmt: skip
     return {"users": users, "ids": ids}
 

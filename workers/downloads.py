@@ -1,0 +1,228 @@
+"""A host downloading a hub model into its cache (deployments.models.ModelDownload).
+
+The download itself is huggingface_hub's snapshot download in a process of
+its own (upstream.hub), working in a folder of its own so that a worker that
+starts after a dead one finds and stops what it left, then resumes from the
+partial files. Before a byte moves, the files' sizes are checked against the
+cache's free disk. Every half second the cache's files say how far it got;
+the row gets the figures and answers whether a cancel was asked. At the end
+every file is checked against its hash; the first host then inspects the
+model, and every host records its copy for placement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import shutil
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+from django.conf import settings
+from django.template.defaultfilters import filesizeformat
+
+import upstream
+from common.errors import InvalidTransition
+from deployments import states
+from deployments.models import DownloadStatus as D
+from deployments.models import Inspection, ModelDownload, RegisteredModel
+from deployments.services import downloads
+from upstream import hub
+from workers import inspection, processes
+from workers.deploy import copies
+from workers.jobs import JobFailed, run_job, source
+
+REPORT_EVERY_S = 0.5
+# The rate is measured over this many seconds.
+RATE_WINDOW_S = 5.0
+# Free disk a download leaves untouched.
+DISK_RESERVE_BYTES = 256 * 1024 * 1024
+LOG_TAIL_CHARACTERS = 2000
+
+
+def run_download(download_id: int) -> None:
+    """Download, verify and record one hub model on this host; whatever stops it
+    ends the row failed (or cancelled) with the reason."""
+    run_job(
+        "download",
+        lambda: _download(download_id),
+        fail=lambda reason, *, status, details: _end(download_id, status or D.FAILED, reason),
+    )
+
+
+def _end(download_id: int, to: str, reason: str) -> None:
+    with contextlib.suppress(InvalidTransition):
+        download = states.download_transition(download_id=download_id, to=to, source=source(), message=reason)
+        model = download.model
+        if to == D.FAILED and model.inspection == Inspection.PENDING and model.host_id == download.host_id:
+            states.inspection_transition(
+                model_id=model.pk, to=Inspection.FAILED, message=f"its download on {download.host.name}: {reason}"
+            )
+
+
+@contextlib.contextmanager
+def _claimed(work: Path) -> Iterator[bool]:
+    """Hold the download's lock on this host (False: another worker process holds it)."""
+    work.mkdir(parents=True, exist_ok=True)
+    with (work / "lock").open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
+def _download(download_id: int) -> None:
+    download = ModelDownload.objects.select_related("model", "host").filter(pk=download_id).first()
+    if download is None or download.status in states.DOWNLOAD_TERMINAL:
+        return
+    if download.host.name != settings.GANTRY_HOST_NAME:
+        raise JobFailed(f"download {download_id} belongs to {download.host.name}, not {settings.GANTRY_HOST_NAME}")
+    cache = Path(settings.GANTRY_HUB_CACHE)
+    work = cache / ".gantry" / f"download-{download_id}"
+    with _claimed(work) as mine:
+        if not mine:
+            return  # a live worker of this host runs it (a task sent twice)
+        processes.stop_groups_working_in(work)  # what a dead worker's download left running
+        download.refresh_from_db()
+        if download.status == D.CANCELLING:
+            _end(download_id, D.CANCELLED, "cancelled before it started")
+            return
+        if download.status not in (D.PENDING, D.RUNNING):
+            return
+        model = download.model
+        states.download_transition(
+            download_id=download_id,
+            to=D.RUNNING,
+            source=source(),
+            message="resumed by a new worker (its partial files are kept)"
+            if download.status == D.RUNNING
+            else f"resolving {model.hub_id}@{model.commit or model.revision or 'main'}",
+        )
+        snapshot = _resolve(model)
+        _check_disk(snapshot, cache)
+        ended = _fetch(download_id, snapshot, cache, work)
+        if ended is not None:
+            _end(download_id, ended, "cancelled; the files fetched so far stay in the cache and a new download resumes")
+            return
+        problems = hub.verify(snapshot, cache)
+        if problems:
+            raise JobFailed(f"{len(problems)} file(s) failed their hash and were removed: {'; '.join(problems)}")
+        done = hub.progress(snapshot, cache)
+        downloads.download_progress(download_id=download_id, bytes_done=done.bytes_done, files_done=done.files_done)
+        states.download_transition(
+            download_id=download_id,
+            to=D.SUCCEEDED,
+            source=source(),
+            message=f"{len(snapshot.files)} files, {filesizeformat(snapshot.total_bytes)} at commit "
+            f"{snapshot.commit[:12]}, each checked against its hash",
+        )
+    shutil.rmtree(work, ignore_errors=True)
+    model.refresh_from_db()
+    if model.inspection == Inspection.PENDING and model.host_id == download.host_id:
+        inspection.inspect(model.pk)
+    else:
+        copies.look_at(model)
+
+
+def _resolve(model: RegisteredModel) -> hub.Snapshot:
+    """The files to fetch, at the commit every host of the model gets."""
+    resolve = lambda revision: hub.resolve(  # noqa: E731
+        model.hub_id,
+        revision,
+        allow=model.allow_patterns,
+        ignore=model.ignore_patterns,
+        endpoint=settings.GANTRY_HUB_ENDPOINT,
+        token=settings.GANTRY_HUB_TOKEN,
+    )
+    snapshot = resolve(model.commit or model.revision)
+    commit = downloads.model_commit_record(model_id=model.pk, commit=snapshot.commit)
+    if commit != snapshot.commit:  # another host resolved it first, to another commit
+        snapshot = resolve(commit)
+    model.commit = commit
+    return snapshot
+
+
+def _check_disk(snapshot: hub.Snapshot, cache: Path) -> None:
+    needed = hub.bytes_missing(snapshot, cache)
+    free = shutil.disk_usage(cache).free
+    if needed > free - DISK_RESERVE_BYTES:
+        raise JobFailed(
+            f"not enough disk: {snapshot.hub_id} needs {filesizeformat(needed)} more in {cache} and "
+            f"{filesizeformat(max(0, free))} is free ({filesizeformat(DISK_RESERVE_BYTES)} is kept free); "
+            "nothing was downloaded"
+        )
+
+
+def _fetch(download_id: int, snapshot: hub.Snapshot, cache: Path, work: Path) -> str | None:
+    """Run the download process to its end, reporting progress; the end status
+    when a cancel stopped it, None when it finished."""
+    start = hub.progress(snapshot, cache)
+    downloads.download_progress(
+        download_id=download_id,
+        commit=snapshot.commit,
+        files_total=len(snapshot.files),
+        bytes_total=snapshot.total_bytes,
+        files_done=start.files_done,
+        bytes_done=start.bytes_done,
+    )
+    env = processes.child_environment(
+        {
+            "PYTHONPATH": str(Path(upstream.__file__).resolve().parent.parent),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            **({hub.TOKEN_VARIABLE: settings.GANTRY_HUB_TOKEN} if settings.GANTRY_HUB_TOKEN else {}),
+        }
+    )
+    log = work / "download.log"
+    with log.open("wb") as out:
+        process = processes.start_group(
+            hub.download_command(
+                snapshot,
+                cache=cache,
+                endpoint=settings.GANTRY_HUB_ENDPOINT,
+                workers=settings.GANTRY_HUB_DOWNLOAD_WORKERS,
+            ),
+            env=env,
+            cwd=work,
+            stdout=out,
+        )
+    seen: deque[tuple[float, int]] = deque([(time.monotonic(), start.bytes_done)])
+    try:
+        while True:
+            exited = process.poll()
+            now = hub.progress(snapshot, cache)
+            seen.append((time.monotonic(), now.bytes_done))
+            while len(seen) > 2 and seen[-1][0] - seen[0][0] > RATE_WINDOW_S:
+                seen.popleft()
+            span = seen[-1][0] - seen[0][0]
+            rate = int((seen[-1][1] - seen[0][1]) / span) if span > 0 else 0
+            status = downloads.download_progress(
+                download_id=download_id, bytes_done=now.bytes_done, files_done=now.files_done, rate_bps=max(0, rate)
+            )
+            if status == D.CANCELLING:
+                processes.terminate_group(process.pid, grace_s=5)
+                process.wait()
+                return D.CANCELLED
+            if status != D.RUNNING:
+                raise JobFailed(f"the download became {status} while it ran")
+            if exited is not None:
+                break
+            time.sleep(REPORT_EVERY_S)
+    finally:
+        if process.poll() is None:
+            processes.terminate_group(process.pid, grace_s=5)
+            process.wait()
+    if process.returncode != 0:
+        tail = log.read_text(errors="replace")[-LOG_TAIL_CHARACTERS:].strip()
+        raise JobFailed(f"huggingface_hub's download exited with {process.returncode}: {_last_error(tail)}")
+    return None
+
+
+def _last_error(tail: str) -> str:
+    """The line of a Python traceback that says what went wrong (the last one)."""
+    lines = [line for line in tail.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
