@@ -18,7 +18,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-host-path bench-gpu bench-tuning bench-drain bench-outage bench-threads
+.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-host-path bench-gpu bench-tuning bench-drain bench-outage bench-threads bench-download
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,10 @@ gpu-test:
 BENCH_GPU_ARGS ?=
 bench-gpu:
 	SECRET_KEY=gantry-gpu-bench-key $(GPU_PYTHON) bench/gpu_stack.py $(BENCH_GPU_ARGS)
+
+# A host's hub download against the huggingface_hub CLI from the same local server (bench/download.py).
+bench-download: venv
+	SECRET_KEY=gantry-bench-download $(PY) bench/download.py $(BENCH_DOWNLOAD_ARGS)
 
 # A tuning run of the seeds' stack against its hand-picked split, on a GPU host (bench/tuning.py).
 BENCH_TUNING_ARGS ?=
@@ -102,6 +106,7 @@ bench: venv
 	$(MAKE) bench-host-path
 	$(MAKE) bench-outage
 	$(MAKE) bench-threads
+	$(MAKE) bench-download
 
 # The REST API at fleet scale: PostgreSQL (BENCH_DATABASE_URL), Redis and wrk.
 bench-api: venv

@@ -34,19 +34,30 @@ class Repo:
     corrupt: set[str] = field(default_factory=set)  # served with other bytes
     listed_sizes: dict[str, int] = field(default_factory=dict)  # sizes the tree claims instead of the real ones
 
+    # Each file's hashes, by the bytes object they were computed from (a test may swap files).
+    _hashes: dict[str, tuple[bytes, str, str]] = field(default_factory=dict, repr=False)
+
+    def _hashed(self, path: str) -> tuple[str, str]:
+        data = self.files[path]
+        known = self._hashes.get(path)
+        if known is None or known[0] is not data:
+            known = self._hashes[path] = (data, git_blob_id(data), hashlib.sha256(data).hexdigest())
+        return known[1], known[2]
+
     @property
     def commit(self) -> str:
         digest = hashlib.sha1()  # noqa: S324 - a commit id
         for path in sorted(self.files):
-            digest.update(path.encode() + hashlib.sha256(self.files[path]).digest())
+            digest.update(path.encode() + self._hashed(path)[1].encode())
         return digest.hexdigest()
 
     def entry(self, path: str) -> dict:
         data = self.files[path]
+        blob_id, sha256 = self._hashed(path)
         size = self.listed_sizes.get(path, len(data))
-        item = {"type": "file", "path": path, "size": size, "oid": git_blob_id(data)}
+        item = {"type": "file", "path": path, "size": size, "oid": blob_id}
         if len(data) > LFS_ABOVE:
-            item["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": size, "pointerSize": 134}
+            item["lfs"] = {"oid": sha256, "size": size, "pointerSize": 134}
         return item
 
 

@@ -25,6 +25,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common.errors import PermanentError, TransientError
 
@@ -214,20 +215,72 @@ def bytes_missing(snapshot: Snapshot, cache: Path) -> int:
     return snapshot.total_bytes - progress(snapshot, cache).bytes_done
 
 
-def verify(snapshot: Snapshot, cache: Path) -> list[str]:
+class Follower:
+    """Hashes a snapshot's files as they are written, so that checking them
+    costs nothing once the download ends. ``step`` reads what each file gained
+    since the last step (the partial file huggingface_hub writes is renamed
+    into place as its blob: the same file, read on). A digest counts only for
+    the blob it was read from, read whole; anything else (a partial file
+    rewritten, abandoned or replaced) is hashed again by ``verify``."""
+
+    def __init__(self, snapshot: Snapshot, cache: Path) -> None:
+        self.blobs = storage(cache, snapshot.hub_id) / "blobs"
+        self.waiting = {f.blob: f for f in snapshot.files}
+        self.reading: dict[str, tuple[Any, Any]] = {}
+        self.hashed: dict[str, tuple[int, str]] = {}  # blob -> (inode, digest)
+
+    def step(self) -> None:
+        for blob, f in list(self.waiting.items()):
+            if blob not in self.reading:
+                whole = self.blobs / blob
+                found = [whole] if whole.exists() else sorted(self.blobs.glob(f"{blob}.*incomplete"))
+                try:
+                    self.reading[blob] = (found[0].open("rb"), _digest(f, f.size)) if found else None
+                except OSError:
+                    self.reading[blob] = None
+                if self.reading[blob] is None:
+                    del self.reading[blob]
+                    continue
+            handle, digest = self.reading[blob]
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+            with contextlib.suppress(OSError):
+                inode = os.fstat(handle.fileno()).st_ino
+                if handle.tell() == f.size and (self.blobs / blob).stat().st_ino == inode:
+                    self.hashed[blob] = (inode, digest.hexdigest())
+                    self._drop(blob)
+
+    def _drop(self, blob: str) -> None:
+        handle, _ = self.reading.pop(blob)
+        handle.close()
+        self.waiting.pop(blob, None)
+
+    def close(self) -> None:
+        for blob in list(self.reading):
+            self._drop(blob)
+
+
+def verify(snapshot: Snapshot, cache: Path, hashed: dict[str, tuple[int, str]] | None = None) -> list[str]:
     """Check every file of the downloaded snapshot against its hash (sha256 for
-    an LFS file, git's sha1 otherwise). A file that differs is removed (blob and
-    link), so the next download fetches it again; what differed, in words."""
+    an LFS file, git's sha1 otherwise): from what a Follower read as it was
+    written, where that matches, else read again here. A file that differs is
+    removed (blob and link), so the next download fetches it again; what
+    differed, in words."""
     folder = storage(cache, snapshot.hub_id)
     problems = []
     for f in snapshot.files:
         link = folder / "snapshots" / snapshot.commit / f.path
+        expected = f.sha256 or f.blob_id
         try:
-            found = _hash(link.resolve(strict=True), f)
+            blob = link.resolve(strict=True)
+            early = (hashed or {}).get(f.blob)
+            if early is not None and early == (blob.stat().st_ino, expected):
+                continue
+            found = _hash(blob, f)
         except OSError:
             problems.append(f"{f.path}: missing after the download")
             continue
-        if found != (f.sha256 or f.blob_id):
+        if found != expected:
             problems.append(
                 f"{f.path}: its content hashes to {found[:12]}, the hub lists {(f.sha256 or f.blob_id)[:12]}"
             )
@@ -236,8 +289,12 @@ def verify(snapshot: Snapshot, cache: Path) -> list[str]:
     return problems
 
 
+def _digest(f: HubFile, size: int) -> Any:
+    return hashlib.sha256() if f.sha256 else hashlib.sha1(f"blob {size}\0".encode())  # noqa: S324 - git's object id
+
+
 def _hash(path: Path, f: HubFile) -> str:
-    digest = hashlib.sha256() if f.sha256 else hashlib.sha1(f"blob {path.stat().st_size}\0".encode())  # noqa: S324 - git's object id
+    digest = _digest(f, path.stat().st_size)
     with path.open("rb") as stream:
         while chunk := stream.read(1 << 20):
             digest.update(chunk)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import shutil
+import subprocess
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -104,11 +105,12 @@ def _download(download_id: int) -> None:
         )
         snapshot = _resolve(model)
         _check_disk(snapshot, cache)
-        ended = _fetch(download_id, snapshot, cache, work)
+        follower = hub.Follower(snapshot, cache)  # hashes the files as they arrive
+        ended = _fetch(download_id, snapshot, cache, work, follower)
         if ended is not None:
             _end(download_id, ended, "cancelled; the files fetched so far stay in the cache and a new download resumes")
             return
-        problems = hub.verify(snapshot, cache)
+        problems = hub.verify(snapshot, cache, follower.hashed)
         if problems:
             raise JobFailed(f"{len(problems)} file(s) failed their hash and were removed: {'; '.join(problems)}")
         done = hub.progress(snapshot, cache)
@@ -157,7 +159,7 @@ def _check_disk(snapshot: hub.Snapshot, cache: Path) -> None:
         )
 
 
-def _fetch(download_id: int, snapshot: hub.Snapshot, cache: Path, work: Path) -> str | None:
+def _fetch(download_id: int, snapshot: hub.Snapshot, cache: Path, work: Path, follower: hub.Follower) -> str | None:
     """Run the download process to its end, reporting progress; the end status
     when a cancel stopped it, None when it finished."""
     start = hub.progress(snapshot, cache)
@@ -193,7 +195,8 @@ def _fetch(download_id: int, snapshot: hub.Snapshot, cache: Path, work: Path) ->
     seen: deque[tuple[float, int]] = deque([(time.monotonic(), start.bytes_done)])
     try:
         while True:
-            exited = process.poll()
+            exited = _wait(process, REPORT_EVERY_S)
+            follower.step()
             now = hub.progress(snapshot, cache)
             seen.append((time.monotonic(), now.bytes_done))
             while len(seen) > 2 and seen[-1][0] - seen[0][0] > RATE_WINDOW_S:
@@ -211,8 +214,8 @@ def _fetch(download_id: int, snapshot: hub.Snapshot, cache: Path, work: Path) ->
                 raise JobFailed(f"the download became {status} while it ran")
             if exited is not None:
                 break
-            time.sleep(REPORT_EVERY_S)
     finally:
+        follower.close()
         if process.poll() is None:
             processes.terminate_group(process.pid, grace_s=5)
             process.wait()
@@ -220,6 +223,14 @@ def _fetch(download_id: int, snapshot: hub.Snapshot, cache: Path, work: Path) ->
         tail = log.read_text(errors="replace")[-LOG_TAIL_CHARACTERS:].strip()
         raise JobFailed(f"huggingface_hub's download exited with {process.returncode}: {_last_error(tail)}")
     return None
+
+
+def _wait(process: subprocess.Popen, timeout: float) -> int | None:
+    """The process's exit status once it ends within ``timeout``, else None."""
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def _last_error(tail: str) -> str:
