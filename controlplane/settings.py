@@ -454,6 +454,13 @@ GANTRY_HUB_TOKEN = env_str(
     help="a GPU host's access token for gated and private models (or GANTRY_HUB_TOKEN_FILE); never logged, "
     "shown or passed to model code",
 )
+GANTRY_HUB_CACHE_QUOTA_GB = env_float(
+    "GANTRY_HUB_CACHE_QUOTA_GB",
+    0.0,
+    minimum=0.0,
+    help="the most a GPU host's hub cache holds, in GiB: a download evicts the least recently used models "
+    "(never one in use or pinned) to fit; 0: no quota, only the free disk",
+)
 GANTRY_HUB_DOWNLOAD_WORKERS = env_int(
     "GANTRY_HUB_DOWNLOAD_WORKERS", 8, minimum=1, maximum=64, help="files a host downloads at once"
 )

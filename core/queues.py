@@ -19,6 +19,8 @@ INSPECT_MODEL = "workers.tasks.inspect_model"
 RUN_BUILD = "workers.tasks.run_build"
 # Download a hub model into the host's cache (deployments.models.ModelDownload).
 RUN_DOWNLOAD = "workers.tasks.run_download"
+# Remove a hub model from the host's cache.
+REMOVE_COPY = "workers.tasks.remove_copy"
 # Remove what a deleted deployment or build left on its host's disk.
 FORGET_DEPLOYMENT = "workers.tasks.forget_deployment"
 FORGET_BUILD = "workers.tasks.forget_build"

@@ -204,6 +204,7 @@ def deployment_plan(deployment: Deployment) -> list[dict]:
 _HOLDING = frozenset(
     {
         DeploymentStatus.LAUNCHING,
+        DeploymentStatus.FETCHING,
         DeploymentStatus.LOADING,
         DeploymentStatus.READY,
         DeploymentStatus.UPDATING,
@@ -365,3 +366,15 @@ def gpu_shares_on(hosts: list[GpuHost]) -> dict[tuple[int, int], list[dict]]:
                      "model": placement.triton_name, "fraction": share_of(placement)}  # type: ignore[arg-type]
                 )  # fmt: skip
     return shares
+
+
+def replicas_using(model_id: int, host_name: str) -> list[str]:
+    """The replicas on ``host_name`` that run the model or want to, as
+    "<deployment>'s <replica>" (a model they use is never removed from that host)."""
+    resting = [DeploymentStatus.PENDING, DeploymentStatus.STOPPED, DeploymentStatus.FAILED, DeploymentStatus.LOST]
+    replicas = Replica.objects.select_related("deployment").filter(
+        Q(desired_state=DesiredState.RUNNING, deployment__desired_state=DesiredState.RUNNING) | ~Q(status__in=resting),
+        host__name=host_name,
+        deployment__placements__registered_model_id=model_id,
+    )
+    return sorted({f"{r.deployment.name}'s {r.label}" for r in replicas})

@@ -43,7 +43,9 @@ from deployments.models import RevisionStatus as R
 # replicas' (deployment_status_of) whenever one of them moves.
 ALLOWED: dict[str, frozenset[str]] = {
     S.PENDING: frozenset({S.LAUNCHING, S.STOPPED}),
-    S.LAUNCHING: frozenset({S.LOADING, S.FAILED, S.STOPPING, S.LOST}),
+    S.LAUNCHING: frozenset({S.FETCHING, S.LOADING, S.FAILED, S.STOPPING, S.LOST}),
+    # Its host lacks a hub model: launching again once the download succeeded, failed if it did not.
+    S.FETCHING: frozenset({S.LAUNCHING, S.FAILED, S.STOPPING, S.LOST}),
     S.LOADING: frozenset({S.READY, S.FAILED, S.STOPPING, S.LOST}),
     S.READY: frozenset({S.DEGRADED, S.FAILED, S.STOPPING, S.UPDATING, S.LOST}),
     S.UPDATING: frozenset({S.READY, S.FAILED, S.STOPPING, S.LOST}),
@@ -60,7 +62,8 @@ ALLOWED: dict[str, frozenset[str]] = {
 # stop task that finds its replica here has nothing left to do.
 AT_REST = frozenset({S.PENDING, S.STOPPED, S.FAILED})
 # States in which a server process may exist on the host.
-ACTIVE = frozenset({S.LAUNCHING, S.LOADING, S.READY, S.UPDATING, S.DEGRADED, S.STOPPING})
+# (A fetching replica's server is about to start: it is stopped like a launching one.)
+ACTIVE = frozenset({S.LAUNCHING, S.FETCHING, S.LOADING, S.READY, S.UPDATING, S.DEGRADED, S.STOPPING})
 # States a server keeps running in; a crash from any of them is noticed by reconcile.
 SERVING = frozenset({S.LOADING, S.READY, S.UPDATING, S.DEGRADED})
 # States in which a replica answers requests (the gateway routes to these).
@@ -103,7 +106,7 @@ def deployment_status_of(statuses: list[str], *, wanted: int, desired: str, curr
         for found, status in (
             (count.get(S.READY, 0) + count.get(S.DEGRADED, 0), S.DEGRADED),
             (count.get(S.LOADING), S.LOADING),
-            (count.get(S.LAUNCHING, 0) + count.get(S.PENDING, 0), S.LAUNCHING),
+            (count.get(S.LAUNCHING, 0) + count.get(S.FETCHING, 0) + count.get(S.PENDING, 0), S.LAUNCHING),
             (count.get(S.STOPPING), S.STOPPING),
             (count.get(S.FAILED, 0) + count.get(S.LOST, 0), S.FAILED),
         ):

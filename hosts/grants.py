@@ -80,7 +80,11 @@ HOST_TABLES: dict[str, tuple[str, dict[str, str]]] = {
     # Each host records only what its own disk holds (workers.deploy.copies); placement reads them all.
     "deployments_checkpointcopy": ("SELECT, INSERT, UPDATE, DELETE", {"ALL": f"host_id = {HOST}"}),
     "deployments_enginebuild": ("SELECT, UPDATE", {"UPDATE": f"host_id = {HOST}"}),
-    "deployments_modeldownload": ("SELECT, UPDATE", {"UPDATE": f"host_id = {HOST}"}),
+    # A host starts a download of its own when a replica placed there lacks a hub model.
+    "deployments_modeldownload": (
+        "SELECT, INSERT, UPDATE",
+        {"INSERT": f"host_id = {HOST}", "UPDATE": f"host_id = {HOST}"},
+    ),
     "deployments_buildlogline": ("SELECT, INSERT, DELETE", {"ALL": f"build_id IN {OWN_BUILDS}"}),
     "deployments_deployment": ("SELECT, UPDATE", {"UPDATE": f"id IN {SERVED}"}),
     "deployments_deployment_pinned_hosts": ("SELECT", {}),

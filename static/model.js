@@ -33,6 +33,21 @@
           redraw();
         });
       });
+      const said = section().querySelector("[data-error-for=cache]");
+      section().querySelectorAll("#cached [data-pin], #cached [data-remove]").forEach((button) => {
+        button.addEventListener("click", async () => {
+          const path = `/api/models/${id}/copies/${button.closest("tr").dataset.host}/`;
+          button.disabled = true;
+          try {
+            if (button.dataset.pin) await api("PATCH", path, { pinned: button.dataset.pin === "true" });
+            else await api("DELETE", path);
+            redraw();
+          } catch (error) {
+            said.textContent = String(error.message || error);
+            button.disabled = false;
+          }
+        });
+      });
       const form = section().querySelector("#download-form");
       if (form) {
         form.addEventListener("submit", async (event) => {

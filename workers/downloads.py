@@ -31,6 +31,7 @@ from deployments.models import DownloadStatus as D
 from deployments.models import Inspection, ModelDownload, RegisteredModel
 from deployments.services import downloads
 from upstream import hub
+from workers import cache as cache_quota
 from workers import inspection, processes
 from workers.deploy import copies
 from workers.jobs import JobFailed, run_job, source
@@ -55,7 +56,7 @@ def run_download(download_id: int) -> None:
 
 def _end(download_id: int, to: str, reason: str) -> None:
     with contextlib.suppress(InvalidTransition):
-        download = states.download_transition(download_id=download_id, to=to, source=source(), message=reason)
+        download = downloads.download_end(download_id=download_id, to=to, source=source(), message=reason)
         model = download.model
         if to == D.FAILED and model.inspection == Inspection.PENDING and model.host_id == download.host_id:
             states.inspection_transition(
@@ -104,7 +105,7 @@ def _download(download_id: int) -> None:
             else f"resolving {model.hub_id}@{model.commit or model.revision or 'main'}",
         )
         snapshot = _resolve(model)
-        _check_disk(snapshot, cache)
+        _check_disk(download_id, model, snapshot, cache)
         follower = hub.Follower(snapshot, cache)  # hashes the files as they arrive
         ended = _fetch(download_id, snapshot, cache, work, follower)
         if ended is not None:
@@ -115,19 +116,18 @@ def _download(download_id: int) -> None:
             raise JobFailed(f"{len(problems)} file(s) failed their hash and were removed: {'; '.join(problems)}")
         done = hub.progress(snapshot, cache)
         downloads.download_progress(download_id=download_id, bytes_done=done.bytes_done, files_done=done.files_done)
-        states.download_transition(
-            download_id=download_id,
-            to=D.SUCCEEDED,
-            source=source(),
-            message=f"{len(snapshot.files)} files, {filesizeformat(snapshot.total_bytes)} at commit "
-            f"{snapshot.commit[:12]}, each checked against its hash",
+        said = (
+            f"{len(snapshot.files)} files, {filesizeformat(snapshot.total_bytes)} at commit {snapshot.commit[:12]}, "
+            "each checked against its hash"
         )
+        model.refresh_from_db()
+        first = model.inspection == Inspection.PENDING and model.host_id == download.host_id
+        if not first:
+            copies.look_at(model)  # placement (and a replica waiting for it) sees the copy first
+        downloads.download_end(download_id=download_id, to=D.SUCCEEDED, source=source(), message=said)
     shutil.rmtree(work, ignore_errors=True)
-    model.refresh_from_db()
-    if model.inspection == Inspection.PENDING and model.host_id == download.host_id:
+    if first:
         inspection.inspect(model.pk)
-    else:
-        copies.look_at(model)
 
 
 def _resolve(model: RegisteredModel) -> hub.Snapshot:
@@ -148,8 +148,13 @@ def _resolve(model: RegisteredModel) -> hub.Snapshot:
     return snapshot
 
 
-def _check_disk(snapshot: hub.Snapshot, cache: Path) -> None:
+def _check_disk(download_id: int, model: RegisteredModel, snapshot: hub.Snapshot, cache: Path) -> None:
+    """Room for the files still to fetch: within the cache's quota (evicting the
+    least recently used models), then on the disk."""
     needed = hub.bytes_missing(snapshot, cache)
+    if cache_quota.make_room(needed, keep=model):  # each eviction is on its model's timeline
+        downloads.download_progress(download_id=download_id)  # a heartbeat: removing files takes a moment
+    cache.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(cache).free
     if needed > free - DISK_RESERVE_BYTES:
         raise JobFailed(

@@ -11,6 +11,7 @@ from core import queues
 from hosts.services import hosts
 from workers import (
     agent,  # noqa: F401 - importing agent connects it to worker start
+    cache,
     downloads,
 )
 from workers.deploy import lifecycle
@@ -78,6 +79,11 @@ def run_build(build_id: int) -> None:
 @shared_task(name=queues.RUN_DOWNLOAD, soft_time_limit=None, time_limit=None)
 def run_download(download_id: int) -> None:
     downloads.run_download(download_id)
+
+
+@shared_task(name=queues.REMOVE_COPY)
+def remove_copy(model_id: int) -> None:
+    cache.remove_asked(model_id)
 
 
 # A load test bounds each of its steps itself (loadtests.workload): no Celery limit.

@@ -27,6 +27,8 @@ class CopyOut(serializers.Serializer):
     host = serializers.CharField(source="host.name")
     matches = serializers.BooleanField(help_text="its files match the registered fingerprint: replicas may go there")
     checked_at = serializers.DateTimeField(help_text="since when the host has held them as they are")
+    used_at = serializers.DateTimeField(allow_null=True, help_text="when a replica last launched with it there")
+    pinned = serializers.BooleanField(help_text="never evicted from that host's hub cache")
 
 
 class DownloadOut(serializers.ModelSerializer):
@@ -203,3 +205,25 @@ class DownloadCancel(APIView):
             DownloadOut(downloads.download_cancel(download_id=pk, user=request.user)).data,
             status=status.HTTP_202_ACCEPTED,
         )
+
+
+class CopyIn(StrictSerializer):
+    pinned = serializers.BooleanField(help_text="never evict it from this host's hub cache")
+
+
+class ModelCopy(APIView):
+    """PATCH /api/models/<id>/copies/<host name>/ pins a hub model in that host's
+    cache (or unpins it); DELETE removes it from that host (refused while a
+    replica there uses it)."""
+
+    permission_classes = [ReadOrOperate]
+
+    @extend_schema(request=CopyIn, responses={200: CopyOut})
+    def patch(self, request: Request, pk: int, name: str) -> Response:
+        data = validated(CopyIn, request)
+        return Response(CopyOut(downloads.copy_pin(model_id=pk, host=name, user=request.user, **data)).data)
+
+    @extend_schema(request=None, responses={202: None})
+    def delete(self, request: Request, pk: int, name: str) -> Response:
+        downloads.copy_remove(model_id=pk, host=name, user=request.user)
+        return Response(status=status.HTTP_202_ACCEPTED)

@@ -7,6 +7,7 @@ urlpatterns = [
     path("models/", models.ModelList.as_view(), name="api-models"),
     path("models/<int:pk>/", models.ModelDetail.as_view(), name="api-model"),
     path("models/<int:pk>/downloads/", models.ModelDownloads.as_view(), name="api-model-downloads"),
+    path("models/<int:pk>/copies/<str:name>/", models.ModelCopy.as_view(), name="api-model-copy"),
     path("downloads/<int:pk>/cancel/", models.DownloadCancel.as_view(), name="api-download-cancel"),
     path("builds/", builds.BuildList.as_view(), name="api-builds"),
     path("builds/preflight/", builds.BuildPreflight.as_view(), name="api-build-preflight"),

@@ -131,6 +131,13 @@ class CheckpointCopy(models.Model):
     checked_at = models.DateTimeField(
         default=timezone.now, help_text="Since when the host has held the files as they are (found, or changed)."
     )
+    used_at = models.DateTimeField(
+        null=True, blank=True, help_text="When a replica last launched with it here (its hub cache evicts the least "
+        "recently used first)."
+    )  # fmt: skip
+    pinned = models.BooleanField(
+        default=False, help_text="Never evicted from this host's hub cache (a model downloaded from the hub)."
+    )
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["model", "host"], name="one_copy_per_model_and_host")]

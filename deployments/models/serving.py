@@ -19,6 +19,7 @@ from hosts.models import GpuHost
 class DeploymentStatus(models.TextChoices):
     PENDING = "pending"
     LAUNCHING = "launching"
+    FETCHING = "fetching"  # a replica's host downloading a hub model it lacks, before it starts the server
     LOADING = "loading"
     READY = "ready"
     UPDATING = "updating"  # a ready deployment loading its new generation in place

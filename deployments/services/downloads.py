@@ -2,10 +2,14 @@
 
 A model registered by hub id (no folder) gets its first download on the host
 named at registration; that host resolves the revision to a commit, which
-every later download on another host fetches. The host's worker
-(workers.downloads) reports progress on the row and says how it ended; the
-first host then inspects the files, and every host records its copy, so
-placement finds it (replica_placement.holding_hosts).
+every later download on another host fetches: asked for (download_request),
+or because a replica was placed on a host that lacks the model
+(replica_placement prefers hosts that hold it): its launch finds the files
+missing and the replica waits, fetching, for the download
+(replica_fetch), then launches, or fails with the download's reason. The
+host's worker (workers.downloads) reports progress on the row and says how it
+ended (download_end); the first host then inspects the files, and every host
+records its copy, so placement finds it (replica_placement.holding_hosts).
 """
 
 from __future__ import annotations
@@ -15,14 +19,17 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.template.defaultfilters import filesizeformat
 from django.utils import timezone
 
 from common.errors import InvalidTransition, NotFound, ValidationFailed
 from core import events, queues
 from core.permissions import require_operator
-from deployments import states
+from deployments import selectors, states
+from deployments.models import CheckpointCopy, Inspection, ModelDownload, RegisteredModel, Replica
+from deployments.models import DeploymentStatus as S
 from deployments.models import DownloadStatus as D
-from deployments.models import Inspection, ModelDownload, RegisteredModel
+from deployments.services import replicas
 from hosts import outbox
 from hosts.models import GpuHost
 
@@ -99,10 +106,81 @@ def download_cancel(*, download_id: int, user: Any = None) -> ModelDownload:
     download = ModelDownload.objects.filter(pk=download_id).first()
     if download is None:
         raise NotFound(f"download {download_id} does not exist")
-    to = D.CANCELLED if download.status == D.PENDING else D.CANCELLING
+    if download.status == D.PENDING:
+        return download_end(download_id=download_id, to=D.CANCELLED, source=events.source_of(user), actor=user,
+                            message="cancelled before it started")  # fmt: skip
     return states.download_transition(
-        download_id=download_id, to=to, source=events.source_of(user), actor=user, message="cancel asked"
+        download_id=download_id, to=D.CANCELLING, source=events.source_of(user), actor=user, message="cancel asked"
     )
+
+
+def download_end(*, download_id: int, to: str, source: str, message: str, actor: Any = None) -> ModelDownload:
+    """End a download (succeeded, failed or cancelled), and move the replicas on
+    its host that wait for it: launching once every model they lack is here,
+    failed with its reason when it did not succeed."""
+    with transaction.atomic():
+        download = states.download_transition(
+            download_id=download_id, to=to, source=source, actor=actor, message=message
+        )
+        waiting = Replica.objects.select_related("deployment", "host").filter(
+            host=download.host, status=S.FETCHING, deployment__placements__registered_model=download.model
+        )
+        for replica in waiting.distinct():
+            if to != D.SUCCEEDED:
+                replicas.replica_fail(
+                    replica_id=replica.pk, source=source, only_from=frozenset({S.FETCHING}),
+                    reason=f"its host could not fetch {download.model.name}: {message}",
+                )  # fmt: skip
+            elif not to_fetch(replica):
+                replicas.replica_fetched(
+                    replica=replica, source=source, message=f"{download.model.name} is here: starting its server"
+                )
+    return download
+
+
+def to_fetch(replica: Replica) -> list[RegisteredModel]:
+    """The hub models a replica's placements read that its host holds no
+    matching copy of (downloadable: inspected, their commit pinned)."""
+    models = [p.registered_model for p in replica.deployment.placements.select_related("registered_model")]
+    held = set(
+        CheckpointCopy.objects.filter(host=replica.host, model__in=models).values_list("model_id", "fingerprint")
+    )
+    return [
+        m for m in models
+        if m.downloaded and m.commit and m.inspection == Inspection.READY and (m.pk, m.fingerprint) not in held
+    ]  # fmt: skip
+
+
+def replica_files_here(*, replica: Replica, source: str) -> bool:
+    """Whether a launching replica's host holds the hub models it reads (their
+    copies then stamped used now: the hub cache evicts the least recently used
+    first). When it lacks some, the replica waits, fetching (replica_fetch)."""
+    lacking = to_fetch(replica)
+    if lacking:
+        replica_fetch(replica=replica, models=lacking, source=source)
+        return False
+    models = replica.deployment.placements.values_list("registered_model_id", flat=True)
+    CheckpointCopy.objects.filter(host=replica.host, model_id__in=models).update(used_at=timezone.now())
+    return True
+
+
+def replica_fetch(*, replica: Replica, models: list[RegisteredModel], source: str) -> None:
+    """A launching replica whose host lacks ``models`` (hub models) waits,
+    fetching, for their downloads on that host (an active one is joined)."""
+    with transaction.atomic():
+        rows = []
+        for model in models:
+            active = ModelDownload.objects.filter(model=model, host=replica.host, status__in=states.DOWNLOAD_ACTIVE)
+            rows.append(
+                active.first()
+                or download_start(model=model, host=replica.host, user=None, why=f"{replica.label} waits for it")
+            )
+        states.replica_transition(
+            replica_id=replica.pk, to=S.FETCHING, source=source, only_from=frozenset({S.LAUNCHING}),
+            message=f"fetching {', '.join(f'{m.name} ({filesizeformat(m.size_bytes)})' for m in models)} from the "
+            f"hub before it starts (download {', '.join(str(r.pk) for r in rows)})",
+            data={"downloads": [r.pk for r in rows]},
+        )  # fmt: skip
 
 
 def download_progress(*, download_id: int, **figures: int | str) -> str:
@@ -170,7 +248,7 @@ def downloads_reap() -> list[int]:
     reaped = []
     for pk in stale.values_list("pk", flat=True):
         try:
-            states.download_transition(
+            download_end(
                 download_id=pk,
                 to=D.FAILED,
                 source="system",
@@ -180,3 +258,55 @@ def downloads_reap() -> list[int]:
             continue
         reaped.append(pk)
     return reaped
+
+
+def _copy(model_id: int, host: str) -> CheckpointCopy:
+    copy = CheckpointCopy.objects.select_related("model", "host").filter(model_id=model_id, host__name=host).first()
+    if copy is None:
+        if not RegisteredModel.objects.filter(pk=model_id).exists():
+            raise NotFound(f"model {model_id} does not exist")
+        raise NotFound(f"{host} holds no copy of model {model_id}")
+    return copy
+
+
+def copy_pin(*, model_id: int, host: str, pinned: bool, user: Any = None) -> CheckpointCopy:
+    """Pin a hub model in ``host``'s cache (never evicted there), or unpin it."""
+    require_operator(user)
+    with transaction.atomic():
+        copy = _copy(model_id, host)
+        if not copy.model.downloaded:
+            raise ValidationFailed(
+                {"pinned": f"{copy.model.name} is a folder registered at {copy.model.path}; only a model downloaded "
+                 "from the hub is in a host's cache (a folder is never evicted)"}
+            )  # fmt: skip
+        CheckpointCopy.objects.filter(pk=copy.pk).update(pinned=pinned)
+        copy.pinned = pinned
+        events.record(
+            kind="model.copy_pinned" if pinned else "model.copy_unpinned",
+            source=events.source_of(user), actor=user, model=copy.model, host=copy.host,
+            message=f"{copy.model.name} on {host}: "
+            + ("pinned: never evicted from its hub cache" if pinned else "unpinned: evicted when least recently used"),
+        )  # fmt: skip
+    return copy
+
+
+def copy_remove(*, model_id: int, host: str, user: Any = None) -> None:
+    """Remove a hub model from ``host``'s cache (its host does it, then records
+    the copy gone). Refused for a folder registered by path, and while a
+    replica on that host runs the model or wants to."""
+    require_operator(user)
+    with transaction.atomic():
+        copy = _copy(model_id, host)
+        model = copy.model
+        if not model.downloaded:
+            raise InvalidTransition(
+                f"{model.name} is a folder registered at {model.path}: Gantry removes only what it downloaded"
+            )
+        using = selectors.replicas_using(model_id, host)
+        if using:
+            raise InvalidTransition(f"{', '.join(using)} use {model.name} on {host}: stop or move them first")
+        events.record(
+            kind="model.copy_remove", source=events.source_of(user), actor=user, model=model, host=copy.host,
+            message=f"removing {model.name} from {host}'s hub cache",
+        )  # fmt: skip
+        outbox.enqueue_on_commit(queues.REMOVE_COPY, host_name=host, args=[model_id])

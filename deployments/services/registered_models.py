@@ -233,10 +233,13 @@ def _record_inspection(model: RegisteredModel, info: CheckpointInfo, *, source: 
         )
 
 
-def checkpoint_copy_record(*, model_id: int, host_name: str, fingerprint: str | None, source: str) -> None:
+def checkpoint_copy_record(
+    *, model_id: int, host_name: str, fingerprint: str | None, source: str, why: str = ""
+) -> None:
     """What ``host_name``'s agent found at a registered model's path: the files'
-    fingerprint, or None when no checkpoint is there (its copy is forgotten).
-    Said on the model's timeline when a copy is found, changes or goes."""
+    fingerprint, or None when no checkpoint is there (its copy is forgotten;
+    ``why``: removed or evicted). Said on the model's timeline when a copy is
+    found, changes or goes."""
     with transaction.atomic():
         model = RegisteredModel.objects.filter(pk=model_id, inspection=Inspection.READY).first()
         host = GpuHost.objects.filter(name=host_name).first()
@@ -248,7 +251,10 @@ def checkpoint_copy_record(*, model_id: int, host_name: str, fingerprint: str | 
             return
         where = f"{model.name}'s checkpoint on {host_name}" + (f" ({model.path})" if model.path else "")
         if fingerprint is None:
-            message, kind = f"{where} is gone: no replica is placed there", "model.copy_gone"
+            message, kind = (
+                f"{where} is gone{f' ({why})' if why else ''}: no replica is placed there",
+                "model.copy_gone",
+            )
         elif fingerprint == model.fingerprint:
             message, kind = (
                 f"{where} is found and matches its fingerprint: replicas may be placed there",

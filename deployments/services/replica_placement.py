@@ -1,5 +1,5 @@
 """Where a deployment's replicas go: the candidate hosts (online, not cordoned,
-holding the model's files: holding_hosts), their free ports,
+holding the model's files or able to fetch them from the hub: holding_hosts), their free ports,
 and a host and GPUs for each new replica from the hosts' one GPU plan
 (gpu_plan.choose_host). Spread puts replicas on different hosts first, pack
 onto the fewest; a replica that fits nowhere is refused before anything
@@ -11,7 +11,9 @@ row lock; the functions here lock the candidate hosts' rows after it.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
+from dataclasses import dataclass
 
 from django.conf import settings
 from django.db.models import F, Max
@@ -83,27 +85,42 @@ def gpu_hosts_for_auto(hosts: list[GpuHost], placements: list[DeploymentModel]) 
     return with_gpus, [host.name for host in hosts if host not in with_gpus]
 
 
-def holding_hosts(hosts: list[GpuHost], placements: list[DeploymentModel]) -> tuple[list[GpuHost], list[str]]:
-    """The candidates that hold every file the placements read: a copy of each
+@dataclass(frozen=True)
+class Holding:
+    """The candidates by what they hold of the files placements read."""
+
+    holders: list[GpuHost]  # every file is there
+    fetchers: list[GpuHost]  # only hub models are missing: its worker downloads them before it launches
+    lacking: list[str]  # why each other host is left out, for a refusal
+
+
+def holding_hosts(hosts: list[GpuHost], placements: list[DeploymentModel]) -> Holding:
+    """Sort the candidates by the files the placements read: a copy of each
     registered checkpoint that matches its fingerprint (CheckpointCopy, which
     each host's agent records), and an engine build's folder, which is on the
-    host that built it. And, for a refusal, what each host left out lacks."""
+    host that built it. A host that lacks only models downloaded from the hub
+    (inspected, so their commit is pinned) may fetch them first."""
     model_ids = {p.registered_model_id for p in placements}
     held = set(
         CheckpointCopy.objects.filter(model_id__in=model_ids, host__in=hosts, fingerprint=F("model__fingerprint"))
         .values_list("host_id", "model_id")
     )  # fmt: skip
-    names = dict(RegisteredModel.objects.filter(pk__in=model_ids).values_list("pk", "name"))
+    models = {
+        m.pk: m for m in RegisteredModel.objects.filter(pk__in=model_ids).only("name", "path", "commit", "inspection")
+    }
     builds = {p.engine_build_id: p.engine_build.host_id for p in placements if p.engine_build_id}
-    kept, lacking = [], []
+    holding = Holding([], [], [])
     for host in hosts:
-        missing = [f"{names[m]}'s checkpoint" for m in sorted(model_ids) if (host.pk, m) not in held]
-        missing += [f"build {b}'s engine" for b, built_on in sorted(builds.items()) if built_on != host.pk]
-        if missing:
-            lacking.append(f"{host.name} lacks {' and '.join(missing)}")
+        missing = [models[m] for m in sorted(model_ids) if (host.pk, m) not in held]
+        words = [f"{m.name}'s checkpoint" for m in missing]
+        words += [f"build {b}'s engine" for b, built_on in sorted(builds.items()) if built_on != host.pk]
+        if not words:
+            holding.holders.append(host)
+        elif len(words) == len(missing) and all(m.downloaded and m.commit for m in missing):
+            holding.fetchers.append(host)
         else:
-            kept.append(host)
-    return kept, lacking
+            holding.lacking.append(f"{host.name} lacks {' and '.join(words)}")
+    return holding
 
 
 def _refusal_notes(pinned: list[GpuHost], lacking: list[str], left_out: list[str]) -> str:
@@ -141,8 +158,10 @@ def plan_replicas(
     ``besides``: a deployment whose replicas the plans leave out; ``replacing``:
     these replace lost replicas (candidate_hosts); ``physical``:
     the placements' GPU ids are the hosts' own (Deployment.physical_gpus)."""
-    hosts, lacking = holding_hosts(candidate_hosts(pinned, lock=lock, replacing=replacing), placements)
-    hosts, left_out = gpu_hosts_for_auto(hosts, placements)
+    holding = holding_hosts(candidate_hosts(pinned, lock=lock, replacing=replacing), placements)
+    lacking = holding.lacking
+    hosts, left_out = gpu_hosts_for_auto(holding.holders + holding.fetchers, placements)
+    fetching = {host.pk for host in holding.fetchers}
     holders = selectors.plan_holders_by_host(hosts, besides=besides)
     siblings: Counter[int] = Counter()
     if deployment is not None:
@@ -157,10 +176,21 @@ def plan_replicas(
     for n in range(count):
         replica = Holder(key=key, name=name, placements=placements, status="planned", replica=-(n + 1))
         candidates = [Candidate(host=h, holders=holders.get(h.pk, []), siblings=siblings[h.pk]) for h in hosts]
-        choice = choose_host(
-            candidates, replica, pack=policy == PlacementPolicy.PACK, identity=bool(pinned) and not siblings,
+        choose = functools.partial(
+            choose_host, replica=replica, pack=policy == PlacementPolicy.PACK, identity=bool(pinned) and not siblings,
             physical=physical,
         )  # fmt: skip
+        # Hosts that hold the files first; one that must fetch them when none of those has
+        # room, or (spread) when it would hold fewer of the deployment's replicas.
+        nearest = [c for c in candidates if c.host.pk not in fetching]
+        spread = policy != PlacementPolicy.PACK
+        choice = choose(nearest) if nearest or not fetching else None
+        if fetching and not (isinstance(choice, Choice) and not (spread and siblings[choice.host.pk])):
+            wider = choose(candidates)
+            if not isinstance(choice, Choice) or (
+                isinstance(wider, Choice) and siblings[wider.host.pk] < siblings[choice.host.pk]
+            ):
+                choice = wider
         if isinstance(choice, str):
             notes = notes if notes is not None else _refusal_notes(pinned, lacking, left_out)
             choice += notes

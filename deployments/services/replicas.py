@@ -264,6 +264,15 @@ def replica_start_after_stop(*, replica_id: int, source: str) -> None:
             _launch(replica, source=source, message="restarting: starting again")
 
 
+def replica_fetched(*, replica: Replica, source: str, message: str) -> Replica:
+    """A replica that waited for its host to fetch a hub model launches now."""
+    replica = states.replica_transition(
+        replica_id=replica.pk, to=S.LAUNCHING, source=source, only_from=frozenset({S.FETCHING}), message=message
+    )
+    enqueue(queues.LAUNCH_REPLICA, replica)
+    return replica
+
+
 def replica_relaunch(*, replica_id: int, source: str, attempt: int) -> Replica:
     """Restart a failed replica that should be running (a crashed server)."""
     with transaction.atomic():
@@ -369,7 +378,7 @@ def replica_fail(
         )  # fmt: skip
     except InvalidTransition:
         return False
-    if before in (S.LAUNCHING, S.LOADING):
+    if before in (S.LAUNCHING, S.FETCHING, S.LOADING):
         _roll_failed(replica_id, reason, source)
     return True
 
@@ -404,7 +413,7 @@ def replica_drain_told(*, replica_id: int, in_flight: int, source: str, message:
 
 
 # A roll waits while one of these is under way: one replica at a time.
-ROLL_BUSY = frozenset({S.LAUNCHING, S.LOADING, S.UPDATING})
+ROLL_BUSY = frozenset({S.LAUNCHING, S.FETCHING, S.LOADING, S.UPDATING})
 
 
 def roll_next(*, deployment_id: int, source: str) -> Replica | None:

@@ -26,7 +26,7 @@ from common.errors import GantryError, InvalidTransition, PermanentError, Transi
 from deployments import states
 from deployments.models import Deployment, Replica
 from deployments.models import DeploymentStatus as S
-from deployments.services import builds, generations, replicas
+from deployments.services import builds, downloads, generations, replicas
 from triton_server.config import CONFIG_FILE
 from triton_server.repository import ModelSpec, write_repository
 from triton_server.server import LaunchSpec
@@ -128,6 +128,8 @@ def _start_server(replica_id: int) -> tuple[Replica, Runtime, str, LaunchSpec] |
     if replica is None or replica.status != S.LAUNCHING:
         log.info("launch of %s skipped: status is %s", replica_id, replica and replica.status)
         return None
+    if not downloads.replica_files_here(replica=replica, source=source()):
+        return None  # placed here without a hub model's files: its download launches it again
     if problem := inputs_problem(replica):
         raise PermanentError(problem)
     runtime = runtime_for(replica)

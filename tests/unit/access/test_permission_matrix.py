@@ -82,8 +82,8 @@ def world(llama, minilm, host, operator) -> dict[str, Any]:  # noqa: ANN001
     download = ModelDownload.objects.create(model=minilm, host=host)
     ids = {
         "deployments": deployment.pk, "builds": build.pk, "models": minilm.pk, "aliases": alias.pk,
-        "downloads": download.pk, "keys": key.pk, "tokens": token.pk, "hosts": host.name, "loadtests": run.pk,
-        "tuning": tuned.pk,
+        "downloads": download.pk, "copies": host.name, "keys": key.pk, "tokens": token.pk, "hosts": host.name,
+        "loadtests": run.pk, "tuning": tuned.pk,
     }  # fmt: skip
     return {"users": users, "ids": ids}
 

@@ -20,11 +20,21 @@ from django.test import override_settings
 
 from common.errors import InvalidTransition, ValidationFailed
 from core.models import Event
-from deployments.models import CheckpointCopy, DownloadStatus, Inspection, ModelDownload, RegisteredModel
-from deployments.services import downloads, registered_models
+from deployments.models import (
+    CheckpointCopy,
+    DeploymentStatus,
+    DownloadStatus,
+    Inspection,
+    ModelDownload,
+    RegisteredModel,
+    Replica,
+)
+from deployments.services import deployments, downloads, registered_models
+from deployments.services.placements import PlacementSpec
 from tests import factories
 from tests.hubserver import HubServer, Repo
 from workers import downloads as worker
+from workers.deploy import lifecycle
 
 pytestmark = pytest.mark.django_db(transaction=True)
 REPO = "tiny-org/tiny-embedder"
@@ -213,6 +223,62 @@ def test_a_download_whose_worker_was_killed_resumes_from_its_partial_files(hub_s
     assert (model.folder / "model.safetensors").read_bytes() == repo.files["model.safetensors"]
 
 
+def _placed_on_both(operator) -> tuple[RegisteredModel, dict[str, Replica]]:  # noqa: ANN001
+    """The hub model held by "home" only, and a deployment of two replicas spread over both hosts."""
+    model = _register(operator)
+    assert _download(model).status == DownloadStatus.SUCCEEDED
+    deployment = deployments.deployment_create(
+        name="d", hosts=[], placements=[PlacementSpec(model="tiny")], replicas=2, user=operator
+    )
+    deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+    placed = {r.host.name: r for r in Replica.objects.select_related("host").filter(deployment=deployment)}
+    return model, placed
+
+
+def test_a_replica_placed_where_the_model_is_not_fetches_it_first_then_launches(hub_settings, operator):  # noqa: ANN001
+    factories.cpu_host("home")
+    factories.cpu_host("other")
+    with _serve({REPO: Repo(_files())}, hub_settings):
+        model, placed = _placed_on_both(operator)
+        assert set(placed) == {"home", "other"}  # spread: the second goes where it must fetch the files
+        hub_settings.GANTRY_HUB_CACHE = hub_settings.GANTRY_HUB_CACHE.parent / "other-hub"
+        with override_settings(GANTRY_HOST_NAME="other"):
+            assert lifecycle._start_server(placed["other"].pk) is None  # its launch task
+        replica = Replica.objects.get(pk=placed["other"].pk)
+        assert replica.status == DeploymentStatus.FETCHING
+        download = ModelDownload.objects.get(model=model, host__name="other")
+        assert download.status == DownloadStatus.PENDING
+        assert f"(download {download.pk})" in Event.objects.filter(to_status="fetching").get().message
+        assert _download(model, "other").status == DownloadStatus.SUCCEEDED
+    replica.refresh_from_db()
+    assert replica.status == DeploymentStatus.LAUNCHING
+    assert (
+        Event.objects.filter(from_status="fetching", to_status="launching")
+        .get()
+        .message.endswith("tiny is here: starting its server")
+    )
+    assert CheckpointCopy.objects.get(model=model, host__name="other").matches
+    with override_settings(GANTRY_HOST_NAME="other"):
+        assert downloads.to_fetch(replica) == []  # its next launch starts the server
+
+
+def test_a_replica_whose_fetch_fails_fails_with_the_reason(hub_settings, operator):  # noqa: ANN001
+    factories.cpu_host("home")
+    factories.cpu_host("other")
+    repo = Repo(_files())
+    with _serve({REPO: repo}, hub_settings):
+        model, placed = _placed_on_both(operator)
+        repo.corrupt.add("model.safetensors")
+        hub_settings.GANTRY_HUB_CACHE = hub_settings.GANTRY_HUB_CACHE.parent / "other-hub"
+        with override_settings(GANTRY_HOST_NAME="other"):
+            lifecycle._start_server(placed["other"].pk)
+        assert _download(model, "other").status == DownloadStatus.FAILED
+    replica = Replica.objects.get(pk=placed["other"].pk)
+    assert replica.status == DeploymentStatus.FAILED
+    said = Event.objects.filter(from_status="fetching", to_status="failed").get().message
+    assert "its host could not fetch tiny: 1 file(s) failed their hash and were removed: model.safetensors" in said
+
+
 def test_registering_from_the_hub_is_validated_by_field(operator):  # noqa: ANN001
     factories.cpu_host("home")
     cases = [
@@ -243,3 +309,17 @@ def _until(condition, timeout: float = 30) -> None:  # noqa: ANN001
 def _database_url() -> str:
     db = connection.settings_dict
     return f"postgres://{db['USER']}:{db['PASSWORD']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
+
+
+def test_placement_prefers_a_host_that_holds_the_model(hub_settings, operator):  # noqa: ANN001
+    factories.cpu_host("a-fetcher")  # first by name: it would win every tie
+    factories.cpu_host("home")
+    with _serve({REPO: Repo(_files())}, hub_settings):
+        assert _download(_register(operator)).status == DownloadStatus.SUCCEEDED
+    for policy in ("spread", "pack"):
+        deployment = deployments.deployment_create(
+            name=f"one-{policy}", hosts=[], placements=[PlacementSpec(model="tiny")], placement_policy=policy,
+            user=operator,
+        )  # fmt: skip
+        deployments.deployment_start(deployment_id=deployment.pk, user=operator)
+        assert [r.host.name for r in Replica.objects.filter(deployment=deployment)] == ["home"]
