@@ -62,15 +62,15 @@ class Repo:
 
 
 class HubServer:
-    """Serve ``repos`` at http://127.0.0.1:<port>; ``requests`` records what was asked."""
+    """Serve ``repos`` at http://<address>:<port>; ``requests`` records what was asked."""
 
-    def __init__(self, repos: dict[str, Repo], *, port: int = 0, rate_bps: int = 0) -> None:
+    def __init__(self, repos: dict[str, Repo], *, port: int = 0, rate_bps: int = 0, address: str = "127.0.0.1") -> None:
         self.repos = repos
         self.rate_bps = rate_bps
         self.requests: list[tuple[str, str, str]] = []  # (method, path, Range header)
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        self.httpd = ThreadingHTTPServer((address, port), _handler(self))
         self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.url = f"http://{address}:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     def __enter__(self) -> HubServer:

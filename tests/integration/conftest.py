@@ -615,6 +615,8 @@ def fleet(tmp_path: Path, count: int, extra_env: dict[str, str] | None = None) -
                 "GANTRY_HOST_NAME": name,
                 "GANTRY_HOST_ADDRESS": ns.address,
                 "GANTRY_DATA_DIR": str(tmp_path / name),
+                # A hub stand-in on this machine answers each host at its end of the veth pair.
+                "GANTRY_HUB_ENDPOINT": base_env.get("GANTRY_HUB_ENDPOINT", "").replace("127.0.0.1", ns.gateway),
             }
 
         try:

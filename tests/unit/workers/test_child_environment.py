@@ -15,6 +15,8 @@ SECRETS = {
     "SECRET_KEY": "django-secret",
     "REDIS_URL": "redis://:pw@redis/0",
     "HF_TOKEN": "hf_abc",
+    "GANTRY_HUB_TOKEN": "hf_the_hosts_own",
+    "GANTRY_HUB_TOKEN_FILE": "/etc/gantry/hub-token",
     "AWS_SECRET_ACCESS_KEY": "aws",
     "GANTRY_ADMIN_PASSWORD": "admin",
 }
