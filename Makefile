@@ -63,6 +63,7 @@ bench-gpu:
 # A host's hub download against the huggingface_hub CLI from the same local server (bench/download.py).
 bench-download: venv
 	SECRET_KEY=gantry-bench-download $(PY) bench/download.py $(BENCH_DOWNLOAD_ARGS)
+	SECRET_KEY=gantry-bench-download $(PY) bench/download.py --first-ready $(BENCH_DOWNLOAD_ARGS)
 
 # A tuning run of the seeds' stack against its hand-picked split, on a GPU host (bench/tuning.py).
 BENCH_TUNING_ARGS ?=

