@@ -13,6 +13,7 @@ drift (``python manage.py gantry_docs``).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -202,3 +203,25 @@ def env_image_versions(name: str, default: dict[str, str], *, help: str = "") ->
             )
         images[image] = version
     return images
+
+
+def registry_credentials(text: str) -> dict[str, dict[str, str]]:
+    """GANTRY_REGISTRY_CREDENTIALS read: registry -> {"username", "password"}; a
+    setting that breaks the shape fails loudly, naming the rule (never the secret)."""
+    if not text.strip():
+        return {}
+    rule = 'must be a JSON object {"<registry>": {"username": "...", "password": "..."}}'
+    try:
+        found = json.loads(text)
+    except ValueError:
+        raise ImproperlyConfigured(f"GANTRY_REGISTRY_CREDENTIALS {rule}: it is not JSON") from None
+    if not isinstance(found, dict) or not all(
+        isinstance(k, str)
+        and k
+        and isinstance(v, dict)
+        and set(v) == {"username", "password"}
+        and all(isinstance(x, str) and x for x in v.values())
+        for k, v in found.items()
+    ):
+        raise ImproperlyConfigured(f"GANTRY_REGISTRY_CREDENTIALS {rule}")
+    return found

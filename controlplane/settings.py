@@ -24,6 +24,7 @@ from controlplane.env import (
     env_port_range,
     env_str,
     env_ulimits,
+    registry_credentials,
 )
 from core import queues
 
@@ -352,6 +353,15 @@ GANTRY_ALLOWED_IMAGES = env_list(
     "GANTRY_ALLOWED_IMAGES",
     [],
     help="Triton images the docker runtime may start (exact references); nothing else is ever run",
+)
+GANTRY_REGISTRY_CREDENTIALS = registry_credentials(
+    env_str(
+        "GANTRY_REGISTRY_CREDENTIALS",
+        "",
+        help="a GPU host's logins to the registries its allow-listed images come from, JSON: "
+        '`{"<registry host[:port]>": {"username": "...", "password": "..."}}` (`default` for an image that names no '
+        "registry; or GANTRY_REGISTRY_CREDENTIALS_FILE); never logged nor shown",
+    )
 )
 # ulimits of Triton containers: NVIDIA's recommendation by default (unlimited
 # locked memory, 64 MiB stack). A host that forbids raising memlock drops it here.

@@ -236,7 +236,7 @@ def _install_images() -> list[str]:
     if not images:
         return []
     from common.errors import GantryError
-    from workers.runtimes.docker import image_digests, image_pull
+    from workers.runtimes.docker import ensure_image, image_digests
 
     try:
         absent = [image for image in images if image not in image_digests(images)]
@@ -245,7 +245,7 @@ def _install_images() -> list[str]:
     done = []
     for image in absent:
         try:
-            image_pull(image)
+            ensure_image(image)  # the path a replica's start takes, with this host's registry credentials
             done.append(f"pulled {image}")
         except GantryError as exc:
             done.append(str(exc))

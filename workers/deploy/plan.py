@@ -6,6 +6,8 @@ files live, and which runtime runs it."""
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,12 +18,14 @@ from deployments import backends
 from deployments.backends.base import Placed
 from deployments.models import DeploymentStatus, DesiredState, InstanceKind, Replica
 from deployments.models import Runtime as DeploymentRuntime
+from deployments.services import replicas
 from triton_server.client import TritonClient
 from triton_server.repository import ModelSpec
 from triton_server.server import LOCAL, LaunchSpec
 from workers.engines.verify import engine_files_problem
+from workers.jobs import source
 from workers.runtimes.base import Runtime
-from workers.runtimes.docker import DockerRuntime
+from workers.runtimes.docker import DockerRuntime, PullProgress
 from workers.runtimes.process import ProcessRuntime
 
 
@@ -145,8 +149,29 @@ def current_status(replica_id: int) -> str | None:
 
 def runtime_for(replica: Replica) -> Runtime:
     if replica.deployment.runtime == DeploymentRuntime.DOCKER:
-        return DockerRuntime(settings.GANTRY_HOST_NAME, settings.GANTRY_DATA_DIR)
+        return DockerRuntime(settings.GANTRY_HOST_NAME, settings.GANTRY_DATA_DIR, PullNotes(replica.pk))
     return ProcessRuntime(settings.GANTRY_DATA_DIR)
+
+
+class PullNotes:
+    """A replica's image pull on its timeline: when it starts, every NOTE_EVERY_S, and when done."""
+
+    NOTE_EVERY_S = 5.0
+
+    def __init__(self, replica_id: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.replica_id = replica_id
+        self.clock = clock
+        self.noted_at: float | None = None
+
+    def __call__(self, progress: PullProgress) -> None:
+        now = self.clock()
+        finished = progress.layers and progress.layers_done == progress.layers
+        if self.noted_at is not None and now - self.noted_at < self.NOTE_EVERY_S and not finished:
+            return
+        self.noted_at = now
+        replicas.record_replica_event(
+            replica_id=self.replica_id, kind="replica.image_pull", source=source(), message=progress.words()
+        )
 
 
 # Beside a GPU a model process needs few CPU threads: tokenizing, the batch's bookkeeping.

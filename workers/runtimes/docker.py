@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import docker
+from django.conf import settings
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import DeviceRequest, Mount, Ulimit
 
@@ -114,13 +116,19 @@ def _client() -> docker.DockerClient:
 
 
 class DockerRuntime:
-    """The Runtime interface over the Docker engine of this host."""
+    """The Runtime interface over the Docker engine of this host. A start pulls
+    its allow-listed image first when the host lacks it, telling ``report_pull``
+    how far it got."""
 
-    def __init__(self, host_name: str, data_dir: Path) -> None:
+    def __init__(
+        self, host_name: str, data_dir: Path, report_pull: Callable[[PullProgress], None] | None = None
+    ) -> None:
         self.host_name = host_name
         self.data_dir = data_dir
+        self.report_pull = report_pull
 
     def start(self, spec: LaunchSpec) -> str:
+        ensure_image(spec.image, self.report_pull)
         client = _client()
         try:
             for attempt in range(5):
@@ -451,12 +459,91 @@ def image_digests(images: list[str]) -> dict[str, str]:
     return digests
 
 
-def image_pull(image: str) -> None:
-    """Pull ``image`` onto this host (``gantry check --install``); PermanentError saying why it could not."""
+@dataclass(frozen=True)
+class PullProgress:
+    """How far a pull got: bytes of the layers seen so far (each layer's size
+    is known once it starts), and layers done of those seen."""
+
+    image: str
+    done: int
+    total: int
+    layers_done: int
+    layers: int
+
+    def words(self) -> str:
+        share = f" ({100 * self.done / self.total:.0f} %)" if self.total else ""
+        return (f"pulling {self.image}: {self.done / 1e6:.0f} of {self.total / 1e6:.0f} MB{share}, "
+                f"{self.layers_done} of {self.layers} layers")  # fmt: skip
+
+
+# The key of GANTRY_REGISTRY_CREDENTIALS for an image that names no registry (Docker's default one).
+DEFAULT_REGISTRY = "default"
+
+
+def registry_of(image: str) -> str:
+    """The registry an image reference names, as Docker reads it (DEFAULT_REGISTRY when none)."""
+    first, slash, _ = image.partition("/")
+    return first if slash and ("." in first or ":" in first or first == "localhost") else DEFAULT_REGISTRY
+
+
+def image_pull(image: str, report: Callable[[PullProgress], None] | None = None) -> None:
+    """Pull ``image`` onto this host with the credentials this host holds for its
+    registry (GANTRY_REGISTRY_CREDENTIALS: never logged nor shown), calling
+    ``report`` as layers arrive. PermanentError saying why it could not."""
+    repository, tag = _repository_and_tag(image)
+    registry = registry_of(image)
+    auth = settings.GANTRY_REGISTRY_CREDENTIALS.get(registry)
     client = docker.from_env(timeout=3600)
+    layers: dict[str, tuple[int, int, bool]] = {}  # id -> (current, total, done)
     try:
-        client.images.pull(image)
+        for event in client.api.pull(repository, tag=tag, stream=True, decode=True, auth_config=auth):
+            if "error" in event:
+                raise PermanentError(_pull_refusal(image, registry, str(event["error"]), auth is not None))
+            layer, status, detail = event.get("id"), event.get("status", ""), event.get("progressDetail") or {}
+            if not layer or layer == tag:
+                continue
+            current, total, done = layers.get(layer, (0, 0, False))
+            if status in ("Downloading", "Extracting") and detail.get("total"):
+                current, total = max(current, int(detail.get("current", 0))), max(total, int(detail["total"]))
+            elif status in ("Download complete", "Pull complete", "Already exists"):
+                current, done = total, status != "Download complete" or done
+            layers[layer] = (current if status != "Extracting" else total, total, done)
+            if report is not None:
+                report(PullProgress(image, sum(v[0] for v in layers.values()), sum(v[1] for v in layers.values()),
+                                    sum(1 for v in layers.values() if v[2]), len(layers)))  # fmt: skip
     except DockerException as exc:
-        raise PermanentError(f"docker pull {image} failed: {exc}") from exc
+        raise PermanentError(_pull_refusal(image, registry, str(exc), auth is not None)) from exc
     finally:
         client.close()
+
+
+def _repository_and_tag(image: str) -> tuple[str, str]:
+    name, at, digest = image.partition("@")
+    if at:
+        return name, digest
+    head, colon, tag = name.rpartition(":")
+    return (head, tag) if colon and "/" not in tag else (name, "latest")
+
+
+def _pull_refusal(image: str, registry: str, error: str, with_credentials: bool) -> str:
+    said = f"docker pull {image} failed: {error}"
+    refused = ("unauthorized", "authentication required", "no basic auth credentials", "denied", "401")
+    if any(word in error.lower() for word in refused):
+        said += (
+            f" (the credentials this host holds for {registry} in GANTRY_REGISTRY_CREDENTIALS were refused)"
+            if with_credentials
+            else f" ({registry} wants credentials: give this host GANTRY_REGISTRY_CREDENTIALS for it)"
+        )
+    return said
+
+
+def ensure_image(image: str, report: Callable[[PullProgress], None] | None = None) -> bool:
+    """Pull ``image`` when this host lacks it, if it is allow-listed
+    (GANTRY_ALLOWED_IMAGES or GANTRY_BUILDER_IMAGES); whether it pulled.
+    PermanentError for an image not allow-listed or that could not be pulled."""
+    if image_digests([image]):
+        return False
+    if image not in settings.GANTRY_ALLOWED_IMAGES and image not in settings.GANTRY_BUILDER_IMAGES:
+        raise PermanentError(f"image {image} is not on this host and not allow-listed: it is never pulled")
+    image_pull(image, report)
+    return True

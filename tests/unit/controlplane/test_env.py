@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.env import env_bool, env_int, env_port_range, env_str, env_ulimits
+from controlplane.env import env_bool, env_int, env_port_range, env_str, env_ulimits, registry_credentials
 
 
 def test_bad_boolean_names_the_variable(monkeypatch):
@@ -47,3 +47,14 @@ def test_ulimits(monkeypatch):
     monkeypatch.setenv("GANTRY_X", "memlock=lots")
     with pytest.raises(ImproperlyConfigured, match="must look like memlock=-1:-1"):
         env_ulimits("GANTRY_X", [])
+
+
+def test_registry_credentials_are_read_by_registry_and_a_bad_shape_names_the_rule_never_the_secret():
+    good = '{"127.0.0.1:5000": {"username": "host", "password": "s3cret"}}'
+    assert registry_credentials(good) == {"127.0.0.1:5000": {"username": "host", "password": "s3cret"}}
+    assert registry_credentials("") == {}
+    for bad in ("not json", '["x"]', '{"r": {"username": "host"}}', '{"r": {"username": "", "password": "s3cret"}}',
+                '{"r": {"username": "u", "password": "s3cret", "email": "e"}}'):  # fmt: skip
+        with pytest.raises(ImproperlyConfigured, match="GANTRY_REGISTRY_CREDENTIALS must be a JSON object") as refused:
+            registry_credentials(bad)
+        assert "s3cret" not in str(refused.value)

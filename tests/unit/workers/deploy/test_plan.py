@@ -160,3 +160,23 @@ def test_a_replicas_threads_are_its_share_of_the_host_s_cores(host, gpu_host, mi
     # The host's operator may fix it in the worker's environment.
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert plan.replica_threads(first) == 3
+
+
+def test_an_image_pull_goes_on_the_replicas_timeline_as_it_starts_then_every_few_seconds_and_when_done(
+    host, minilm, operator
+):  # noqa: ANN001
+    from core.models import Event
+    from workers.runtimes.docker import PullProgress
+
+    replica = factories.replica_of(factories.deployment_in(factories.deployment(host=host, user=operator), "launching"))
+    clock = iter([100.0, 101.0, 106.0, 107.0])
+    notes = plan.PullNotes(replica.pk, clock=lambda: next(clock))
+    for done in (0, 10, 60):  # the first, one within NOTE_EVERY_S (left out), one after it
+        notes(PullProgress("repo/triton:1", done * 1_000_000, 100_000_000, 0, 2))
+    notes(PullProgress("repo/triton:1", 100_000_000, 100_000_000, 2, 2))  # done: always said
+    said = list(Event.objects.filter(kind="replica.image_pull").order_by("id").values_list("message", flat=True))
+    assert said == [
+        "r1 on cpu-host: pulling repo/triton:1: 0 of 100 MB (0 %), 0 of 2 layers",
+        "r1 on cpu-host: pulling repo/triton:1: 60 of 100 MB (60 %), 0 of 2 layers",
+        "r1 on cpu-host: pulling repo/triton:1: 100 of 100 MB (100 %), 2 of 2 layers",
+    ]
