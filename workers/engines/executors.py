@@ -6,6 +6,7 @@ can build with, for its heartbeat."""
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,10 @@ from django.conf import settings
 
 from common.errors import TransientError
 from deployments.models import BuildExecutor, EngineBuild
+from deployments.services import builds
 from upstream import trtllm
 from workers import processes
+from workers.jobs import source
 from workers.runtimes import docker as docker_engine
 
 
@@ -60,7 +63,25 @@ class DockerExecutor:
             ulimits=tuple(settings.GANTRY_DOCKER_ULIMITS),
             env={"GANTRY_BUILD_ID": str(ctx.build_id), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
         )
+        docker_engine.ensure_image(ctx.image, _PullPhase(ctx.build_id))  # an allow-listed builder image it lacks
         return docker_engine.BuildContainer(spec, settings.GANTRY_HOST_NAME)
+
+
+class _PullPhase:
+    """A builder image's pull as the build's phase ("pulling image 45 %"), every
+    few seconds: it is also the build's heartbeat, so a long pull is not reaped."""
+
+    EVERY_S = 2.0
+
+    def __init__(self, build_id: int) -> None:
+        self.build_id = build_id
+        self.at = 0.0
+
+    def __call__(self, progress: docker_engine.PullProgress) -> None:
+        if time.monotonic() - self.at >= self.EVERY_S:
+            self.at = time.monotonic()
+            share = f" {100 * progress.done // progress.total} %" if progress.total else ""
+            builds.build_progress(build_id=self.build_id, source=source(), phase=f"pulling image{share}")
 
 
 class ProcessStep:

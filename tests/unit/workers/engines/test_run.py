@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.models import BuildStatus
+from deployments.models import BuildStatus, EngineBuild
 from deployments.services import builds
 from hosts.services.hosts import GpuReport
 from tests import factories
@@ -45,3 +45,16 @@ def test_build_on_a_gpu_other_than_requested_fails_before_compiling(llama, opera
     assert build.status_message.startswith(
         "GPU 0 is NVIDIA A100-SXM4-80GB (SM 8.0); the build was requested for NVIDIA H100 80GB HBM3 (SM 9.0)"
     )
+
+
+def test_a_builder_image_pull_shows_as_the_builds_phase_and_keeps_its_heartbeat(llama, operator, settings):  # noqa: ANN001
+    from deployments import states
+    from workers.engines.executors import _PullPhase
+    from workers.runtimes.docker import PullProgress
+
+    build, _ = request(operator)
+    states.build_transition(build_id=build.pk, to=BuildStatus.RUNNING, source="test")
+    before = EngineBuild.objects.get(pk=build.pk).heartbeat_at
+    _PullPhase(build.pk)(PullProgress(factories.IMAGE, 450, 1000, 0, 3))
+    build.refresh_from_db()
+    assert build.phase == "pulling image 45 %" and build.heartbeat_at > before
