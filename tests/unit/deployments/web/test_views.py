@@ -203,3 +203,17 @@ def test_the_rates_and_the_list_answer_for_the_rows_in_view_only(api, host, mini
     assert [d["name"] for d in listed] == ["one"]
     refused = api.get("/api/deployments/?ids=1,x")
     assert refused.status_code == 400 and "ids" in refused.data["errors"]
+
+
+def test_registering_a_hub_model_from_the_models_page_starts_its_first_download(client, operator, host):  # noqa: ANN001
+    client.force_login(operator)
+    form = {"name": "hubbed", "kind": "embedding", "host": "cpu-host", "hub_id": "org/tiny", "revision": "v1",
+            "allow_patterns": "*.json, *.safetensors", "ignore_patterns": ""}  # fmt: skip
+    response = client.post("/models/", form)
+    model = RegisteredModel.objects.get(name="hubbed")
+    assert response.status_code == 302 and model.path == "" and model.allow_patterns == ["*.json", "*.safetensors"]
+    page = client.get(response["Location"]).content.decode()
+    assert 'id="downloads" data-active="1"' in page and "org/tiny</code> at v1" in page
+    assert 'data-download="' in page and "data-cancel=" in page
+    refused = client.post("/models/", {**form, "name": "other", "hub_id": "not a repo id"}).content.decode()
+    assert "must be a repository id, owner/name" in refused and RegisteredModel.objects.count() == 1
