@@ -207,7 +207,7 @@ def download_redrive(*, download_id: int, source: str, message: str) -> bool:
     with transaction.atomic():
         rows = ModelDownload.objects.select_related("host").select_for_update(of=("self",))
         download = rows.filter(pk=download_id).first()
-        if download is None or download.status not in (D.PENDING, D.RUNNING):
+        if download is None or download.status not in states.DOWNLOAD_ACTIVE:
             return False
         return outbox.redrive(
             queues.RUN_DOWNLOAD,
@@ -220,10 +220,11 @@ def download_redrive(*, download_id: int, source: str, message: str) -> bool:
 
 
 def _downloads_resend(host_name: str, source: str, message: str) -> list[str]:
-    # Running ones too: a worker that starts finds none of its own running, so a
-    # running row lost its worker; a live one's duplicate task finds the download
-    # locked on the host and leaves it (workers.downloads).
-    waiting = ModelDownload.objects.filter(host__name=host_name, status__in=[D.PENDING, D.RUNNING])
+    # Running (and cancelling) ones too: a worker that starts finds none of its own
+    # running, so such a row lost its worker (the new one resumes it, or ends the
+    # cancel); a live one's duplicate task finds the download locked on the host
+    # and leaves it (workers.downloads).
+    waiting = ModelDownload.objects.filter(host__name=host_name, status__in=states.DOWNLOAD_ACTIVE)
     return [
         f"download {pk}"
         for pk in waiting.values_list("pk", flat=True)
@@ -242,18 +243,18 @@ outbox.register(
 
 def downloads_reap() -> list[int]:
     """Fail downloads whose host stopped reporting them (GANTRY_BUILD_STALE_AFTER),
-    so none shows running forever; asking again resumes from its files."""
+    so none shows running forever (one being cancelled ends cancelled); asking
+    again resumes from its files."""
     cutoff = timezone.now() - timedelta(seconds=settings.GANTRY_BUILD_STALE_AFTER)
     stale = ModelDownload.objects.filter(status__in=[D.RUNNING, D.CANCELLING], heartbeat_at__lt=cutoff)
     reaped = []
-    for pk in stale.values_list("pk", flat=True):
+    for pk, status in stale.values_list("pk", "status"):
+        quiet = f"its host stopped reporting for {settings.GANTRY_BUILD_STALE_AFTER} s"
         try:
-            download_end(
-                download_id=pk,
-                to=D.FAILED,
-                source="system",
-                message=f"its host stopped reporting for {settings.GANTRY_BUILD_STALE_AFTER} s; ask again to resume",
-            )
+            if status == D.CANCELLING:
+                download_end(download_id=pk, to=D.CANCELLED, source="system", message=f"cancelled ({quiet})")
+            else:
+                download_end(download_id=pk, to=D.FAILED, source="system", message=f"{quiet}; ask again to resume")
         except InvalidTransition:
             continue
         reaped.append(pk)

@@ -323,3 +323,27 @@ def test_placement_prefers_a_host_that_holds_the_model(hub_settings, operator): 
         )  # fmt: skip
         deployments.deployment_start(deployment_id=deployment.pk, user=operator)
         assert [r.host.name for r in Replica.objects.filter(deployment=deployment)] == ["home"]
+
+
+def test_a_download_whose_host_went_quiet_is_reaped_and_one_being_cancelled_ends_cancelled(hub_settings, operator):  # noqa: ANN001
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from deployments import states
+
+    factories.cpu_host("home")
+    factories.cpu_host("other")
+    model = _register(operator)
+    other = registered_models.model_register(name="two", kind="embedding", host="other", hub_id=REPO, user=operator)
+    rows = [ModelDownload.objects.get(model=model), ModelDownload.objects.get(model=other)]
+    for row in rows:
+        states.download_transition(download_id=row.pk, to=DownloadStatus.RUNNING, source="test")
+    downloads.download_cancel(download_id=rows[1].pk, user=operator)
+    long_ago = timezone.now() - timedelta(seconds=hub_settings.GANTRY_BUILD_STALE_AFTER + 1)
+    ModelDownload.objects.update(heartbeat_at=long_ago)
+    assert sorted(downloads.downloads_reap()) == sorted(r.pk for r in rows)
+    ended = {r.pk: (r.status, r.status_message) for r in ModelDownload.objects.all()}
+    assert ended[rows[0].pk][0] == DownloadStatus.FAILED and "ask again to resume" in ended[rows[0].pk][1]
+    assert ended[rows[1].pk][0] == DownloadStatus.CANCELLED and ended[rows[1].pk][1].startswith("cancelled (its host")
+    assert downloads.downloads_reap() == []
