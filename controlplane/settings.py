@@ -471,6 +471,20 @@ GANTRY_HUB_CACHE_QUOTA_GB = env_float(
     help="the most a GPU host's hub cache holds, in GiB: a download evicts the least recently used models "
     "(never one in use or pinned) to fit; 0: no quota, only the free disk",
 )
+GANTRY_HUB_VIA_CONTROL_PLANE = env_bool(
+    "GANTRY_HUB_VIA_CONTROL_PLANE",
+    False,
+    help="a GPU host that reaches neither the hub nor a mirror downloads models through the control plane "
+    "(`GANTRY_GATEWAY_URL`), which relays them over the channel from a host that holds them",
+)
+GANTRY_HUB_FILES_PORT = env_int(
+    "GANTRY_HUB_FILES_PORT",
+    17445,
+    minimum=0,
+    maximum=65535,
+    help="the loopback port a GPU host serves its hub cache on, read-only, to its channel (the control plane's "
+    "relay for other hosts); 0: none",
+)
 GANTRY_HUB_DOWNLOAD_WORKERS = env_int(
     "GANTRY_HUB_DOWNLOAD_WORKERS", 8, minimum=1, maximum=64, help="files a host downloads at once"
 )

@@ -8,12 +8,14 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from access.views import LoginView, tokens_page
 from controlplane.health import healthz
+from deployments.web.hub_relay import relay as hub_relay
 from gateway.views import gateway_page
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("login/", LoginView.as_view(), name="login"),
     path("healthz", healthz, name="healthz"),
+    path("hub/<path:path>", hub_relay, name="hub-relay"),  # GPU hosts' downloads through the control plane
     # Browsers ask for /favicon.ico where a page names no icon (the API's browsable pages).
     path("favicon.ico", RedirectView.as_view(url=static("favicon.svg"), permanent=True)),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),

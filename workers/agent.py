@@ -25,7 +25,7 @@ from django.db import close_old_connections
 from common import metrics
 from core.queues import host_queue
 from hosts.services import hosts
-from workers import broker, channel, exporter, nvml
+from workers import broker, channel, exporter, hubfiles, nvml
 from workers.deploy import copies
 from workers.deploy import reconcile as deploy_reconcile
 from workers.engines import executors
@@ -140,6 +140,8 @@ def _start_agent(sender, **kwargs) -> None:  # noqa: ANN001
         _metrics_server = exporter.serve(settings.GANTRY_HOST_ADDRESS, settings.GANTRY_WORKER_METRICS_PORT)
     threading.Thread(target=run_forever, name="gantry-host-agent", daemon=True).start()
     threading.Thread(target=copies.run_forever, args=(_stop,), name="gantry-checkpoint-survey", daemon=True).start()
+    if channel.wanted():
+        hubfiles.serve()  # this host's hub cache, for the control plane's relay to other hosts
     log.info("host agent started for %s", settings.GANTRY_HOST_NAME)
 
 

@@ -115,13 +115,16 @@ def keep_certificate(host_id: int) -> None:
 
 
 def allow(host_id: int) -> None:
-    """Write down the HTTP ports of this host's replicas: all the channel forwards to
-    (every beat, and before a server starts)."""
+    """Write down the HTTP ports of this host's replicas, and its hub cache's file
+    server (workers.hubfiles): all the channel forwards to (every beat, and before
+    a server starts)."""
     from deployments.models import Replica
 
     if not wanted():
         return
     ports = sorted(Replica.objects.filter(host_id=host_id).values_list("http_port", flat=True))
+    if settings.GANTRY_HUB_FILES_PORT:
+        ports.append(settings.GANTRY_HUB_FILES_PORT)  # the hub cache's files, for the control plane's relay
     _write(folder() / PORTS, "".join(f"{port}\n" for port in ports))
 
 

@@ -25,6 +25,7 @@ from django.conf import settings
 from django.template.defaultfilters import filesizeformat
 
 import upstream
+from common import pki
 from common.errors import InvalidTransition
 from deployments import states
 from deployments.models import DownloadStatus as D
@@ -32,7 +33,7 @@ from deployments.models import Inspection, ModelDownload, RegisteredModel
 from deployments.services import downloads
 from upstream import hub
 from workers import cache as cache_quota
-from workers import inspection, processes
+from workers import channel, inspection, processes
 from workers.deploy import copies
 from workers.jobs import JobFailed, run_job, source
 
@@ -104,10 +105,11 @@ def _download(download_id: int) -> None:
             if download.status == D.RUNNING
             else f"resolving {model.hub_id}@{model.commit or model.revision or 'main'}",
         )
-        snapshot = _resolve(model)
+        endpoint, token = source_of(download_id)
+        snapshot = _resolve(model, endpoint, token)
         _check_disk(download_id, model, snapshot, cache)
         follower = hub.Follower(snapshot, cache)  # hashes the files as they arrive
-        ended = _fetch(download_id, snapshot, cache, work, follower)
+        ended = _fetch(download_id, snapshot, cache, work, follower, endpoint, token)
         if ended is not None:
             _end(download_id, ended, "cancelled; the files fetched so far stay in the cache and a new download resumes")
             return
@@ -130,15 +132,28 @@ def _download(download_id: int) -> None:
         inspection.inspect(model.pk)
 
 
-def _resolve(model: RegisteredModel) -> hub.Snapshot:
+def source_of(download_id: int) -> tuple[str, str]:
+    """Where this host downloads from, and the token it shows there: the hub (or
+    its mirror) with the host's own token, or the control plane's relay
+    (GANTRY_HUB_VIA_CONTROL_PLANE) with the download signed by its channel key."""
+    if not settings.GANTRY_HUB_VIA_CONTROL_PLANE:
+        return settings.GANTRY_HUB_ENDPOINT, settings.GANTRY_HUB_TOKEN
+    key = channel.folder() / channel.KEY
+    if not key.exists():
+        raise JobFailed("GANTRY_HUB_VIA_CONTROL_PLANE needs this host's channel key, and it has none yet")
+    signed = pki.prove(pki.load_key(key.read_text()), downloads.relay_token_text(download_id))
+    return f"{settings.GANTRY_GATEWAY_URL.rstrip('/')}/hub", f"{download_id}.{signed}"
+
+
+def _resolve(model: RegisteredModel, endpoint: str, token: str) -> hub.Snapshot:
     """The files to fetch, at the commit every host of the model gets."""
     resolve = lambda revision: hub.resolve(  # noqa: E731
         model.hub_id,
         revision,
         allow=model.allow_patterns,
         ignore=model.ignore_patterns,
-        endpoint=settings.GANTRY_HUB_ENDPOINT,
-        token=settings.GANTRY_HUB_TOKEN,
+        endpoint=endpoint,
+        token=token,
     )
     snapshot = resolve(model.commit or model.revision)
     commit = downloads.model_commit_record(model_id=model.pk, commit=snapshot.commit)
@@ -164,7 +179,9 @@ def _check_disk(download_id: int, model: RegisteredModel, snapshot: hub.Snapshot
         )
 
 
-def _fetch(download_id: int, snapshot: hub.Snapshot, cache: Path, work: Path, follower: hub.Follower) -> str | None:
+def _fetch(
+    download_id: int, snapshot: hub.Snapshot, cache: Path, work: Path, follower: hub.Follower, endpoint: str, token: str
+) -> str | None:
     """Run the download process to its end, reporting progress; the end status
     when a cancel stopped it, None when it finished."""
     start = hub.progress(snapshot, cache)
@@ -181,7 +198,7 @@ def _fetch(download_id: int, snapshot: hub.Snapshot, cache: Path, work: Path, fo
             "PYTHONPATH": str(Path(upstream.__file__).resolve().parent.parent),
             "HF_HUB_DISABLE_TELEMETRY": "1",
             "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            **({hub.TOKEN_VARIABLE: settings.GANTRY_HUB_TOKEN} if settings.GANTRY_HUB_TOKEN else {}),
+            **({hub.TOKEN_VARIABLE: token} if token else {}),
         }
     )
     log = work / "download.log"
@@ -190,7 +207,7 @@ def _fetch(download_id: int, snapshot: hub.Snapshot, cache: Path, work: Path, fo
             hub.download_command(
                 snapshot,
                 cache=cache,
-                endpoint=settings.GANTRY_HUB_ENDPOINT,
+                endpoint=endpoint,
                 workers=settings.GANTRY_HUB_DOWNLOAD_WORKERS,
             ),
             env=env,

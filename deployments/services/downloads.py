@@ -14,6 +14,7 @@ records its copy, so placement finds it (replica_placement.holding_hosts).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +23,8 @@ from django.db import IntegrityError, transaction
 from django.template.defaultfilters import filesizeformat
 from django.utils import timezone
 
-from common.errors import InvalidTransition, NotFound, ValidationFailed
+from common import pki
+from common.errors import InvalidTransition, NotFound, PermissionDenied, ValidationFailed
 from core import events, queues
 from core.permissions import require_operator
 from deployments import selectors, states
@@ -31,7 +33,7 @@ from deployments.models import DeploymentStatus as S
 from deployments.models import DownloadStatus as D
 from deployments.services import replicas
 from hosts import outbox
-from hosts.models import GpuHost
+from hosts.models import ChannelCertificate, GpuHost
 
 # At most this many patterns of each kind, each at most PATTERN_LENGTH characters.
 MAX_PATTERNS = 50
@@ -311,3 +313,51 @@ def copy_remove(*, model_id: int, host: str, user: Any = None) -> None:
             message=f"removing {model.name} from {host}'s hub cache",
         )  # fmt: skip
         outbox.enqueue_on_commit(queues.REMOVE_COPY, host_name=host, args=[model_id])
+
+
+# --- the control plane's relay (GANTRY_HUB_VIA_CONTROL_PLANE) --------------------------
+
+RELAY_PURPOSE = "gantry-hub-relay"
+
+
+def relay_token_text(download_id: int) -> str:
+    """What a host signs with its channel key to fetch a download through the relay."""
+    return f"{RELAY_PURPOSE}:{download_id}"
+
+
+@dataclass(frozen=True)
+class Relay:
+    """Where the relay fetches a download's files: a host that holds them."""
+
+    download: ModelDownload
+    holder: GpuHost
+
+
+def relay_for(*, token: str) -> Relay:
+    """The download a relay token (``<download id>.<signature>``) is for, and a
+    host that holds its model. PermissionDenied unless the token is signed by
+    the download's own host (with a channel certificate of its, neither revoked
+    nor expired) and the download is active; NotFound when no host that holds
+    the model can be reached over its channel."""
+    download_id, _, proof = token.partition(".")
+    download = (
+        ModelDownload.objects.select_related("model", "host").filter(pk=int(download_id)).first()
+        if download_id.isdigit()
+        else None
+    )
+    if download is None or download.status not in states.DOWNLOAD_ACTIVE or not proof:
+        raise PermissionDenied("no active download has this token")
+    certificates = ChannelCertificate.objects.filter(host=download.host, revoked_at=None, not_after__gt=timezone.now())
+    if not any(pki.proven(pki.load_cert(c.certificate), relay_token_text(download.pk), proof) for c in certificates):
+        raise PermissionDenied(f"the token is not signed by {download.host.name}'s channel key")
+    model = download.model
+    holders = (
+        GpuHost.objects.filter(checkpoint_copies__model=model, checkpoint_copies__fingerprint=model.fingerprint)
+        .exclude(pk=download.host_id)
+        .filter(channel_port__gt=0, channel_revoked=False)
+        .order_by("-last_heartbeat")
+    )
+    holder = next((h for h in holders if h.is_online and not pki.is_loopback(h.address)), None)
+    if holder is None:
+        raise NotFound(f"no online host that holds {model.name} can be reached over its channel to relay it")
+    return Relay(download=download, holder=holder)

@@ -9,6 +9,7 @@ pytest finds by its name."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -576,9 +577,16 @@ class Fleet:
 
 
 @contextmanager
-def fleet(tmp_path: Path, count: int, extra_env: dict[str, str] | None = None) -> Iterator[Fleet]:
+def fleet(
+    tmp_path: Path,
+    count: int,
+    extra_env: dict[str, str] | None = None,
+    per_host: dict[str, dict[str, str]] | None = None,
+) -> Iterator[Fleet]:
     """A Fleet of ``count`` hosts (host-a, host-b, ...), every one beating; stopped
-    and cleaned up (by process id) on the way out."""
+    and cleaned up (by process id) on the way out. ``per_host``: a host's own
+    settings beside ``extra_env`` (its addresses on 127.0.0.1 read as its end of
+    the veth pair, as for GANTRY_HUB_ENDPOINT)."""
     logs = tmp_path / "logs"
     logs.mkdir()
     spawned: list[subprocess.Popen] = []
@@ -617,6 +625,7 @@ def fleet(tmp_path: Path, count: int, extra_env: dict[str, str] | None = None) -
                 "GANTRY_DATA_DIR": str(tmp_path / name),
                 # A hub stand-in on this machine answers each host at its end of the veth pair.
                 "GANTRY_HUB_ENDPOINT": base_env.get("GANTRY_HUB_ENDPOINT", "").replace("127.0.0.1", ns.gateway),
+                **{k: v.replace("127.0.0.1", ns.gateway) for k, v in (per_host or {}).get(name, {}).items()},
             }
 
         try:
@@ -672,3 +681,39 @@ def start_aiperf(
             "--no-gpu-telemetry", "--no-server-metrics"]  # fmt: skip
     with (folder / "aiperf.log").open("wb") as log:
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # noqa: S603
+
+
+@contextmanager
+def forwarded(listen: tuple[str, int], to: tuple[str, int]) -> Iterator[None]:
+    """Forward TCP connections made to ``listen`` (e.g. a host's end of its veth
+    pair) to ``to`` on this machine, as a network path between two machines would."""
+    import socket
+    import threading
+
+    def pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+
+    def accept(server: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = server.accept()
+                upstream = socket.create_connection(to)
+            except OSError:
+                return
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+    server = socket.create_server(listen)
+    threading.Thread(target=accept, args=(server,), daemon=True).start()
+    try:
+        yield
+    finally:
+        server.close()

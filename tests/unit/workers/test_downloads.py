@@ -347,3 +347,36 @@ def test_a_download_whose_host_went_quiet_is_reaped_and_one_being_cancelled_ends
     assert ended[rows[0].pk][0] == DownloadStatus.FAILED and "ask again to resume" in ended[rows[0].pk][1]
     assert ended[rows[1].pk][0] == DownloadStatus.CANCELLED and ended[rows[1].pk][1].startswith("cancelled (its host")
     assert downloads.downloads_reap() == []
+
+
+def test_the_relay_opens_a_download_only_to_its_own_host_signed_with_its_channel_key(hub_settings, operator):  # noqa: ANN001
+    from common import pki
+    from common.errors import NotFound, PermissionDenied
+    from deployments import states
+    from hosts.models import GpuHost
+    from hosts.services import channel
+
+    hosts = {name: factories.cpu_host(name) for name in ("home", "other")}
+    keys = {name: pki.new_key() for name in hosts}
+    for name, host in hosts.items():
+        channel.host_certificate_issue(host, pki.request(keys[name], name))
+    model = _register(operator)
+    with _serve({REPO: Repo(_files())}, hub_settings):
+        assert _download(model).status == DownloadStatus.SUCCEEDED
+    model.refresh_from_db()
+    fetching = downloads.download_request(model_id=model.pk, host="other", user=operator)
+
+    def token(signer: str, download_id: int = fetching.pk) -> str:
+        return f"{download_id}.{pki.prove(keys[signer], downloads.relay_token_text(download_id))}"
+
+    for forged in (token("home"), f"{fetching.pk}.00", "", "x.y", token("other", download_id=fetching.pk + 1)):
+        with pytest.raises(PermissionDenied):
+            downloads.relay_for(token=forged)
+    with pytest.raises(NotFound, match="no online host that holds tiny can be reached over its channel"):
+        downloads.relay_for(token=token("other"))  # home holds it, but has no channel (loopback, no port)
+    GpuHost.objects.filter(name="home").update(address="10.77.0.2", channel_port=17443)
+    relay = downloads.relay_for(token=token("other"))
+    assert relay.download == fetching and relay.holder.name == "home"
+    states.download_transition(download_id=fetching.pk, to=DownloadStatus.CANCELLED, source="test")
+    with pytest.raises(PermissionDenied, match="no active download has this token"):
+        downloads.relay_for(token=token("other"))
