@@ -138,6 +138,8 @@
             // Out of balancing, answering what it holds until that ends or its drain timeout comes.
             if (r.shown_status === "draining") status.textContent = `draining (${Math.round(r.in_flight ?? 0)} in flight)`;
             cell.append(status);
+            // Its host downloads a hub model it lacks first: how far, as the host last said.
+            if (r.shown_status === "fetching") cell.append(" ", text("small", r.status_message, "muted"));
           } else cell.textContent = value;
           if (i === 8) cell.dataset.ejections = "";
           row.append(cell);

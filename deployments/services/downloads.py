@@ -193,7 +193,23 @@ def download_progress(*, download_id: int, **figures: int | str) -> str:
         ModelDownload.objects.filter(pk=download_id, status__in=[D.RUNNING, D.CANCELLING]).update(
             heartbeat_at=timezone.now(), **figures
         )
-        return ModelDownload.objects.filter(pk=download_id).values_list("status", flat=True).first() or D.FAILED
+        download = ModelDownload.objects.select_related("model").filter(pk=download_id).first()
+        if download is None:
+            return D.FAILED
+        if download.bytes_total and "bytes_done" in figures:
+            # The replicas waiting for it say how far it got (their status message, in the API and on the page).
+            Replica.objects.filter(
+                host_id=download.host_id, status=S.FETCHING, deployment__placements__registered_model=download.model
+            ).update(status_message=_fetch_words(download))
+        return download.status
+
+
+def _fetch_words(download: ModelDownload) -> str:
+    done, total = download.bytes_done, download.bytes_total
+    left = f", {download.eta_s} s left" if download.eta_s is not None else ""
+    rate = f", {filesizeformat(download.rate_bps)}/s" if download.rate_bps else ""
+    return (f"fetching {download.model.name} (download {download.pk}): {100 * done // total} %, "
+            f"{filesizeformat(done)} of {filesizeformat(total)}{rate}{left}")  # fmt: skip
 
 
 def model_commit_record(*, model_id: int, commit: str) -> str:

@@ -20,6 +20,7 @@ from django.test import override_settings
 
 from common.errors import InvalidTransition, ValidationFailed
 from core.models import Event
+from deployments import states
 from deployments.models import (
     CheckpointCopy,
     DeploymentStatus,
@@ -40,6 +41,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 REPO = "tiny-org/tiny-embedder"
 # huggingface_hub writes a file in 10 MiB pieces: a download caught mid-way needs a larger one.
 LARGE = 24 * 1024 * 1024
+MB = 1024 * 1024
 
 
 def _files(seed: int = 0, weights_bytes: int = 3 * 1024 * 1024) -> dict[str, bytes]:
@@ -249,6 +251,11 @@ def test_a_replica_placed_where_the_model_is_not_fetches_it_first_then_launches(
         download = ModelDownload.objects.get(model=model, host__name="other")
         assert download.status == DownloadStatus.PENDING
         assert f"(download {download.pk})" in Event.objects.filter(to_status="fetching").get().message
+        downloads.download_progress(download_id=download.pk)  # not running yet: nothing said
+        states.download_transition(download_id=download.pk, to=DownloadStatus.RUNNING, source="test")
+        downloads.download_progress(download_id=download.pk, bytes_total=4 * MB, bytes_done=MB, rate_bps=MB)
+        said = Replica.objects.get(pk=replica.pk).status_message
+        assert said == f"fetching tiny (download {download.pk}): 25 %, 1.0\xa0MB of 4.0\xa0MB, 1.0\xa0MB/s, 3 s left"
         assert _download(model, "other").status == DownloadStatus.SUCCEEDED
     replica.refresh_from_db()
     assert replica.status == DeploymentStatus.LAUNCHING
