@@ -135,9 +135,11 @@ class CheckpointCopy(models.Model):
         null=True, blank=True, help_text="When a replica last launched with it here (its hub cache evicts the least "
         "recently used first)."
     )  # fmt: skip
+    # db_default too: a host still on the previous release inserts copies without this column.
     pinned = models.BooleanField(
-        default=False, help_text="Never evicted from this host's hub cache (a model downloaded from the hub)."
-    )
+        default=False, db_default=False,
+        help_text="Never evicted from this host's hub cache (a model downloaded from the hub).",
+    )  # fmt: skip
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["model", "host"], name="one_copy_per_model_and_host")]

@@ -103,6 +103,14 @@ def test_a_joined_hosts_credentials_reach_only_its_own_work(admin: User, operato
             db.execute("INSERT INTO deployments_checkpointcopy (model_id, host_id, fingerprint, checked_at) VALUES "
                        "(%s, %s, %s, now())", [model.pk, host_b.pk, "f" * 64])  # fmt: skip
         _refused(db, "DELETE FROM deployments_checkpointcopy WHERE host_id = %s", host_b.pk)
+        # Its downloads: A starts and reports its own, never one for B (which B's relay token would then open).
+        download = ("INSERT INTO deployments_modeldownload (model_id, host_id, status, status_message, commit, "
+                    "files_total, files_done, bytes_total, bytes_done, rate_bps, created_at) VALUES "
+                    "(%s, %s, 'pending', '', '', 0, 0, 0, 0, 0, now())")  # fmt: skip
+        db.execute(download, [model.pk, host_a.pk])
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
+            db.execute(download, [model.pk, host_b.pk])
+        _refused(db, "UPDATE deployments_modeldownload SET status = 'failed' WHERE host_id = %s", host_b.pk)
         _refused(db, "UPDATE deployments_checkpointcopy SET fingerprint = 'x' WHERE host_id = %s", host_b.pk)
         # Its cordon (an admin's): read by placement, never lifted nor made by the host itself.
         assert db.execute("SELECT count(*) FROM hosts_cordon WHERE host_id = %s", [host_a.pk]).fetchone() == (1,)
