@@ -214,8 +214,8 @@ def main() -> None:
         from upstream import hub
 
         GpuHost.objects.get_or_create(name="bench-host")
-        commit = hub.resolve(REPO, "", allow=[], ignore=[], endpoint=url, token="").commit
-        size = hub.resolve(REPO, "", allow=[], ignore=[], endpoint=url, token="").total_bytes
+        snapshot = hub.resolve(REPO, "", allow=[], ignore=[], endpoint=url, token="")
+        commit, size = snapshot.commit, snapshot.total_bytes
         ours: list[float] = []
         floor: list[float] = []
         link = f"{args.rate_mb} MB/s a connection" if args.rate_mb else "unthrottled"

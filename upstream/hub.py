@@ -289,8 +289,13 @@ def verify(snapshot: Snapshot, cache: Path, hashed: dict[str, tuple[int, str]] |
     return problems
 
 
+def git_object(size: int) -> Any:
+    """A sha1 that, fed a file's ``size`` bytes, gives its git object id (the hub's id of a non-LFS file)."""
+    return hashlib.sha1(f"blob {size}\0".encode())  # noqa: S324 - git's object id
+
+
 def _digest(f: HubFile, size: int) -> Any:
-    return hashlib.sha256() if f.sha256 else hashlib.sha1(f"blob {size}\0".encode())  # noqa: S324 - git's object id
+    return hashlib.sha256() if f.sha256 else git_object(size)
 
 
 def _hash(path: Path, f: HubFile) -> str:

@@ -29,7 +29,7 @@ from common import pki
 from common.errors import InvalidTransition
 from deployments import states
 from deployments.models import DownloadStatus as D
-from deployments.models import Inspection, ModelDownload, RegisteredModel
+from deployments.models import ModelDownload, RegisteredModel
 from deployments.services import downloads
 from upstream import hub
 from workers import cache as cache_quota
@@ -57,12 +57,7 @@ def run_download(download_id: int) -> None:
 
 def _end(download_id: int, to: str, reason: str) -> None:
     with contextlib.suppress(InvalidTransition):
-        download = downloads.download_end(download_id=download_id, to=to, source=source(), message=reason)
-        model = download.model
-        if to == D.FAILED and model.inspection == Inspection.PENDING and model.host_id == download.host_id:
-            states.inspection_transition(
-                model_id=model.pk, to=Inspection.FAILED, message=f"its download on {download.host.name}: {reason}"
-            )
+        downloads.download_end(download_id=download_id, to=to, source=source(), message=reason)
 
 
 @contextlib.contextmanager
@@ -105,7 +100,7 @@ def _download(download_id: int) -> None:
             if download.status == D.RUNNING
             else f"resolving {model.hub_id}@{model.commit or model.revision or 'main'}",
         )
-        endpoint, token = source_of(download_id)
+        endpoint, token = _endpoint_and_token(download_id)
         snapshot = _resolve(model, endpoint, token)
         _check_disk(download_id, model, snapshot, cache)
         follower = hub.Follower(snapshot, cache)  # hashes the files as they arrive
@@ -122,8 +117,8 @@ def _download(download_id: int) -> None:
             f"{len(snapshot.files)} files, {filesizeformat(snapshot.total_bytes)} at commit {snapshot.commit[:12]}, "
             "each checked against its hash"
         )
-        model.refresh_from_db()
-        first = model.inspection == Inspection.PENDING and model.host_id == download.host_id
+        download.refresh_from_db()
+        model, first = download.model, download.is_first
         if not first:
             copies.look_at(model)  # placement (and a replica waiting for it) sees the copy first
         downloads.download_end(download_id=download_id, to=D.SUCCEEDED, source=source(), message=said)
@@ -132,7 +127,7 @@ def _download(download_id: int) -> None:
         inspection.inspect(model.pk)
 
 
-def source_of(download_id: int) -> tuple[str, str]:
+def _endpoint_and_token(download_id: int) -> tuple[str, str]:
     """Where this host downloads from, and the token it shows there: the hub (or
     its mirror) with the host's own token, or the control plane's relay
     (GANTRY_HUB_VIA_CONTROL_PLANE) with the download signed by its channel key."""

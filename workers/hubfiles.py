@@ -13,7 +13,6 @@ entry carries the git id of its LFS pointer, as the hub's does.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -26,6 +25,7 @@ from urllib.parse import unquote, urlsplit
 from django.conf import settings
 
 from triton_server.server import LOCAL
+from upstream import hub
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,9 @@ _server: ThreadingHTTPServer | None = None
 def lfs_pointer_id(sha256: str, size: int) -> str:
     """The git id of the LFS pointer file of an object (the tree's ``oid`` for an LFS file)."""
     pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
-    return hashlib.sha1(f"blob {len(pointer)}\0".encode() + pointer).hexdigest()  # noqa: S324 - git's object id
+    digest = hub.git_object(len(pointer))
+    digest.update(pointer)
+    return digest.hexdigest()
 
 
 def _snapshot(owner: str, name: str, commit: str) -> Path | None:

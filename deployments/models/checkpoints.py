@@ -104,6 +104,12 @@ class RegisteredModel(models.Model):
         return not self.path
 
     @property
+    def fetchable(self) -> bool:
+        """A host that lacks it may download it before serving it: a hub model
+        inspected already, so its commit is pinned."""
+        return self.downloaded and bool(self.commit) and self.inspection == Inspection.READY
+
+    @property
     def folder(self) -> Path:
         """Where the checkpoint is on this host: its path, or its snapshot in this
         host's hub cache (known once its revision is resolved to a commit)."""
@@ -195,6 +201,11 @@ class ModelDownload(models.Model):
 
     def __str__(self) -> str:
         return f"download {self.pk} of {self.model} on {self.host}"
+
+    @property
+    def is_first(self) -> bool:
+        """The model's first download, on the host that registered it (which then inspects it)."""
+        return self.model.inspection == Inspection.PENDING and self.model.host_id == self.host_id
 
     @property
     def eta_s(self) -> int | None:

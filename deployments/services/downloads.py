@@ -119,11 +119,17 @@ def download_cancel(*, download_id: int, user: Any = None) -> ModelDownload:
 def download_end(*, download_id: int, to: str, source: str, message: str, actor: Any = None) -> ModelDownload:
     """End a download (succeeded, failed or cancelled), and move the replicas on
     its host that wait for it: launching once every model they lack is here,
-    failed with its reason when it did not succeed."""
+    failed with its reason when it did not succeed. A model's first download
+    that failed leaves the model failed with the reason (asking again retries)."""
     with transaction.atomic():
         download = states.download_transition(
             download_id=download_id, to=to, source=source, actor=actor, message=message
         )
+        if to == D.FAILED and download.is_first:
+            states.inspection_transition(
+                model_id=download.model_id, to=Inspection.FAILED,
+                message=f"its download on {download.host.name}: {message}",
+            )  # fmt: skip
         waiting = Replica.objects.select_related("deployment", "host").filter(
             host=download.host, status=S.FETCHING, deployment__placements__registered_model=download.model
         )
@@ -142,15 +148,12 @@ def download_end(*, download_id: int, to: str, source: str, message: str, actor:
 
 def to_fetch(replica: Replica) -> list[RegisteredModel]:
     """The hub models a replica's placements read that its host holds no
-    matching copy of (downloadable: inspected, their commit pinned)."""
+    matching copy of (RegisteredModel.fetchable)."""
     models = [p.registered_model for p in replica.deployment.placements.select_related("registered_model")]
     held = set(
         CheckpointCopy.objects.filter(host=replica.host, model__in=models).values_list("model_id", "fingerprint")
     )
-    return [
-        m for m in models
-        if m.downloaded and m.commit and m.inspection == Inspection.READY and (m.pk, m.fingerprint) not in held
-    ]  # fmt: skip
+    return [m for m in models if m.fetchable and (m.pk, m.fingerprint) not in held]
 
 
 def replica_files_here(*, replica: Replica, source: str) -> bool:

@@ -98,8 +98,8 @@ def holding_hosts(hosts: list[GpuHost], placements: list[DeploymentModel]) -> Ho
     """Sort the candidates by the files the placements read: a copy of each
     registered checkpoint that matches its fingerprint (CheckpointCopy, which
     each host's agent records), and an engine build's folder, which is on the
-    host that built it. A host that lacks only models downloaded from the hub
-    (inspected, so their commit is pinned) may fetch them first."""
+    host that built it. A host that lacks only models it can download first
+    (RegisteredModel.fetchable) may take a replica that fetches them."""
     model_ids = {p.registered_model_id for p in placements}
     held = set(
         CheckpointCopy.objects.filter(model_id__in=model_ids, host__in=hosts, fingerprint=F("model__fingerprint"))
@@ -116,7 +116,7 @@ def holding_hosts(hosts: list[GpuHost], placements: list[DeploymentModel]) -> Ho
         words += [f"build {b}'s engine" for b, built_on in sorted(builds.items()) if built_on != host.pk]
         if not words:
             holding.holders.append(host)
-        elif len(words) == len(missing) and all(m.downloaded and m.commit for m in missing):
+        elif len(words) == len(missing) and all(m.fetchable for m in missing):
             holding.fetchers.append(host)
         else:
             holding.lacking.append(f"{host.name} lacks {' and '.join(words)}")

@@ -89,7 +89,7 @@ def survey() -> None:
     )
     registered = list(RegisteredModel.objects.filter(inspection=Inspection.READY).only("path", "hub_id", "commit"))
     for model in registered:
-        look_at(model, held=held.get(model.pk))
+        _record(model, held.get(model.pk))
     hashed = _hashes()
     forgotten = set(hashed) - {str(model.folder) for model in registered}  # models unregistered since
     if forgotten:
@@ -98,15 +98,20 @@ def survey() -> None:
         _keep()
 
 
-def look_at(model: RegisteredModel, *, held: str | None | bool = False) -> None:
-    """Record what this host holds of ``model`` now, if it changed (``held``: the
-    fingerprint its copy has on record, None for none; read when not given)."""
-    host = settings.GANTRY_HOST_NAME
-    if held is False:
-        held = CheckpointCopy.objects.filter(host__name=host, model=model).values_list("fingerprint", flat=True).first()
+def look_at(model: RegisteredModel) -> None:
+    """Record what this host holds of ``model`` now, if it changed (after a download)."""
+    on_record = CheckpointCopy.objects.filter(host__name=settings.GANTRY_HOST_NAME, model=model)
+    _record(model, on_record.values_list("fingerprint", flat=True).first())
+
+
+def _record(model: RegisteredModel, held: str | None) -> None:
+    """Record ``model``'s copy here when what this host holds differs from ``held``
+    (the fingerprint on record; None for no copy)."""
     found = _fingerprint(model.folder)
     if found != held:
-        registered_models.checkpoint_copy_record(model_id=model.pk, host_name=host, fingerprint=found, source=source())
+        registered_models.checkpoint_copy_record(
+            model_id=model.pk, host_name=settings.GANTRY_HOST_NAME, fingerprint=found, source=source()
+        )
 
 
 def run_forever(stop: threading.Event) -> None:

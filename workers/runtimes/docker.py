@@ -25,8 +25,10 @@ from pathlib import Path
 
 import docker
 from django.conf import settings
+from docker.auth import INDEX_NAME, resolve_repository_name
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import DeviceRequest, Mount, Ulimit
+from docker.utils import parse_repository_tag
 
 from common.errors import PermanentError, TransientError
 from triton_server.server import STOP_GRACE_S, LaunchSpec, server_command, server_settings
@@ -482,15 +484,16 @@ DEFAULT_REGISTRY = "default"
 
 def registry_of(image: str) -> str:
     """The registry an image reference names, as Docker reads it (DEFAULT_REGISTRY when none)."""
-    first, slash, _ = image.partition("/")
-    return first if slash and ("." in first or ":" in first or first == "localhost") else DEFAULT_REGISTRY
+    registry, _ = resolve_repository_name(parse_repository_tag(image)[0])
+    return DEFAULT_REGISTRY if registry == INDEX_NAME else registry
 
 
 def image_pull(image: str, report: Callable[[PullProgress], None] | None = None) -> None:
     """Pull ``image`` onto this host with the credentials this host holds for its
     registry (GANTRY_REGISTRY_CREDENTIALS: never logged nor shown), calling
     ``report`` as layers arrive. PermanentError saying why it could not."""
-    repository, tag = _repository_and_tag(image)
+    repository, tag = parse_repository_tag(image)
+    tag = tag or "latest"
     registry = registry_of(image)
     auth = settings.GANTRY_REGISTRY_CREDENTIALS.get(registry)
     client = docker.from_env(timeout=3600)
@@ -515,14 +518,6 @@ def image_pull(image: str, report: Callable[[PullProgress], None] | None = None)
         raise PermanentError(_pull_refusal(image, registry, str(exc), auth is not None)) from exc
     finally:
         client.close()
-
-
-def _repository_and_tag(image: str) -> tuple[str, str]:
-    name, at, digest = image.partition("@")
-    if at:
-        return name, digest
-    head, colon, tag = name.rpartition(":")
-    return (head, tag) if colon and "/" not in tag else (name, "latest")
 
 
 def _pull_refusal(image: str, registry: str, error: str, with_credentials: bool) -> str:

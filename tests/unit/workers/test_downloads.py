@@ -354,6 +354,10 @@ def test_a_download_whose_host_went_quiet_is_reaped_and_one_being_cancelled_ends
     assert ended[rows[0].pk][0] == DownloadStatus.FAILED and "ask again to resume" in ended[rows[0].pk][1]
     assert ended[rows[1].pk][0] == DownloadStatus.CANCELLED and ended[rows[1].pk][1].startswith("cancelled (its host")
     assert downloads.downloads_reap() == []
+    # A first download that failed leaves its model failed, saying why; a cancelled one may be asked again.
+    failed, cancelled = (RegisteredModel.objects.get(pk=m.pk) for m in (model, other))
+    assert failed.inspection == Inspection.FAILED and "ask again to resume" in failed.inspection_message
+    assert cancelled.inspection == Inspection.PENDING
 
 
 def test_the_relay_opens_a_download_only_to_its_own_host_signed_with_its_channel_key(hub_settings, operator):  # noqa: ANN001
