@@ -19,6 +19,7 @@ a snapshot folder per commit whose files link to them.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -147,7 +148,8 @@ def _download(order: dict) -> None:
         order["hub_id"],
         revision=order["commit"],
         cache_dir=order["cache"],
-        allow_patterns=order["files"],
+        # Exactly these files: a name with *, ? or [ in it is no pattern here.
+        allow_patterns=[glob.escape(path) for path in order["files"]],
         max_workers=order["workers"],
         endpoint=order["endpoint"] or None,
         token=token,

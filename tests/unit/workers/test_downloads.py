@@ -391,3 +391,14 @@ def test_the_relay_opens_a_download_only_to_its_own_host_signed_with_its_channel
     states.download_transition(download_id=fetching.pk, to=DownloadStatus.CANCELLED, source="test")
     with pytest.raises(PermissionDenied, match="no active download has this token"):
         downloads.relay_for(token=token("other"))
+
+
+def test_files_whose_names_look_like_globs_are_downloaded_as_named(hub_settings, operator):  # noqa: ANN001
+    factories.cpu_host("home")
+    files = {**_files(), "extra/b[1].bin": b"one", "extra/b1.bin": b"other", "x*.json": b"{}", "xy.json": b"{}"}
+    with _serve({REPO: Repo(files)}, hub_settings):
+        row = _download(_register(operator, ignore_patterns=["extra/b1.bin", "xy.json"]))
+    assert row.status == DownloadStatus.SUCCEEDED, row.status_message
+    snapshot = RegisteredModel.objects.get(name="tiny").folder
+    assert (snapshot / "extra" / "b[1].bin").read_bytes() == b"one" and (snapshot / "x*.json").exists()
+    assert not (snapshot / "extra" / "b1.bin").exists() and not (snapshot / "xy.json").exists()
