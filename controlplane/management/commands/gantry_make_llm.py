@@ -8,7 +8,7 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandParser
 
 from upstream.checkpoints import UNTRAINED_NOTICE
-from workers.untrained import SHAPES, make_untrained_llm
+from workers.untrained import SHAPES, TOKENIZERS, make_untrained_llm
 
 
 class Command(BaseCommand):
@@ -18,7 +18,13 @@ class Command(BaseCommand):
         parser.add_argument("folder", type=Path)
         parser.add_argument("--size", choices=sorted(SHAPES), default="tiny")
         parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument(
+            "--tokenizer", choices=TOKENIZERS, default="bpe",
+            help="bpe: byte level, any text round-trips (structured output needs it); wordpiece: MiniLM's",
+        )  # fmt: skip
 
     def handle(self, *args, **options) -> None:  # noqa: ANN002, ANN003
-        folder = make_untrained_llm(options["folder"].resolve(), size=options["size"], seed=options["seed"])
+        folder = make_untrained_llm(
+            options["folder"].resolve(), size=options["size"], seed=options["seed"], tokenizer=options["tokenizer"]
+        )
         self.stdout.write(f"{folder}: LlamaForCausalLM ({options['size']}), {UNTRAINED_NOTICE}")
