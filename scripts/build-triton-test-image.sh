@@ -9,7 +9,7 @@
 set -euo pipefail
 PY=${1:?usage: $0 PYTHON}
 cd "$(dirname "$0")/.."
-model_deps='^(torch|transformers|sentence-transformers|tokenizers|safetensors|huggingface[_-]hub|numpy|nvidia-pytriton)=='
+model_deps='^(torch|transformers|llguidance|sentence-transformers|tokenizers|safetensors|huggingface[_-]hub|numpy|nvidia-pytriton)=='
 inputs=$( (cat scripts/build-triton-test-image.sh scripts/debootstrap-bookworm.sh; grep -E "$model_deps" requirements.lock) | sha256sum | cut -c1-12)
 tag="gantry/tritonserver-test:$inputs"
 if docker image inspect "$tag" >/dev/null 2>&1; then

@@ -4,7 +4,7 @@ Configs are built as protobuf messages and serialized by protobuf, never from
 string templates; ``read_config`` parses a file back the same way, so what we
 write is exactly what Triton reads.
 
-Over 400 lines on purpose: every kind of model Gantry writes (sentence models,
+Over 450 lines on purpose: every kind of model Gantry writes (sentence models,
 the causal LM, the engine and generate model of a TensorRT-LLM placement, the
 LLM-API model) shares the same batching, instance and tensor helpers here, and
 the generate interface is declared once for every LLM path.
@@ -103,6 +103,24 @@ GENERATE_OUTPUTS: list[tuple[str, int, list[int]]] = [
     ("num_input_tokens", mc.TYPE_INT32, [1]),
     ("num_output_tokens", mc.TYPE_INT32, [1]),
 ]
+# What the transformers model takes beyond that (python_models/causal_lm_model.py):
+# OpenAI's penalties and logit bias, a grammar (named as TensorRT-LLM's guided
+# decoding names it), several sequences of one prompt, log-probabilities.
+CAUSAL_LM_INPUTS: list[tuple[str, int, list[int]]] = [
+    ("presence_penalty", mc.TYPE_FP32, [1]),
+    ("frequency_penalty", mc.TYPE_FP32, [1]),
+    ("logit_bias_ids", mc.TYPE_INT32, [-1]),
+    ("logit_bias_values", mc.TYPE_FP32, [-1]),
+    ("guided_decoding_guide_type", mc.TYPE_STRING, [1]),
+    ("guided_decoding_guide", mc.TYPE_STRING, [1]),
+    ("num_return_sequences", mc.TYPE_INT32, [1]),
+    ("return_log_probs", mc.TYPE_BOOL, [1]),
+    ("top_log_probs", mc.TYPE_INT32, [1]),
+]
+CAUSAL_LM_OUTPUTS: list[tuple[str, int, list[int]]] = [
+    ("sequence_index", mc.TYPE_INT32, [1]),
+    ("log_probs", mc.TYPE_STRING, [1]),  # JSON: one entry per token the response adds
+]
 
 
 def _parameters(config: mc.ModelConfig, values: dict[str, str]) -> None:
@@ -173,14 +191,16 @@ def python_model_config(spec: PythonModelSpec) -> mc.ModelConfig:
     return config
 
 
-def _generate_interface(name: str, batching: Batching, instances: Instances) -> mc.ModelConfig:
+def _generate_interface(
+    name: str, batching: Batching, instances: Instances, *, inputs: list = (), outputs: list = ()
+) -> mc.ModelConfig:
     """A decoupled python model with the generate interface (GENERATE_INPUTS ->
-    GENERATE_OUTPUTS), its batching and its instances."""
+    GENERATE_OUTPUTS, and ``inputs`` -> ``outputs`` of its own), its batching and its instances."""
     config = mc.ModelConfig(name=name, backend="python")
     config.model_transaction_policy.decoupled = True
-    for input_name, data_type, dims in GENERATE_INPUTS:
+    for input_name, data_type, dims in [*GENERATE_INPUTS, *inputs]:
         _input(config, input_name, data_type, dims, optional=input_name not in GENERATE_REQUIRED)
-    for output_name, data_type, dims in GENERATE_OUTPUTS:
+    for output_name, data_type, dims in [*GENERATE_OUTPUTS, *outputs]:
         _tensor(config.output, output_name, data_type, dims)
     _apply_batching(config, batching)
     _apply_instances(config, instances)
@@ -191,7 +211,9 @@ def causal_lm_config(spec: CausalLmSpec) -> mc.ModelConfig:
     """Decoupled (it streams), with Triton's dynamic batcher handing concurrent
     requests to execute() together; the model batches them into one forward pass
     per token."""
-    config = _generate_interface(spec.name, spec.batching, spec.instances)
+    config = _generate_interface(
+        spec.name, spec.batching, spec.instances, inputs=CAUSAL_LM_INPUTS, outputs=CAUSAL_LM_OUTPUTS
+    )
     _parameters(
         config,
         {
@@ -230,8 +252,9 @@ def read_config(model_dir: Path) -> mc.ModelConfig:
 ENGINE_GENERATE_MODEL_FILE = "engine_generate_model.py"
 # Copied beside every generating python model's model.py (python_models/gantry_text.py).
 TEXT_HELPER_FILE = "gantry_text.py"
-# Copied beside the causal-LM model's model.py (python_models/gantry_decode.py).
+# Copied beside the causal-LM model's model.py (python_models/gantry_decode.py, gantry_grammar.py).
 DECODE_HELPER_FILE = "gantry_decode.py"
+GRAMMAR_HELPER_FILE = "gantry_grammar.py"
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The Triton model repository on disk: <root>/<model>/config.pbtxt, with
 <root>/<model>/1/model.py for python-backend models (and gantry_text.py beside
-the generating ones, gantry_decode.py beside the causal LM), and an empty version folder for the tensorrtllm engine
-model (the engine itself stays in its build folder, named by gpt_model_path)."""
+the generating ones, gantry_decode.py and gantry_grammar.py beside the causal
+LM), and an empty version folder for the tensorrtllm engine model (the engine
+itself stays in its build folder, named by gpt_model_path)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from triton_server.config import (
     CAUSAL_LM_MODEL_FILE,
     DECODE_HELPER_FILE,
     ENGINE_GENERATE_MODEL_FILE,
+    GRAMMAR_HELPER_FILE,
     LLMAPI_CONFIG_FILE,
     TEXT_HELPER_FILE,
     CausalLmSpec,
@@ -51,7 +53,9 @@ def _write_model(staging: Path, spec: ModelSpec) -> None:
         return
     if isinstance(spec, CausalLmSpec):
         write_config(staging / spec.name, causal_lm_config(spec))
-        _python_model(staging / spec.name, CAUSAL_LM_MODEL_FILE, TEXT_HELPER_FILE, DECODE_HELPER_FILE)
+        _python_model(
+            staging / spec.name, CAUSAL_LM_MODEL_FILE, TEXT_HELPER_FILE, DECODE_HELPER_FILE, GRAMMAR_HELPER_FILE
+        )
         return
     if isinstance(spec, LlmApiSpec):
         write_config(staging / spec.name, llmapi_model_config(spec))

@@ -131,6 +131,9 @@ class ServingBackend:
     key: str
     kinds: frozenset[str]
     generative: bool = False  # takes the generate interface (text_input, max_tokens, ... -> text_output)
+    # What it takes beyond that interface (inference.generation.EXTRAS), and why not the rest.
+    generation_extras: frozenset[str] = frozenset()
+    extras_missing: str = ""
     # Chooses its own GPUs when placed (gpu_device_ids): its row is stored as KIND_GPU on them.
     places_own_gpus: bool = False
 

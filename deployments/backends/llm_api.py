@@ -29,6 +29,7 @@ class LlmApi(ServingBackend):
     key = Backend.LLM_API.value
     kinds = frozenset({ModelKind.LLM.value})
     generative = True
+    extras_missing = "Gantry's LLM API route passes only the shared sampling fields so far"
     places_own_gpus = True
 
     def serves(self, spec: PlacementSpec, model: RegisteredModel) -> bool:

@@ -29,6 +29,10 @@ class TensorrtLlm(ServingBackend):
     key = Backend.TENSORRTLLM.value
     kinds = frozenset({ModelKind.LLM.value})
     generative = True
+    extras_missing = (
+        "Gantry's TensorRT-LLM route (the engine's generate model) passes only the shared sampling fields "
+        "so far, and TensorRT-LLM 0.16's tensorrt_llm model has no guided decoding input"
+    )
     places_own_gpus = True
 
     def serves(self, spec: PlacementSpec, model: RegisteredModel) -> bool:

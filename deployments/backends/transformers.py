@@ -92,8 +92,9 @@ def transformers_needs(
     )
     tokens = max(PREFILL_TOKENS, max_seq_len)
     # The MLP's gate, up and activation buffers and a few hidden-sized ones per token,
-    # and fp32 logits for every sequence of a decode step.
-    activations = tokens * (3 * intermediate + 6 * hidden) * element_bytes + max_num_sequences * vocab * 4
+    # and fp32 logits for every sequence of a decode step, with as much again three times
+    # over for what requests may ask (log-probabilities, token counts, logit biases).
+    activations = tokens * (3 * intermediate + 6 * hidden) * element_bytes + 4 * max_num_sequences * vocab * 4
     return TransformersNeeds(weights=parameters * element_bytes, kv_cache=kv, activations=activations)
 
 
@@ -101,6 +102,7 @@ class Transformers(ServingBackend):
     key = Backend.TRANSFORMERS.value
     kinds = frozenset({ModelKind.LLM.value})
     generative = True
+    generation_extras = frozenset({"penalties", "logit_bias", "guide", "n", "logprobs"})
 
     def check(self, spec: PlacementSpec, model: RegisteredModel, target: Target, fail: Fail) -> Resolved | None:
         """On a GPU each instance's fraction must hold its weights, a KV cache for

@@ -9,6 +9,15 @@ repetition_penalty, stop_words and stream; text_output out (one response per
 new piece of text when streaming, else one), with num_input_tokens and
 num_output_tokens (the tokens this response adds) so callers can count usage.
 
+Beyond the engine route's interface it takes presence_penalty and
+frequency_penalty (OpenAI's), logit_bias_ids with logit_bias_values, a grammar
+(guided_decoding_guide_type json, json_schema, regex or lark, and
+guided_decoding_guide, as TensorRT-LLM names them; gantry_grammar.py),
+num_return_sequences (that many sequences of one prompt, sampled in the same
+batch, each response naming its sequence_index) and return_log_probs with
+top_log_probs (each response's log_probs: a JSON list, one entry per token it
+adds, of the token's text, bytes, log-probability and the top alternatives').
+
 The model is decoupled. execute() only queues requests; one generation thread
 runs a gantry_decode.Decoder, which batches them continuously (requests join
 and leave between decode steps) over a static KV cache and, on a GPU, CUDA
@@ -40,7 +49,7 @@ import numpy as np
 import torch
 import transformers
 import triton_python_backend_utils as pb_utils
-from gantry_decode import Decoder
+from gantry_decode import MAX_TOP_LOGPROBS, Decoder, Settings
 from gantry_text import TextStream
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -58,6 +67,13 @@ KV_METRIC = "gantry_kv_cache_tokens"
 # waits on (triton_server.metrics.in_flight), since Triton's pending count lets go of a
 # decoupled request once execute() returns.
 IN_FLIGHT_METRIC = "gantry_requests_in_flight"
+# The most sequences one request may ask for (OpenAI's n).
+MAX_RETURN_SEQUENCES = 16
+
+try:
+    import gantry_grammar
+except ImportError as exc:  # llguidance missing on this host: structured output is refused, nothing else
+    gantry_grammar, GRAMMAR_MISSING = None, f"structured output needs llguidance on the host ({exc})"
 
 
 def _parameter(config, key, default):
@@ -85,20 +101,69 @@ def _strings(request, name):
     return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in tensor.as_numpy().reshape(-1)]
 
 
-class _Sequence:
-    """One request being generated: its prompt, settings, and what it has produced so far."""
+def _floats(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return [] if tensor is None else tensor.as_numpy().reshape(-1).tolist()
 
-    def __init__(self, request, tokenizer, context_len):
+
+class _Request:
+    """One request: its response sender, shared by the sequences it asked for; the
+    last of them to finish sends the final flag."""
+
+    def __init__(self, request, count):
         self.sender = request.get_response_sender()
+        self.left = count
+        self.closed = False
+
+    def send(self, tensors, *, last_of_sequence):
+        if self.closed:
+            return
+        if last_of_sequence:
+            self.left -= 1
+        final = last_of_sequence and self.left == 0
+        self.closed = final
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+
+    def fail(self, message):
+        if not self.closed:
+            self.closed = True
+            error = pb_utils.TritonError(message)
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
+
+    def cancel(self):
+        if not self.closed:
+            self.closed = True
+            self.sender.send(flags=FINAL)
+
+
+def sequences(request, model):
+    """The sequences a request asks for (num_return_sequences of them), checked;
+    ValueError names what is wrong."""
+    count = _scalar(request, "num_return_sequences", 1, int)
+    if not 1 <= count <= MAX_RETURN_SEQUENCES:
+        raise ValueError(f"num_return_sequences must be 1 to {MAX_RETURN_SEQUENCES}")
+    seed = _scalar(request, "random_seed", None, int)
+    owner = _Request(request, count)
+    first = _Sequence(request, model, owner, 0, seed)
+    return [first] + [first.sibling(index, seed) for index in range(1, count)]
+
+
+class _Sequence(Settings):
+    """One sequence being generated: its prompt, settings, and what it has produced so far."""
+
+    def __init__(self, request, model, owner, index, seed):
+        tokenizer, context_len = model.tokenizer, model.context_len
+        self.owner, self.index, self.tokenizer = owner, index, tokenizer
         prompt = _scalar(request, "text_input", "", str)
         self.max_tokens = _scalar(request, "max_tokens", 16, int)
         self.temperature = _scalar(request, "temperature", 1.0, float)
         self.top_p = _scalar(request, "top_p", 1.0, float)
         self.top_k = _scalar(request, "top_k", 0, int)
         self.repetition_penalty = _scalar(request, "repetition_penalty", 1.0, float)
+        self.presence_penalty = _scalar(request, "presence_penalty", 0.0, float)
+        self.frequency_penalty = _scalar(request, "frequency_penalty", 0.0, float)
         self.stream = _scalar(request, "stream", False, bool)
         self.stops = [s for s in _strings(request, "stop_words") if s]
-        seed = _scalar(request, "random_seed", None, int)
         self.random = None if seed is None else random.Random(seed)
         if not prompt:
             raise ValueError("text_input is empty")
@@ -106,6 +171,16 @@ class _Sequence:
             raise ValueError("max_tokens must be at least 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.repetition_penalty <= 0:
             raise ValueError("temperature >= 0, 0 < top_p <= 1, top_k >= 0 and repetition_penalty > 0")
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            raise ValueError("presence_penalty and frequency_penalty must be -2 to 2")
+        self.logit_bias = self._logit_bias(request, model.decoder.vocab)
+        if _scalar(request, "return_log_probs", False, bool):
+            self.logprobs = _scalar(request, "top_log_probs", 0, int)
+            if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"top_log_probs must be 0 to {MAX_TOP_LOGPROBS}")
+        self.grammar = (_scalar(request, "guided_decoding_guide_type", "", str),
+                        _scalar(request, "guided_decoding_guide", "", str))  # fmt: skip
+        self.guide = model.guide(*self.grammar) if self.grammar[0] else None
         # Tokenized as the engine path's preprocessing does (with the tokenizer's
         # special tokens); a chat template, if any, was applied by the caller.
         self.prompt_ids = tokenizer.encode(prompt)
@@ -117,25 +192,55 @@ class _Sequence:
                 f"the prompt's {len(self.prompt_ids)} tokens plus max_tokens {self.max_tokens} exceed "
                 f"the model's context of {context_len} tokens"
             )
+        self.model = model
+        self._start()
+
+    def sibling(self, index, seed):
+        """Another sequence of the same request and prompt (checked once), with a random stream of its own."""
+        other = object.__new__(_Sequence)
+        other.__dict__.update(self.__dict__)
+        other.index = index
+        other.random = None if seed is None else random.Random(f"{seed}/{index}")
+        other.guide = self.model.guide(*self.grammar) if self.grammar[0] else None
+        other._start()
+        return other
+
+    def _start(self):
         self.output_ids = []
         self.counted = 0  # output tokens already reported
-        self.text = TextStream(tokenizer, self.stops)
+        self.token_logprobs = []  # entries not reported yet
+        self.text = TextStream(self.tokenizer, self.stops)
         self.done = False
+
+    @staticmethod
+    def _logit_bias(request, vocab):
+        ids, values = _floats(request, "logit_bias_ids"), _floats(request, "logit_bias_values")
+        if len(ids) != len(values):
+            raise ValueError("logit_bias_ids and logit_bias_values must be as long as each other")
+        if any(not 0 <= int(i) < vocab for i in ids):
+            raise ValueError(f"logit_bias_ids must be token ids below {vocab}")
+        if any(not -100 <= v <= 100 for v in values):
+            raise ValueError("logit_bias_values must be -100 to 100")
+        return tuple(zip((int(i) for i in ids), values, strict=True))
 
     def respond(self, text, final):
         tensors = [
             pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
             pb_utils.Tensor("num_input_tokens", np.array([len(self.prompt_ids)], dtype=np.int32)),
             pb_utils.Tensor("num_output_tokens", np.array([len(self.output_ids) - self.counted], dtype=np.int32)),
+            pb_utils.Tensor("sequence_index", np.array([self.index], dtype=np.int32)),
         ]
+        if self.logprobs is not None:
+            entries = json.dumps(self.token_logprobs).encode("utf-8")
+            tensors.append(pb_utils.Tensor("log_probs", np.array([entries], dtype=np.object_)))
+            self.token_logprobs = []
         self.counted = len(self.output_ids)
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+        self.owner.send(tensors, last_of_sequence=final)
 
     def fail(self, message):
         if not self.done:
             self.done = True
-            error = pb_utils.TritonError(message)
-            self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
+            self.owner.fail(message)
 
 
 class TritonPythonModel:
@@ -180,6 +285,8 @@ class TritonPythonModel:
             self.model, max_batch=max_batch, max_len=self.context_len, pad_id=pad_id, log=pb_utils.Logger.log_info
         )
         self.decoder.warm_up()
+        self.vocabulary = None  # gantry_grammar.Vocabulary, made when a request first brings a grammar
+        self.token_texts = {}
         self.kv_used, self.kv_told_at = self._kv_gauges(args, max_batch * self.context_len), 0.0
         self.pending = queue.Queue()
         self.stopping = threading.Event()
@@ -226,10 +333,29 @@ class TritonPythonModel:
             self.kv_used.set(sum(self.decoder.lengths))
             self.in_flight.set(len(self.decoder.rows) + len(waiting) + self.pending.qsize())
 
+    def guide(self, kind, text):
+        """A grammar's matcher for one sequence (gantry_grammar.Guide); ValueError if refused."""
+        if gantry_grammar is None:
+            raise ValueError(GRAMMAR_MISSING)
+        if self.vocabulary is None:
+            self.vocabulary = gantry_grammar.Vocabulary(self.tokenizer, self.decoder.vocab, self.eos_ids)
+        try:
+            return self.vocabulary.guide(kind, text)
+        except gantry_grammar.GuideError as exc:
+            raise ValueError(f"guided_decoding_guide: {exc}") from None
+
+    def token_entry(self, token, logprob):
+        """OpenAI's logprobs entry of a token: its text and UTF-8 bytes, and its log-probability."""
+        text = self.token_texts.get(token)
+        if text is None:
+            text = self.token_texts[token] = self.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
     def execute(self, requests):
         for request in requests:
             try:
-                self.pending.put(_Sequence(request, self.tokenizer, self.context_len))
+                for sequence in sequences(request, self):
+                    self.pending.put(sequence)
             except ValueError as exc:
                 sender = request.get_response_sender()
                 error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
@@ -273,8 +399,8 @@ class TritonPythonModel:
                         self.in_flight.set(self.pending.qsize())
                         self.kv_told_at = 0.0
                     continue
-                for sequence, token in decoder.step():
-                    self._advance(sequence, token)
+                for sequence, token, logprobs in decoder.step():
+                    self._advance(sequence, token, logprobs)
                 decoder.release([s for s in decoder.rows if s.done])
                 self._tell_use(waiting)
             except Exception as exc:  # noqa: BLE001 - every request in the batch gets the error
@@ -283,21 +409,30 @@ class TritonPythonModel:
                     sequence.fail(f"generation failed: {exc}")
                 decoder.reset()
 
-    def _advance(self, sequence, token):
+    def _advance(self, sequence, token, logprobs):
         """Record one generated token; send the text that is now certain; finish on
-        end of sequence, a stop string, max_tokens, or a client that went away."""
+        end of sequence, a stop string, a complete grammar, max_tokens, or a client
+        that went away."""
         made = len(sequence.output_ids)
-        if made and made % CANCEL_CHECK_EVERY == 0 and sequence.sender.is_cancelled():
+        owner = sequence.owner
+        if owner.closed or (made and made % CANCEL_CHECK_EVERY == 0 and owner.sender.is_cancelled()):
             sequence.done = True
-            sequence.sender.send(flags=FINAL)
-            pb_utils.Logger.log_info(f"request cancelled by its client after {len(sequence.output_ids)} tokens")
+            if not owner.closed:
+                owner.cancel()
+                pb_utils.Logger.log_info(f"request cancelled by its client after {made} tokens")
             return
         finished = token in self.eos_ids
         piece = ""
         if not finished:
             sequence.output_ids.append(token)
+            if logprobs is not None:
+                chosen, top = logprobs
+                entry = self.token_entry(token, chosen)
+                entry["top_logprobs"] = [self.token_entry(i, lp) for i, lp in top]
+                sequence.token_logprobs.append(entry)
             piece = sequence.text.add([token])
         finished = finished or sequence.text.stopped or len(sequence.output_ids) >= sequence.max_tokens
+        finished = finished or (sequence.guide is not None and sequence.guide.stopped)
         if finished:
             sequence.done = True
             rest = sequence.text.finish()

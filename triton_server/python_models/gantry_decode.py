@@ -19,10 +19,16 @@ penalty, so per-request seeds and penalties could not be honoured
 - CUDA graphs on a GPU: each decode step is one graph replay, captured once per
   (batch, attended width) bucket, so a step costs the GPU's time, not the
   Python time of launching every kernel of every layer;
-- sampling on the device for the whole batch at once (repetition penalty,
-  temperature, top-k, top-p; greedy at temperature 0), with each request's own
-  random stream, so the same seed gives the same text whatever else is
-  running;
+- sampling on the device for the whole batch at once (repetition, presence and
+  frequency penalties, logit bias, a grammar's mask, temperature, top-k, top-p;
+  greedy at temperature 0), with each request's own random stream, so the same
+  seed gives the same text whatever else is running;
+- log-probabilities of the chosen tokens and the most likely others, from the
+  model's own distribution (before penalties, bias, mask and temperature), for
+  the rows that ask;
+- structured output (gantry_grammar): a constrained row's mask for the next
+  token is computed while the GPU runs the forward pass, and applied before
+  sampling, outside the graphs, which stay the same;
 - the next step's forward pass is queued before the host reads this step's
   tokens, so sending text overlaps the GPU's work.
 
@@ -47,6 +53,24 @@ PREFILL_TOKENS = 4096
 MIN_WIDTH = 128
 # Prefill graphs up to this padded prompt length are captured at load (warm_up).
 WARM_PREFILL_WIDTH = 512
+# The most alternatives a row may ask log-probabilities of (OpenAI's top_logprobs).
+MAX_TOP_LOGPROBS = 20
+
+
+class Settings:
+    """What a sequence asks of sampling, with the values that change nothing: a
+    row's class may inherit these and set what it needs."""
+
+    temperature = 1.0
+    top_p = 1.0
+    top_k = 0
+    repetition_penalty = 1.0  # on prompt and output tokens (transformers')
+    presence_penalty = 0.0  # on output tokens, as OpenAI's
+    frequency_penalty = 0.0
+    logit_bias: tuple = ()  # (token id, added logit) pairs
+    guide = None  # gantry_grammar.Guide: the grammar its tokens must follow
+    logprobs = None  # None, or how many alternatives to report beside the chosen token (0..20)
+    random = None  # a random.Random of its own (a seed), or None for the decoder's
 
 
 class SlotCache(Cache):
@@ -150,8 +174,7 @@ def _width(n: int, least: int) -> int:
 
 class Decoder:
     """One model's running batch. ``rows`` are the sequences decoding, in row order;
-    each needs prompt_ids, temperature, top_p, top_k, repetition_penalty and random
-    (a random.Random, or None for the shared one)."""
+    each has prompt_ids and the fields of Settings."""
 
     def __init__(self, model, *, max_batch: int, max_len: int, pad_id: int, graphs: bool = True, log=None):
         self.model, self.max_batch, self.max_len, self.pad_id = model, max_batch, max_len, pad_id
@@ -172,11 +195,19 @@ class Decoder:
         self.top_p = torch.ones(batch, device=device)
         self.top_k = torch.zeros(batch, dtype=torch.long, device=device)
         self.penalty = torch.ones(batch, device=device)
+        self.presence = torch.zeros(batch, device=device)
+        self.frequency = torch.zeros(batch, device=device)
+        self.counts = None  # (batch, vocab) output tokens so far, once a row asks for presence or frequency penalties
+        self.bias = None  # (batch, vocab) added logits, once a row brings a logit bias
+        self.masks = None  # gantry_grammar.Masks, once a row brings a grammar
         self.ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.pos = torch.zeros((batch, 1), dtype=torch.long, device=device)
         cuda = device.type == "cuda"
         self.host_tokens = torch.zeros(batch, dtype=torch.long, pin_memory=cuda)
         self.host_uniform = torch.zeros(batch, dtype=torch.float32, pin_memory=cuda)
+        self.host_logprob = torch.zeros(batch, dtype=torch.float32, pin_memory=cuda)
+        self.host_top = torch.zeros((batch, MAX_TOP_LOGPROBS), dtype=torch.float32, pin_memory=cuda)
+        self.host_top_ids = torch.zeros((batch, MAX_TOP_LOGPROBS), dtype=torch.long, pin_memory=cuda)
         self.copied = torch.cuda.Event() if cuda else None
         self.cache = self._slot_cache()
         graphs = cuda and graphs and self.cache is not None
@@ -226,6 +257,7 @@ class Decoder:
             self.seen[rows] = False
             for row, sequence in enumerate(group, start=first):
                 self.seen[row, torch.tensor(sequence.prompt_ids).to(self.device)] = True
+            self._admit_extras(group, rows)
             if self.cache is None:
                 self._prefill_wave(group)
             else:
@@ -236,14 +268,33 @@ class Decoder:
         return waiting
 
     @torch.inference_mode()
-    def step(self) -> list[tuple[object, int]]:
-        """Each live row's next token; the forward pass that follows is already queued."""
+    def step(self) -> list[tuple[object, int, tuple | None]]:
+        """Each live row's next token, with its log-probability and the top
+        alternatives' ((id, log-probability) pairs) where the row asks for them,
+        else None; the forward pass that follows is already queued."""
         n = len(self.rows)
         if max(self.lengths) >= self.max_len:
             raise RuntimeError(f"a sequence reached the context of {self.max_len} tokens")
-        tokens = self._sample(n)
-        self.seen[torch.arange(n, device=self.device), tokens] = True
+        rows = self.rows
+        guided = [(s.guide, i) for i, s in enumerate(rows) if s.guide is not None and self.alive[i]]
+        if guided:
+            self.masks.open(slice(0, n))
+            self.masks.fill(guided)
+        wanted = [s.logprobs for s in rows]
+        top = max((w or 0 for w in wanted), default=0)
+        raw = torch.log_softmax(self.logits[:n], -1) if any(w is not None for w in wanted) else None
+        tokens = self._sample(n, masked=bool(guided))
+        arange = torch.arange(n, device=self.device)
+        self.seen[arange, tokens] = True
+        if self.counts is not None:
+            self.counts[arange, tokens] += 1
         self.host_tokens[:n].copy_(tokens, non_blocking=True)
+        if raw is not None:
+            self.host_logprob[:n].copy_(raw[arange, tokens], non_blocking=True)
+            if top:
+                values, ids = raw.topk(top, -1)
+                self.host_top[:n, :top].copy_(values, non_blocking=True)
+                self.host_top_ids[:n, :top].copy_(ids, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
         self.ids[:n, 0] = tokens
@@ -256,7 +307,16 @@ class Decoder:
             self.copied.synchronize()
         chosen = self.host_tokens[:n].tolist()
         self.lengths = [length + 1 for length in self.lengths]
-        return [(self.rows[i], chosen[i]) for i in range(n) if self.alive[i]]
+        for guide, i in guided:
+            guide.take(chosen[i])
+        logprobs = [None] * n
+        if raw is not None:
+            chosen_lp, top_lp, top_ids = self.host_logprob[:n].tolist(), self.host_top[:n].tolist(), None
+            top_ids = self.host_top_ids[:n].tolist()
+            for i, want in enumerate(wanted):
+                if want is not None:
+                    logprobs[i] = (chosen_lp[i], list(zip(top_ids[i][:want], top_lp[i][:want], strict=True)))
+        return [(rows[i], chosen[i], logprobs[i]) for i in range(n) if self.alive[i]]
 
     @torch.inference_mode()
     def release(self, done: list) -> None:
@@ -275,7 +335,9 @@ class Decoder:
             sources, targets = [m[0] for m in moves], [m[1] for m in moves]
             self.cache.move(sources, targets, min(self.max_len, max(self.lengths[s] for s in sources) + 1))
             src, dst = torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device)
-            for tensor in (self.logits, self.seen, self.temperature, self.top_p, self.top_k, self.penalty, self.pos):
+            extras = [t for t in (self.counts, self.bias) if t is not None]
+            for tensor in (self.logits, self.seen, self.temperature, self.top_p, self.top_k, self.penalty,
+                           self.presence, self.frequency, self.pos, *extras):  # fmt: skip
                 tensor[dst] = tensor[src]
         self.rows = [self.rows[i] for i in keep]
         self.lengths = [self.lengths[i] for i in keep]
@@ -313,13 +375,47 @@ class Decoder:
 
     # --- sampling -----------------------------------------------------------------
 
-    def _sample(self, n: int) -> torch.Tensor:
+    def _admit_extras(self, group: list, rows: slice) -> None:
+        """What joining rows ask beyond temperature, top-p, top-k and repetition:
+        presence and frequency penalties, a logit bias, a grammar (each tensor
+        made when a row first needs it)."""
+        device = self.device
+        penalties = [(s.presence_penalty, s.frequency_penalty) for s in group]
+        self.presence[rows], self.frequency[rows] = torch.tensor(penalties, dtype=torch.float32).to(device).unbind(-1)
+        if self.counts is None and any(p or f for p, f in penalties):
+            self.counts = torch.zeros((self.max_batch, self.vocab), dtype=torch.float32, device=device)
+        if self.counts is not None:
+            self.counts[rows] = 0
+        if self.bias is None and any(s.logit_bias for s in group):
+            self.bias = torch.zeros((self.max_batch, self.vocab), dtype=torch.float32, device=device)
+        if self.bias is not None:
+            self.bias[rows] = 0
+            for row, sequence in enumerate(group, start=rows.start):
+                if sequence.logit_bias:
+                    ids, values = zip(*sequence.logit_bias, strict=True)
+                    self.bias[row, torch.tensor(ids).to(device)] = torch.tensor(values).to(device)
+        if self.masks is None and any(s.guide is not None for s in group):
+            import gantry_grammar  # beside this file; only where a request brings a grammar
+
+            self.masks = gantry_grammar.Masks(self.max_batch, self.vocab)
+
+    def _sample(self, n: int, masked: bool = False) -> torch.Tensor:
         logits = self.logits[:n]
         rows = self.rows
         if any(s.repetition_penalty != 1.0 for s in rows):
             penalty = self.penalty[:n, None]
             penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits = torch.where(self.seen[:n], penalised, logits)
+        if any(s.presence_penalty or s.frequency_penalty for s in rows):
+            counts = self.counts[:n]
+            logits = logits - self.frequency[:n, None] * counts - self.presence[:n, None] * (counts > 0)
+        if any(s.logit_bias for s in rows):
+            logits = logits + self.bias[:n]
+        if masked:
+            import gantry_grammar
+
+            mask = self.masks.host[:n].to(self.device, non_blocking=True)
+            logits = logits.masked_fill(~gantry_grammar.allowed(mask, self.vocab), float("-inf"))
         greedy = [s.temperature == 0 for s in rows]
         if all(greedy):
             return logits.argmax(-1)
@@ -338,7 +434,8 @@ class Decoder:
         draws = [(s.random or self.random).random() if not g else 0.0 for s, g in zip(rows, greedy, strict=True)]
         self.host_uniform[:n] = torch.tensor(draws, dtype=torch.float32)
         uniform = self.host_uniform[:n].to(self.device, non_blocking=True)
-        picked = torch.searchsorted(cumulative, (uniform * cumulative[:, -1])[:, None]).clamp_(max=self.vocab - 1)
+        picked = torch.searchsorted(cumulative, (uniform * cumulative[:, -1])[:, None], right=True)
+        picked = picked.clamp_(max=self.vocab - 1)
         tokens = picked[:, 0] if order is None else order.gather(1, picked)[:, 0]
         if any(greedy):
             tokens = torch.where(self.temperature[:n] == 0, logits.argmax(-1), tokens)

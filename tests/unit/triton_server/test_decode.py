@@ -22,7 +22,7 @@ VOCAB = 101
 
 
 @dataclass(eq=False)
-class Request:
+class Request(gantry_decode.Settings):
     prompt_ids: list[int]
     max_tokens: int = 12
     temperature: float = 0.0
@@ -80,7 +80,7 @@ def serve(decoder, arrivals: dict[int, list[Request]]) -> None:
             return
         done = []
         if decoder.rows:
-            for request, token in decoder.step():
+            for request, token, _ in decoder.step():
                 request.output.append(token)
                 if len(request.output) >= request.max_tokens:
                     done.append(request)

@@ -1,0 +1,123 @@
+"""Structured output for Gantry's causal-LM python model: a request's grammar
+(a JSON schema, any JSON object, a regular expression or a Lark grammar)
+enforced while it decodes, with llguidance.
+
+Gantry copies this file beside causal_lm_model.py. llguidance was chosen over
+xgrammar and outlines-core on this decoder's tokenizers (bench/grammars.py,
+docs/performance.md): a schema compiles in well under a millisecond (xgrammar
+takes milliseconds, outlines-core tens of them, and a new schema is a new
+request's first token), a step's mask costs tens of microseconds like
+xgrammar's, every document it let through was valid JSON (xgrammar let raw
+control characters into strings), it needs nothing else installed (xgrammar
+pulls in torch's triton), and TensorRT-LLM, vLLM and SGLang use it too.
+
+The decoder (gantry_decode.Decoder) asks each constrained sequence for its
+mask row between two decode steps, while the GPU runs the next forward pass,
+and applies the batch's masks to the logits before sampling: the forward
+passes, their CUDA graphs and the batch are the same with or without it.
+"""
+
+import llguidance
+import llguidance.hf
+import torch
+
+# The guide types of TensorRT-LLM's guided decoding (guided_decoding_guide_type),
+# as Gantry's generate interface takes them.
+GUIDE_TYPES = ("json", "json_schema", "regex", "lark")
+# JSON as OpenAI's structured output writes it: no free whitespace (an untrained
+# or wandering model could otherwise pad a document with it until max_tokens).
+_JSON_DEFAULTS = {"whitespace_flexible": False}
+_ANY_JSON_OBJECT = {"type": "object"}
+
+
+class GuideError(ValueError):
+    """A grammar llguidance refuses, in its words."""
+
+
+class Vocabulary:
+    """A checkpoint's tokenizer as llguidance reads it, made once per model;
+    ``None`` where the tokenizer cannot be constrained (not byte level or byte
+    fallback: WordPiece's decoded text is not its tokens' bytes joined)."""
+
+    def __init__(self, tokenizer, vocab: int, eos_ids) -> None:
+        self.vocab = vocab
+        self.words = 0
+        self.tokenizer = None
+        self.reason = ""
+        try:
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=sorted(eos_ids) or None)
+        except Exception as exc:  # noqa: BLE001 - llguidance refuses tokenizers it cannot map to bytes
+            self.reason = f"this checkpoint's tokenizer cannot be constrained ({type(exc).__name__}: {exc})"
+        self.words = (vocab + 31) // 32
+
+    def guide(self, kind: str, text: str) -> "Guide":
+        """A fresh matcher for one sequence; GuideError names what is wrong."""
+        if self.tokenizer is None:
+            raise GuideError(self.reason)
+        if kind not in GUIDE_TYPES:
+            raise GuideError(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}")
+        try:
+            if kind == "json":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(_ANY_JSON_OBJECT, defaults=_JSON_DEFAULTS)
+            elif kind == "json_schema":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
+            elif kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(text)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_lark(text)
+        except Exception as exc:  # noqa: BLE001 - llguidance's words for a grammar it cannot read
+            raise GuideError(str(exc)) from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise GuideError(error.strip())
+        return Guide(llguidance.LLMatcher(self.tokenizer, grammar))
+
+
+class Guide:
+    """One sequence's grammar as it decodes."""
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+
+    def take(self, token: int) -> None:
+        """The sampled token; GuideError if the grammar did not allow it."""
+        if not self.matcher.consume_token(token):
+            raise GuideError(self.matcher.get_error() or f"token {token} is not allowed here")
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and allows nothing more (not even end of text)."""
+        return self.matcher.is_stopped()
+
+
+class Masks:
+    """The batch's bitmask rows (int32 words: token 32w+b is bit b of word w), in
+    pinned host memory on a GPU, filled for the constrained rows by llguidance's
+    thread pool at once. (llguidance.torch is not imported: it compiles a kernel
+    with torch.compile when imported, which pulls in all of inductor.)"""
+
+    def __init__(self, rows: int, vocab: int) -> None:
+        pinned = torch.cuda.is_available()
+        self.host = torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32, pin_memory=pinned)
+        self.executor = llguidance.LLExecutor()
+
+    def fill(self, guides: list[tuple["Guide", int]]) -> None:
+        """The rows of ``guides`` (guide, row) for their next token; other rows are left as they are."""
+        words = self.host.shape[1]
+        if len(guides) == 1:
+            guide, row = guides[0]
+            guide.matcher.unsafe_compute_mask_ptr(self.host[row].data_ptr(), words * 4)
+        elif guides:
+            matchers = [(guide.matcher, row) for guide, row in guides]
+            self.executor.unsafe_compute_mask_ptr(matchers, self.host.data_ptr(), words * 4, self.host.shape[0])
+
+    def open(self, rows) -> None:
+        """Every token allowed in ``rows`` (unconstrained rows)."""
+        self.host[rows] = -1
+
+
+def allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The boolean (rows, vocab) view of packed bitmask rows, on their device."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    unpacked = (bitmask[:, :, None] >> bits) & 1
+    return unpacked.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
