@@ -44,9 +44,14 @@ def bad_request(param: str, message: str, code: str | None = None) -> GatewayErr
     return GatewayError(400, f"{param}: {message}", param=param, code=code)
 
 
+# The generate interface's inputs the model may refuse by name, and the request field each came from.
+_MODEL_INPUTS = {"guided_decoding_guide": "response_format"}
+
+
 def from_gantry(exc: GantryError, *, alias: str, prompt_param: str | None = None) -> GatewayError:
     """A model path's error, as a client of the gateway should see it (``prompt_param``:
-    the field that carried the prompt, named when it does not fit the context)."""
+    the field that carried the prompt, named when it does not fit the context; a
+    model's refusal of an input, by the request's field it came from)."""
     if isinstance(exc, ContextExceeded):
         message = str(exc).split(": ", 1)[-1]
         return GatewayError(400, f"{message[:1].upper()}{message[1:]}.", param=prompt_param,
@@ -65,6 +70,10 @@ def from_gantry(exc: GantryError, *, alias: str, prompt_param: str | None = None
             retry_after=NOT_READY_RETRY_S,
         )  # fmt: skip
     if isinstance(exc, PermanentError):
+        for name, param in _MODEL_INPUTS.items():
+            _, found, rule = str(exc).partition(f"{name}: ")
+            if found:
+                return bad_request(param, f"the model refused it: {rule}")
         return GatewayError(400, f"the model refused the request: {exc}", code="model_refused")
     return GatewayError(500, str(exc), type="server_error")
 

@@ -10,6 +10,7 @@ A refusal is a 400 in OpenAI's shape naming the first broken field (``param``,
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -36,18 +37,15 @@ MAX_TOKENS = 32768
 
 # Fields of OpenAI's API Gantry does not implement, and the one value each may take.
 _NEUTRAL: dict[str, Any] = {
-    "n": 1,
     "best_of": 1,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logprobs": False,
     "echo": False,
     "parallel_tool_calls": True,
 }
-_NEVER = ("logit_bias", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "suffix",
-          "dimensions", "response_format", "modalities", "audio", "prediction", "reasoning_effort",
-          "web_search_options", "service_tier", "store", "metadata")  # fmt: skip
+_NEVER = ("tools", "tool_choice", "functions", "function_call", "suffix", "dimensions", "modalities", "audio",
+          "prediction", "reasoning_effort", "web_search_options", "service_tier", "store", "metadata")  # fmt: skip
 UNSUPPORTED = "is not supported by Gantry's gateway"
+MAX_N = 16  # sequences of one prompt (the transformers model's num_return_sequences)
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on a logit_bias map's entries
 
 
 class FieldRule(ValueError):
@@ -153,6 +151,25 @@ class Message(_Body):
         return self.model_dump(exclude_none=True)
 
 
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (as JSON object keys) to a bias of -100 to 100."""
+    if not isinstance(value, dict):
+        raise ValueError("must be an object of token ids to biases")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"may hold at most {MAX_LOGIT_BIAS} token ids")
+    bias = {}
+    for key, number in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise ValueError(f"its keys must be token ids (non-negative integers), not {key!r}")
+        if isinstance(number, bool) or not isinstance(number, int | float) or not -100 <= number <= 100:
+            raise ValueError(f"its values must be numbers from -100 to 100 (token {key})")
+        bias[int(key)] = float(number)
+    return bias
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+
+
 class _Sampling(_Body):
     model: ModelName
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
@@ -163,6 +180,10 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: UserName | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: Annotated[dict[int, float], BeforeValidator(_logit_bias)] | None = None
 
     @model_validator(mode="after")
     def _options_need_a_stream(self) -> _Sampling:
@@ -180,23 +201,75 @@ class _Sampling(_Body):
         return self.max_tokens
 
 
+class JsonSchema(_Body):
+    """response_format's json_schema: the schema the answer must follow."""
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    # The schema itself: JSON, checked by the grammar library (a refusal names it).
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+    @property
+    def guide(self) -> tuple[str, str] | None:
+        """The grammar it asks for (guide type, text), if any."""
+        if self.type == "json_object":
+            return "json", ""
+        if self.type == "json_schema":
+            return "json_schema", json.dumps(self.json_schema.schema_)
+        return None
+
+
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatRequest:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise FieldRule("max_tokens", "send max_tokens or max_completion_tokens, not both")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldRule("top_logprobs", "needs logprobs: true")
         return self
 
     @property
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
 
+    @property
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def guide(self) -> tuple[str, str] | None:
+        return None if self.response_format is None else self.response_format.guide
+
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
+    logprobs: int | None = Field(None, ge=0, le=5)  # the legacy API's: alternatives beside each token
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def guide(self) -> tuple[str, str] | None:
+        return None
 
 
 class EmbeddingRequest(_Body):
@@ -230,7 +303,7 @@ def parse(model: type[Body], body: Any) -> Body:
         elif name in _NEUTRAL and name not in model.model_fields:
             if value is not None and value != _NEUTRAL[name]:
                 raise bad_request(name, f"{UNSUPPORTED} (only {_NEUTRAL[name]!r})", code="unsupported_parameter")
-        else:
+        elif value is not None:  # null: left unset
             fields[name] = value
     try:
         return model.model_validate(fields)

@@ -11,6 +11,7 @@ through both.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any
 from common.errors import InvalidTransition, NotFound, TransientError, ValidationFailed
 from common.ttl_cache import TtlCache
 from deployments import live_figures
-from deployments.backends import GENERATIVE_BACKENDS, served_context
+from deployments.backends import GENERATIVE_BACKENDS, backend_of, served_context
 from deployments.models import Deployment, DeploymentModel
 from inference.balancing import Endpoint, Tries, answering, finish
 from triton_server.client import generate_stream
@@ -31,7 +32,15 @@ DEFAULT_MAX_TOKENS = 128
 
 @dataclass(frozen=True)
 class Sampling:
-    """What a caller may ask of generation; None leaves the model's default."""
+    """What a caller may ask of generation; None leaves the model's default.
+
+    Beyond the interface every route shares: OpenAI's presence and frequency
+    penalties, a logit bias ((token id, added logit) pairs), a grammar (``guide``:
+    guide type and text, as TensorRT-LLM's guided decoding names them), ``n``
+    sequences of one prompt, and log-probabilities (``logprobs``: None, or how
+    many alternatives beside each chosen token). A route that does not take one
+    of them refuses it by the name ``names`` gives it.
+    """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float | None = None
@@ -40,6 +49,28 @@ class Sampling:
     seed: int | None = None
     repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    guide: tuple[str, str] | None = None
+    n: int = 1
+    logprobs: int | None = None
+    names: dict[str, str] = field(default_factory=dict, compare=False)  # extra -> the caller's field
+
+    def extras(self) -> list[str]:
+        """The extras (EXTRAS) this request asks for."""
+        asked = {
+            "penalties": bool(self.presence_penalty or self.frequency_penalty),
+            "logit_bias": bool(self.logit_bias),
+            "guide": self.guide is not None,
+            "n": self.n > 1,
+            "logprobs": self.logprobs is not None,
+        }
+        return [extra for extra in EXTRAS if asked[extra]]
+
+
+# What a generative backend may take beyond the shared interface (ServingBackend.generation_extras).
+EXTRAS = ("penalties", "logit_bias", "guide", "n", "logprobs")
 
 
 @dataclass(frozen=True)
@@ -55,10 +86,13 @@ class Prepared:
 
 @dataclass
 class Piece:
-    """Text the model added, and the tokens that text took."""
+    """Text the model added to sequence ``index``, the tokens that text took, and
+    (when asked) their log-probabilities: OpenAI's entries, token by token."""
 
     text: str
     tokens: int
+    index: int = 0
+    logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -66,8 +100,10 @@ class Outcome:
     """How a generation ended, for usage and the playground's figures."""
 
     prompt_tokens: int | None = None  # None: not reported (yet)
-    completion_tokens: int = 0
-    finish_reason: str = "stop"
+    completion_tokens: int = 0  # all sequences together
+    finish_reason: str = "stop"  # the first sequence's (finish_reasons has each)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    sequence_tokens: dict[int, int] = field(default_factory=dict)
     streamed: bool = True
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -133,6 +169,8 @@ class Route:
     special_tokens: dict[str, Any]
     context: int | None
     notice: str
+    extras: frozenset[str] = frozenset()  # what its backend takes beyond the shared interface
+    extras_missing: str = ""  # why not the rest
 
 
 # Routes of ready LLM placements, kept a second per process so a busy door does
@@ -177,6 +215,8 @@ def route_of(placement: DeploymentModel) -> Route:
         special_tokens=checkpoint.special_tokens,
         context=served_context(placement),
         notice=checkpoint.notice,
+        extras=backend_of(placement).generation_extras,
+        extras_missing=backend_of(placement).extras_missing,
     )
 
 
@@ -232,10 +272,35 @@ def prepare_generation(
             inputs[name] = value
     if sampling.stop:
         inputs["stop_words"] = list(sampling.stop)
+    refused = [extra for extra in sampling.extras() if extra not in route.extras]
+    if refused:
+        name = sampling.names.get(refused[0], refused[0])
+        raise ValidationFailed({name: f"is not supported by {route.model_name}'s route: {route.extras_missing}"})
+    inputs.update(_extra_inputs(sampling))
     return Prepared(
         endpoints=route.endpoints, model=route.triton_name, inputs=inputs, max_tokens=sampling.max_tokens,
         notice=route.notice,
     )  # fmt: skip
+
+
+def _extra_inputs(sampling: Sampling) -> dict[str, Any]:
+    """The transformers model's inputs for what the request asks beyond the shared interface."""
+    inputs: dict[str, Any] = {}
+    if sampling.presence_penalty:
+        inputs["presence_penalty"] = sampling.presence_penalty
+    if sampling.frequency_penalty:
+        inputs["frequency_penalty"] = sampling.frequency_penalty
+    if sampling.logit_bias:
+        inputs["logit_bias_ids"] = [token for token, _ in sampling.logit_bias]
+        inputs["logit_bias_values"] = [value for _, value in sampling.logit_bias]
+    if sampling.guide is not None:
+        inputs["guided_decoding_guide_type"], inputs["guided_decoding_guide"] = sampling.guide
+    if sampling.n > 1:
+        inputs["num_return_sequences"] = sampling.n
+    if sampling.logprobs is not None:
+        inputs["return_log_probs"] = True
+        inputs["top_log_probs"] = sampling.logprobs
+    return inputs
 
 
 async def generate(prepared: Prepared, *, stream: bool, outcome: Outcome) -> AsyncIterator[Piece]:
@@ -251,16 +316,23 @@ async def generate(prepared: Prepared, *, stream: bool, outcome: Outcome) -> Asy
         async for event in _replica_stream(prepared, {**prepared.inputs, "stream": stream}, outcome):
             text = _text(event.get("text_output"))
             added = int(_first(event.get("num_output_tokens"), 0))
+            index = int(_first(event.get("sequence_index"), 0))
             prompt_tokens = _first(event.get("num_input_tokens"), None)
             if prompt_tokens is not None:
                 outcome.prompt_tokens = int(prompt_tokens)
             outcome.completion_tokens += added
+            outcome.sequence_tokens[index] = outcome.sequence_tokens.get(index, 0) + added
             if (text or added) and outcome.first_token_at is None:
                 outcome.first_token_at = time.monotonic()
-            if text:
-                yield Piece(text=text, tokens=added)
+            logprobs = event.get("log_probs")
+            if text or logprobs:
+                yield Piece(text=text, tokens=added, index=index, logprobs=_logprobs(logprobs))
         outcome.ended = time.monotonic()
-        outcome.finish_reason = "length" if outcome.completion_tokens >= prepared.max_tokens else "stop"
+        outcome.finish_reasons = {
+            index: "length" if tokens >= prepared.max_tokens else "stop"
+            for index, tokens in sorted(outcome.sequence_tokens.items())
+        }
+        outcome.finish_reason = outcome.finish_reasons.get(0, "stop")
     finally:  # finished, failed or abandoned: what the replica's users saw
         if outcome.replica_id is not None and outcome.completion_tokens:
             live_figures.record_soon(
@@ -302,6 +374,15 @@ def _first(value: Any, default: Any) -> Any:
             return default
         value = value[0]
     return default if value is None else value
+
+
+def _logprobs(value: Any) -> list[dict[str, Any]] | None:
+    """The transformers model's log_probs output (JSON, one entry per token), as a list."""
+    value = _first(value, None)
+    if value is None:
+        return None
+    entries = json.loads(value)
+    return entries if isinstance(entries, list) else None
 
 
 def _text(value: Any) -> str:

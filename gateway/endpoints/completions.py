@@ -44,6 +44,13 @@ async def _generation(caller: Caller, data: ChatRequest | CompletionRequest, rec
         top_p=data.top_p,
         seed=data.seed,
         stop=tuple(data.stop or ()),
+        presence_penalty=data.presence_penalty,
+        frequency_penalty=data.frequency_penalty,
+        logit_bias=tuple(sorted((data.logit_bias or {}).items())),
+        guide=data.guide,
+        n=data.n,
+        logprobs=data.logprobs_asked,
+        names=_NAMES,
     )
     try:
         prepared = prepare_generation(
@@ -58,7 +65,7 @@ async def _generation(caller: Caller, data: ChatRequest | CompletionRequest, rec
     admission = await admit(
         caller, target.alias, reserve=prompt_bound(prepared.inputs["text_input"]) + prepared.max_tokens
     )
-    shape = _Shape(chat=chat, alias=target.alias, notice=prepared.notice)
+    shape = _Shape(chat=chat, alias=target.alias, notice=prepared.notice, n=data.n)
     outcome = Outcome()
     note(outcome=outcome)
     prompt_param = "messages" if chat else "prompt"
@@ -79,7 +86,7 @@ async def _generation(caller: Caller, data: ChatRequest | CompletionRequest, rec
     try:
         # A client that leaves before the whole answer stops the generation in Triton,
         # and what it used is counted and settled then, not when the model is done.
-        answered, text = await unless_gone(receive, _joined(generate(prepared, stream=False, outcome=outcome)))
+        answered, pieces = await unless_gone(receive, _joined(generate(prepared, stream=False, outcome=outcome)))
     except GantryError as exc:
         count(caller, target.alias, admission, completion=outcome.completion_tokens, failed=True)
         raise from_gantry(exc, alias=target.alias, prompt_param=prompt_param) from exc
@@ -88,13 +95,18 @@ async def _generation(caller: Caller, data: ChatRequest | CompletionRequest, rec
         raise
     count(caller, target.alias, admission, prompt=outcome.prompt_tokens or 0, completion=outcome.completion_tokens)
     if answered:
-        await send_json(send, 200, shape.whole(text, outcome))
+        await send_json(send, 200, shape.whole(pieces, outcome))
 
 
-async def _joined(pieces: AsyncIterator[Piece]) -> str:
-    """A generation's whole text; closing it early (cancelled) ends Triton's request."""
+# The request's field for each extra a route may refuse (inference.generation.EXTRAS).
+_NAMES = {"penalties": "presence_penalty", "logit_bias": "logit_bias", "guide": "response_format", "n": "n",
+          "logprobs": "logprobs"}  # fmt: skip
+
+
+async def _joined(pieces: AsyncIterator[Piece]) -> list[Piece]:
+    """A generation's pieces; closing it early (cancelled) ends Triton's request."""
     try:
-        return "".join([piece.text async for piece in pieces])
+        return [piece async for piece in pieces]
     finally:
         await pieces.aclose()  # type: ignore[attr-defined]
 
@@ -102,10 +114,11 @@ async def _joined(pieces: AsyncIterator[Piece]) -> str:
 class _Shape:
     """OpenAI's chat.completion / text_completion objects and their stream chunks."""
 
-    def __init__(self, *, chat: bool, alias: str, notice: str) -> None:
-        self.chat, self.alias, self.notice = chat, alias, notice
+    def __init__(self, *, chat: bool, alias: str, notice: str, n: int = 1) -> None:
+        self.chat, self.alias, self.notice, self.n = chat, alias, notice, n
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.offsets = [0] * n  # completions' text_offset: characters sent so far, per choice
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.alias, "choices": choices}
@@ -113,27 +126,61 @@ class _Shape:
             body["notice"] = self.notice  # e.g. an untrained checkpoint: its text is noise
         return body
 
-    def whole(self, text: str, outcome: Outcome) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = outcome.finish_reason
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
+    def whole(self, pieces: list[Piece], outcome: Outcome) -> dict[str, Any]:
+        texts: list[list[str]] = [[] for _ in range(self.n)]
+        entries: list[list[dict[str, Any]] | None] = [None] * self.n
+        for piece in pieces:
+            texts[piece.index].append(piece.text)
+            if piece.logprobs is not None:
+                entries[piece.index] = (entries[piece.index] or []) + piece.logprobs
+        choices = []
+        for index in range(self.n):
+            text = "".join(texts[index])
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": text}}
+            else:
+                choice = {"index": index, "text": text}
+            choice["logprobs"] = self._logprobs(index, entries[index])
+            choice["finish_reason"] = outcome.finish_reasons.get(index, outcome.finish_reason)
+            choices.append(choice)
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         return {**body, "usage": _usage(outcome)}
+
+    def _logprobs(self, index: int, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        """OpenAI's logprobs of a choice's tokens: chat's content entries, or the
+        legacy completions' four lists."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": entries, "refusal": None}
+        offsets = []
+        for entry in entries:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(entry["token"])
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets,
+        }
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk with stream_options.include_usage: no choices, the usage."""
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False) -> dict[str, Any]:
+    def chunk(
+        self, text: str | None, finish_reason: str | None = None, *, first: bool = False, index: int = 0,
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text is not None and not first:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or ""}
+        choice["logprobs"] = self._logprobs(index, logprobs)
+        choice["finish_reason"] = finish_reason
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
 
@@ -174,10 +221,14 @@ async def _stream(
     failed = False
     try:
         if shape.chat:
-            yield _sse(_with_usage(shape.chunk(None, first=True), include_usage))
+            for index in range(shape.n):
+                yield _sse(_with_usage(shape.chunk(None, first=True, index=index), include_usage))
         async for piece in pieces:
-            yield _sse(_with_usage(shape.chunk(piece.text), include_usage))
-        yield _sse(_with_usage(shape.chunk(None if shape.chat else "", outcome.finish_reason), include_usage))
+            chunk = shape.chunk(piece.text, index=piece.index, logprobs=piece.logprobs)
+            yield _sse(_with_usage(chunk, include_usage))
+        for index in range(shape.n):
+            reason = outcome.finish_reasons.get(index, outcome.finish_reason)
+            yield _sse(_with_usage(shape.chunk(None if shape.chat else "", reason, index=index), include_usage))
         if include_usage:
             yield _sse({**shape.usage_chunk(), "usage": _usage(outcome)})
         yield b"data: [DONE]\n\n"

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from gateway import requests
@@ -23,11 +25,34 @@ def test_chat_accepts_text_parts_neutral_fields_and_max_completion_tokens():
     assert data.messages[0].content == "ab" and data.limit == 9 and data.stop == ["END"]
 
 
+def test_chat_takes_openais_sampling_extras():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    data = requests.parse(
+        ChatRequest,
+        {**CHAT, "n": 3, "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"7": -100, "12": 5.5},
+         "logprobs": True, "top_logprobs": 4,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "a_b", "schema": schema, "strict": True}}},
+    )  # fmt: skip
+    assert (data.n, data.presence_penalty, data.frequency_penalty) == (3, 0.5, -1.0)
+    assert data.logit_bias == {7: -100.0, 12: 5.5} and data.logprobs_asked == 4
+    assert data.guide == ("json_schema", json.dumps(schema))
+    assert requests.parse(ChatRequest, {**CHAT, "response_format": {"type": "json_object"}}).guide == ("json", "")
+    assert requests.parse(ChatRequest, {**CHAT, "response_format": {"type": "text"}}).guide is None
+    assert requests.parse(CompletionRequest, {"model": "m", "prompt": "p", "logprobs": 2}).logprobs_asked == 2
+
+
 @pytest.mark.parametrize(
     ("body", "param", "rule"),
     [
-        ({**CHAT, "n": 2}, "n", "not supported by Gantry's gateway (only 1)"),
-        ({**CHAT, "frequency_penalty": 0.5}, "frequency_penalty", "only 0"),
+        ({**CHAT, "n": 17}, "n", "less than or equal to 16"),
+        ({**CHAT, "frequency_penalty": 2.5}, "frequency_penalty", "less than or equal to 2"),
+        ({**CHAT, "logit_bias": {"a": 1}}, "logit_bias", "keys must be token ids"),
+        ({**CHAT, "logit_bias": {"5": 101}}, "logit_bias", "from -100 to 100 (token 5)"),
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+        ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+        ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format", "json_schema is given with"),
+        ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type", "'text', 'json_object' or"),
+        ({**CHAT, "best_of": 2}, "best_of", "only 1"),
         ({**CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
         ({**CHAT, "mystery": True}, "mystery", "not supported"),
         ({**CHAT, "top_p": 0}, "top_p", "greater than 0"),

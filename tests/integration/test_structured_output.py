@@ -1,0 +1,143 @@
+"""OpenAI's structured output, log-probabilities, n and penalties through the
+gateway, with the official ``openai`` client (its pydantic-typed ``parse``
+helper included) against a real ASGI server, worker and tritonserver serving
+an untrained Llama with a byte-level tokenizer (made on this machine): what an
+application written against OpenAI's SDK calls."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Literal
+
+import openai
+import pytest
+import torch
+from pydantic import BaseModel, Field
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.integration.conftest import Stack
+from tests.integration.test_gateway import _alias, _client, _deploy, _key
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=12)
+    age: int = Field(ge=0, le=120)
+    colour: Literal["red", "green"]
+
+
+@pytest.fixture(scope="module")
+def chat_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from workers.untrained import make_untrained_llm
+
+    return make_untrained_llm(tmp_path_factory.mktemp("llm") / "chat-llama", tokenizer="bpe")
+
+
+def test_json_schemas_logprobs_n_and_penalties_through_the_openai_client(stack: Stack, chat_llm: Path):
+    stack.register_models(chat_llm, chat="llm")
+    deployment = _deploy(stack, "structured", [{"model": "chat", "max_batch_size": 8, "max_queue_delay_us": 500}])
+    _alias(stack, "chat", deployment, "chat")
+    client = _client(stack, _key(stack, all_aliases=True))
+    messages = [{"role": "user", "content": "Who is she?"}]
+
+    # A JSON schema from a pydantic model, always parsed by the client's own helper.
+    for seed in range(4):
+        parsed = client.chat.completions.parse(
+            model="chat", messages=messages, response_format=Person, max_tokens=200, temperature=1.0, seed=seed
+        )
+        person = parsed.choices[0].message.parsed
+        assert isinstance(person, Person), parsed.choices[0].message.content
+        assert parsed.choices[0].finish_reason == "stop"
+    # json_object: any JSON object (its strings and nesting unbounded, so an untrained model
+    # usually runs out of tokens inside it: "length"); streamed, the joined deltas are the same.
+    asked = {"model": "chat", "messages": messages, "max_tokens": 60, "seed": 3, "temperature": 1.0,
+             "response_format": {"type": "json_object"}}  # fmt: skip
+    whole = client.chat.completions.create(**asked)
+    content = whole.choices[0].message.content
+    assert content.startswith("{")
+    if whole.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**asked, stream=True))
+    assert streamed == content
+
+    # n=3: three choices of one request, each its own; their tokens add up in usage.
+    three = client.chat.completions.create(model="chat", messages=messages, n=3, max_tokens=8, temperature=1.0, seed=2)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert len({c.message.content for c in three.choices}) > 1
+    assert three.usage.completion_tokens == 24  # an untrained model rarely ends before max_tokens
+    chunks = list(client.chat.completions.create(model="chat", messages=messages, n=3, max_tokens=8, temperature=1.0,
+                                                 seed=2, stream=True))  # fmt: skip
+    texts = defaultdict(str)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert [texts[i] for i in range(3)] == [c.message.content for c in three.choices]
+
+    # Log-probabilities: the model's own, checked against its forward pass token by token.
+    tokenizer = AutoTokenizer.from_pretrained(chat_llm)
+    model = AutoModelForCausalLM.from_pretrained(chat_llm).eval()
+    prompt = "Once upon a time"
+    completion = client.chat.completions.create(
+        model="chat", messages=messages, max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=3
+    )
+    entries = completion.choices[0].logprobs.content
+    assert len(entries) == completion.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in entries)
+    for entry in entries:
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)  # greedy: the likeliest
+        assert bytes(entry.bytes) == entry.token.encode()
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    _check_against_forward_pass(model, tokenizer, tokenizer.encode(rendered), entries)
+    legacy = client.completions.create(model="chat", prompt=prompt, max_tokens=6, temperature=0.0, logprobs=2)
+    legacy_logprobs = legacy.choices[0].logprobs
+    assert len(legacy_logprobs.tokens) == 6 and all(len(top) == 2 for top in legacy_logprobs.top_logprobs)
+    assert "".join(legacy_logprobs.tokens) == legacy.choices[0].text
+    streamed_entries = [
+        entry
+        for chunk in client.chat.completions.create(
+            model="chat", messages=messages, max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=3, stream=True
+        )  # fmt: skip
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed_entries] == [e.token for e in entries]
+
+    # Penalties and logit bias change what greedy decoding picks.
+    def greedy_tokens(**extra) -> list[str]:  # noqa: ANN003
+        answer = client.chat.completions.create(
+            model="chat", messages=messages, max_tokens=24, temperature=0.0, logprobs=True, **extra
+        )
+        return [e.token for e in answer.choices[0].logprobs.content]
+
+    plain = greedy_tokens()
+    assert len(set(greedy_tokens(presence_penalty=2.0, frequency_penalty=2.0))) > len(set(plain))
+    first = tokenizer.encode(plain[0])[0]
+    assert plain[0] not in greedy_tokens(logit_bias={str(first): -100})
+
+    # Refusals name the field and the rule.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="chat", messages=messages, top_logprobs=2)
+    assert refused.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="chat", messages=messages,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        )  # fmt: skip
+    assert refused.value.body["param"] == "response_format" and "nonsense" in refused.value.body["message"]
+
+
+def _check_against_forward_pass(model, tokenizer, prompt_ids: list[int], entries) -> None:  # noqa: ANN001
+    """Each entry's log-probability is the model's own for one token of that text
+    (tokens sharing a text, such as partial UTF-8 bytes, are told apart by it)."""
+    by_text = defaultdict(list)
+    for token_id in range(len(tokenizer)):
+        by_text[tokenizer.decode([token_id])].append(token_id)
+    ids = list(prompt_ids)
+    for entry in entries:
+        with torch.inference_mode():
+            row = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+        matches = [t for t in by_text[entry.token] if abs(float(row[t]) - entry.logprob) < 1e-3]
+        assert matches, f"{entry.token!r} at {entry.logprob} is not the model's"
+        ids.append(matches[0])
