@@ -18,7 +18,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-host-path bench-gpu bench-tuning bench-drain bench-outage bench-threads bench-download
+.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-host-path bench-gpu bench-tuning bench-drain bench-outage bench-threads bench-download bench-grammars
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,12 @@ gpu-test:
 BENCH_GPU_ARGS ?=
 bench-gpu:
 	SECRET_KEY=gantry-gpu-bench-key $(GPU_PYTHON) bench/gpu_stack.py $(BENCH_GPU_ARGS)
+
+# llguidance (Gantry's) against xgrammar and outlines-core on the demo LLM's tokenizer (bench/grammars.py).
+bench-grammars: venv
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --target .bench-grammars \
+	  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 outlines-core==0.2.14
+	PYTHONPATH=.bench-grammars $(PY) bench/grammars.py $(BENCH_GRAMMARS_ARGS)
 
 # A host's hub download against the huggingface_hub CLI from the same local server (bench/download.py).
 bench-download: venv

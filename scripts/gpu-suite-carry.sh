@@ -67,7 +67,7 @@ unpack "$work/aiperf" "$work/site/aiperf"
 tar -C "$work/site" -cf - aiperf | xz -T0 -9 > .gpuw2/aiperf.tar.xz
 
 # The lock's Hugging Face stack, before the machine's own in the venv.
-wheels "$work/hf" $(pinned requirements.lock transformers tokenizers huggingface_hub safetensors click)
+wheels "$work/hf" $(pinned requirements.lock transformers tokenizers huggingface_hub safetensors click llguidance)
 unpack "$work/hf" "$work/site/hf"
 tar -C "$work/site" -cf - hf | xz -T0 -9 > .gpuw2/hf.tar.xz
 

@@ -43,3 +43,45 @@ def test_graph_replays_give_the_eager_passes_tokens_in_16_bits() -> None:
         assert bool(decoder.graphs) == bool(decoder.prefill_graphs) == graphs
         outputs.append([r.output for r in requests])
     assert outputs[0] == outputs[1]
+
+
+def test_constrained_rows_share_the_batch_and_the_graphs_with_free_ones(tmp_path) -> None:  # noqa: ANN001
+    """A JSON schema's rows and free rows decode in one batch on the GPU, every decode
+    step a graph replay: the masks are applied outside the graphs."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.gpu.control_plane import TOKENIZER
+    from tests.unit.triton_server.test_decode_extras import SCHEMA, Asked, gantry_grammar, run
+    from workers.untrained import make_untrained_llm
+
+    folder = make_untrained_llm(tmp_path / "llm", tokenizer="bpe", tokenizer_dir=TOKENIZER)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
+    decoder = gantry_decode.Decoder(model, max_batch=8, max_len=512, pad_id=tokenizer.pad_token_id)
+    decoder.warm_up()
+    vocabulary = gantry_grammar.Vocabulary(tokenizer, decoder.vocab, {tokenizer.eos_token_id})
+    ids = tokenizer.encode("<|im_start|>user\nWho?<|im_end|>\n<|im_start|>assistant\n")
+    schema = json.dumps(SCHEMA)
+    guided = [
+        Asked(ids, max_tokens=120, temperature=1.0, seed=s, guide=vocabulary.guide("json_schema", schema))
+        for s in range(4)
+    ]
+    free = [Asked(ids, max_tokens=100, temperature=1.0, seed=10 + s, logprobs=2) for s in range(4)]
+    batches, replays = [], []
+    step, replay = decoder.step, torch.cuda.CUDAGraph.replay
+    decoder.step = lambda: (batches.append(len(decoder.rows)), step())[1]
+    torch.cuda.CUDAGraph.replay = lambda graph: (replays.append(graph), replay(graph))[1]
+    try:
+        run(decoder, guided + free)
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+    assert decoder.mode.endswith("CUDA graphs"), decoder.mode
+    assert batches[0] == 8, "constrained and free rows decode in one batch"
+    decode_graphs = {id(graph) for graph in decoder.graphs.values()}
+    assert sum(id(graph) in decode_graphs for graph in replays) == len(batches), "every decode step replays a graph"
+    for request in guided:
+        answer = json.loads(tokenizer.decode(request.output, skip_special_tokens=True))
+        assert set(answer) == {"name", "age", "colour"}
+    assert all(len(r.output) == 100 and all(lp is not None for lp in r.logprobs_seen) for r in free)
