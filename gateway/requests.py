@@ -39,10 +39,9 @@ MAX_TOKENS = 32768
 _NEUTRAL: dict[str, Any] = {
     "best_of": 1,
     "echo": False,
-    "parallel_tool_calls": True,
 }
-_NEVER = ("tools", "tool_choice", "functions", "function_call", "suffix", "dimensions", "modalities", "audio",
-          "prediction", "reasoning_effort", "web_search_options", "service_tier", "store", "metadata")  # fmt: skip
+_NEVER = ("functions", "function_call", "suffix", "modalities", "audio", "prediction", "reasoning_effort",
+          "web_search_options", "service_tier", "store", "metadata")  # fmt: skip
 UNSUPPORTED = "is not supported by Gantry's gateway"
 MAX_N = 16  # sequences of one prompt (the transformers model's num_return_sequences)
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on a logit_bias map's entries
@@ -134,10 +133,25 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class CalledFunction(_Body):
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    """A call an assistant message made (sent back in the next turn)."""
+
+    id: _name(64)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Body):
     role: str
-    content: Annotated[str, BeforeValidator(_content)]
+    content: Annotated[str, BeforeValidator(_content)] | None = None
     name: SpeakerName | None = None
+    tool_calls: list[ToolCall] | None = Field(None, min_length=1)
+    tool_call_id: _name(64) | None = None
 
     @field_validator("role")
     @classmethod
@@ -146,9 +160,55 @@ class Message(_Body):
             raise ValueError(f"must be one of {', '.join(chat_template.ROLES)}")
         return role
 
-    def as_sent(self) -> dict[str, str]:
-        """The message as the chat template renders it."""
-        return self.model_dump(exclude_none=True)
+    @model_validator(mode="after")
+    def _fields_of_its_role(self) -> Message:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls are an assistant message's")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("content is required (an assistant message may send tool_calls instead)")
+        return self
+
+    def as_sent(self) -> dict[str, Any]:
+        """The message as the chat template renders it (a call's arguments as an
+        object where they are JSON, as transformers' templates expect)."""
+        sent = self.model_dump(exclude_none=True)
+        sent["content"] = self.content or ""
+        for call in sent.get("tool_calls", []):
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except ValueError:
+                pass
+        return sent
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of its arguments (an object)
+    strict: bool | None = None  # always enforced
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise ValueError('must be a JSON schema of type "object"')
+        return parameters
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class ToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 def _logit_bias(value: Any) -> dict[int, float]:
@@ -237,6 +297,9 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatRequest:
@@ -244,7 +307,28 @@ class ChatRequest(_Sampling):
             raise FieldRule("max_tokens", "send max_tokens or max_completion_tokens, not both")
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldRule("top_logprobs", "needs logprobs: true")
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise FieldRule("tools", "each function needs a name of its own")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise FieldRule("tool_choice", "needs tools")
+        if isinstance(self.tool_choice, ToolChoice) and self.tool_choice.function.name not in names:
+            raise FieldRule("tool_choice", f"names {self.tool_choice.function.name!r}, which is not among tools")
+        if self.calls_tools and self.guide is not None:
+            raise FieldRule("response_format", "cannot be held beside tool calls: send tool_choice none, or no tools")
         return self
+
+    @property
+    def choice(self) -> str:
+        """none, auto (the default with tools), required, or the function named."""
+        if isinstance(self.tool_choice, ToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (tools, and a choice other than none)."""
+        return bool(self.tools) and self.choice != "none"
 
     @property
     def limit(self) -> int | None:

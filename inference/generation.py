@@ -23,6 +23,7 @@ from deployments import live_figures
 from deployments.backends import GENERATIVE_BACKENDS, backend_of, served_context
 from deployments.models import Deployment, DeploymentModel
 from inference.balancing import Endpoint, Tries, answering, finish
+from inference.tool_calls import reads_tool_calls
 from triton_server.client import generate_stream
 from upstream import chat_template
 
@@ -228,6 +229,7 @@ def prepare_generation(
     messages: list[dict[str, Any]] | None = None,
     sampling: Sampling,
     route: Route | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> Prepared:
     """Check a generation request against the deployment and its checkpoint.
 
@@ -235,7 +237,8 @@ def prepare_generation(
     through the checkpoint's chat template. ValidationFailed names the field.
     Give the deployment (and its model's name, or its first llm), or the
     ``route`` a door already holds (cached_route, the gateway's alias), which
-    spares the database read.
+    spares the database read. ``tools`` (OpenAI's definitions) are rendered by
+    the template too, which must write them in the format inference.tools reads.
     """
     if route is None:
         if deployment_id is None:
@@ -246,9 +249,15 @@ def prepare_generation(
     if messages is not None:
         if not messages:
             raise ValidationFailed({"messages": "must hold at least one message"})
+        if tools and not reads_tool_calls(route.chat_template):
+            raise ValidationFailed(
+                {"tools": f"{route.model_name}'s chat template does not write tool calls in the Hermes format "
+                          "(<tool_call>), the one Gantry reads"}
+            )  # fmt: skip
         prompt = chat_template.render(
-            route.chat_template, messages, special_tokens=route.special_tokens, model_name=route.model_name
-        )
+            route.chat_template, messages, special_tokens=route.special_tokens, model_name=route.model_name,
+            tools=tools,
+        )  # fmt: skip
     # What the person sent is named: a chat's messages are its prompt once rendered.
     field = "prompt" if messages is None else "messages"
     if not prompt or not prompt.strip():

@@ -48,8 +48,10 @@ def render(
     special_tokens: dict[str, str] | None = None,
     add_generation_prompt: bool = True,
     model_name: str = "this model",
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The prompt for ``messages``; ValidationFailed naming ``messages`` when the
+    """The prompt for ``messages`` (and ``tools``, OpenAI's tool definitions, as
+    transformers passes them); ValidationFailed naming ``messages`` when the
     checkpoint has no template or the template refuses them."""
     if not template:
         raise ValidationFailed(
@@ -57,7 +59,7 @@ def render(
         )
     try:
         return _compile(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **(special_tokens or {})
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **(special_tokens or {})
         )
     except _TemplateRaised as exc:
         raise ValidationFailed({"messages": f"{model_name}'s chat template refused them: {exc}"}) from exc

@@ -65,8 +65,10 @@ TOOLS_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-# The byte-level tokenizer's special tokens (ChatML's, and the Hermes tool-call tags).
-BPE_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
+# The byte-level tokenizer's special tokens (ChatML's), and the Hermes tool-call tags:
+# added tokens that stay in decoded text (as Qwen2.5's), so a tool call can be read back.
+BPE_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BPE_ADDED = ("<tool_call>", "</tool_call>")
 TOKENIZERS = ("wordpiece", "bpe")
 
 
@@ -230,14 +232,14 @@ def _sentence_transformers_config(folder: Path, width: int) -> None:
 
 _TOKENIZER_WORDS = {
     "wordpiece": "the all-MiniLM-L6-v2 WordPiece tokenizer, a role-tagged chat template",
-    "bpe": "a byte-level BPE tokenizer of 8192 tokens trained here on all-MiniLM-L6-v2's words, "
+    "bpe": "a byte-level BPE tokenizer of 8194 tokens trained here on all-MiniLM-L6-v2's words, "
     "a ChatML chat template with tools (the Hermes format)",
 }
 
 
 def _byte_level_tokenizer(minilm: Path):  # noqa: ANN202 - transformers' fast tokenizer
     """A byte-level BPE tokenizer (GPT-2's scheme: every byte a token, so any text
-    round-trips) of 8192 tokens, trained in a second on MiniLM's words (as they are,
+    round-trips) of 8192 tokens and the two tool-call tags, trained in a second on MiniLM's words (as they are,
     capitalised, and in small JSON objects): the same folder gives the same tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -256,9 +258,11 @@ def _byte_level_tokenizer(minilm: Path):  # noqa: ANN202 - transformers' fast to
         show_progress=False,
     )  # fmt: skip
     model.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=model, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=TOOLS_CHAT_TEMPLATE
     )
+    tokenizer.add_tokens(list(BPE_ADDED))
+    return tokenizer
 
 
 def _minilm() -> Path:

@@ -18,6 +18,7 @@ from gateway.endpoints.shared import count, note, resolve
 from gateway.errors import from_gantry
 from gateway.metering import Admission, admit, prompt_bound
 from gateway.requests import ChatRequest, CompletionRequest
+from inference import tool_calls
 from inference.generation import Outcome, Piece, Sampling, generate, prepare_generation
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -47,10 +48,10 @@ async def _generation(caller: Caller, data: ChatRequest | CompletionRequest, rec
         presence_penalty=data.presence_penalty,
         frequency_penalty=data.frequency_penalty,
         logit_bias=tuple(sorted((data.logit_bias or {}).items())),
-        guide=data.guide,
+        guide=_tool_grammar(data) if chat and data.calls_tools else data.guide,
         n=data.n,
         logprobs=data.logprobs_asked,
-        names=_NAMES,
+        names={**_NAMES, "guide": "tools"} if chat and data.calls_tools else _NAMES,
     )
     try:
         prepared = prepare_generation(
@@ -58,6 +59,7 @@ async def _generation(caller: Caller, data: ChatRequest | CompletionRequest, rec
             messages=[m.as_sent() for m in data.messages] if chat else None,
             sampling=sampling,
             route=target.route,
+            tools=[t.model_dump(exclude_none=True) for t in data.tools] if chat and data.tools else None,
         )
     except GantryError as exc:
         raise from_gantry(exc, alias=target.alias) from exc
@@ -65,7 +67,8 @@ async def _generation(caller: Caller, data: ChatRequest | CompletionRequest, rec
     admission = await admit(
         caller, target.alias, reserve=prompt_bound(prepared.inputs["text_input"]) + prepared.max_tokens
     )
-    shape = _Shape(chat=chat, alias=target.alias, notice=prepared.notice, n=data.n)
+    shape = _Shape(chat=chat, alias=target.alias, notice=prepared.notice, n=data.n,
+                   tools=chat and data.calls_tools)  # fmt: skip
     outcome = Outcome()
     note(outcome=outcome)
     prompt_param = "messages" if chat else "prompt"
@@ -103,6 +106,12 @@ _NAMES = {"penalties": "presence_penalty", "logit_bias": "logit_bias", "guide": 
           "logprobs": "logprobs"}  # fmt: skip
 
 
+def _tool_grammar(data: ChatRequest) -> tuple[str, str]:
+    """The grammar that holds the answer to the request's tools and tool_choice."""
+    functions = [tool_calls.Function(t.function.name, t.function.parameters or {}) for t in data.tools or ()]
+    return "lark", tool_calls.grammar(functions, choice=data.choice, parallel=data.parallel_tool_calls)
+
+
 async def _joined(pieces: AsyncIterator[Piece]) -> list[Piece]:
     """A generation's pieces; closing it early (cancelled) ends Triton's request."""
     try:
@@ -114,8 +123,10 @@ async def _joined(pieces: AsyncIterator[Piece]) -> list[Piece]:
 class _Shape:
     """OpenAI's chat.completion / text_completion objects and their stream chunks."""
 
-    def __init__(self, *, chat: bool, alias: str, notice: str, n: int = 1) -> None:
+    def __init__(self, *, chat: bool, alias: str, notice: str, n: int = 1, tools: bool = False) -> None:
         self.chat, self.alias, self.notice, self.n = chat, alias, notice, n
+        # With tools, each choice's text is read into content and tool calls (inference.tools).
+        self.tool_streams = [tool_calls.Stream() for _ in range(n)] if tools else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.offsets = [0] * n  # completions' text_offset: characters sent so far, per choice
@@ -136,12 +147,18 @@ class _Shape:
         choices = []
         for index in range(self.n):
             text = "".join(texts[index])
+            reason = outcome.finish_reasons.get(index, outcome.finish_reason)
             if self.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": text}}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.tool_streams is not None:
+                    message["content"], calls = tool_calls.read(text)
+                    if calls:
+                        message["tool_calls"], reason = [call.as_openai() for call in calls], "tool_calls"
+                choice = {"index": index, "message": message}
             else:
                 choice = {"index": index, "text": text}
             choice["logprobs"] = self._logprobs(index, entries[index])
-            choice["finish_reason"] = outcome.finish_reasons.get(index, outcome.finish_reason)
+            choice["finish_reason"] = reason
             choices.append(choice)
         body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         return {**body, "usage": _usage(outcome)}
@@ -168,14 +185,39 @@ class _Shape:
         """The last chunk with stream_options.include_usage: no choices, the usage."""
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
 
+    def chunks(self, piece: Piece) -> list[dict[str, Any]]:
+        """A piece's chunks: one, or with tools as many as the deltas it completes."""
+        if self.tool_streams is None:
+            return [self.chunk(piece.text, index=piece.index, logprobs=piece.logprobs)]
+        deltas = self.tool_streams[piece.index].feed(piece.text)
+        if not deltas:
+            return [self.chunk(None, index=piece.index, logprobs=piece.logprobs)] if piece.logprobs else []
+        return [
+            self.chunk(None, index=piece.index, delta=delta.as_openai(), logprobs=piece.logprobs if i == 0 else None)
+            for i, delta in enumerate(deltas)
+        ]
+
+    def last_chunks(self, outcome: Outcome) -> list[dict[str, Any]]:
+        """What a choice's stream had held back, then its finish chunk, for each choice."""
+        chunks = []
+        for index in range(self.n):
+            reason = outcome.finish_reasons.get(index, outcome.finish_reason)
+            if self.tool_streams is not None:
+                stream = self.tool_streams[index]
+                chunks += [self.chunk(None, index=index, delta=d.as_openai()) for d in stream.finish()]
+                reason = "tool_calls" if stream.calls else reason
+            chunks.append(self.chunk(None if self.chat else "", reason, index=index))
+        return chunks
+
     def chunk(
         self, text: str | None, finish_reason: str | None = None, *, first: bool = False, index: int = 0,
-        logprobs: list[dict[str, Any]] | None = None,
+        logprobs: list[dict[str, Any]] | None = None, delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            if text is not None and not first:
-                delta["content"] = text
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if first else {}
+                if text is not None and not first:
+                    delta["content"] = text
             choice = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text or ""}
@@ -224,11 +266,10 @@ async def _stream(
             for index in range(shape.n):
                 yield _sse(_with_usage(shape.chunk(None, first=True, index=index), include_usage))
         async for piece in pieces:
-            chunk = shape.chunk(piece.text, index=piece.index, logprobs=piece.logprobs)
+            for chunk in shape.chunks(piece):
+                yield _sse(_with_usage(chunk, include_usage))
+        for chunk in shape.last_chunks(outcome):
             yield _sse(_with_usage(chunk, include_usage))
-        for index in range(shape.n):
-            reason = outcome.finish_reasons.get(index, outcome.finish_reason)
-            yield _sse(_with_usage(shape.chunk(None if shape.chat else "", reason, index=index), include_usage))
         if include_usage:
             yield _sse({**shape.usage_chunk(), "usage": _usage(outcome)})
         yield b"data: [DONE]\n\n"

@@ -23,6 +23,14 @@ from tests.integration.test_gateway import _alias, _client, _deploy, _key
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+
+
 class Person(BaseModel):
     name: str = Field(max_length=12)
     age: int = Field(ge=0, le=120)
@@ -112,9 +120,50 @@ def test_json_schemas_logprobs_n_and_penalties_through_the_openai_client(stack: 
         return [e.token for e in answer.choices[0].logprobs.content]
 
     plain = greedy_tokens()
-    assert len(set(greedy_tokens(presence_penalty=2.0, frequency_penalty=2.0))) > len(set(plain))
+    penalised = greedy_tokens(presence_penalty=2.0, frequency_penalty=2.0)
+    assert len(set(penalised)) == len(penalised)  # nothing generated comes twice
+    assert len(set(greedy_tokens(presence_penalty=-2.0, frequency_penalty=-2.0))) < len(set(plain))  # repeats
     first = tokenizer.encode(plain[0])[0]
     assert plain[0] not in greedy_tokens(logit_bias={str(first): -100})
+
+    # Tools: the checkpoint's template renders them; a required call follows its function's schema,
+    # is parsed into tool_calls, streams as OpenAI's deltas, and its result goes back in the next turn.
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+               "parameters": WEATHER}}  # fmt: skip
+    nothing = {"type": "object", "properties": {}, "additionalProperties": False}
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": nothing}}
+    asked = {"model": "chat", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+             "tools": [weather, clock], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 150,
+             "temperature": 1.0, "seed": 4}  # fmt: skip
+    called = client.chat.completions.create(**asked)
+    choice = called.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice.message
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name in ("get_weather", "get_time")
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    named = client.chat.completions.create(
+        **{**asked, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    )
+    assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_weather"]
+    calls: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(**asked, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+            entry = calls.setdefault(delta.index, {"id": delta.id, "name": delta.function.name, "arguments": ""})
+            entry["arguments"] += delta.function.arguments or ""
+    assert list(calls.values()) == [
+        {"id": calls[0]["id"], "name": call.function.name, "arguments": call.function.arguments}
+    ]
+    followed = client.chat.completions.create(
+        model="chat", tools=[weather, clock], tool_choice="none", max_tokens=8, seed=1,
+        messages=[*asked["messages"], choice.message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}],
+    )  # fmt: skip
+    assert followed.choices[0].message.content and followed.choices[0].message.tool_calls is None
+    assert followed.usage.prompt_tokens > called.usage.prompt_tokens + 10  # the call and its result were rendered
+    auto = client.chat.completions.create(**{**asked, "tool_choice": "auto", "max_tokens": 40})
+    assert auto.choices[0].message.content or auto.choices[0].message.tool_calls
 
     # Refusals name the field and the rule.
     with pytest.raises(openai.BadRequestError) as refused:

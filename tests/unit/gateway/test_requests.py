@@ -7,6 +7,7 @@ from gateway.errors import GatewayError
 from gateway.requests import ChatRequest, CompletionRequest, EmbeddingRequest, RerankRequest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
 def _refusal(model, body) -> dict:  # noqa: ANN001
@@ -41,6 +42,23 @@ def test_chat_takes_openais_sampling_extras():
     assert requests.parse(CompletionRequest, {"model": "m", "prompt": "p", "logprobs": 2}).logprobs_asked == 2
 
 
+def test_chat_takes_tools_and_their_turns():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    data = requests.parse(
+        ChatRequest,
+        {**CHAT, "tools": [TOOL], "parallel_tool_calls": False,
+         "messages": [{"role": "user", "content": "weather?"},
+                      {"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]},
+    )  # fmt: skip
+    assert data.choice == "auto" and data.calls_tools and not data.parallel_tool_calls
+    assert data.messages[1].as_sent()["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert data.messages[1].as_sent()["content"] == ""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert requests.parse(ChatRequest, {**CHAT, "tools": [TOOL], "tool_choice": named}).choice == "get_weather"
+    assert not requests.parse(ChatRequest, {**CHAT, "tools": [TOOL], "tool_choice": "none"}).calls_tools
+
+
 @pytest.mark.parametrize(
     ("body", "param", "rule"),
     [
@@ -53,7 +71,22 @@ def test_chat_takes_openais_sampling_extras():
         ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format", "json_schema is given with"),
         ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type", "'text', 'json_object' or"),
         ({**CHAT, "best_of": 2}, "best_of", "only 1"),
-        ({**CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function", "is required"),
+        ({**CHAT, "tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "'nope', which is not among tools",
+        ),
+        ({**CHAT, "tools": [TOOL, TOOL]}, "tools", "a name of its own"),
+        (
+            {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "tools[0].function.parameters",
+            'of type "object"',
+        ),
+        ({**CHAT, "tools": [TOOL], "response_format": {"type": "json_object"}}, "response_format", "beside tool calls"),
+        ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "needs tool_call_id"),
+        ({**CHAT, "functions": [{"name": "f"}]}, "functions", "not supported"),
         ({**CHAT, "mystery": True}, "mystery", "not supported"),
         ({**CHAT, "top_p": 0}, "top_p", "greater than 0"),
         ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "1 to 4 strings"),
@@ -112,7 +145,7 @@ def test_a_body_is_typed_and_its_defaults_are_filled():
         ({**CHAT, "model": "m" * 129}, "model", "at most 128 characters"),
         ({**CHAT, "model": "m\x00"}, "model", "null characters"),
         ({**CHAT, "user": 5}, "user", "valid string"),
-        ({**CHAT, "messages": [{"role": "user"}]}, "messages[0].content", "is required"),
+        ({**CHAT, "messages": [{"role": "user"}]}, "messages[0]", "content is required"),
         ({**CHAT, "messages": [{"role": "user", "content": "hi", "extra": 1}]}, "messages[0].extra", "not supported"),
         (
             {**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}},
