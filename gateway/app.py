@@ -5,6 +5,7 @@ itself (no Django request path), asynchronously end to end.
 - POST /v1/chat/completions, /v1/completions   (an llm alias; ``stream`` as server-sent events)
 - POST /v1/embeddings                          (an embedding alias; float or base64)
 - POST /v1/rerank                              (a reranker alias; query + documents -> results)
+- POST /v1/responses                           (an llm alias; OpenAI's Responses API, streamed as typed events)
 
 Every request carries ``Authorization: Bearer <gateway key>``; the key's scope
 says which aliases it may name. Errors are OpenAI's shape (gateway.errors).

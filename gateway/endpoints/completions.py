@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from common.asgi_io import send_json, stream_events, unless_gone
 from common.errors import GantryError
@@ -15,27 +15,42 @@ from deployments.models import ModelKind
 from gateway import requests
 from gateway.access import Caller, Target
 from gateway.endpoints.shared import count, note, resolve
-from gateway.errors import from_gantry
+from gateway.errors import GatewayError, from_gantry
 from gateway.metering import Admission, admit, prompt_bound
 from gateway.requests import ChatRequest, CompletionRequest
 from inference import tool_calls
-from inference.generation import Outcome, Piece, Sampling, generate, prepare_generation
+from inference.generation import Outcome, Piece, Prepared, Sampling, generate, prepare_generation
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024  # chat has none in OpenAI's API (up to the context): this, within the context
 
 
 async def chat(caller: Caller, body: Any, receive: Any, send: Any) -> None:
-    await _generation(caller, requests.parse(ChatRequest, body), receive, send)
+    await generation(caller, requests.parse(ChatRequest, body), receive, send, endpoint="/v1/chat/completions")
 
 
 async def completions(caller: Caller, body: Any, receive: Any, send: Any) -> None:
-    await _generation(caller, requests.parse(CompletionRequest, body), receive, send)
+    await generation(caller, requests.parse(CompletionRequest, body), receive, send, endpoint="/v1/completions")
 
 
-async def _generation(caller: Caller, data: ChatRequest | CompletionRequest, receive: Any, send: Any) -> None:
+class Shape(Protocol):
+    """How an endpoint writes a generation: whole, or as its stream's events."""
+
+    def whole(self, pieces: list[Piece], outcome: Outcome) -> dict[str, Any]: ...
+    def opening(self) -> list[bytes]: ...
+    def events(self, piece: Piece) -> list[bytes]: ...
+    def closing(self, outcome: Outcome) -> list[bytes]: ...
+    def failure(self, error: GatewayError) -> bytes: ...
+
+
+async def generation(
+    caller: Caller, data: ChatRequest | CompletionRequest, receive: Any, send: Any, *, endpoint: str,
+    shape: Callable[[Target, Prepared], Shape] | None = None,
+) -> None:  # fmt: skip
+    """An llm alias's answer to a chat or completion request, whole or streamed,
+    admitted and counted against the caller's key; written by ``shape`` (chat
+    completion and text completion objects, unless another endpoint gives its own)."""
     chat = isinstance(data, ChatRequest)
-    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     target = await resolve(caller, data.model, ModelKind.LLM, endpoint)
     context = target.route.context or 0
     default = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS
@@ -67,8 +82,11 @@ async def _generation(caller: Caller, data: ChatRequest | CompletionRequest, rec
     admission = await admit(
         caller, target.alias, reserve=prompt_bound(prepared.inputs["text_input"]) + prepared.max_tokens
     )
-    shape = _Shape(chat=chat, alias=target.alias, notice=prepared.notice, n=data.n,
-                   tools=chat and data.calls_tools)  # fmt: skip
+    if shape is None:
+        shaped: Shape = _Shape(chat=chat, alias=target.alias, notice=prepared.notice, n=data.n,
+                               tools=chat and data.calls_tools, include_usage=data.include_usage)  # fmt: skip
+    else:
+        shaped = shape(target, prepared)
     outcome = Outcome()
     note(outcome=outcome)
     prompt_param = "messages" if chat else "prompt"
@@ -81,9 +99,7 @@ async def _generation(caller: Caller, data: ChatRequest | CompletionRequest, rec
         except GantryError as exc:
             count(caller, target.alias, admission, failed=True)
             raise from_gantry(exc, alias=target.alias, prompt_param=prompt_param) from exc
-        events = _stream(
-            caller, target, admission, _resumed(first, pieces), outcome, shape, include_usage=data.include_usage
-        )
+        events = _stream(caller, target, admission, _resumed(first, pieces), outcome, shaped)
         await stream_events(send, receive, events)
         return
     try:
@@ -98,7 +114,7 @@ async def _generation(caller: Caller, data: ChatRequest | CompletionRequest, rec
         raise
     count(caller, target.alias, admission, prompt=outcome.prompt_tokens or 0, completion=outcome.completion_tokens)
     if answered:
-        await send_json(send, 200, shape.whole(pieces, outcome))
+        await send_json(send, 200, shaped.whole(pieces, outcome))
 
 
 # The request's field for each extra a route may refuse (inference.generation.EXTRAS).
@@ -123,8 +139,10 @@ async def _joined(pieces: AsyncIterator[Piece]) -> list[Piece]:
 class _Shape:
     """OpenAI's chat.completion / text_completion objects and their stream chunks."""
 
-    def __init__(self, *, chat: bool, alias: str, notice: str, n: int = 1, tools: bool = False) -> None:
-        self.chat, self.alias, self.notice, self.n = chat, alias, notice, n
+    def __init__(
+        self, *, chat: bool, alias: str, notice: str, n: int = 1, tools: bool = False, include_usage: bool = False
+    ) -> None:
+        self.chat, self.alias, self.notice, self.n, self.include_usage = chat, alias, notice, n, include_usage
         # With tools, each choice's text is read into content and tool calls (inference.tools).
         self.tool_streams = [tool_calls.Stream() for _ in range(n)] if tools else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -180,6 +198,29 @@ class _Shape:
             "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
             "text_offset": offsets,
         }
+
+    def opening(self) -> list[bytes]:
+        """Chat's first chunk of each choice: its role."""
+        if not self.chat:
+            return []
+        return [self._sse(self.chunk(None, first=True, index=index)) for index in range(self.n)]
+
+    def events(self, piece: Piece) -> list[bytes]:
+        return [self._sse(chunk) for chunk in self.chunks(piece)]
+
+    def closing(self, outcome: Outcome) -> list[bytes]:
+        """Each choice's finish, the usage when asked, then [DONE]."""
+        events = [self._sse(chunk) for chunk in self.last_chunks(outcome)]
+        if self.include_usage:
+            events.append(_sse({**self.usage_chunk(), "usage": _usage(outcome)}))
+        return [*events, b"data: [DONE]\n\n"]
+
+    def failure(self, error: GatewayError) -> bytes:
+        return _sse(error.body())
+
+    def _sse(self, chunk: dict[str, Any]) -> bytes:
+        # With include_usage, OpenAI sends "usage": null on every chunk before the last.
+        return _sse({**chunk, "usage": None} if self.include_usage else chunk)
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk with stream_options.include_usage: no choices, the usage."""
@@ -251,39 +292,23 @@ async def _resumed(first: Piece | None, rest: AsyncIterator[Piece]) -> AsyncIter
 
 
 async def _stream(
-    caller: Caller,
-    target: Target,
-    admission: Admission,
-    pieces: AsyncIterator[Piece],
-    outcome: Outcome,
-    shape: _Shape,
-    *,
-    include_usage: bool,
+    caller: Caller, target: Target, admission: Admission, pieces: AsyncIterator[Piece], outcome: Outcome, shape: Shape
 ) -> AsyncIterator[bytes]:
     failed = False
     try:
-        if shape.chat:
-            for index in range(shape.n):
-                yield _sse(_with_usage(shape.chunk(None, first=True, index=index), include_usage))
+        for event in shape.opening():
+            yield event
         async for piece in pieces:
-            for chunk in shape.chunks(piece):
-                yield _sse(_with_usage(chunk, include_usage))
-        for chunk in shape.last_chunks(outcome):
-            yield _sse(_with_usage(chunk, include_usage))
-        if include_usage:
-            yield _sse({**shape.usage_chunk(), "usage": _usage(outcome)})
-        yield b"data: [DONE]\n\n"
+            for event in shape.events(piece):
+                yield event
+        for event in shape.closing(outcome):
+            yield event
     except GantryError as exc:
         failed = True
-        yield _sse(from_gantry(exc, alias=target.alias).body())
+        yield shape.failure(from_gantry(exc, alias=target.alias))
     finally:  # also when the client went away: Triton's request ends, and what was generated counts
         await pieces.aclose()
         count(
             caller, target.alias, admission, prompt=outcome.prompt_tokens or 0, completion=outcome.completion_tokens,
             failed=failed,
         )  # fmt: skip
-
-
-def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
-    # With include_usage, OpenAI sends "usage": null on every chunk before the last.
-    return {**chunk, "usage": None} if include_usage else chunk

@@ -165,6 +165,44 @@ def test_json_schemas_logprobs_n_and_penalties_through_the_openai_client(stack: 
     auto = client.chat.completions.create(**{**asked, "tool_choice": "auto", "max_tokens": 40})
     assert auto.choices[0].message.content or auto.choices[0].message.tool_calls
 
+    # /v1/responses: text, a JSON schema through the SDK's parse helper, function calls and their
+    # outputs, and the typed stream events.
+    reply = client.responses.create(
+        model="chat", input="Hello", instructions="Be brief.", max_output_tokens=10, temperature=0.7
+    )
+    assert reply.object == "response" and reply.status == "incomplete" and reply.output_text
+    assert reply.incomplete_details.reason == "max_output_tokens" and reply.usage.output_tokens == 10
+    parsed = client.responses.parse(model="chat", input="Who is she?", text_format=Person, max_output_tokens=200)
+    assert isinstance(parsed.output_parsed, Person), parsed.output_text
+    asked_tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    called = client.responses.create(model="chat", input="Weather in Oslo?", tools=asked_tools, tool_choice="required",
+                                     parallel_tool_calls=False, max_output_tokens=150, temperature=1.0)  # fmt: skip
+    (function_call,) = [item for item in called.output if item.type == "function_call"]
+    assert function_call.name == "get_weather" and set(json.loads(function_call.arguments)) == {"city", "unit"}
+    answered = client.responses.create(
+        model="chat", tools=asked_tools, tool_choice="none", max_output_tokens=8,
+        input=[{"role": "user", "content": "Weather in Oslo?"}, function_call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": function_call.call_id, "output": '{"sky": "clear"}'}],
+    )  # fmt: skip
+    assert answered.output_text and answered.usage.input_tokens > called.usage.input_tokens
+    kinds, arguments = [], ""
+    with client.responses.stream(model="chat", input="Weather in Oslo?", tools=asked_tools, tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=150) as events:  # fmt: skip
+        for event in events:
+            kinds.append(event.type)
+            if event.type == "response.function_call_arguments.delta":
+                arguments += event.delta
+        final = events.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.output_item.added" in kinds and "response.function_call_arguments.done" in kinds
+    (streamed_call,) = [item for item in final.output if item.type == "function_call"]
+    assert streamed_call.arguments == arguments and json.loads(arguments)
+    text_kinds = [e.type for e in client.responses.create(model="chat", input="Hi", max_output_tokens=5, stream=True)]
+    assert "response.output_text.delta" in text_kinds and "response.output_text.done" in text_kinds
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="chat", input="Hi", store=True)
+    assert refused.value.body["param"] == "store"
+
     # Refusals name the field and the rule.
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="chat", messages=messages, top_logprobs=2)
