@@ -56,6 +56,8 @@ class Target:
     triton_name: str
     max_batch_size: int
     route: Route | None  # an llm's generation route
+    dimension: int | None = None  # an embedder's vectors' width, when its configuration says
+    matryoshka: bool = False  # an embedder whose vectors may be cut short (OpenAI's dimensions)
 
     def require_ready(self) -> None:
         if not self.endpoints:
@@ -159,6 +161,8 @@ def _read_target(alias: str) -> Target | None:
         triton_name=placement.triton_name,
         max_batch_size=placement.max_batch_size,
         route=route,
+        dimension=placement.registered_model.sentence_config.get("dimension"),
+        matryoshka=bool(placement.registered_model.sentence_config.get("matryoshka")),
     )
 
 

@@ -39,9 +39,10 @@ MAX_TOKENS = 32768
 _NEUTRAL: dict[str, Any] = {
     "best_of": 1,
     "echo": False,
+    "store": False,  # Gantry keeps no completions or responses
 }
 _NEVER = ("functions", "function_call", "suffix", "modalities", "audio", "prediction", "reasoning_effort",
-          "web_search_options", "service_tier", "store", "metadata")  # fmt: skip
+          "web_search_options", "service_tier", "metadata")  # fmt: skip
 UNSUPPORTED = "is not supported by Gantry's gateway"
 MAX_N = 16  # sequences of one prompt (the transformers model's num_return_sequences)
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on a logit_bias map's entries
@@ -360,6 +361,7 @@ class EmbeddingRequest(_Body):
     model: ModelName
     input: Inputs
     encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, le=65536)  # Matryoshka embedders only
     user: UserName | None = None
 
 

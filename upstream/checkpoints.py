@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,7 +165,23 @@ def sentence_config(path: Path) -> dict[str, Any]:
                 found[key] = own[key]
     # A module outside sentence-transformers' own is the checkpoint's code.
     found["custom_modules"] = [m for m in found["modules"] if not m.startswith("sentence_transformers.")]
+    found["matryoshka"] = _matryoshka(path)
     return found
+
+
+# How a model card says its vectors were trained to be cut short: the hub's tag, or the
+# loss sentence-transformers' generated cards name (MatryoshkaLoss, matryoshka_dims).
+_MATRYOSHKA = re.compile(r"^\s*-\s*matryoshka\s*$|MatryoshkaLoss|matryoshka_dims", re.IGNORECASE | re.MULTILINE)
+
+
+def _matryoshka(path: Path) -> bool:
+    """Whether the model card (README.md) says the embeddings are Matryoshka ones,
+    whose first dimensions are an embedding too (OpenAI's ``dimensions``)."""
+    try:
+        card = (path / "README.md").read_text(errors="replace")[:200_000]
+    except OSError:
+        return False
+    return _MATRYOSHKA.search(card) is not None
 
 
 def _tokenizer_extras(path: Path) -> dict[str, Any]:

@@ -169,12 +169,13 @@ PROMPTS = {"query": "search_query: ", "document": "search_document: "}
 
 def make_untrained_encoder(
     folder: Path, *, kind: str, shape: str = "mini", remote_code: bool = False, seed: int = 0,
-    tokenizer_dir: Path | None = None,
+    tokenizer_dir: Path | None = None, matryoshka: bool = False,
 ) -> Path:  # fmt: skip
     """An embedder (kind "embedding": BERT with mean pooling and normalisation in a
     sentence-transformers configuration, 512 tokens, query and document prompts;
-    with ``remote_code`` its model class is its own code behind auto_map) or a
-    cross-encoder reranker (kind "reranker": BERT with one logit). Idempotent."""
+    with ``remote_code`` its model class is its own code behind auto_map, with
+    ``matryoshka`` its card tagged so) or a cross-encoder reranker (kind
+    "reranker": BERT with one logit). Idempotent."""
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, BertModel
 
@@ -201,8 +202,11 @@ def make_untrained_encoder(
         )  # fmt: skip
         (folder / "config.json").write_text(json.dumps(saved, indent=2))
     params = sum(p.numel() for p in model.parameters())
+    # A Matryoshka embedder's card carries the hub's tag (upstream.checkpoints reads it): its
+    # vectors may be cut short. Untrained, that claims only that the shortened ones are served.
+    tags = "---\ntags:\n- sentence-transformers\n- matryoshka\n---\n" if matryoshka else ""
     (folder / "README.md").write_text(
-        f"# Gantry {kind} ({UNTRAINED_NOTICE})\n\n"
+        f"{tags}# Gantry {kind} ({UNTRAINED_NOTICE})\n\n"
         f"BERT ({shape}), {params / 1e6:.1f}M parameters, the all-MiniLM-L6-v2 WordPiece tokenizer, seed {seed}"
         + (", its own modelling code (modeling_gantry_embed.py, behind auto_map)" if remote_code else "")
         + ". Made on this machine by Gantry (workers/untrained.py): its scores and vectors mean nothing.\n"

@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import openai
 import pytest
 import torch
@@ -44,11 +45,36 @@ def chat_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_untrained_llm(tmp_path_factory.mktemp("llm") / "chat-llama", tokenizer="bpe")
 
 
-def test_json_schemas_logprobs_n_and_penalties_through_the_openai_client(stack: Stack, chat_llm: Path):
+def test_json_schemas_logprobs_n_and_penalties_through_the_openai_client(
+    stack: Stack, chat_llm: Path, minilm_path: Path, tmp_path: Path
+):
+    from workers.untrained import make_untrained_encoder
+
     stack.register_models(chat_llm, chat="llm")
-    deployment = _deploy(stack, "structured", [{"model": "chat", "max_batch_size": 8, "max_queue_delay_us": 500}])
+    stack.register_models(make_untrained_encoder(tmp_path / "mrl", kind="embedding", matryoshka=True), mrl="embedding")
+    stack.register_models(minilm_path, minilm="embedding")
+    deployment = _deploy(
+        stack, "structured", [{"model": "chat", "max_batch_size": 8, "max_queue_delay_us": 500}, {"model": "mrl"},
+                              {"model": "minilm"}],
+    )  # fmt: skip
     _alias(stack, "chat", deployment, "chat")
+    _alias(stack, "mrl", deployment, "mrl")
+    _alias(stack, "minilm", deployment, "minilm")
     client = _client(stack, _key(stack, all_aliases=True))
+
+    # Embeddings' dimensions: a Matryoshka checkpoint's vectors cut short and made unit length again;
+    # refused, saying why, for one whose card names no such training.
+    full, short = (client.embeddings.create(model="mrl", input=["a cat"], **extra).data[0].embedding
+                   for extra in ({}, {"dimensions": 64}))  # fmt: skip
+    assert len(full) == 384 and len(short) == 64
+    cut = np.array(full[:64])
+    assert np.allclose(short, cut / np.linalg.norm(cut), atol=1e-5)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(model="minilm", input=["a cat"], dimensions=64)
+    assert refused.value.body["param"] == "dimensions" and "Matryoshka" in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(model="mrl", input=["a cat"], dimensions=385)
+    assert "at most 384" in refused.value.body["message"]
     messages = [{"role": "user", "content": "Who is she?"}]
 
     # A JSON schema from a pydantic model, always parsed by the client's own helper.
