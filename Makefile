@@ -18,7 +18,7 @@ TEST_ENV := DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres:postgres@127.
             GANTRY_PLAIN_HTTP=1 \
             GANTRY_MODEL_ROOTS=/
 
-.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-host-path bench-gpu bench-tuning bench-drain bench-outage bench-threads bench-download bench-grammars
+.PHONY: venv frontend aiperf docs demo test gpu-test lint clean bench bench-gateway bench-api bench-live bench-pages bench-replicas bench-admission bench-channel bench-metrics bench-host-path bench-gpu bench-tuning bench-drain bench-outage bench-threads bench-download bench-grammars bench-structured
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,10 @@ bench-grammars: venv
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --target .bench-grammars \
 	  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 outlines-core==0.2.14
 	PYTHONPATH=.bench-grammars $(PY) bench/grammars.py $(BENCH_GRAMMARS_ARGS)
+
+# Streamed generation with a JSON schema against the same requests free, and llguidance on plain transformers.
+bench-structured:
+	SECRET_KEY=gantry-bench-structured $(GPU_PYTHON) bench/structured.py $(BENCH_STRUCTURED_ARGS)
 
 # A host's hub download against the huggingface_hub CLI from the same local server (bench/download.py).
 bench-download: venv
