@@ -397,7 +397,7 @@ class Decoder:
         if self.masks is None and any(s.guide is not None for s in group):
             import gantry_grammar  # beside this file; only where a request brings a grammar
 
-            self.masks = gantry_grammar.Masks(self.max_batch, self.vocab)
+            self.masks = gantry_grammar.Masks(self.max_batch, self.vocab, self.device)
 
     def _sample(self, n: int, masked: bool = False) -> torch.Tensor:
         logits = self.logits[:n]
@@ -412,10 +412,9 @@ class Decoder:
         if any(s.logit_bias for s in rows):
             logits = logits + self.bias[:n]
         if masked:
-            import gantry_grammar
-
-            mask = self.masks.host[:n].to(self.device, non_blocking=True)
-            logits = logits.masked_fill(~gantry_grammar.allowed(mask, self.vocab), float("-inf"))
+            # In place, self.logits too: the raw log-probabilities were taken, and the next
+            # forward pass writes them anew.
+            self.masks.apply(logits)
         greedy = [s.temperature == 0 for s in rows]
         if all(greedy):
             return logits.argmax(-1)

@@ -10,6 +10,7 @@ import random
 import sys
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from inference import tool_calls
@@ -81,12 +82,8 @@ def vocabulary(tmp_path_factory):
 
 def _walk(tokenizer, vocabulary, grammar: str, seed: int) -> str:  # noqa: ANN001
     """A random answer among those the grammar allows (an untrained model's)."""
-    guide, masks, rng, ids = (
-        vocabulary.guide("lark", grammar),
-        gantry_grammar.Masks(1, vocabulary.vocab),
-        random.Random(seed),
-        [],
-    )
+    guide, rng, ids = vocabulary.guide("lark", grammar), random.Random(seed), []
+    masks = gantry_grammar.Masks(1, vocabulary.vocab, torch.device("cpu"))
     while not guide.stopped and len(ids) < 400:
         masks.fill([(guide, 0)])
         allowed = gantry_grammar.allowed(masks.host, vocabulary.vocab)[0].nonzero().reshape(-1).tolist()

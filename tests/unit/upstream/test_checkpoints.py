@@ -12,7 +12,7 @@ from workers.untrained import make_untrained_encoder
 
 CARDS = {
     "tagged": ("---\ntags:\n- sentence-transformers\n- Matryoshka\n---\n# x\n", True),
-    "loss": ("Trained with [MatryoshkaLoss](https://...) and\n```json\n{\"matryoshka_dims\": [768, 256]}\n```", True),
+    "loss": ('Trained with [MatryoshkaLoss](https://...) and\n```json\n{"matryoshka_dims": [768, 256]}\n```', True),
     "plain": ("---\ntags:\n- sentence-transformers\n---\nA sentence embedder.\n", False),
     "mentioned": ("Unlike matryoshka-style models, this one keeps its width.\n", False),
 }
