@@ -278,7 +278,8 @@ class Decoder:
         rows = self.rows
         guided = [(s.guide, i) for i, s in enumerate(rows) if s.guide is not None and self.alive[i]]
         if guided:
-            self.masks.load(guided, n)
+            self.masks.open(slice(0, n))
+            self.masks.fill(guided)
         wanted = [s.logprobs for s in rows]
         top = max((w or 0 for w in wanted), default=0)
         raw = torch.log_softmax(self.logits[:n], -1) if any(w is not None for w in wanted) else None
@@ -308,8 +309,6 @@ class Decoder:
         self.lengths = [length + 1 for length in self.lengths]
         for guide, i in guided:
             guide.take(chosen[i])
-        if guided:  # the next masks, computed while the caller turns these tokens into text
-            self.masks.ahead([guide for guide, _ in guided])
         logprobs = [None] * n
         if raw is not None:
             chosen_lp, top_lp, top_ids = self.host_logprob[:n].tolist(), self.host_top[:n].tolist(), None
@@ -324,8 +323,6 @@ class Decoder:
         """Sequences that will take no more tokens leave the batch."""
         if not done:
             return
-        if self.masks is not None:
-            self.masks.forget([s.guide for s in done if s.guide is not None])
         leaving = {id(s) for s in done}
         if self.cache is None:
             self.alive = [a and id(s) not in leaving for a, s in zip(self.alive, self.rows, strict=True)]
@@ -374,8 +371,6 @@ class Decoder:
 
     def reset(self) -> None:
         """Forget every row (after an error, or when a wave ends)."""
-        if self.masks is not None:
-            self.masks.forget([s.guide for s in self.rows if s.guide is not None])
         self.rows, self.lengths, self.alive, self.wave = [], [], [], None
 
     # --- sampling -----------------------------------------------------------------

@@ -17,8 +17,6 @@ and applies the batch's masks to the logits before sampling: the forward
 passes, their CUDA graphs and the batch are the same with or without it.
 """
 
-import concurrent.futures
-
 import llguidance
 import llguidance.hf
 import torch
@@ -76,94 +74,52 @@ class Vocabulary:
 
 
 class Guide:
-    """One sequence's grammar as it decodes. ``stopped``: the grammar is complete and
-    allows nothing more (not even end of text), as of the last token taken."""
+    """One sequence's grammar as it decodes."""
 
     def __init__(self, matcher) -> None:
         self.matcher = matcher
-        self.stopped = False
 
     def take(self, token: int) -> None:
         """The sampled token; GuideError if the grammar did not allow it."""
         if not self.matcher.consume_token(token):
             raise GuideError(self.matcher.get_error() or f"token {token} is not allowed here")
-        self.stopped = self.matcher.is_stopped()
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and allows nothing more (not even end of text)."""
+        return self.matcher.is_stopped()
 
 
 class Masks:
-    """The batch's bitmask rows (int32 words: token 32w+b is bit b of word w) and
-    applying them to the logits.
-
-    A sequence's next mask is computed as soon as its token is taken, by
-    llguidance's thread pool in a thread of this class (``ahead``), while the
-    caller turns the step's tokens into text: llguidance leaves the GIL, so that
-    work overlaps the Python work of the step rather than adding to it. Each
-    sequence has a slot of its own for it (``scratch``), as its row may move when
-    others leave; the step's start gathers them into the batch's rows (``load``).
-    The rows are applied on the logits' device with buffers made once
-    (docs/performance.md). llguidance.torch is not imported: it compiles a kernel
-    with torch.compile when imported, which pulls in all of inductor."""
+    """The batch's bitmask rows (int32 words: token 32w+b is bit b of word w), filled
+    on the host (pinned memory on a GPU) for the constrained rows by llguidance's
+    thread pool at once, and applied to the logits on their device with buffers made
+    once (docs/performance.md). (llguidance.torch is
+    not imported: it compiles a kernel with torch.compile when imported, which
+    pulls in all of inductor.)"""
 
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
         words = (vocab + 31) // 32
         self.host = torch.full((rows, words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.scratch = torch.full((rows, words), -1, dtype=torch.int32)
         self.words = torch.empty((rows, words), dtype=torch.int32, device=device)
         self.index = torch.empty(rows * words * 4, dtype=torch.int32, device=device)
         self.penalty = torch.empty((rows * words * 4, 8), dtype=torch.float32, device=device)
         self.table = torch.where(_blocked(device), float("-inf"), 0.0)
         self.executor = llguidance.LLExecutor()
-        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gantry-masks")
-        self.pending = None
-        self.slots: dict[int, int] = {}  # id(guide) -> its row of scratch
-        self.free = list(range(rows))
-        self.ready: set[int] = set()  # guides whose scratch row is their next mask
 
-    def _slot(self, guide: "Guide") -> int:
-        slot = self.slots.get(id(guide))
-        if slot is None:
-            slot = self.slots[id(guide)] = self.free.pop()
-        return slot
+    def fill(self, guides: list[tuple["Guide", int]]) -> None:
+        """The rows of ``guides`` (guide, row) for their next token; other rows are left as they are."""
+        words = self.host.shape[1]
+        if len(guides) == 1:
+            guide, row = guides[0]
+            guide.matcher.unsafe_compute_mask_ptr(self.host[row].data_ptr(), words * 4)
+        elif guides:
+            matchers = [(guide.matcher, row) for guide, row in guides]
+            self.executor.unsafe_compute_mask_ptr(matchers, self.host.data_ptr(), words * 4, self.host.shape[0])
 
-    def _fill(self, pairs: list) -> None:
-        words = self.scratch.shape[1]
-        self.executor.unsafe_compute_mask_ptr(pairs, self.scratch.data_ptr(), words * 4, self.scratch.shape[0])
-
-    def wait(self, raising: bool = True) -> None:
-        """The masks computed ahead are in scratch (or failed: raised here, unless not ``raising``)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            if raising or pending.exception() is None:
-                pending.result()
-
-    def ahead(self, guides: list["Guide"]) -> None:
-        """Start computing these guides' next masks (their tokens taken)."""
-        self.wait()
-        pairs = [(guide.matcher, self._slot(guide)) for guide in guides if not guide.stopped]
-        if pairs:
-            self.ready.update(id(guide) for guide in guides if not guide.stopped)
-            self.pending = self.worker.submit(self._fill, pairs)
-
-    def load(self, guided: list[tuple["Guide", int]], rows: int) -> None:
-        """The batch's first ``rows`` rows for this step: each guide's mask in its row
-        (computed now for a guide that has none yet), every token allowed elsewhere."""
-        self.wait()
-        fresh = [(guide.matcher, self._slot(guide)) for guide, _ in guided if id(guide) not in self.ready]
-        if fresh:
-            self._fill(fresh)
-            self.ready.update(id(guide) for guide, _ in guided)
-        self.host[:rows] = -1
-        slots = torch.tensor([self.slots[id(guide)] for guide, _ in guided])
-        self.host[torch.tensor([row for _, row in guided])] = self.scratch[slots]
-
-    def forget(self, guides: list["Guide"]) -> None:
-        """Guides whose sequences left (or failed): their slots are free again."""
-        self.wait(raising=False)
-        for guide in guides:
-            slot = self.slots.pop(id(guide), None)
-            if slot is not None:
-                self.free.append(slot)
-                self.ready.discard(id(guide))
+    def open(self, rows) -> None:
+        """Every token allowed in ``rows`` (unconstrained rows)."""
+        self.host[rows] = -1
 
     def apply(self, logits: torch.Tensor) -> None:
         """Make -inf, in place, the logits (the first rows of the batch) of the tokens the

@@ -85,13 +85,12 @@ def _walk(tokenizer, vocabulary, grammar: str, seed: int) -> str:  # noqa: ANN00
     guide, rng, ids = vocabulary.guide("lark", grammar), random.Random(seed), []
     masks = gantry_grammar.Masks(1, vocabulary.vocab, torch.device("cpu"))
     while not guide.stopped and len(ids) < 400:
-        masks.load([(guide, 0)], 1)  # as the decoder does: the mask of the step, then the next one ahead
+        masks.fill([(guide, 0)])
         allowed = gantry_grammar.allowed(masks.host, vocabulary.vocab)[0].nonzero().reshape(-1).tolist()
         token = rng.choice(allowed)
         if token == tokenizer.eos_token_id:
             break
         guide.take(token)
-        masks.ahead([guide])
         ids.append(token)
     return tokenizer.decode(ids)
 
