@@ -2,9 +2,10 @@
 state (each request sends its whole input; ``store`` is false and there is no
 ``previous_response_id``).
 
-The request becomes a chat completion (gateway.requests.ResponsesRequest.as_chat:
-instructions, messages, function calls and their outputs, function tools,
-tool_choice, text.format), generated as chat is; the answer is written as a
+Its body (ResponsesRequest, typed here with gateway.requests' parts, since it
+is only ever turned into a chat completion: as_chat takes instructions,
+messages, function calls and their outputs, function tools, tool_choice and
+text.format) is generated as chat is; the answer is written as a
 response object with output items (a message of output_text, function calls),
 or streamed as the Responses API's typed events: response.created, then each
 item's added, its text or arguments deltas and done events, then
@@ -16,15 +17,180 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BeforeValidator, Field, StringConstraints, model_validator
 
 from gateway import requests
 from gateway.access import Caller, Target
 from gateway.endpoints.completions import generation
 from gateway.errors import GatewayError, bad_request
-from gateway.requests import ResponsesRequest
+from gateway.requests import (
+    MAX_TOKENS,
+    ChatRequest,
+    FieldRule,
+    FunctionDefinition,
+    ModelName,
+    UserName,
+    _Body,
+    _name,
+    _printable,
+    parse,
+)
 from inference import tool_calls
-from inference.generation import Outcome, Piece, Prepared
+from inference.generation import MAX_PROMPT_CHARS, Outcome, Piece, Prepared
+
+
+class _Item(_Body):
+    """An input item as OpenAI's SDK sends it back: its id and status are ignored."""
+
+    id: _name(128) | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class TextPart(_Body):
+    type: Literal["input_text", "output_text"]
+    text: Annotated[str, StringConstraints(max_length=MAX_PROMPT_CHARS), AfterValidator(_printable)]
+    annotations: list[Any] | None = None
+
+
+class InputMessage(_Item):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Annotated[str, StringConstraints(max_length=MAX_PROMPT_CHARS), AfterValidator(_printable)] | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Item):
+    type: Literal["function_call"]
+    call_id: _name(64)
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    arguments: str
+
+
+class FunctionCallOutput(_Item):
+    type: Literal["function_call_output"]
+    call_id: _name(64)
+    output: Annotated[str, StringConstraints(max_length=MAX_PROMPT_CHARS), AfterValidator(_printable)]
+
+
+def _input_item(value: Any) -> Any:
+    """An input item by its type (a message may leave it out, as OpenAI's easy input does)."""
+    if not isinstance(value, dict):
+        raise ValueError("each input item must be an object")
+    kinds = {"message": InputMessage, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutput}
+    kind = kinds.get(value.get("type", "message"))
+    if kind is None:
+        raise ValueError(f"type must be one of {', '.join(kinds)} (other items are not supported)")
+    return kind.model_validate(value)
+
+
+def _as_items(value: Any) -> Any:
+    """A string input is one user message."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("may not be empty")
+        return [{"role": "user", "content": value}]
+    return value
+
+
+InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutput, BeforeValidator(_input_item)]
+
+
+class ResponseTool(FunctionDefinition):
+    """A function tool, flat as the Responses API writes it."""
+
+    type: Literal["function"]
+
+
+class NamedResponseTool(_Body):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> TextFormat:
+        if (self.type == "json_schema") != (self.schema_ is not None and self.name is not None):
+            raise ValueError("name and schema are given with type json_schema, and only then")
+        return self
+
+
+class TextOptions(_Body):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses, without stored state: no previous_response_id, store false."""
+
+    model: ModelName
+    input: Annotated[list[InputItem], BeforeValidator(_as_items)]
+    instructions: Annotated[str, StringConstraints(max_length=MAX_PROMPT_CHARS)] | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    stream: bool = False
+    tools: list[ResponseTool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedResponseTool | None = None
+    parallel_tool_calls: bool = True
+    text: TextOptions | None = None
+    store: bool = False
+    truncation: Literal["disabled"] | None = None
+    user: UserName | None = None
+
+    @model_validator(mode="after")
+    def _nothing_stored(self) -> ResponsesRequest:
+        if self.store:
+            raise FieldRule("store", "Gantry keeps no responses: send store false (each request sends its input)")
+        if not self.input:
+            raise FieldRule("input", "may not be empty")
+        return self
+
+    def as_chat(self) -> ChatRequest:
+        """The same request as a chat completion (ChatRequest's checks apply to it too)."""
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                role = "system" if item.role == "developer" else item.role
+                messages.append({"role": role, "content": item.text})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+                if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                    messages[-1]["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        chat: dict[str, Any] = {
+            "model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }  # fmt: skip
+        if self.tools:
+            chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in self.tools]  # fmt: skip
+        if isinstance(self.tool_choice, NamedResponseTool):
+            chat["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            chat["tool_choice"] = self.tool_choice
+        fmt = self.text.format if self.text else None
+        if fmt is not None and fmt.type != "text":
+            schema = {"name": fmt.name, "schema": fmt.schema_} if fmt.type == "json_schema" else None
+            chat["response_format"] = {"type": fmt.type, **({"json_schema": schema} if schema else {})}
+        return parse(ChatRequest, chat)
+
 
 # The chat request's fields, as the Responses API names them (a refusal names the latter).
 _FIELDS = {"response_format": "text.format", "messages": "input", "max_tokens": "max_output_tokens"}

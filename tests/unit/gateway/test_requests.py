@@ -113,7 +113,7 @@ def test_embeddings_and_rerank_bodies():
     assert _refusal(EmbeddingRequest, {"model": "e", "input": "x", "encoding_format": "int8"})["param"] == (
         "encoding_format"
     )
-    assert _refusal(EmbeddingRequest, {"model": "e", "input": "x", "dimensions": 8})["param"] == "dimensions"
+    assert _refusal(EmbeddingRequest, {"model": "e", "input": "x", "dimensions": 0})["param"] == "dimensions"
     data = requests.parse(RerankRequest, {"model": "r", "query": "q", "documents": ["a", {"text": "b"}]})
     assert data.documents == ["a", "b"] and data.return_documents is False
     assert _refusal(RerankRequest, {"model": "r", "query": "q", "documents": [{"body": "b"}]})["param"] == (
@@ -172,3 +172,34 @@ def test_an_integer_beyond_64_bits_is_refused_by_its_bound(field, value):
     body = jsonbody.loads(f'{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "{field}": {value}}}')
     refusal = _refusal(ChatRequest, body)
     assert refusal["param"] == field and "less than or equal to" in refusal["message"], refusal
+
+
+def test_a_responses_body_becomes_the_chat_request_it_asks_for():
+    from gateway.endpoints.responses import ResponsesRequest
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = {
+        "model": "m", "instructions": "Be brief.", "max_output_tokens": 20, "parallel_tool_calls": False,
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "function", "name": "f"},
+        "input": [
+            {"role": "developer", "content": "Use tools."},
+            {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "id": "fc_1",
+             "status": "completed"},
+            {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        ],
+    }  # fmt: skip
+    chat = requests.parse(ResponsesRequest, body).as_chat()
+    assert [m.role for m in chat.messages] == ["system", "system", "user", "assistant", "tool"]
+    assert chat.messages[2].content == "ab" and [c.id for c in chat.messages[3].tool_calls] == ["c1", "c2"]
+    assert chat.messages[4].tool_call_id == "c1" and chat.limit == 20 and chat.choice == "f"
+    assert not chat.parallel_tool_calls and chat.tools[0].function.name == "f"
+    fmt = {"text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}
+    assert requests.parse(ResponsesRequest, {"model": "m", "input": "hi", **fmt}).as_chat().guide[0] == "json_schema"
+    assert _refusal(ResponsesRequest, {"model": "m", "input": "hi", "store": True})["param"] == "store"
+    assert _refusal(ResponsesRequest, {"model": "m", "input": "hi", "previous_response_id": "r"})["param"] == (
+        "previous_response_id"
+    )
+    assert _refusal(ResponsesRequest, {"model": "m", "input": [{"type": "reasoning"}]})["param"] == "input[0]"
