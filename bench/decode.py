@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.harness import setup_django  # noqa: E402
-from bench.streams import Floor, Target, closed_loop, copy_rate, figures, p99_text  # noqa: E402
+from bench.streams import Floor, Target, closed_loop, copy_rate, p99_text, rotated  # noqa: E402
 
 BASELINE = Path(__file__).parent / "baselines" / "causal_lm_e88a8c0.py"
 WORDS = "gpu model serving batch token cache graph stream latency memory kernel prompt".split()
@@ -197,13 +197,7 @@ def main() -> int:
             for level in levels:
                 run(side, level, 0.0)
         for level in levels:
-            collected = {side: {"samples": [], "wall": 0.0} for side in sides}
-            for round_ in range(args.rounds):
-                for side in sides[round_ % len(sides) :] + sides[: round_ % len(sides)]:
-                    samples, wall = run(side, level, args.seconds)
-                    collected[side]["samples"] += samples
-                    collected[side]["wall"] += wall
-            row = {side: figures(value["samples"], value["wall"]) for side, value in collected.items()}
+            row = rotated(run, sides, level, args.rounds, args.seconds)
             context = args.prompt_tokens + args.tokens / 2
             row["ceiling_tokens_per_s"] = round(level * rate / (weights + level * context * kv_per_token), 1)
             report["levels"][level] = row

@@ -122,6 +122,21 @@ def figures(samples: list[dict], wall: float) -> dict:
     }
 
 
+def rotated(
+    run: Callable[[str, int, float], tuple[list[dict], float]], sides: list[str], level: int, rounds: int,
+    seconds: float,
+) -> dict[str, dict]:  # fmt: skip
+    """``run(side, level, seconds)`` for every side, ``rounds`` times, the order of the
+    sides rotating every round: each side's figures over all its rounds."""
+    collected = {side: {"samples": [], "wall": 0.0} for side in sides}
+    for round_ in range(rounds):
+        for side in sides[round_ % len(sides) :] + sides[: round_ % len(sides)]:
+            samples, wall = run(side, level, seconds)
+            collected[side]["samples"] += samples
+            collected[side]["wall"] += wall
+    return {side: figures(value["samples"], value["wall"]) for side, value in collected.items()}
+
+
 def p99_text(value: float | None, width: int = 8) -> str:
     return f"{value:{width}.1f}" if value is not None else f"{'n<1000':>{width}}"
 
@@ -142,6 +157,11 @@ class Floor:
     def sync(self) -> None:
         if self.device != "cpu":
             self.torch.cuda.synchronize()
+
+    def processor(self, streams: int) -> Any:
+        """A LogitsProcessor of the floor's own for one batch of ``streams`` prompts, run
+        after the first token's timing (None: plain generate)."""
+        return None
 
     def closed_loop(self, prompts: list[str], streams: int, seconds: float, tokens: int) -> tuple[list[dict], float]:
         """Batches of ``streams`` prompts, one after another, for ``seconds`` (at least one)."""
@@ -175,7 +195,7 @@ class Floor:
                     temperature=1.0,
                     top_k=0,
                     top_p=1.0,
-                    logits_processor=LogitsProcessorList([FirstStep()]),
+                    logits_processor=LogitsProcessorList([FirstStep(), *filter(None, [self.processor(streams)])]),
                 )
             sync()
             ended = time.perf_counter()

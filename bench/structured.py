@@ -27,14 +27,13 @@ import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.harness import setup_django  # noqa: E402
-from bench.streams import Floor, Target, closed_loop, figures, p99_text  # noqa: E402
+from bench.streams import Floor, Target, closed_loop, p99_text, rotated  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -65,57 +64,42 @@ def _launch(args, work: Path, checkpoint: Path, levels: list[int]):  # noqa: ANN
 
 
 class Reference(Floor):
-    """Plain transformers generate, each step's logits masked by llguidance for the batch."""
+    """Plain transformers generate (the floor's batches), each step's logits masked by
+    llguidance for the batch with its own torch helpers."""
 
-    def closed_loop(self, prompts: list[str], streams: int, seconds: float, tokens: int) -> tuple[list[dict], float]:
+    def processor(self, streams: int):  # noqa: ANN201 - a transformers LogitsProcessor
         import llguidance
         import llguidance.hf
         import llguidance.torch
-        from transformers import LogitsProcessor, LogitsProcessorList
+        from transformers import LogitsProcessor
 
         vocab = self.model.get_output_embeddings().weight.shape[0]
-        tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=vocab)
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
-        executor, mask = llguidance.LLExecutor(), llguidance.torch.allocate_token_bitmask(streams, vocab)
-        first: list[float] = []
-        sync = self.sync
+        if not hasattr(self, "grammar"):
+            self.llg_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=vocab)
+            self.grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                SCHEMA, defaults={"whitespace_flexible": False}
+            )
+            self.executor = llguidance.LLExecutor()
+        tokenizer, grammar, executor = self.llg_tokenizer, self.grammar, self.executor
+        mask = llguidance.torch.allocate_token_bitmask(streams, vocab)
 
         class Masked(LogitsProcessor):
             def __init__(self) -> None:
                 self.matchers = [llguidance.LLMatcher(tokenizer, grammar) for _ in range(streams)]
-                self.length = None
+                self.started = False
 
             def __call__(self, input_ids, scores):  # noqa: ANN001, ANN204
-                if self.length is None:
-                    self.length = input_ids.shape[1]
-                    sync()
-                    first.append(time.perf_counter())
-                else:
+                if self.started:
                     for matcher, token in zip(self.matchers, input_ids[:, -1].tolist(), strict=True):
                         matcher.consume_token(token)
+                self.started = True
                 llguidance.torch.fill_next_token_bitmask_par(
                     executor, [(m, i) for i, m in enumerate(self.matchers)], mask
                 )
                 llguidance.torch.apply_token_bitmask_inplace(scores, mask.to(scores.device))
                 return scores
 
-        samples: list[dict] = []
-        started = time.perf_counter()
-        while not samples or time.perf_counter() < started + seconds:
-            first.clear()
-            batch = [prompts[(len(samples) + i) % len(prompts)] for i in range(streams)]
-            inputs = self.tokenizer(batch, return_tensors="pt", padding=True, return_token_type_ids=False)
-            begun = time.perf_counter()
-            with self.torch.inference_mode():
-                self.model.generate(
-                    **inputs.to(self.device), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True,
-                    temperature=1.0, top_k=0, top_p=1.0, logits_processor=LogitsProcessorList([Masked()]),
-                )  # fmt: skip
-            sync()
-            ended = time.perf_counter()
-            sample = {"ttft_ms": (first[0] - begun) * 1000, "tokens": tokens, "decode_s": ended - first[0]}
-            samples += [{**sample, "ended": ended}] * streams
-        return samples, max(s["ended"] for s in samples) - started
+        return Masked()
 
 
 def main() -> int:
@@ -176,13 +160,7 @@ def main() -> int:
             for level in levels:
                 run(side, level, 0.0)
         for level in levels:
-            collected = {side: {"samples": [], "wall": 0.0} for side in sides}
-            for round_ in range(args.rounds):
-                for side in sides[round_ % len(sides) :] + sides[: round_ % len(sides)]:
-                    samples, wall = run(side, level, args.seconds)
-                    collected[side]["samples"] += samples
-                    collected[side]["wall"] += wall
-            report["levels"][level] = {side: figures(v["samples"], v["wall"]) for side, v in collected.items()}
+            report["levels"][level] = rotated(run, sides, level, args.rounds, args.seconds)
             print(json.dumps({level: report["levels"][level]}), flush=True)
     finally:
         runtime.stop(handle, launch)
