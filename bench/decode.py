@@ -94,7 +94,7 @@ def _repository(args, work: Path, checkpoint: Path, levels: list[int]):  # noqa:
 
 def _profile(args, floor: Floor, prompts: list[str], levels: list[int]) -> dict:  # noqa: ANN001
     """The new decoder in this process under the torch profiler: per step, wall and device time."""
-    sys.path.insert(0, str(ROOT / "workers" / "triton" / "python_models"))
+    sys.path.insert(0, str(ROOT / "triton_server" / "python_models"))
     import gantry_decode
     from torch.profiler import ProfilerActivity, profile
 

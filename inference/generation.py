@@ -39,7 +39,8 @@ class Sampling:
     penalties, a logit bias ((token id, added logit) pairs), a grammar (``guide``:
     guide type and text, as TensorRT-LLM's guided decoding names them), ``n``
     sequences of one prompt, and log-probabilities (``logprobs``: None, or how
-    many alternatives beside each chosen token). A route that does not take one
+    many alternatives beside each chosen token; alternatives are the extra
+    ``top_logprobs``). A route that does not take one
     of them refuses it by the name ``names`` gives it.
     """
 
@@ -66,12 +67,13 @@ class Sampling:
             "guide": self.guide is not None,
             "n": self.n > 1,
             "logprobs": self.logprobs is not None,
+            "top_logprobs": bool(self.logprobs),
         }
         return [extra for extra in EXTRAS if asked[extra]]
 
 
 # What a generative backend may take beyond the shared interface (ServingBackend.generation_extras).
-EXTRAS = ("penalties", "logit_bias", "guide", "n", "logprobs")
+EXTRAS = ("penalties", "logit_bias", "guide", "n", "logprobs", "top_logprobs")
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,7 @@ def prepare_generation(
     Give the deployment (and its model's name, or its first llm), or the
     ``route`` a door already holds (cached_route, the gateway's alias), which
     spares the database read. ``tools`` (OpenAI's definitions) are rendered by
-    the template too, which must write them in the format inference.tools reads.
+    the template too, which must write them in the format inference.tool_calls reads.
     """
     if route is None:
         if deployment_id is None:

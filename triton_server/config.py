@@ -103,23 +103,30 @@ GENERATE_OUTPUTS: list[tuple[str, int, list[int]]] = [
     ("num_input_tokens", mc.TYPE_INT32, [1]),
     ("num_output_tokens", mc.TYPE_INT32, [1]),
 ]
-# What the transformers model takes beyond that (python_models/causal_lm_model.py):
-# OpenAI's penalties and logit bias, a grammar (named as TensorRT-LLM's guided
-# decoding names it), several sequences of one prompt, log-probabilities.
-CAUSAL_LM_INPUTS: list[tuple[str, int, list[int]]] = [
+# What the engine's generate model takes beyond that (python_models/engine_generate_model.py):
+# OpenAI's penalties, a logit bias, the chosen tokens' log-probabilities.
+ENGINE_GENERATE_INPUTS: list[tuple[str, int, list[int]]] = [
     ("presence_penalty", mc.TYPE_FP32, [1]),
     ("frequency_penalty", mc.TYPE_FP32, [1]),
     ("logit_bias_ids", mc.TYPE_INT32, [-1]),
     ("logit_bias_values", mc.TYPE_FP32, [-1]),
-    ("guided_decoding_guide_type", mc.TYPE_STRING, [1]),
-    ("guided_decoding_guide", mc.TYPE_STRING, [1]),
-    ("num_return_sequences", mc.TYPE_INT32, [1]),
     ("return_log_probs", mc.TYPE_BOOL, [1]),
     ("top_log_probs", mc.TYPE_INT32, [1]),
 ]
+ENGINE_GENERATE_OUTPUTS: list[tuple[str, int, list[int]]] = [
+    ("log_probs", mc.TYPE_STRING, [1]),  # JSON: one entry per token the response adds
+]
+# What the transformers model takes beyond the generate interface (python_models/causal_lm_model.py):
+# those, a grammar (named as TensorRT-LLM's guided decoding names it), several sequences of one prompt.
+CAUSAL_LM_INPUTS: list[tuple[str, int, list[int]]] = [
+    *ENGINE_GENERATE_INPUTS,
+    ("guided_decoding_guide_type", mc.TYPE_STRING, [1]),
+    ("guided_decoding_guide", mc.TYPE_STRING, [1]),
+    ("num_return_sequences", mc.TYPE_INT32, [1]),
+]
 CAUSAL_LM_OUTPUTS: list[tuple[str, int, list[int]]] = [
     ("sequence_index", mc.TYPE_INT32, [1]),
-    ("log_probs", mc.TYPE_STRING, [1]),  # JSON: one entry per token the response adds
+    *ENGINE_GENERATE_OUTPUTS,
 ]
 
 
@@ -372,11 +379,15 @@ def engine_generate_config(spec: TrtllmSpec) -> mc.ModelConfig:
     """The generate interface (GENERATE_INPUTS -> GENERATE_OUTPUTS) in front of the
     engine: a decoupled python model that calls it (BLS) and streams its text.
     Clients queue here, so the placement's queue policy applies here too."""
-    config = _generate_interface(spec.name, spec.batching, Instances(count=1, kind="KIND_CPU"))
+    config = _generate_interface(
+        spec.name, spec.batching, Instances(count=1, kind="KIND_CPU"), inputs=ENGINE_GENERATE_INPUTS,
+        outputs=ENGINE_GENERATE_OUTPUTS,
+    )  # fmt: skip
     _parameters(
         config,
         {
             "engine_model": spec.engine_model,
+            "engine_dir": spec.engine_dir,
             "tokenizer_dir": spec.tokenizer_dir,
             "skip_special_tokens": "true",
             "trust_remote_code": str(spec.trust_remote_code).lower(),

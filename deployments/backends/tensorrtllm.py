@@ -29,9 +29,11 @@ class TensorrtLlm(ServingBackend):
     key = Backend.TENSORRTLLM.value
     kinds = frozenset({ModelKind.LLM.value})
     generative = True
+    # Penalties, the logit bias (the engine's embedding_bias) and the chosen tokens' log-probabilities.
+    generation_extras = frozenset({"penalties", "logit_bias", "logprobs"})
     extras_missing = (
-        "Gantry's TensorRT-LLM route (the engine's generate model) passes only the shared sampling fields "
-        "so far, and TensorRT-LLM 0.16's tensorrt_llm model has no guided decoding input"
+        "TensorRT-LLM 0.16's tensorrt_llm model has no guided decoding input, returns no alternatives beside "
+        "the chosen token's log-probability, and takes no num_return_sequences (one sequence per request)"
     )
     places_own_gpus = True
 

@@ -102,7 +102,7 @@ class Transformers(ServingBackend):
     key = Backend.TRANSFORMERS.value
     kinds = frozenset({ModelKind.LLM.value})
     generative = True
-    generation_extras = frozenset({"penalties", "logit_bias", "guide", "n", "logprobs"})
+    generation_extras = frozenset({"penalties", "logit_bias", "guide", "n", "logprobs", "top_logprobs"})
 
     def check(self, spec: PlacementSpec, model: RegisteredModel, target: Target, fail: Fail) -> Resolved | None:
         """On a GPU each instance's fraction must hold its weights, a KV cache for

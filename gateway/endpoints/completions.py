@@ -66,7 +66,7 @@ async def generation(
         guide=_tool_grammar(data) if chat and data.calls_tools else data.guide,
         n=data.n,
         logprobs=data.logprobs_asked,
-        names={**_NAMES, "guide": "tools"} if chat and data.calls_tools else _NAMES,
+        names=_names(data, chat),
     )
     try:
         prepared = prepare_generation(
@@ -117,9 +117,16 @@ async def generation(
         await send_json(send, 200, shaped.whole(pieces, outcome))
 
 
-# The request's field for each extra a route may refuse (inference.generation.EXTRAS).
-_NAMES = {"penalties": "presence_penalty", "logit_bias": "logit_bias", "guide": "response_format", "n": "n",
-          "logprobs": "logprobs"}  # fmt: skip
+def _names(data: ChatRequest | CompletionRequest, chat: bool) -> dict[str, str]:
+    """The request's field for each extra a route may refuse (inference.generation.EXTRAS)."""
+    return {
+        "penalties": "presence_penalty" if data.presence_penalty else "frequency_penalty",
+        "logit_bias": "logit_bias",
+        "guide": "tools" if chat and data.calls_tools else "response_format",
+        "n": "n",
+        "logprobs": "logprobs",
+        "top_logprobs": "top_logprobs" if chat else "logprobs",
+    }
 
 
 def _tool_grammar(data: ChatRequest) -> tuple[str, str]:
@@ -143,7 +150,7 @@ class _Shape:
         self, *, chat: bool, alias: str, notice: str, n: int = 1, tools: bool = False, include_usage: bool = False
     ) -> None:
         self.chat, self.alias, self.notice, self.n, self.include_usage = chat, alias, notice, n, include_usage
-        # With tools, each choice's text is read into content and tool calls (inference.tools).
+        # With tools, each choice's text is read into content and tool calls (inference.tool_calls).
         self.tool_streams = [tool_calls.Stream() for _ in range(n)] if tools else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())

@@ -57,6 +57,15 @@ def _trained_tokenizer(folder: Path, kind: str) -> Path:
     return folder
 
 
+def _engine_folder(folder: Path, tokenizer: Path) -> Path:
+    """What the generate model reads of an engine folder: config.json's vocabulary size
+    (a built engine's pads the tokenizer's to a multiple of the tensor-parallel size)."""
+    folder.mkdir(parents=True)
+    size = len(AutoTokenizer.from_pretrained(tokenizer)) + 3  # padded, as a real engine's may be
+    (folder / "config.json").write_text(json.dumps({"pretrained_config": {"vocab_size": size}}))
+    return folder
+
+
 def _stand_in_for_the_engine(repository: Path, spec: TrtllmSpec, drop_ids: list[int]) -> None:
     """Same config as Gantry wrote for the engine model, but run by the python
     backend with the stand-in's code (the tensorrtllm backend's parameters dropped)."""
@@ -81,8 +90,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
         "bytes": _trained_tokenizer(tmp_path / "bytes", "bytelevel"),
     }
     specs = [
-        TrtllmSpec(name=name, engine_dir="/nonexistent/engine", tokenizer_dir=str(folder),
-                   batching=Batching(max_batch_size=8), gpu_device_ids=(0,))
+        TrtllmSpec(name=name, engine_dir=str(_engine_folder(tmp_path / f"{name}-engine", folder)),
+                   tokenizer_dir=str(folder), batching=Batching(max_batch_size=8), gpu_device_ids=(0,))
         for name, folder in tokenizers.items()
     ]  # fmt: skip
     repository = tmp_path / "deployment" / "repository"
@@ -171,6 +180,41 @@ def test_sampling_fields_and_stop_words_reach_the_engine_and_a_stop_string_ends_
     assert ids[: len(stop_ids)] == stop_ids and ends[0] == len(stop_ids)
 
 
+def test_penalties_the_logit_bias_and_log_probabilities_reach_the_engine_as_its_own_inputs(engine):
+    url, record, tokenizers = engine
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers["bytes"])
+    prompt = "naïve café on triton"
+    ids = [i for i in tokenizer.encode(prompt) if i not in tokenizer.all_special_ids]
+    before = len(_records(record))
+    body = {"text_input": prompt, "max_tokens": 32, "presence_penalty": 0.5, "frequency_penalty": 0.25,
+            "logit_bias_ids": [7, 11], "logit_bias_values": [-100.0, 2.5], "return_log_probs": True}  # fmt: skip
+    events = _stream(url, "bytes", body)
+    seen = wait_for(lambda: _mine(record, before, lambda r: "embedding_bias" in r), 10, "the record")
+    assert seen["presence_penalty"] == [0.5] and seen["frequency_penalty"] == [0.25]
+    assert seen["return_log_probs"] == [True]
+    # One value per token of the engine's vocabulary (its config.json's, padded past the tokenizer's).
+    assert seen["embedding_bias"] == {"size": len(tokenizer) + 3, "set": {"7": -100.0, "11": 2.5}}
+    # Each token once, in order, with the engine's log-probability and its own text and bytes,
+    # in the response that carries it (a character's bytes may arrive before its text).
+    entries = [entry for event in events for entry in json.loads(event["log_probs"])]
+    assert [e["logprob"] for e in entries] == pytest.approx([-0.25 * (k + 1) for k in range(len(ids))])
+    assert [e["token"] for e in entries] == [tokenizer.decode([i]) for i in ids]
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8") == tokenizer.decode(ids)
+    assert all(e["top_logprobs"] == [] for e in entries)
+    whole = requests.post(f"http://{url}/v2/models/bytes/generate", json=body, timeout=30).json()
+    assert json.loads(whole["log_probs"]) == entries
+
+    # What the engine cannot do is refused by the input's name, and nothing reaches it.
+    for refused, rule in (
+        ({"return_log_probs": True, "top_log_probs": 2}, "top_log_probs"),
+        ({"logit_bias_ids": [len(tokenizer) + 3], "logit_bias_values": [1.0]}, "token ids below"),
+        ({"logit_bias_ids": [1, 2], "logit_bias_values": [1.0]}, "as long as each other"),
+    ):
+        answer = requests.post(f"http://{url}/v2/models/bytes/generate",
+                               json={"text_input": prompt, "max_tokens": 4, **refused}, timeout=30)  # fmt: skip
+        assert answer.status_code == 400 and rule in answer.json()["error"], (refused, answer.text)
+
+
 def test_a_client_that_goes_away_cancels_the_engine_request(engine):
     url, record, _ = engine
     before = len(_records(record))
@@ -248,3 +292,22 @@ def test_the_openai_client_chats_through_the_engine_path_via_the_gateway(engine,
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == rendered
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens and chunks[-1].usage.completion_tokens == 8
+
+    # The chosen tokens' log-probabilities, whole and streamed, with penalties and a bias on the way.
+    asked = {"model": "engine-chat", "messages": messages, "max_tokens": 8, "logprobs": True,
+             "presence_penalty": 0.5, "logit_bias": {"5": -100}}  # fmt: skip
+    content = client.chat.completions.create(**asked).choices[0].logprobs.content
+    assert [e.logprob for e in content] == pytest.approx([-0.25 * (k + 1) for k in range(8)])
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers["llm"])
+    echoed = [i for i in tokenizer.encode(prompt) if i not in tokenizer.all_special_ids][:8]
+    assert [e.token for e in content] == [tokenizer.decode([i]) for i in echoed]
+    assert all(e.top_logprobs == [] for e in content)
+    streamed = [e for c in client.chat.completions.create(**asked, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # What TensorRT-LLM 0.16 cannot do is refused by the field's name, with why.
+    for field, extra in (("top_logprobs", {"logprobs": True, "top_logprobs": 2}), ("n", {"n": 2}),
+                         ("response_format", {"response_format": {"type": "json_object"}})):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="engine-chat", messages=messages, max_tokens=8, **extra)
+        assert refused.value.body["param"] == field and "TensorRT-LLM 0.16" in refused.value.body["message"]

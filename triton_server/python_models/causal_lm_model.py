@@ -50,7 +50,7 @@ import torch
 import transformers
 import triton_python_backend_utils as pb_utils
 from gantry_decode import MAX_TOP_LOGPROBS, Decoder, Settings
-from gantry_text import TextStream
+from gantry_text import TextStream, TokenTexts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -286,7 +286,7 @@ class TritonPythonModel:
         )
         self.decoder.warm_up()
         self.vocabulary = None  # gantry_grammar.Vocabulary, made when a request first brings a grammar
-        self.token_texts = {}
+        self.token_texts = TokenTexts(self.tokenizer)
         self.kv_used, self.kv_told_at = self._kv_gauges(args, max_batch * self.context_len), 0.0
         self.pending = queue.Queue()
         self.stopping = threading.Event()
@@ -343,13 +343,6 @@ class TritonPythonModel:
             return self.vocabulary.guide(kind, text)
         except gantry_grammar.GuideError as exc:
             raise ValueError(f"guided_decoding_guide: {exc}") from None
-
-    def token_entry(self, token, logprob):
-        """OpenAI's logprobs entry of a token: its text and UTF-8 bytes, and its log-probability."""
-        text = self.token_texts.get(token)
-        if text is None:
-            text = self.token_texts[token] = self.tokenizer.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def execute(self, requests):
         for request in requests:
@@ -427,8 +420,8 @@ class TritonPythonModel:
             sequence.output_ids.append(token)
             if logprobs is not None:
                 chosen, top = logprobs
-                entry = self.token_entry(token, chosen)
-                entry["top_logprobs"] = [self.token_entry(i, lp) for i, lp in top]
+                entry = self.token_texts.entry(token, chosen)
+                entry["top_logprobs"] = [self.token_texts.entry(i, lp) for i, lp in top]
                 sequence.token_logprobs.append(entry)
             piece = sequence.text.add([token])
         finished = finished or sequence.text.stopped or len(sequence.output_ids) >= sequence.max_tokens

@@ -6,7 +6,14 @@ Gantry copies this file to <repository>/<name>/1/model.py beside the engine
 model <name>-engine (triton_server/config.py). It takes what the transformers
 model takes (text_input, max_tokens, optional temperature, top_p, top_k,
 random_seed, repetition_penalty, stop_words, stream) and answers the same
-(text_output, num_input_tokens, num_output_tokens).
+(text_output, num_input_tokens, num_output_tokens). Beyond that it takes what
+TensorRT-LLM 0.16's engine model does of the transformers model's extras:
+presence_penalty and frequency_penalty (passed as they are), a logit bias
+(logit_bias_ids and logit_bias_values, made the engine's embedding_bias: one
+value per token of the engine's vocabulary) and return_log_probs (the engine's
+output_log_probs, answered as log_probs: a JSON list, one OpenAI entry per
+token). The engine returns no alternatives beside the chosen token, so
+top_log_probs above 0 is refused, and it has no guided decoding input.
 
 It tokenizes the prompt with the checkpoint's tokenizer, asks the engine for a
 stream of tokens (stop strings become its stop_words_list), and decodes them
@@ -18,18 +25,20 @@ spaces SentencePiece marks on a token and splits multi-byte characters.
 A client that goes away ends the engine's request too (a stop request with the
 same request id, as the tensorrtllm backend takes it).
 
-Parameters (config.pbtxt): engine_model, tokenizer_dir, skip_special_tokens,
-trust_remote_code. Each request runs on a thread of its own, so concurrent
-streams reach the engine together and it batches them in flight.
+Parameters (config.pbtxt): engine_model, engine_dir (its config.json gives
+the vocabulary's size), tokenizer_dir, skip_special_tokens, trust_remote_code.
+Each request runs on a thread of its own, so concurrent streams reach the
+engine together and it batches them in flight.
 """
 
 import json
+import os
 import threading
 import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from gantry_text import TextStream
+from gantry_text import TextStream, TokenTexts
 from transformers import AutoTokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -40,6 +49,8 @@ SAMPLING = {
     "top_p": ("runtime_top_p", np.float32),
     "random_seed": ("random_seed", np.uint64),
     "repetition_penalty": ("repetition_penalty", np.float32),
+    "presence_penalty": ("presence_penalty", np.float32),
+    "frequency_penalty": ("frequency_penalty", np.float32),
 }
 
 
@@ -70,6 +81,8 @@ class TritonPythonModel:
             _parameter(config, "tokenizer_dir", None), trust_remote_code=trust
         )
         self.skip_special = _parameter(config, "skip_special_tokens", "true") == "true"
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.vocab = self._vocab(_parameter(config, "engine_dir", None))
         eos, sep = self.tokenizer.eos_token_id, self.tokenizer.sep_token_id
         self.end_id = eos if eos is not None else (sep if sep is not None else 0)
         pad = self.tokenizer.pad_token_id
@@ -84,6 +97,16 @@ class TritonPythonModel:
         )
         self.held, self.held_lock = 0, threading.Lock()
         self.in_flight.set(0)
+
+    def _vocab(self, engine_dir):
+        """The engine's vocabulary size (its embedding_bias is one value per token), from its
+        config.json; the tokenizer's when the engine folder is not named."""
+        if engine_dir:
+            with open(os.path.join(engine_dir, "config.json")) as handle:
+                pretrained = json.load(handle).get("pretrained_config", {})
+            if isinstance(pretrained.get("vocab_size"), int):
+                return pretrained["vocab_size"]
+        return len(self.tokenizer)
 
     def execute(self, requests):
         self._count(len(requests))
@@ -118,16 +141,20 @@ class TritonPythonModel:
             raise ValueError("max_tokens must be at least 1")
         stream = bool((_values(request, "stream") if _values(request, "stream") is not None else [False])[0])
         stops = [s for s in _strings(_values(request, "stop_words")) if s]
+        logprobs = self._logprobs(request)
         ids = self.tokenizer.encode(prompt[0])
+        inputs = self._engine_inputs(request, ids, int(max_tokens[0]), stops)
+        if logprobs:
+            inputs.append(pb_utils.Tensor("return_log_probs", np.array([[True]], dtype=np.bool_)))
         text = TextStream(self.tokenizer, stops, skip_special_tokens=self.skip_special)
         request_id = f"gantry-{uuid.uuid4().hex}"
         responses = pb_utils.InferenceRequest(
             model_name=self.engine,
-            inputs=self._engine_inputs(request, ids, int(max_tokens[0]), stops),
-            requested_output_names=["output_ids", "sequence_length"],
+            inputs=inputs,
+            requested_output_names=["output_ids", "sequence_length"] + (["output_log_probs"] if logprobs else []),
             request_id=request_id,
         ).exec(decoupled=True)
-        counted = 0
+        counted, entries = 0, []
         for response in responses:
             if sender.is_cancelled():
                 self._stop(request_id)
@@ -139,17 +166,47 @@ class TritonPythonModel:
             if output is None:
                 continue  # the engine's empty final response
             lengths = pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)
-            tokens = output.as_numpy().reshape(-1, output.as_numpy().shape[-1])[0][: int(lengths[0])]
-            tokens = [t for t in tokens.tolist() if t != self.end_id]
+            tokens = output.as_numpy().reshape(-1, output.as_numpy().shape[-1])[0][: int(lengths[0])].tolist()
+            if logprobs:
+                entries += self._entries(response, tokens)
+            tokens = [t for t in tokens if t != self.end_id]
             piece = text.add(tokens)
             if stream and (piece or tokens):
-                sender.send(self._response(piece, len(ids), len(text.ids) - counted))
-                counted = len(text.ids)
+                sender.send(self._response(piece, len(ids), len(text.ids) - counted, entries if logprobs else None))
+                counted, entries = len(text.ids), []
             if text.stopped:
                 break
         rest = text.finish()
         final = rest if stream else text.text
-        sender.send(self._response(final, len(ids), len(text.ids) - (counted if stream else 0)), flags=FINAL)
+        sender.send(
+            self._response(final, len(ids), len(text.ids) - (counted if stream else 0), entries if logprobs else None),
+            flags=FINAL,
+        )
+
+    @staticmethod
+    def _logprobs(request):
+        """Whether the request asks for its tokens' log-probabilities (the chosen ones only)."""
+        asked = _values(request, "return_log_probs")
+        if asked is None or not bool(asked[0]):
+            return False
+        top = _values(request, "top_log_probs")
+        if top is not None and int(top[0]) > 0:
+            raise ValueError("top_log_probs: TensorRT-LLM's engine returns only the chosen token's log-probability")
+        return True
+
+    def _entries(self, response, tokens):
+        """The OpenAI logprobs entries of a response's tokens, but the end token: the engine's
+        output_log_probs ([beam, tokens], the last ones this response's)."""
+        found = pb_utils.get_output_tensor_by_name(response, "output_log_probs")
+        values = [] if found is None else found.as_numpy().reshape(-1, found.as_numpy().shape[-1])[0].tolist()
+        values = values[-len(tokens) :] if tokens else []
+        if len(values) != len(tokens):
+            raise RuntimeError(f"the engine returned {len(values)} log-probabilities for {len(tokens)} tokens")
+        return [
+            {**self.token_texts.entry(t, float(v)), "top_logprobs": []}
+            for t, v in zip(tokens, values, strict=True)
+            if t != self.end_id
+        ]
 
     def _stop(self, request_id):
         """End the engine's request for a client that went away: the tensorrtllm
@@ -183,7 +240,28 @@ class TritonPythonModel:
             value = _values(request, name)
             if value is not None and value.size:
                 inputs.append(tensor(engine_name, [[value[0]]], dtype))
+        bias = self._embedding_bias(request)
+        if bias is not None:
+            inputs.append(tensor("embedding_bias", bias[None], np.float32))
         return inputs
+
+    def _embedding_bias(self, request):
+        """logit_bias_ids and logit_bias_values as the engine's embedding_bias (None without them)."""
+        ids, values = _values(request, "logit_bias_ids"), _values(request, "logit_bias_values")
+        if ids is None and values is None:
+            return None
+        ids = [] if ids is None else ids.tolist()
+        values = [] if values is None else values.tolist()
+        if len(ids) != len(values):
+            raise ValueError("logit_bias_ids and logit_bias_values must be as long as each other")
+        if any(not 0 <= int(i) < self.vocab for i in ids):
+            raise ValueError(f"logit_bias_ids must be token ids below {self.vocab}")
+        if any(not -100 <= v <= 100 for v in values):
+            raise ValueError("logit_bias_values must be -100 to 100")
+        bias = np.zeros(self.vocab, dtype=np.float32)
+        for token, value in zip(ids, values, strict=True):
+            bias[int(token)] = value
+        return bias
 
     def _stop_words(self, stops):
         """[1, 2, n]: flattened ids of every stop string, then each one's end offset (-1 padded)."""
@@ -198,11 +276,13 @@ class TritonPythonModel:
         ends[: len(offsets)] = offsets
         return np.stack([flat, ends])[None]
 
-    def _response(self, text, input_tokens, output_tokens):
-        return pb_utils.InferenceResponse(
-            output_tensors=[
-                pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-                pb_utils.Tensor("num_input_tokens", np.array([input_tokens], dtype=np.int32)),
-                pb_utils.Tensor("num_output_tokens", np.array([output_tokens], dtype=np.int32)),
-            ]
-        )
+    def _response(self, text, input_tokens, output_tokens, entries=None):
+        tensors = [
+            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("num_input_tokens", np.array([input_tokens], dtype=np.int32)),
+            pb_utils.Tensor("num_output_tokens", np.array([output_tokens], dtype=np.int32)),
+        ]
+        if entries is not None:
+            encoded = json.dumps(entries).encode("utf-8")
+            tensors.append(pb_utils.Tensor("log_probs", np.array([encoded], dtype=np.object_)))
+        return pb_utils.InferenceResponse(output_tensors=tensors)

@@ -52,3 +52,48 @@ class TextStream:
         piece = self.text[self.sent : upto]
         self.sent = upto
         return piece
+
+
+class TokenTexts:
+    """Each token's text and bytes, made once: OpenAI's logprobs entries. A token that
+    holds part of a character decodes to a replacement character alone; its bytes
+    are still its own (a byte-level BPE piece, or SentencePiece's <0xNN> fallback),
+    so a client joins the bytes of a character's tokens into that character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.known = {}
+
+    def entry(self, token, logprob):
+        """A token's logprobs entry: its text and UTF-8 bytes, and its log-probability."""
+        known = self.known.get(token)
+        if known is None:
+            text = self.tokenizer.decode([token])
+            known = self.known[token] = (text, list(self._bytes(token, text)))
+        return {"token": known[0], "logprob": logprob, "bytes": known[1]}
+
+    def _bytes(self, token, text):
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        if all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return text.encode("utf-8")
+
+
+def _byte_level_alphabet():
+    """Byte-level BPE's characters (GPT-2's): each byte as a printable character."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in kept:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_alphabet()

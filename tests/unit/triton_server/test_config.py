@@ -10,6 +10,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_server.config import (
     EMBED,
+    ENGINE_GENERATE_INPUTS,
+    ENGINE_GENERATE_OUTPUTS,
     GENERATE_INPUTS,
     GENERATE_OUTPUTS,
     RERANK,
@@ -237,11 +239,19 @@ def test_the_generate_model_calls_the_engine_with_inputs_it_declares():
     configs = trtllm_configs(_engine_spec())
     generate, engine = configs["llama"], configs["llama-engine"]
     assert (generate.backend, generate.model_transaction_policy.decoupled) == ("python", True)
-    assert [t.name for t in generate.input] == [name for name, _, _ in GENERATE_INPUTS]
-    assert [t.name for t in generate.output] == [name for name, _, _ in GENERATE_OUTPUTS]  # num_input_tokens too
+    assert [t.name for t in generate.input] == [name for name, _, _ in [*GENERATE_INPUTS, *ENGINE_GENERATE_INPUTS]]
+    assert [t.name for t in generate.output] == [  # num_input_tokens too
+        name for name, _, _ in [*GENERATE_OUTPUTS, *ENGINE_GENERATE_OUTPUTS]
+    ]
     assert generate.parameters["engine_model"].string_value == "llama-engine"
+    assert generate.parameters["engine_dir"].string_value == _engine_spec().engine_dir  # its vocabulary's size
     assert generate.parameters["tokenizer_dir"].string_value == "/models/llama"
     code = (PYTHON_MODELS / "engine_generate_model.py").read_text()
+    # It reads every input it declares, and asks the engine only for outputs the engine declares.
+    read = set(re.findall(r'_values\(request, "(\w+)"\)', code)) | set(re.findall(r'    "(\w+)": \(', code))
+    assert {t.name for t in generate.input} <= read, {t.name for t in generate.input} - read
+    asked = set(re.findall(r'"(output_\w+|sequence_length)"', code))
+    assert asked <= {t.name for t in engine.output}, asked - {t.name for t in engine.output}
     # Every tensor it builds, and the engine names of its SAMPLING table ("top_k": ("runtime_top_k", ...)).
     sent = set(re.findall(r'tensor\("(\w+)"', code)) | set(re.findall(r'"\w+": \("(\w+)", np\.\w+\)', code))
     declared = {t.name for t in engine.input}

@@ -158,3 +158,17 @@ def test_the_byte_level_tokenizer_round_trips_any_text(byte_level):
     assert tokenizer.decode(tokenizer.encode(text)) == text
     rng = random.Random(0)
     assert all(tokenizer.convert_tokens_to_ids(t) is not None for t in rng.sample(list(tokenizer.get_vocab()), 50))
+
+
+def test_a_tokens_logprobs_entry_carries_its_own_bytes_when_it_holds_part_of_a_character(byte_level):
+    """OpenAI's ``bytes``: a client joins a character's tokens' bytes into the character."""
+    from gantry_text import TokenTexts
+
+    tokenizer, _ = byte_level
+    texts = TokenTexts(tokenizer)
+    text = "naïve café 日本語"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    entries = [texts.entry(i, -1.0) for i in ids]
+    assert any(e["token"] == "\ufffd" for e in entries), "some token holds part of a character"
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8") == text
+    assert [e["token"] for e in entries] == [tokenizer.decode([i]) for i in ids]
