@@ -307,11 +307,11 @@ class Decoder:
             self.copied.synchronize()
         chosen = self.host_tokens[:n].tolist()
         self.lengths = [length + 1 for length in self.lengths]
-        for guide, i in guided:
-            guide.take(chosen[i])
+        if guided:
+            self.masks.take([(guide, chosen[i]) for guide, i in guided])
         logprobs = [None] * n
         if raw is not None:
-            chosen_lp, top_lp, top_ids = self.host_logprob[:n].tolist(), self.host_top[:n].tolist(), None
+            chosen_lp, top_lp = self.host_logprob[:n].tolist(), self.host_top[:n].tolist()
             top_ids = self.host_top_ids[:n].tolist()
             for i, want in enumerate(wanted):
                 if want is not None:
