@@ -72,7 +72,10 @@ def test_every_recipe_in_the_readme_and_the_manual_runs_as_written(tmp_path: Pat
         assert len(ports) >= 2  # two replicas (or more, scaled already), each its own Triton
 
         # README's autoscale recipe does what it says: under load through its
-        # alias, the demo's periodic work adds a replica.
+        # alias, the demo's periodic work adds a replica. The load starts once both
+        # replicas are ready (the recipe waited for one).
+        mine = lambda: http.get(f"{base}/api/deployments/{minilm[0]['id']}/", timeout=10).json()  # noqa: E731
+        wait_for(lambda: mine()["shown_status"] == "ready", 300, "minilm's two replicas")
         _load_until_scaled(base, key_file.read_text(), http, minilm[0]["id"])
     finally:
         if demo.poll() is None:
@@ -89,13 +92,18 @@ def _load_until_scaled(base: str, key: str, http: requests.Session, deployment_i
     the recipe's target) until the deployment has grown past its 2 replicas."""
     stop = threading.Event()
     answered: list[int] = []
+    refusals: dict[str, int] = {}  # each refusal's message, counted: the failure says why
 
     def client() -> None:
         with requests.Session() as session:
             session.headers["Authorization"] = f"Bearer {key}"
             while not stop.is_set():
                 body = {"model": "minilm", "input": ["a cat sat on the mat " * 20] * 8}
-                answered.append(session.post(f"{base}/v1/embeddings", json=body, timeout=60).status_code)
+                answer = session.post(f"{base}/v1/embeddings", json=body, timeout=60)
+                answered.append(answer.status_code)
+                if answer.status_code != 200:
+                    message = f"{answer.status_code} {answer.text[:300]}"
+                    refusals[message] = refusals.get(message, 0) + 1
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(16)]
     for thread in threads:
@@ -114,4 +122,4 @@ def _load_until_scaled(base: str, key: str, http: requests.Session, deployment_i
         stop.set()
         for thread in threads:
             thread.join(timeout=70)
-    assert answered.count(200) >= len(answered) * 0.9, f"answers: {sorted(set(answered))}"
+    assert answered.count(200) >= len(answered) * 0.9, f"{len(answered)} answers; refusals: {refusals}"
