@@ -210,6 +210,7 @@ def read_route(deployment_id: int, model: str) -> Route:
 def route_of(placement: DeploymentModel) -> Route:
     """The route of an llm placement (loaded with its deployment and registered model)."""
     checkpoint = placement.registered_model
+    extras, missing = backend_of(placement).extras(placement)
     return Route(
         endpoints=answering(placement.deployment_id),
         triton_name=placement.triton_name,
@@ -218,8 +219,8 @@ def route_of(placement: DeploymentModel) -> Route:
         special_tokens=checkpoint.special_tokens,
         context=served_context(placement),
         notice=checkpoint.notice,
-        extras=backend_of(placement).generation_extras,
-        extras_missing=backend_of(placement).extras_missing,
+        extras=extras,
+        extras_missing=missing,
     )
 
 

@@ -104,30 +104,28 @@ GENERATE_OUTPUTS: list[tuple[str, int, list[int]]] = [
     ("num_output_tokens", mc.TYPE_INT32, [1]),
 ]
 # What the engine's generate model takes beyond that (python_models/engine_generate_model.py):
-# OpenAI's penalties, a logit bias, the chosen tokens' log-probabilities.
+# OpenAI's penalties, a logit bias, several sequences of one prompt, log-probabilities.
 ENGINE_GENERATE_INPUTS: list[tuple[str, int, list[int]]] = [
     ("presence_penalty", mc.TYPE_FP32, [1]),
     ("frequency_penalty", mc.TYPE_FP32, [1]),
     ("logit_bias_ids", mc.TYPE_INT32, [-1]),
     ("logit_bias_values", mc.TYPE_FP32, [-1]),
+    ("num_return_sequences", mc.TYPE_INT32, [1]),
     ("return_log_probs", mc.TYPE_BOOL, [1]),
     ("top_log_probs", mc.TYPE_INT32, [1]),
 ]
 ENGINE_GENERATE_OUTPUTS: list[tuple[str, int, list[int]]] = [
+    ("sequence_index", mc.TYPE_INT32, [1]),
     ("log_probs", mc.TYPE_STRING, [1]),  # JSON: one entry per token the response adds
 ]
 # What the transformers model takes beyond the generate interface (python_models/causal_lm_model.py):
-# those, a grammar (named as TensorRT-LLM's guided decoding names it), several sequences of one prompt.
+# those and a grammar (named as TensorRT-LLM's guided decoding names it).
 CAUSAL_LM_INPUTS: list[tuple[str, int, list[int]]] = [
     *ENGINE_GENERATE_INPUTS,
     ("guided_decoding_guide_type", mc.TYPE_STRING, [1]),
     ("guided_decoding_guide", mc.TYPE_STRING, [1]),
-    ("num_return_sequences", mc.TYPE_INT32, [1]),
 ]
-CAUSAL_LM_OUTPUTS: list[tuple[str, int, list[int]]] = [
-    ("sequence_index", mc.TYPE_INT32, [1]),
-    *ENGINE_GENERATE_OUTPUTS,
-]
+CAUSAL_LM_OUTPUTS = ENGINE_GENERATE_OUTPUTS
 
 
 def _parameters(config: mc.ModelConfig, values: dict[str, str]) -> None:
@@ -284,6 +282,8 @@ class TrtllmSpec:
     enable_chunked_context: bool = True
     decoding_mode: str = ""  # "": the backend's default (top_k_top_p, or beam_search with beams)
     trust_remote_code: bool = False
+    # The release's tensorrt_llm model takes num_return_sequences (upstream.trtllm.Release).
+    num_return_sequences: bool = False
 
     @property
     def engine_model(self) -> str:
@@ -333,6 +333,11 @@ _TRTLLM_OUTPUTS = [
 ]
 
 
+# Several sequences of one prompt, where the release's template has them (0.16 on).
+_TRTLLM_SEQUENCES_INPUT = [("num_return_sequences", mc.TYPE_INT32, [1], _SCALAR, True, False)]
+_TRTLLM_SEQUENCES_OUTPUT = [("sequence_index", mc.TYPE_INT32, [1])]
+
+
 def _input(config: mc.ModelConfig, name: str, data_type: int, dims: list[int], *, scalar: bool = False,
            optional: bool = False, ragged: bool = False) -> None:  # fmt: skip
     tensor = config.input.add(name=name, data_type=data_type, dims=dims, optional=optional, allow_ragged_batch=ragged)
@@ -349,9 +354,13 @@ def tensorrtllm_model_config(spec: TrtllmSpec) -> mc.ModelConfig:
     config = mc.ModelConfig(name=spec.engine_model, backend="tensorrtllm")
     config.model_transaction_policy.decoupled = spec.decoupled
     _apply_batching(config, spec.batching)
-    for name, data_type, dims, scalar, optional, ragged in _TRTLLM_INPUTS:
+    sequences = spec.num_return_sequences
+    for name, data_type, dims, scalar, optional, ragged in [
+        *_TRTLLM_INPUTS,
+        *(_TRTLLM_SEQUENCES_INPUT if sequences else []),
+    ]:
         _input(config, name, data_type, dims, scalar=scalar, optional=optional, ragged=ragged)
-    for name, data_type, dims in _TRTLLM_OUTPUTS:
+    for name, data_type, dims in [*_TRTLLM_OUTPUTS, *(_TRTLLM_SEQUENCES_OUTPUT if sequences else [])]:
         _tensor(config.output, name, data_type, dims)
     _apply_instances(config, Instances(count=1, kind="KIND_CPU"))
     parameters = {
@@ -388,6 +397,7 @@ def engine_generate_config(spec: TrtllmSpec) -> mc.ModelConfig:
         {
             "engine_model": spec.engine_model,
             "engine_dir": spec.engine_dir,
+            "num_return_sequences": str(spec.num_return_sequences).lower(),
             "tokenizer_dir": spec.tokenizer_dir,
             "skip_special_tokens": "true",
             "trust_remote_code": str(spec.trust_remote_code).lower(),

@@ -128,6 +128,9 @@ class Release:
     # The tensorrt_llm model's decoding_mode values its backend reads
     # (model_instance_state.cc); the speculative ones need engines Gantry does not build.
     decoding_modes: frozenset[str] = frozenset({"top_k", "top_p", "top_k_top_p", "beam_search"})
+    # Its tensorrt_llm model takes num_return_sequences and answers each response's
+    # sequence_index: several sequences of one prompt sampled in the engine's batch.
+    num_return_sequences: bool = True
 
     @property
     def architectures(self) -> list[str]:
@@ -156,6 +159,7 @@ RELEASES: dict[str, Release] = {
             # trtllm-bench's first release: no concurrency, no report file (it logs a table).
             bench_global_flags=_BENCH_GLOBAL,
             bench_flags=_BENCH_EARLY,
+            num_return_sequences=False,
         ),
         # Triton 24.12 (the seeds' image): --kv_cache_type, --paged_kv_cache deprecated.
         Release(

@@ -137,6 +137,10 @@ class ServingBackend:
     # Chooses its own GPUs when placed (gpu_device_ids): its row is stored as KIND_GPU on them.
     places_own_gpus: bool = False
 
+    def extras(self, placement: DeploymentModel) -> tuple[frozenset[str], str]:
+        """What ``placement`` takes beyond the generate interface, and why not the rest."""
+        return self.generation_extras, self.extras_missing
+
     # --- placing ---
 
     def serves(self, spec: PlacementSpec, model: RegisteredModel) -> bool:

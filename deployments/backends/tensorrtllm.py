@@ -29,13 +29,23 @@ class TensorrtLlm(ServingBackend):
     key = Backend.TENSORRTLLM.value
     kinds = frozenset({ModelKind.LLM.value})
     generative = True
-    # Penalties, the logit bias (the engine's embedding_bias) and the chosen tokens' log-probabilities.
+    # Penalties, the logit bias (the engine's embedding_bias), the chosen tokens' log-probabilities,
+    # and (a release whose tensorrt_llm model takes num_return_sequences) several sequences.
     generation_extras = frozenset({"penalties", "logit_bias", "logprobs"})
-    extras_missing = (
-        "TensorRT-LLM 0.16's tensorrt_llm model has no guided decoding input, returns no alternatives beside "
-        "the chosen token's log-probability, and takes no num_return_sequences (one sequence per request)"
-    )
     places_own_gpus = True
+
+    def extras(self, placement: DeploymentModel) -> tuple[frozenset[str], str]:
+        build = placement.engine_build
+        release = trtllm.release_for(build.trtllm_version) if build else None
+        version = build.trtllm_version if build else "unknown"
+        missing = [
+            "its tensorrt_llm model has no guided decoding input (the engine model Gantry writes is 0.16's)",
+            "it returns no alternatives beside the chosen token's log-probability",
+        ]
+        if release is not None and release.num_return_sequences:
+            return self.generation_extras | {"n"}, f"TensorRT-LLM {version}: " + "; ".join(missing)
+        missing.append("its tensorrt_llm model takes no num_return_sequences")
+        return self.generation_extras, f"TensorRT-LLM {version}: " + "; ".join(missing)
 
     def serves(self, spec: PlacementSpec, model: RegisteredModel) -> bool:
         return model.kind in self.kinds and spec.engine_build is not None
@@ -139,6 +149,7 @@ class TensorrtLlm(ServingBackend):
         from triton_server.config import TrtllmSpec
 
         build = placement.engine_build
+        release = trtllm.release_for(build.trtllm_version)
         return TrtllmSpec(
             name=placement.triton_name,
             engine_dir=build.output_dir,
@@ -153,6 +164,7 @@ class TensorrtLlm(ServingBackend):
             enable_kv_cache_reuse=placement.enable_kv_cache_reuse,
             decoding_mode=placement.decoding_mode,
             trust_remote_code=placement.registered_model.trust_remote_code,
+            num_return_sequences=bool(release and release.num_return_sequences),
         )
 
     def world_size(self, placement: DeploymentModel) -> int:

@@ -89,9 +89,11 @@ def engine(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
         "sp": _trained_tokenizer(tmp_path / "sp", "sentencepiece"),
         "bytes": _trained_tokenizer(tmp_path / "bytes", "bytelevel"),
     }
+    # sp's engine model is a release's without num_return_sequences (0.12's); the others' take it.
     specs = [
         TrtllmSpec(name=name, engine_dir=str(_engine_folder(tmp_path / f"{name}-engine", folder)),
-                   tokenizer_dir=str(folder), batching=Batching(max_batch_size=8), gpu_device_ids=(0,))
+                   tokenizer_dir=str(folder), batching=Batching(max_batch_size=8), gpu_device_ids=(0,),
+                   num_return_sequences=name != "sp")
         for name, folder in tokenizers.items()
     ]  # fmt: skip
     repository = tmp_path / "deployment" / "repository"
@@ -215,6 +217,30 @@ def test_penalties_the_logit_bias_and_log_probabilities_reach_the_engine_as_its_
         assert answer.status_code == 400 and rule in answer.json()["error"], (refused, answer.text)
 
 
+def test_several_sequences_of_one_prompt_come_from_one_engine_request_each_with_its_index(engine):
+    url, record, tokenizers = engine
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers["bytes"])
+    prompt = "naïve café on triton"
+    ids = [i for i in tokenizer.encode(prompt) if i not in tokenizer.all_special_ids]
+    before = len(_records(record))
+    body = {"text_input": prompt, "max_tokens": 32, "num_return_sequences": 3, "return_log_probs": True}
+    events = _stream(url, "bytes", body)
+    seen = wait_for(lambda: _mine(record, before, lambda r: r["num_return_sequences"] == 3), 10, "the record")
+    assert seen["streaming"] is True  # one engine request for the three
+    # Sequence k is the stand-in's echo from the prompt's k-th token: each text whole, by its index.
+    for k in range(3):
+        mine = [e for e in events if e["sequence_index"] == k]
+        assert "".join(e["text_output"] for e in mine) == tokenizer.decode(ids[k:] + ids[:k])
+        assert sum(e["num_output_tokens"] for e in mine) == len(ids)
+        assert len([entry for e in mine for entry in json.loads(e["log_probs"])]) == len(ids)
+    whole = requests.post(f"http://{url}/v2/models/bytes/generate", json=body, timeout=30)
+    assert whole.status_code == 200, whole.text  # Triton's generate answers the last response only
+    # An engine model without num_return_sequences (0.12's) refuses it by name.
+    asked = {"text_input": "gantry", "max_tokens": 4, "num_return_sequences": 2}
+    answer = requests.post(f"http://{url}/v2/models/sp/generate", json=asked, timeout=30)
+    assert answer.status_code == 400 and "num_return_sequences" in answer.json()["error"], answer.text
+
+
 def test_a_client_that_goes_away_cancels_the_engine_request(engine):
     url, record, _ = engine
     before = len(_records(record))
@@ -256,7 +282,15 @@ def test_the_openai_client_chats_through_the_engine_path_via_the_gateway(engine,
     process, the generate model and the stand-in engine are real."""
     import openai
 
-    from deployments.models import Backend, Deployment, DeploymentModel, DeploymentStatus, Replica
+    from deployments.models import (
+        Backend,
+        BuildStatus,
+        Deployment,
+        DeploymentModel,
+        DeploymentStatus,
+        EngineBuild,
+        Replica,
+    )
     from gateway import services as gateway
     from upstream import chat_template
 
@@ -268,9 +302,13 @@ def test_the_openai_client_chats_through_the_engine_path_via_the_gateway(engine,
         deployment=deployment, serial=1, host=host, http_port=int(url.rsplit(":", 1)[1]), grpc_port=1, metrics_port=2,
         generation=1, status=DeploymentStatus.READY,
     )  # fmt: skip
+    # Built with TensorRT-LLM 0.16, whose engine model takes num_return_sequences.
+    build = EngineBuild.objects.create(model=checkpoint, host=host, trtllm_version="0.16.0", cache_key="engine-llm",
+                                       status=BuildStatus.SUCCEEDED, output_dir=str(tokenizers["llm"]))  # fmt: skip
     DeploymentModel.objects.create(
-        deployment=deployment, triton_name="llm", registered_model=checkpoint, backend=Backend.TENSORRTLLM
-    )
+        deployment=deployment, triton_name="llm", registered_model=checkpoint, backend=Backend.TENSORRTLLM,
+        engine_build=build,
+    )  # fmt: skip
     gateway.alias_create(name="engine-chat", deployment_id=deployment.pk, triton_name="llm", user=stack.user)
     secret = gateway.key_create(name="t", user=stack.user, all_aliases=True).secret
     client = openai.OpenAI(base_url=f"{stack.web_url}/v1", api_key=secret, max_retries=0)
@@ -305,8 +343,17 @@ def test_the_openai_client_chats_through_the_engine_path_via_the_gateway(engine,
     streamed = [e for c in client.chat.completions.create(**asked, stream=True) if c.choices and c.choices[0].logprobs
                 for e in c.choices[0].logprobs.content]  # fmt: skip
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # n choices from one engine request (num_return_sequences), whole and streamed.
+    choices = client.chat.completions.create(model="engine-chat", messages=messages, max_tokens=8, n=3).choices
+    assert [c.index for c in choices] == [0, 1, 2] and len({c.message.content for c in choices}) == 3
+    assert choices[0].message.content == rendered
+    pieces: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model="engine-chat", messages=messages, max_tokens=8, n=3, stream=True):
+        for choice in chunk.choices:
+            pieces[choice.index] = pieces.get(choice.index, "") + (choice.delta.content or "")
+    assert pieces == {c.index: c.message.content for c in choices}
     # What TensorRT-LLM 0.16 cannot do is refused by the field's name, with why.
-    for field, extra in (("top_logprobs", {"logprobs": True, "top_logprobs": 2}), ("n", {"n": 2}),
+    for field, extra in (("top_logprobs", {"logprobs": True, "top_logprobs": 2}),
                          ("response_format", {"response_format": {"type": "json_object"}})):  # fmt: skip
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model="engine-chat", messages=messages, max_tokens=8, **extra)

@@ -7,12 +7,14 @@ model <name>-engine (triton_server/config.py). It takes what the transformers
 model takes (text_input, max_tokens, optional temperature, top_p, top_k,
 random_seed, repetition_penalty, stop_words, stream) and answers the same
 (text_output, num_input_tokens, num_output_tokens). Beyond that it takes what
-TensorRT-LLM 0.16's engine model does of the transformers model's extras:
+TensorRT-LLM's engine model does of the transformers model's extras:
 presence_penalty and frequency_penalty (passed as they are), a logit bias
 (logit_bias_ids and logit_bias_values, made the engine's embedding_bias: one
-value per token of the engine's vocabulary) and return_log_probs (the engine's
-output_log_probs, answered as log_probs: a JSON list, one OpenAI entry per
-token). The engine returns no alternatives beside the chosen token, so
+value per token of the engine's vocabulary), num_return_sequences (from 0.16:
+the engine samples them in its batch and names each response's
+sequence_index, as this model's responses do) and return_log_probs (the
+engine's output_log_probs, answered as log_probs: a JSON list, one OpenAI entry
+per token). The engine returns no alternatives beside the chosen token, so
 top_log_probs above 0 is refused, and it has no guided decoding input.
 
 It tokenizes the prompt with the checkpoint's tokenizer, asks the engine for a
@@ -26,7 +28,8 @@ A client that goes away ends the engine's request too (a stop request with the
 same request id, as the tensorrtllm backend takes it).
 
 Parameters (config.pbtxt): engine_model, engine_dir (its config.json gives
-the vocabulary's size), tokenizer_dir, skip_special_tokens, trust_remote_code.
+the vocabulary's size), num_return_sequences (whether the engine model takes
+it), tokenizer_dir, skip_special_tokens, trust_remote_code.
 Each request runs on a thread of its own, so concurrent streams reach the
 engine together and it batches them in flight.
 """
@@ -42,6 +45,7 @@ from gantry_text import TextStream, TokenTexts
 from transformers import AutoTokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+MAX_SEQUENCES = 16  # num_return_sequences, as the transformers model takes it
 # Generate-interface sampling inputs -> the engine model's inputs, with their types.
 SAMPLING = {
     "temperature": ("temperature", np.float32),
@@ -52,6 +56,23 @@ SAMPLING = {
     "presence_penalty": ("presence_penalty", np.float32),
     "frequency_penalty": ("frequency_penalty", np.float32),
 }
+
+
+class _Sequence:
+    """One sequence of a request: its text, and what was not yet reported of it."""
+
+    def __init__(self, text, logprobs):
+        self.text, self.counted, self.asked, self.entries = text, 0, logprobs, []
+
+    def take(self):
+        """Its output tokens since the last report."""
+        added, self.counted = len(self.text.ids) - self.counted, len(self.text.ids)
+        return added
+
+    def logprobs(self):
+        """Its logprobs entries since the last report (None when not asked)."""
+        entries, self.entries = self.entries, []
+        return entries if self.asked else None
 
 
 def _parameter(config, key, default):
@@ -83,6 +104,7 @@ class TritonPythonModel:
         self.skip_special = _parameter(config, "skip_special_tokens", "true") == "true"
         self.token_texts = TokenTexts(self.tokenizer)
         self.vocab = self._vocab(_parameter(config, "engine_dir", None))
+        self.several = _parameter(config, "num_return_sequences", "false") == "true"
         eos, sep = self.tokenizer.eos_token_id, self.tokenizer.sep_token_id
         self.end_id = eos if eos is not None else (sep if sep is not None else 0)
         pad = self.tokenizer.pad_token_id
@@ -142,19 +164,23 @@ class TritonPythonModel:
         stream = bool((_values(request, "stream") if _values(request, "stream") is not None else [False])[0])
         stops = [s for s in _strings(_values(request, "stop_words")) if s]
         logprobs = self._logprobs(request)
+        n = self._sequences(request)
         ids = self.tokenizer.encode(prompt[0])
         inputs = self._engine_inputs(request, ids, int(max_tokens[0]), stops)
         if logprobs:
             inputs.append(pb_utils.Tensor("return_log_probs", np.array([[True]], dtype=np.bool_)))
-        text = TextStream(self.tokenizer, stops, skip_special_tokens=self.skip_special)
+        if n > 1:
+            inputs.append(pb_utils.Tensor("num_return_sequences", np.array([[n]], dtype=np.int32)))
+        outputs = ["output_ids", "sequence_length"] + (["output_log_probs"] if logprobs else [])
+        sequences = [_Sequence(TextStream(self.tokenizer, stops, skip_special_tokens=self.skip_special), logprobs)
+                     for _ in range(n)]  # fmt: skip
         request_id = f"gantry-{uuid.uuid4().hex}"
         responses = pb_utils.InferenceRequest(
             model_name=self.engine,
             inputs=inputs,
-            requested_output_names=["output_ids", "sequence_length"] + (["output_log_probs"] if logprobs else []),
+            requested_output_names=outputs + (["sequence_index"] if n > 1 else []),
             request_id=request_id,
         ).exec(decoupled=True)
-        counted, entries = 0, []
         for response in responses:
             if sender.is_cancelled():
                 self._stop(request_id)
@@ -165,23 +191,38 @@ class TritonPythonModel:
             output = pb_utils.get_output_tensor_by_name(response, "output_ids")
             if output is None:
                 continue  # the engine's empty final response
+            index = pb_utils.get_output_tensor_by_name(response, "sequence_index") if n > 1 else None
+            index = 0 if index is None else int(index.as_numpy().reshape(-1)[0])
+            sequence = sequences[index]
+            if sequence.text.stopped:
+                continue  # its stop string came: the rest of its tokens are not its text
             lengths = pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)
             tokens = output.as_numpy().reshape(-1, output.as_numpy().shape[-1])[0][: int(lengths[0])].tolist()
             if logprobs:
-                entries += self._entries(response, tokens)
+                sequence.entries += self._entries(response, tokens)
             tokens = [t for t in tokens if t != self.end_id]
-            piece = text.add(tokens)
+            piece = sequence.text.add(tokens)
             if stream and (piece or tokens):
-                sender.send(self._response(piece, len(ids), len(text.ids) - counted, entries if logprobs else None))
-                counted, entries = len(text.ids), []
-            if text.stopped:
+                sender.send(self._response(piece, len(ids), sequence.take(), sequence.logprobs(), index))
+            if all(s.text.stopped for s in sequences):
+                self._stop(request_id)  # every text ended: the engine need not write on
                 break
-        rest = text.finish()
-        final = rest if stream else text.text
-        sender.send(
-            self._response(final, len(ids), len(text.ids) - (counted if stream else 0), entries if logprobs else None),
-            flags=FINAL,
-        )
+        for index, sequence in enumerate(sequences):
+            rest = sequence.text.finish()
+            text = rest if stream else sequence.text.text
+            last = index == len(sequences) - 1
+            response = self._response(text, len(ids), sequence.take(), sequence.logprobs(), index)
+            sender.send(response, flags=FINAL if last else 0)
+
+    def _sequences(self, request):
+        """num_return_sequences: 1 unless asked, and only where the engine takes it."""
+        asked = _values(request, "num_return_sequences")
+        n = 1 if asked is None else int(asked[0])
+        if not 1 <= n <= MAX_SEQUENCES:
+            raise ValueError(f"num_return_sequences must be 1 to {MAX_SEQUENCES}")
+        if n > 1 and not self.several:
+            raise ValueError("num_return_sequences: this TensorRT-LLM release's engine model does not take it")
+        return n
 
     @staticmethod
     def _logprobs(request):
@@ -276,11 +317,12 @@ class TritonPythonModel:
         ends[: len(offsets)] = offsets
         return np.stack([flat, ends])[None]
 
-    def _response(self, text, input_tokens, output_tokens, entries=None):
+    def _response(self, text, input_tokens, output_tokens, entries=None, index=0):
         tensors = [
             pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
             pb_utils.Tensor("num_input_tokens", np.array([input_tokens], dtype=np.int32)),
             pb_utils.Tensor("num_output_tokens", np.array([output_tokens], dtype=np.int32)),
+            pb_utils.Tensor("sequence_index", np.array([index], dtype=np.int32)),
         ]
         if entries is not None:
             encoded = json.dumps(entries).encode("utf-8")

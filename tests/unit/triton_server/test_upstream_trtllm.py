@@ -22,11 +22,12 @@ from upstream import trtllm
 UPSTREAM = json.loads((Path(__file__).parents[2] / "data/upstream/tensorrtllm_backend.json").read_text())
 
 
-def _config() -> mc.ModelConfig:
-    """With every optional parameter Gantry may write."""
+def _config(release: str) -> mc.ModelConfig:
+    """With every optional parameter and tensor Gantry may write for the release."""
     spec = TrtllmSpec(name="llm", engine_dir="/engines/llm", tokenizer_dir="/models/llm",
                       batching=Batching(max_batch_size=8), gpu_device_ids=(0, 1), max_tokens_in_paged_kv_cache=4096,
-                      decoding_mode="top_k_top_p")  # fmt: skip
+                      decoding_mode="top_k_top_p",
+                      num_return_sequences=trtllm.RELEASES[release].num_return_sequences)  # fmt: skip
     return tensorrtllm_model_config(spec)
 
 
@@ -38,7 +39,7 @@ def test_the_templates_cover_releases_gantry_serves():
 @pytest.mark.parametrize("release", sorted(UPSTREAM))
 def test_the_engine_models_inputs_and_outputs_are_the_templates(release: str):
     upstream = UPSTREAM[release]
-    config = _config()
+    config = _config(release)
     assert config.backend == upstream["backend"]
     for tensor in config.input:
         assert tensor.name in upstream["inputs"], f"{tensor.name} is no input of {release}'s template"
@@ -56,11 +57,14 @@ def test_the_engine_models_inputs_and_outputs_are_the_templates(release: str):
     # What the template requires (not optional) Gantry declares.
     required = {name for name, facts in upstream["inputs"].items() if not facts["optional"]}
     assert required <= {tensor.name for tensor in config.input}
+    # Several sequences exactly where the template takes them (the release table says so).
+    assert ("num_return_sequences" in upstream["inputs"]) == trtllm.RELEASES[release].num_return_sequences
+    assert ("sequence_index" in {t.name for t in config.output}) == ("sequence_index" in upstream["outputs"])
 
 
 @pytest.mark.parametrize("release", sorted(UPSTREAM))
 def test_every_parameter_is_one_the_releases_backend_reads(release: str):
-    unknown = set(_config().parameters) - set(UPSTREAM[release]["parameters"])
+    unknown = set(_config(release).parameters) - set(UPSTREAM[release]["parameters"])
     assert not unknown, f"{release}'s template has no {sorted(unknown)}"
 
 
