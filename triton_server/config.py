@@ -257,9 +257,11 @@ def read_config(model_dir: Path) -> mc.ModelConfig:
 ENGINE_GENERATE_MODEL_FILE = "engine_generate_model.py"
 # Copied beside every generating python model's model.py (python_models/gantry_text.py).
 TEXT_HELPER_FILE = "gantry_text.py"
-# Copied beside the causal-LM model's model.py (python_models/gantry_decode.py, gantry_grammar.py).
+# Copied beside the causal-LM model's model.py (python_models/gantry_decode.py, gantry_grammar.py,
+# gantry_send.py).
 DECODE_HELPER_FILE = "gantry_decode.py"
 GRAMMAR_HELPER_FILE = "gantry_grammar.py"
+SEND_HELPER_FILE = "gantry_send.py"
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from triton_server.config import (
     ENGINE_GENERATE_MODEL_FILE,
     GRAMMAR_HELPER_FILE,
     LLMAPI_CONFIG_FILE,
+    SEND_HELPER_FILE,
     TEXT_HELPER_FILE,
     CausalLmSpec,
     LlmApiSpec,
@@ -54,7 +55,12 @@ def _write_model(staging: Path, spec: ModelSpec) -> None:
     if isinstance(spec, CausalLmSpec):
         write_config(staging / spec.name, causal_lm_config(spec))
         _python_model(
-            staging / spec.name, CAUSAL_LM_MODEL_FILE, TEXT_HELPER_FILE, DECODE_HELPER_FILE, GRAMMAR_HELPER_FILE
+            staging / spec.name,
+            CAUSAL_LM_MODEL_FILE,
+            TEXT_HELPER_FILE,
+            DECODE_HELPER_FILE,
+            GRAMMAR_HELPER_FILE,
+            SEND_HELPER_FILE,
         )
         return
     if isinstance(spec, LlmApiSpec):

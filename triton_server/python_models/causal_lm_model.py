@@ -1,8 +1,8 @@
 """Triton python-backend model: text generation from a HuggingFace causal-LM
 checkpoint (whatever transformers' AutoModelForCausalLM loads from a folder).
 
-Gantry copies this file to <repository>/<model>/1/model.py, with gantry_decode.py
-and gantry_text.py beside it. Its inputs and outputs are those of the
+Gantry copies this file to <repository>/<model>/1/model.py, with gantry_decode.py,
+gantry_grammar.py, gantry_send.py and gantry_text.py beside it. Its inputs and outputs are those of the
 TensorRT-LLM route's generate model, so every door treats both alike:
 text_input and max_tokens in; optional temperature, top_p, top_k, random_seed,
 repetition_penalty, stop_words and stream; text_output out (one response per
@@ -21,9 +21,10 @@ adds, of the token's text, bytes, log-probability and the top alternatives').
 The model is decoupled. execute() only queues requests; one generation thread
 runs a gantry_decode.Decoder, which batches them continuously (requests join
 and leave between decode steps) over a static KV cache and, on a GPU, CUDA
-graphs. Each request keeps its own sampling settings and random stream. A
-request whose client went away (is_cancelled, asked every few tokens) stops
-there.
+graphs. Each request keeps its own sampling settings and random stream. Its
+responses leave on sender threads (gantry_send.py), so a send's round trip to
+Triton's core never holds up a step; a request whose client went away (asked
+there every few responses) stops there.
 
 Its memory is bounded by what Gantry planned for it (deployments/gpu_plan.py):
 at most max_num_sequences sequences generate at once, each of at most
@@ -45,21 +46,18 @@ import random
 import threading
 import time
 
-import numpy as np
 import torch
 import transformers
 import triton_python_backend_utils as pb_utils
 from gantry_decode import MAX_TOP_LOGPROBS, Decoder, Settings
+from gantry_send import Piece, Request, Sender
 from gantry_text import TextStream, TokenTexts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# How long a wave waits for more requests after the first arrives (seconds):
-# concurrent clients rarely arrive in the same microsecond.
-GATHER_S = 0.002
-# Tokens between two is_cancelled() calls for one request (each is a round trip
-# to Triton's core); the first is after this many, so that none delays the first token.
-CANCEL_CHECK_EVERY = 8
+# Decoding in waves (no slot cache), how long a wave waits for more requests after its
+# first arrives (seconds): concurrent clients rarely arrive in the same microsecond.
+WAVE_GATHER_S = 0.002
 # The KV cache's use, told to Triton's metrics at most this often (seconds).
 KV_TELL_EVERY_S = 0.5
 KV_METRIC = "gantry_kv_cache_tokens"
@@ -106,36 +104,6 @@ def _floats(request, name):
     return [] if tensor is None else tensor.as_numpy().reshape(-1).tolist()
 
 
-class _Request:
-    """One request: its response sender, shared by the sequences it asked for; the
-    last of them to finish sends the final flag."""
-
-    def __init__(self, request, count):
-        self.sender = request.get_response_sender()
-        self.left = count
-        self.closed = False
-
-    def send(self, tensors, *, last_of_sequence):
-        if self.closed:
-            return
-        if last_of_sequence:
-            self.left -= 1
-        final = last_of_sequence and self.left == 0
-        self.closed = final
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
-
-    def fail(self, message):
-        if not self.closed:
-            self.closed = True
-            error = pb_utils.TritonError(message)
-            self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
-
-    def cancel(self):
-        if not self.closed:
-            self.closed = True
-            self.sender.send(flags=FINAL)
-
-
 def sequences(request, model):
     """The sequences a request asks for (num_return_sequences of them), checked;
     ValueError names what is wrong."""
@@ -143,7 +111,7 @@ def sequences(request, model):
     if not 1 <= count <= MAX_RETURN_SEQUENCES:
         raise ValueError(f"num_return_sequences must be 1 to {MAX_RETURN_SEQUENCES}")
     seed = _scalar(request, "random_seed", None, int)
-    owner = _Request(request, count)
+    owner = Request(request, count, model.sender)
     first = _Sequence(request, model, owner, 0, seed)
     return [first] + [first.sibling(index, seed) for index in range(1, count)]
 
@@ -224,18 +192,11 @@ class _Sequence(Settings):
         return tuple(zip((int(i) for i in ids), values, strict=True))
 
     def respond(self, text, final):
-        tensors = [
-            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("num_input_tokens", np.array([len(self.prompt_ids)], dtype=np.int32)),
-            pb_utils.Tensor("num_output_tokens", np.array([len(self.output_ids) - self.counted], dtype=np.int32)),
-            pb_utils.Tensor("sequence_index", np.array([self.index], dtype=np.int32)),
-        ]
-        if self.logprobs is not None:
-            entries = json.dumps(self.token_logprobs).encode("utf-8")
-            tensors.append(pb_utils.Tensor("log_probs", np.array([entries], dtype=np.object_)))
-            self.token_logprobs = []
+        """Queue a response with ``text`` and what it adds (gantry_send: it leaves on a sender thread)."""
+        entries, self.token_logprobs = (self.token_logprobs, []) if self.logprobs is not None else (None, [])
+        piece = Piece(text, len(self.prompt_ids), len(self.output_ids) - self.counted, self.index, entries)
         self.counted = len(self.output_ids)
-        self.owner.send(tensors, last_of_sequence=final)
+        self.owner.send(piece, last_of_sequence=final)
 
     def fail(self, message):
         if not self.done:
@@ -290,6 +251,7 @@ class TritonPythonModel:
         self.kv_used, self.kv_told_at = self._kv_gauges(args, max_batch * self.context_len), 0.0
         self.pending = queue.Queue()
         self.stopping = threading.Event()
+        self.sender = Sender(pb_utils.Logger.log_error)
         # torch, transformers and the model are ~400 000 objects the collector walked in
         # every full collection: a 100-250 ms stall of the generation thread, seen as a
         # run of slow first tokens. They live as long as the process: out of its reach.
@@ -358,13 +320,17 @@ class TritonPythonModel:
     # --- the generation thread --------------------------------------------------------
 
     def _take(self, block, room):
-        """Requests waiting to join, up to ``room``; waits for the first only when idle."""
-        taken = []
+        """Requests waiting to join, up to ``room``; waits for the first only when idle.
+        With the slot cache it waits for no more after it: one that comes a moment later
+        joins at the next step (the batch is continuous), so waiting would only hold the
+        first token back. Decoding in waves, a late one would wait for the whole wave:
+        there it gathers WAVE_GATHER_S after the first."""
+        taken, gather = [], WAVE_GATHER_S if self.decoder.cache is None else 0.0
         while len(taken) < room:
             try:
                 if block and not taken:
                     taken.append(self.pending.get(timeout=0.1))
-                    deadline = time.monotonic() + GATHER_S
+                    deadline = time.monotonic() + gather
                 else:
                     wait = max(0.0, deadline - time.monotonic()) if block else 0.0
                     taken.append(self.pending.get(timeout=wait) if wait else self.pending.get_nowait())
@@ -408,7 +374,7 @@ class TritonPythonModel:
         that went away."""
         made = len(sequence.output_ids)
         owner = sequence.owner
-        if owner.closed or (made and made % CANCEL_CHECK_EVERY == 0 and owner.sender.is_cancelled()):
+        if owner.closed or owner.cancelled:
             sequence.done = True
             if not owner.closed:
                 owner.cancel()
@@ -436,6 +402,7 @@ class TritonPythonModel:
     def finalize(self):
         self.stopping.set()
         self.worker.join(timeout=10)
+        self.sender.stop()
         self.decoder = self.model = None
         gc.unfreeze()  # what initialize() set aside goes with the model
         gc.collect()

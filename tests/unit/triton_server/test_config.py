@@ -276,5 +276,5 @@ def test_repository_holds_the_causal_lm_with_its_decoder_and_text_helpers(tmp_pa
     assert write_repository(tmp_path / "repo", [spec]) == ["chat"]
     version = tmp_path / "repo" / "chat" / "1"
     assert (version / "model.py").read_text() == (PYTHON_MODELS / "causal_lm_model.py").read_text()
-    for helper in ("gantry_decode.py", "gantry_text.py"):
+    for helper in ("gantry_decode.py", "gantry_grammar.py", "gantry_send.py", "gantry_text.py"):
         assert (version / helper).read_text() == (PYTHON_MODELS / helper).read_text()
