@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deployments.backends.memory import dtype_bytes, engine_bytes_per_gpu, kv_cache_tokens
-from deployments.models import DeploymentModel, Dtype, EngineBuild, InstanceKind, RegisteredModel
+from deployments.models import DeploymentModel, Dtype, EngineBuild, InstanceKind, ModelKind, RegisteredModel
 from hosts.models import GpuHost
 
 if TYPE_CHECKING:  # the host side's types: triton_server.config needs tritonclient (a worker extra)
@@ -35,7 +35,9 @@ class PlacementSpec:
     triton_name: str = ""
     max_batch_size: int = _default("max_batch_size")
     preferred_batch_sizes: tuple[int, ...] = ()
-    max_queue_delay_us: int = _default("max_queue_delay_us")
+    # None: 0 for an LLM (it batches in flight: a delay only holds a lone request's first
+    # token back), DeploymentModel's default (2000) for the sentence models.
+    max_queue_delay_us: int | None = None
     priority_levels: int = _default("priority_levels")
     default_priority_level: int = _default("default_priority_level")
     queue_timeout_us: int = _default("queue_timeout_us")
@@ -67,6 +69,13 @@ class PlacementSpec:
             if name in values:
                 values[name] = tuple(values[name])
         return cls(**values)
+
+
+def queue_delay_us(spec: PlacementSpec, model: RegisteredModel) -> int:
+    """The placement's max_queue_delay_us: as asked, else 0 for an LLM and the stored default for the others."""
+    if spec.max_queue_delay_us is not None:
+        return spec.max_queue_delay_us
+    return 0 if model.kind == ModelKind.LLM else _default("max_queue_delay_us")
 
 
 @dataclass(frozen=True)

@@ -293,7 +293,12 @@ class DeploymentModel(models.Model):
     backend = models.CharField(max_length=16, choices=Backend.choices, default=Backend.PYTHON)
     max_batch_size = models.PositiveIntegerField(default=32, validators=[MinValueValidator(1), MaxValueValidator(4096)])
     preferred_batch_sizes = JSONField(default=list, blank=True)
-    max_queue_delay_us = models.PositiveIntegerField(default=2000, validators=[MaxValueValidator(10_000_000)])
+    max_queue_delay_us = models.PositiveIntegerField(
+        default=2000,
+        validators=[MaxValueValidator(10_000_000)],
+        help_text="microseconds Triton's batcher holds a request to fill a batch; unset: 0 for an LLM (it batches "
+        "in flight), 2000 for the others",
+    )
     # Triton's dynamic batcher queue: priority levels (0 = one queue) and the
     # default queue policy (a request waiting longer than the timeout is
     # rejected; 0 = no timeout; max queue size 0 = unbounded).

@@ -22,7 +22,7 @@ from django.core.validators import MaxValueValidator
 from common.errors import ValidationFailed
 from common.words import a
 from deployments.backends import BACKENDS, SERVABLE_KINDS, backend_for, backend_of
-from deployments.backends.base import PlacementSpec, Resolved, Target
+from deployments.backends.base import PlacementSpec, Resolved, Target, queue_delay_us
 from deployments.gpu_plan import Holder, host_plan, plan_problems
 from deployments.models import (
     Backend,
@@ -163,6 +163,7 @@ def placement_rows(resolved: list[Resolved], *, deployment: Deployment | None = 
         own_gpus = backend_of(item.backend).places_own_gpus
         values = {name: getattr(spec, name) for name in _STORED}
         values["preferred_batch_sizes"] = list(spec.preferred_batch_sizes)
+        values["max_queue_delay_us"] = queue_delay_us(spec, model)
         rows.append(
             DeploymentModel(
                 **({"deployment": deployment} if deployment is not None else {}),

@@ -161,6 +161,26 @@ def test_an_llm_with_neither_engine_nor_llm_api_is_served_by_transformers(llama,
     assert placement.kv_cache_tokens is None
 
 
+def test_an_llms_queue_delay_is_zero_unless_asked_and_the_sentence_models_keep_theirs(llama, mini, operator):
+    """An LLM batches in flight: a batcher's delay would only hold a lone request's first token back."""
+    factories.surveyed()
+    deployment = deployments.deployment_create(
+        name="x",
+        hosts=["h100-host"],
+        placements=[PlacementSpec(model="llama", gpu_ids=(1,), gpu_memory_fraction=0.2), PlacementSpec(model="mini")],
+        user=operator,
+    )
+    delays = dict(deployment.placements.values_list("triton_name", "max_queue_delay_us"))
+    assert delays == {"llama": 0, "mini": 2000}
+    asked = deployments.deployment_create(
+        name="y",
+        hosts=["h100-host"],
+        placements=[PlacementSpec(model="llama", gpu_ids=(1,), gpu_memory_fraction=0.2, max_queue_delay_us=700)],
+        user=operator,
+    )
+    assert asked.placements.get().max_queue_delay_us == 700
+
+
 def test_transformers_path_refuses_a_fraction_that_cannot_hold_the_weights(llama, operator):
     RegisteredModel.objects.filter(pk=llama.pk).update(parameter_count=8_000_000_000)
     errors = _refusal(
