@@ -8,7 +8,10 @@ same checkpoint twice:
 - old: bench/baselines/causal_lm_e88a8c0.py, the hand-written loop as it was
   at e88a8c0 (dynamic caches merged by re-padding, sampling row by row);
 and this process runs it with plain transformers generate (floor): batches of
-as many prompts as there are streams, min_new_tokens = max_new_tokens.
+as many prompts as there are streams, min_new_tokens = max_new_tokens; and
+with transformers' own continuous batching (peer: its ContinuousBatchingManager
+with the paged cache and, on a GPU, its CUDA graphs, one request per stream
+streamed, kept for the whole run; bench.streams.Peer).
 
 For each level of concurrent streams and each round (the order of the three
 sides rotates every round), each side runs closed-loop for --seconds: every
@@ -43,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.harness import setup_django  # noqa: E402
-from bench.streams import Floor, Target, closed_loop, copy_rate, p99_text, rotated  # noqa: E402
+from bench.streams import Floor, Peer, Target, closed_loop, copy_rate, p99_text, rotated  # noqa: E402
 
 BASELINE = Path(__file__).parent / "baselines" / "causal_lm_e88a8c0.py"
 WORDS = "gpu model serving batch token cache graph stream latency memory kernel prompt".split()
@@ -145,7 +148,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-seq-len", type=int, default=1024)
-    parser.add_argument("--sides", default="new,old,floor")
+    parser.add_argument("--sides", default="new,old,floor,peer")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--port", type=int, default=18800, help="first of Triton's three ports")
     parser.add_argument("--out", type=Path)
@@ -186,9 +189,14 @@ def main() -> int:
         rate = copy_rate(torch, device)
         report.update(weights_bytes=weights, kv_bytes_per_token=kv_per_token, copy_bytes_per_s=rate)
 
+        peer = Peer(checkpoint, device, dtype, max(levels), args.tokens) if "peer" in sides else None
+        report["peer"] = peer.settings if peer else None
+
         def run(side: str, level: int, seconds: float) -> tuple[list[dict], float]:
             if side == "floor":
                 return floor.closed_loop(prompts, level, seconds, args.tokens)
+            if side == "peer":
+                return peer.closed_loop(prompts, level, seconds, args.tokens)
             url = f"http://127.0.0.1:{args.port}/v2/models/{side}/generate_stream"
             body = {"max_tokens": args.tokens, "stream": True, "temperature": 1.0}
             return closed_loop(Target(url, lambda i: {**body, "text_input": prompts[i % len(prompts)]}), level, seconds)
@@ -204,6 +212,8 @@ def main() -> int:
             print(json.dumps({level: row}), flush=True)
         if args.profile:
             report["profile"] = _profile(args, floor, prompts, levels)
+        if peer:
+            peer.stop()
     finally:
         runtime.stop(handle, launch)
     _print(report, sides)
@@ -216,7 +226,7 @@ def _print(report: dict, sides: list[str]) -> None:
     print(
         f"\n{report['checkpoint']} on {report['device']}: weights {report['weights_bytes'] / 1e9:.2f} GB, "
         f"KV {report['kv_bytes_per_token'] / 1e3:.1f} kB/token, copy rate {report['copy_bytes_per_s'] / 1e9:.0f} GB/s; "
-        f"targets: new/old >= 4x at 1 stream, >= 5x at 32; TTFT p50 at 32 streams < 100 ms"
+        f"targets: new/old >= 4x at 1 stream, >= 5x at 32; TTFT p50 at 32 streams < 100 ms; new/peer >= 1.5x at 32"
     )
     print(f"{'streams':>7} {'side':>6} {'tok/s':>9} {'per stream':>10} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'n':>6}")
     for level, row in report["levels"].items():
@@ -228,7 +238,7 @@ def _print(report: dict, sides: list[str]) -> None:
             )
         ratios = [
             f"{side}/{other} {row[side]['tokens_per_s'] / row[other]['tokens_per_s']:.2f}x"
-            for side, other in (("new", "old"), ("new", "floor"))
+            for side, other in (("new", "old"), ("new", "floor"), ("new", "peer"))
             if side in row and other in row
         ]
         print(f"{'':>7} ceiling {row['ceiling_tokens_per_s']:.0f} tok/s; " + ", ".join(ratios))

@@ -219,3 +219,96 @@ def copy_rate(torch: Any, device: str) -> float:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - begun)
     return 2 * size / best
+
+
+class Peer:
+    """transformers' own continuous batching on the same checkpoint, in this process:
+    one ContinuousBatchingManager (its paged cache; CUDA graphs on a GPU, captured
+    by its warm-up) kept for the whole run, as its docs advise for serving; each
+    stream a closed loop of streamed requests added to it. One thread routes the
+    manager's results to their streams (its own per-request iterator re-queues
+    every result that is not its own: no way to serve 32 streams)."""
+
+    def __init__(self, checkpoint: Path, device: str, dtype: Any, streams: int, tokens: int) -> None:
+        import queue
+        import threading
+
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation="sdpa")
+        model = model.to(device).eval()
+        # eos -1: every request writes exactly ``tokens`` tokens, as the other sides do.
+        generation = GenerationConfig(max_new_tokens=tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                      eos_token_id=-1, pad_token_id=self.tokenizer.pad_token_id or 0)  # fmt: skip
+        batching = ContinuousBatchingConfig(max_requests_per_batch=streams, use_cuda_graph=device != "cpu" or None)
+        # Not under inference_mode: the manager's thread updates the tensors its warm-up makes.
+        self.manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=batching)
+        self.manager.warmup()
+        self.manager.start()
+        self.queues: dict[str, Any] = {}
+        self.lock, self.queue_kind = threading.Lock(), queue.SimpleQueue
+        self.router = threading.Thread(target=self._route, daemon=True)
+        self.router.start()
+        self.settings = {"device": device, "attention": model.config._attn_implementation,
+                         "cuda_graphs": str(batching.use_cuda_graph)}  # fmt: skip
+
+    def _route(self) -> None:
+        while self.manager.is_running():
+            result = self.manager.get_result(timeout=0.1)
+            if result is not None:
+                with self.lock:
+                    waiting = self.queues.get(result.request_id)
+                if waiting is not None:
+                    waiting.put(result)
+
+    def stop(self) -> None:
+        self.manager.stop(block=True, timeout=10)
+
+    def closed_loop(self, prompts: list[str], streams: int, seconds: float, tokens: int) -> tuple[list[dict], float]:
+        """``streams`` threads, each adding one streamed request after another for ``seconds`` (at least one)."""
+        import itertools
+        import queue
+        import threading
+
+        encoded = [self.tokenizer.encode(p) for p in prompts]
+        counter, samples = itertools.count(), []
+        started = time.perf_counter()
+
+        def stream() -> None:
+            while True:
+                i = next(counter)
+                mine = self.queue_kind()
+                request_id = f"peer-{i}"
+                with self.lock:
+                    self.queues[request_id] = mine
+                begun = time.perf_counter()
+                self.manager.add_request(encoded[i % len(encoded)], request_id=request_id, max_new_tokens=tokens,
+                                         streaming=True)  # fmt: skip
+                first, made = None, 0
+                while True:
+                    try:
+                        result = mine.get(timeout=1)
+                    except queue.Empty:
+                        if not self.manager.is_running():
+                            raise RuntimeError("transformers' continuous batching stopped (its log says why)") from None
+                        continue
+                    first = first or time.perf_counter()
+                    made = len(result.generated_tokens)
+                    if result.is_finished():
+                        break
+                ended = time.perf_counter()
+                with self.lock:
+                    del self.queues[request_id]
+                samples.append({"ttft_ms": (first - begun) * 1000, "tokens": made, "decode_s": ended - first,
+                                "ended": ended, "busy_s": ended - begun})  # fmt: skip
+                if ended >= started + seconds:
+                    return
+
+        threads = [threading.Thread(target=stream) for _ in range(streams)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return samples, max(s["ended"] for s in samples) - started
