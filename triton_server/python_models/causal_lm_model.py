@@ -24,7 +24,7 @@ and leave between decode steps) over a static KV cache and, on a GPU, CUDA
 graphs. Each request keeps its own sampling settings and random stream. Its
 responses leave on sender threads (gantry_send.py), so a send's round trip to
 Triton's core never holds up a step; a request whose client went away (asked
-there every few responses) stops there.
+there every 50 ms) stops there.
 
 Its memory is bounded by what Gantry planned for it (deployments/gpu_plan.py):
 at most max_num_sequences sequences generate at once, each of at most
@@ -113,7 +113,9 @@ def sequences(request, model):
     seed = _scalar(request, "random_seed", None, int)
     owner = Request(request, count, model.sender)
     first = _Sequence(request, model, owner, 0, seed)
-    return [first] + [first.sibling(index, seed) for index in range(1, count)]
+    found = [first] + [first.sibling(index, seed) for index in range(1, count)]
+    owner.watch()  # checked: only now may its lane ask after it (a refused one is answered and gone)
+    return found
 
 
 class _Sequence(Settings):

@@ -10,22 +10,25 @@ send them. A request keeps one lane, so its responses leave in the order they
 were made and its final flag last; what piles up for one sequence while its
 lane is busy leaves as one response (the text joined, the tokens and
 log-probabilities added up). Each lane also asks whether its requests' clients
-went away, every CANCEL_CHECK_EVERY responses of a request, and the generation
-thread reads the answer (``Request.cancelled``) without a round trip.
+went away, each request every CANCEL_CHECK_S (a request answered whole sends
+nothing until its end, so this cannot wait for its responses), and the
+generation thread reads the answer (``Request.cancelled``) without a round trip.
 """
 
 import json
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# Responses of a request between two is_cancelled() calls; the first is after this many.
-CANCEL_CHECK_EVERY = 8
+# Seconds between two is_cancelled() calls for one request (each a round trip to Triton's core).
+CANCEL_CHECK_S = 0.05
 LANES = 4  # sender threads: a step's sends spread over them, each request on one
+WATCH = ("watch", "")  # a new request, for its lane to ask after
 
 
 @dataclass
@@ -68,9 +71,15 @@ class Request:
         self.left = count
         self.closed = False
         self.cancelled = False  # its client went away (its lane asked Triton)
-        self.sent = 0  # responses its lane sent
+        self.ended = False  # its last response left (its lane's)
         self.lane = sender.lane()
         self.sender = sender
+
+    def watch(self):
+        """From now on its lane asks whether its client went away. Not before its
+        request is accepted: asking after a request Triton has let go of crashes the
+        model's process."""
+        self.sender.put(self, WATCH)
 
     def send(self, piece, *, last_of_sequence):
         if self.closed:
@@ -121,34 +130,49 @@ class Sender:
             thread.join(timeout=10)
 
     def _run(self, lane):
+        watched, checked = {}, time.monotonic()  # the lane's requests not ended yet
         while True:
-            batch = [lane.get()]
+            try:
+                batch = [lane.get(timeout=CANCEL_CHECK_S)]
+            except queue.Empty:
+                batch = []
             while True:
                 try:
                     batch.append(lane.get_nowait())
                 except queue.Empty:
                     break
             stopping = None in batch
-            for owner, item in joined([entry for entry in batch if entry is not None]):
+            batch = [entry for entry in batch if entry is not None]
+            watched.update((id(owner), owner) for owner, item in batch if item is WATCH)
+            for owner, item in joined([entry for entry in batch if entry[1] is not WATCH]):
                 try:
                     self._send(owner, item)
                 except Exception as exc:  # noqa: BLE001 - a client gone mid-send: the generation stops for it
                     owner.cancelled = True
                     self.log_error(f"a response could not be sent: {exc}")
+                if owner.ended:
+                    watched.pop(id(owner), None)
             if stopping:
                 return
+            if time.monotonic() - checked >= CANCEL_CHECK_S:
+                checked = time.monotonic()
+                for owner in list(watched.values()):
+                    try:
+                        owner.cancelled = owner.cancelled or owner.triton.is_cancelled()
+                    except Exception:  # noqa: BLE001 - a request Triton no longer knows: nobody waits for it
+                        owner.cancelled = True
 
     @staticmethod
     def _send(owner, item):
         if isinstance(item, Piece):
+            owner.ended = item.final
             owner.triton.send(item.response(), flags=FINAL if item.final else 0)
-            owner.sent += 1
-            if not item.final and owner.sent % CANCEL_CHECK_EVERY == 0:
-                owner.cancelled = owner.triton.is_cancelled()
         elif item[0] == "fail":
+            owner.ended = True
             error = pb_utils.TritonError(item[1])
             owner.triton.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
         else:
+            owner.ended = True
             owner.triton.send(flags=FINAL)
 
 

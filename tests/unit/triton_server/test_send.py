@@ -43,9 +43,9 @@ def send():  # noqa: ANN201
 class _TritonSender:
     """A request's response sender: each send blocks a while, as its round trip does."""
 
-    def __init__(self, cancelled_after: int | None = None) -> None:
+    def __init__(self) -> None:
         self.sent: list[tuple[dict | None, int]] = []
-        self.cancelled_after = cancelled_after
+        self.gone = False  # its client went away
         self.checks = 0
         self.gate = threading.Event()
         self.gate.set()
@@ -57,7 +57,7 @@ class _TritonSender:
 
     def is_cancelled(self) -> bool:
         self.checks += 1
-        return self.cancelled_after is not None and len(self.sent) >= self.cancelled_after
+        return self.gone
 
 
 class _TritonRequest:
@@ -82,6 +82,8 @@ def test_a_requests_responses_leave_in_order_with_the_final_flag_last(send):
     try:
         tritons = [_TritonSender() for _ in range(3)]
         owners = [send.Request(_TritonRequest(t), 2, sender) for t in tritons]
+        for owner in owners:
+            owner.watch()
         for step in range(20):
             for owner in owners:
                 for index in (0, 1):
@@ -123,21 +125,28 @@ def test_pieces_that_wait_for_a_busy_lane_leave_as_one_response(send):
 
 
 def test_a_client_gone_is_seen_by_the_generation_thread_without_a_round_trip(send):
+    """Even for a request answered whole, which sends nothing until its end."""
     sender = send.Sender(log_error=_errors.append, lanes=1)
     try:
-        triton = _TritonSender(cancelled_after=8)
+        triton = _TritonSender()
         owner = send.Request(_TritonRequest(triton), 1, sender)
-        for _ in range(send.CANCEL_CHECK_EVERY):
-            owner.send(send.Piece("x", 1, 1, 0, None), last_of_sequence=False)
-            time.sleep(0.005)
+        time.sleep(0.2)
+        assert triton.checks == 0  # not watched before it is accepted
+        owner.watch()
+        time.sleep(0.5)
+        assert not owner.cancelled and 3 <= triton.checks <= 0.5 / send.CANCEL_CHECK_S + 2  # asked, not hammered
+        triton.gone = True
         deadline = time.monotonic() + 10
         while not owner.cancelled and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert owner.cancelled and triton.checks == 1  # asked once, after eight responses
+        assert owner.cancelled and triton.sent == []
         owner.cancel()
         deadline = time.monotonic() + 10
-        while triton.sent[-1] != (None, 1) and time.monotonic() < deadline:
+        while not triton.sent and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert triton.sent[-1] == (None, 1)  # the final flag alone ends it
+        assert triton.sent == [(None, 1)]  # the final flag alone ends it
+        checks = triton.checks
+        time.sleep(0.2)
+        assert triton.checks == checks  # an ended request is asked after no more
     finally:
         sender.stop()
