@@ -182,11 +182,17 @@ def test_sampling_fields_and_stop_words_reach_the_engine_and_a_stop_string_ends_
     assert ids[: len(stop_ids)] == stop_ids and ends[0] == len(stop_ids)
 
 
-def test_penalties_the_logit_bias_and_log_probabilities_reach_the_engine_as_its_own_inputs(engine):
-    url, record, tokenizers = engine
+def _byte_level_prompt(tokenizers: dict) -> tuple:
+    """The byte-level engine's tokenizer, a prompt with characters of several bytes, and
+    the token ids the stand-in echoes of it (the special ones dropped)."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizers["bytes"])
     prompt = "naïve café on triton"
-    ids = [i for i in tokenizer.encode(prompt) if i not in tokenizer.all_special_ids]
+    return tokenizer, prompt, [i for i in tokenizer.encode(prompt) if i not in tokenizer.all_special_ids]
+
+
+def test_penalties_the_logit_bias_and_log_probabilities_reach_the_engine_as_its_own_inputs(engine):
+    url, record, tokenizers = engine
+    tokenizer, prompt, ids = _byte_level_prompt(tokenizers)
     before = len(_records(record))
     body = {"text_input": prompt, "max_tokens": 32, "presence_penalty": 0.5, "frequency_penalty": 0.25,
             "logit_bias_ids": [7, 11], "logit_bias_values": [-100.0, 2.5], "return_log_probs": True}  # fmt: skip
@@ -219,9 +225,7 @@ def test_penalties_the_logit_bias_and_log_probabilities_reach_the_engine_as_its_
 
 def test_several_sequences_of_one_prompt_come_from_one_engine_request_each_with_its_index(engine):
     url, record, tokenizers = engine
-    tokenizer = AutoTokenizer.from_pretrained(tokenizers["bytes"])
-    prompt = "naïve café on triton"
-    ids = [i for i in tokenizer.encode(prompt) if i not in tokenizer.all_special_ids]
+    tokenizer, prompt, ids = _byte_level_prompt(tokenizers)
     before = len(_records(record))
     body = {"text_input": prompt, "max_tokens": 32, "num_return_sequences": 3, "return_log_probs": True}
     events = _stream(url, "bytes", body)

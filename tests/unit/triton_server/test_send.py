@@ -68,6 +68,13 @@ class _TritonRequest:
         return self.sender
 
 
+def _until(done, timeout_s: float = 10) -> None:  # noqa: ANN001
+    """Wait for ``done()`` (the lanes work on threads of their own); the asserts after it say what failed."""
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _texts(sent: list) -> dict[int, str]:
     texts: dict[int, str] = {}
     for response, _ in sent:
@@ -90,9 +97,7 @@ def test_a_requests_responses_leave_in_order_with_the_final_flag_last(send):
                     last = step == 19
                     owner.send(send.Piece(f"{step},", 5, 1, index, None), last_of_sequence=last)
         for triton in tritons:
-            deadline = time.monotonic() + 10
-            while not (triton.sent and triton.sent[-1][1] == 1) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            _until(lambda t=triton: t.sent and t.sent[-1][1] == 1)
             assert [flags for _, flags in triton.sent].count(1) == 1 and triton.sent[-1][1] == 1
             steps = ",".join(str(s) for s in range(20)) + ","
             assert _texts(triton.sent) == {0: steps, 1: steps}  # every piece, in order, per sequence
@@ -114,9 +119,7 @@ def test_pieces_that_wait_for_a_busy_lane_leave_as_one_response(send):
             owner.send(send.Piece(text, 3, 1, 0, [{"token": text}]), last_of_sequence=False)
         owner.send(send.Piece("e", 3, 1, 0, [{"token": "e"}]), last_of_sequence=True)
         triton.gate.set()
-        deadline = time.monotonic() + 10
-        while len(triton.sent) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until(lambda: len(triton.sent) >= 2)
         texts = [r["tensors"]["text_output"][0].decode() for r, _ in triton.sent]
         assert texts == ["a", "bcde"] and [flags for _, flags in triton.sent] == [0, 1]
         assert triton.sent[1][0]["tensors"]["num_output_tokens"] == [4]
@@ -136,14 +139,10 @@ def test_a_client_gone_is_seen_by_the_generation_thread_without_a_round_trip(sen
         time.sleep(0.5)
         assert not owner.cancelled and 3 <= triton.checks <= 0.5 / send.CANCEL_CHECK_S + 2  # asked, not hammered
         triton.gone = True
-        deadline = time.monotonic() + 10
-        while not owner.cancelled and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until(lambda: owner.cancelled)
         assert owner.cancelled and triton.sent == []
         owner.cancel()
-        deadline = time.monotonic() + 10
-        while not triton.sent and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until(lambda: triton.sent)
         assert triton.sent == [(None, 1)]  # the final flag alone ends it
         checks = triton.checks
         time.sleep(0.2)
