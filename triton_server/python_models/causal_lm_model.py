@@ -51,7 +51,7 @@ import transformers
 import triton_python_backend_utils as pb_utils
 from gantry_decode import MAX_TOP_LOGPROBS, Decoder, Settings
 from gantry_send import Piece, Request, Sender
-from gantry_text import TextStream, TokenTexts
+from gantry_text import TextStream, TokenTexts, logit_bias
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -143,7 +143,9 @@ class _Sequence(Settings):
             raise ValueError("temperature >= 0, 0 < top_p <= 1, top_k >= 0 and repetition_penalty > 0")
         if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
             raise ValueError("presence_penalty and frequency_penalty must be -2 to 2")
-        self.logit_bias = self._logit_bias(request, model.decoder.vocab)
+        self.logit_bias = logit_bias(
+            _floats(request, "logit_bias_ids"), _floats(request, "logit_bias_values"), model.decoder.vocab
+        )
         if _scalar(request, "return_log_probs", False, bool):
             self.logprobs = _scalar(request, "top_log_probs", 0, int)
             if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -181,17 +183,6 @@ class _Sequence(Settings):
         self.token_logprobs = []  # entries not reported yet
         self.text = TextStream(self.tokenizer, self.stops)
         self.done = False
-
-    @staticmethod
-    def _logit_bias(request, vocab):
-        ids, values = _floats(request, "logit_bias_ids"), _floats(request, "logit_bias_values")
-        if len(ids) != len(values):
-            raise ValueError("logit_bias_ids and logit_bias_values must be as long as each other")
-        if any(not 0 <= int(i) < vocab for i in ids):
-            raise ValueError(f"logit_bias_ids must be token ids below {vocab}")
-        if any(not -100 <= v <= 100 for v in values):
-            raise ValueError("logit_bias_values must be -100 to 100")
-        return tuple(zip((int(i) for i in ids), values, strict=True))
 
     def respond(self, text, final):
         """Queue a response with ``text`` and what it adds (gantry_send: it leaves on a sender thread)."""

@@ -41,7 +41,7 @@ import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from gantry_text import TextStream, TokenTexts
+from gantry_text import TextStream, TokenTexts, logit_bias
 from transformers import AutoTokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -291,17 +291,10 @@ class TritonPythonModel:
         ids, values = _values(request, "logit_bias_ids"), _values(request, "logit_bias_values")
         if ids is None and values is None:
             return None
-        ids = [] if ids is None else ids.tolist()
-        values = [] if values is None else values.tolist()
-        if len(ids) != len(values):
-            raise ValueError("logit_bias_ids and logit_bias_values must be as long as each other")
-        if any(not 0 <= int(i) < self.vocab for i in ids):
-            raise ValueError(f"logit_bias_ids must be token ids below {self.vocab}")
-        if any(not -100 <= v <= 100 for v in values):
-            raise ValueError("logit_bias_values must be -100 to 100")
+        pairs = logit_bias([] if ids is None else ids.tolist(), [] if values is None else values.tolist(), self.vocab)
         bias = np.zeros(self.vocab, dtype=np.float32)
-        for token, value in zip(ids, values, strict=True):
-            bias[int(token)] = value
+        for token, value in pairs:
+            bias[token] = value
         return bias
 
     def _stop_words(self, stops):

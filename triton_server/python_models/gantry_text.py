@@ -54,6 +54,18 @@ class TextStream:
         return piece
 
 
+def logit_bias(ids, values, vocab):
+    """logit_bias_ids and logit_bias_values (lists) as (token id, value) pairs, checked
+    the same way by every generating model; ValueError names the rule broken."""
+    if len(ids) != len(values):
+        raise ValueError("logit_bias_ids and logit_bias_values must be as long as each other")
+    if any(not 0 <= int(i) < vocab for i in ids):
+        raise ValueError(f"logit_bias_ids must be token ids below {vocab}")
+    if any(not -100 <= v <= 100 for v in values):
+        raise ValueError("logit_bias_values must be -100 to 100")
+    return tuple(zip((int(i) for i in ids), values, strict=True))
+
+
 class TokenTexts:
     """Each token's text and bytes, made once: OpenAI's logprobs entries. A token that
     holds part of a character decodes to a replacement character alone; its bytes
