@@ -7,12 +7,14 @@ wait on the database either."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from asgiref.sync import sync_to_async
-from django.db import InterfaceError, OperationalError, close_old_connections
+from django.db import InterfaceError, OperationalError, connection
 from django.utils import timezone
 
 from access.services import TOKEN_PREFIX
@@ -71,21 +73,44 @@ DATABASE_AWAY = (OperationalError, InterfaceError, DatabaseAway)
 
 
 def db(fn: Any) -> Any:
-    """``fn`` (database reads) as a coroutine, on a connection that is checked before
-    and released after, as Django's request cycle would (this path bypasses it).
+    """``fn`` (database reads) as a coroutine, on one of the gateway's reader threads.
 
-    Each call takes a thread of the loop's pool, not the one thread Django's
-    thread-sensitive calls share: a key's read must not wait behind the usage
-    counts' write (a second's worth, waiting on the database's lock)."""
+    They are threads of their own, not the one thread Django's thread-sensitive
+    calls share: a key's read must not wait behind the usage counts' write (a
+    second's worth, waiting on the database's lock). Each keeps its connection
+    from one read to the next (opening one per read, SQLite's file and its WAL
+    pragma, cost more than the read) unless it broke; with a pool (PostgreSQL in
+    the web server) a read borrows one and gives it back, as the pages do."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        close_old_connections()
+        _drop_if_broken()
         try:
             return fn(*args, **kwargs)
         finally:
-            close_old_connections()
+            _release()
 
-    return sync_to_async(run, thread_sensitive=False)
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(_READERS, functools.partial(run, *args, **kwargs))
+
+    return call
+
+
+_READERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gateway-read")
+
+
+def _drop_if_broken() -> None:
+    """Close this thread's connection if a read failed on it and it no longer answers
+    (a restarted PostgreSQL): the next read opens a new one."""
+    if connection.connection is not None and connection.errors_occurred and not connection.is_usable():
+        connection.close()
+    connection.errors_occurred = False
+
+
+def _release() -> None:
+    if connection.settings_dict.get("OPTIONS", {}).get("pool"):
+        connection.close()  # back to the pool, which the pages share
+    else:
+        _drop_if_broken()
 
 
 def _invalid_key(message: str) -> GatewayError:
