@@ -95,7 +95,8 @@ def db(fn: Any) -> Any:
     return call
 
 
-_READERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gateway-read")
+READER_THREADS = 4
+_READERS = ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="gateway-read")
 
 
 def _drop_if_broken() -> None:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def _close_readers_connections() -> None:
     """Close the connection each reader thread holds (one call lands on each thread:
     they all wait at the barrier until every thread has one)."""
-    threads = access._READERS._max_workers
+    threads = access.READER_THREADS
     barrier = threading.Barrier(threads)
 
     def close() -> None:
@@ -48,7 +48,7 @@ def test_a_hundred_reads_open_at_most_one_connection_per_reader_thread():
         connection_created.disconnect(count)
         _close_readers_connections()
     assert counted == [0] * 100
-    assert 1 <= len(opened) <= access._READERS._max_workers, opened
+    assert 1 <= len(opened) <= access.READER_THREADS, opened
     assert all(name.startswith("gateway-read") for name in opened)
 
 
@@ -65,7 +65,7 @@ def test_a_reader_whose_connection_broke_opens_a_new_one():
 
     _close_readers_connections()
     try:
-        for future in [access._READERS.submit(break_connection) for _ in range(access._READERS._max_workers)]:
+        for future in [access._READERS.submit(break_connection) for _ in range(access.READER_THREADS)]:
             future.result(timeout=20)
         assert asyncio.run(read()) == 0
     finally:
