@@ -43,7 +43,6 @@ import gc
 import json
 import queue
 import random
-import sys
 import threading
 import time
 
@@ -59,8 +58,6 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Decoding in waves (no slot cache), how long a wave waits for more requests after its
 # first arrives (seconds): concurrent clients rarely arrive in the same microsecond.
 WAVE_GATHER_S = 0.002
-# How long a thread may hold the GIL while another waits for it (seconds): a step's share.
-SWITCH_INTERVAL_S = 0.0002
 # The KV cache's use, told to Triton's metrics at most this often (seconds).
 KV_TELL_EVERY_S = 0.5
 KV_METRIC = "gantry_kv_cache_tokens"
@@ -248,10 +245,6 @@ class TritonPythonModel:
         self.pending = queue.Queue()
         self.stopping = threading.Event()
         self.sender = Sender(pb_utils.Logger.log_error)
-        # The generation thread takes the GIL back after every step's wait for the GPU; with
-        # sender threads holding it, CPython hands it over only every switch interval
-        # (5 ms by default, longer than a decode step), so each step could wait that long.
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
         # torch, transformers and the model are ~400 000 objects the collector walked in
         # every full collection: a 100-250 ms stall of the generation thread, seen as a
         # run of slow first tokens. They live as long as the process: out of its reach.
