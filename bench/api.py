@@ -4,8 +4,8 @@ With 10 000 builds and 100 000 events in PostgreSQL, wrk's 16 connections
 read 50-row pages of the builds and events lists, each side in turn (the
 order rotates every round), from:
 
-- pages: Gantry's pages server (gunicorn gthread workers, WSGI, a kept
-  connection per thread: where production routes the REST API);
+- pages: Gantry's pages server (gunicorn sync workers on one socket, WSGI, a
+  kept connection per process: where production routes the REST API);
 - web: Gantry's web server (gunicorn + uvicorn, Django in WSGI mode on a
   thread pool: what served the API before the pages server, and what the demo
   runs on its one port);
@@ -180,13 +180,13 @@ def main() -> None:
 
     setup_postgres(args.database_url)
     token, deployment = _seed()
-    from controlplane.serving import PAGE_THREADS, live_argv, pages_argv, web_argv, web_workers
+    from controlplane.serving import live_argv, pages_argv, web_argv, web_workers
 
     web, live, single, pages_port, floor_port = (args.port + i for i in range(5))
     base = f"http://127.0.0.1:{web}"
     workers = web_workers()
     print(f"{BUILDS} builds, {EVENTS} events in PostgreSQL; wrk -c{args.connections}, {args.rounds} rounds of "
-          f"{args.seconds}s a side; {workers} processes a side ({PAGE_THREADS} threads each in pages); "
+          f"{args.seconds}s a side; {workers} processes a side; "
           f"{os.cpu_count()} cores")  # fmt: skip
     lists = [
         ("GET /api/builds/?limit=50", "/api/builds/?limit=50", "/floor/builds-full/"),

@@ -3,9 +3,8 @@ and docker-compose.yml all start them from here). Each door is on the kind of
 server that fits it:
 
 - pages: the pages, the REST API and the admin, plain sync Django on gunicorn's
-  threaded workers (gthread), each thread with its own kept database
-  connection. A request runs on the thread that read it: no hop to an event
-  loop and back.
+  sync workers, each with its own kept database connection. A request runs on
+  the process that read it: no hop to an event loop and back.
 - web: the doors that stream or wait on Triton (the OpenAI gateway under /v1/,
   the generate action, /metrics) on gunicorn with uvicorn worker processes. It
   answers every other path too (pages in WSGI mode on a thread pool), so one
@@ -156,12 +155,6 @@ def web_workers() -> int:
 KEEP_ALIVE_S = 75
 
 
-# Threads per pages process: each holds a database connection of its own. With
-# two, a process serving 50-row pages kept both cores of a 2-core machine busy
-# beside its peers; more only queued on the interpreter's lock (docs/performance.md).
-PAGE_THREADS = 2
-
-
 def web_argv(python: str, *, bind: str, port: int, workers: int | None = None, websockets: bool = False) -> list[str]:
     """The web (ASGI) server's command line (``workers`` processes, else
     web_workers()); with ``websockets``, the Channels consumers on the same
@@ -174,13 +167,20 @@ def web_argv(python: str, *, bind: str, port: int, workers: int | None = None, w
 
 
 def pages_argv(python: str, *, bind: str, port: int, workers: int | None = None) -> list[str]:
-    """The pages (WSGI) server's command line: ``workers`` processes (else
-    web_workers()) of PAGE_THREADS threads each."""
-    argv = _gunicorn(python, "controlplane.wsgi:application", "gthread", bind, port, workers)
-    return [*argv, "--threads", str(PAGE_THREADS)]
+    """The pages (WSGI) server's command line: ``workers`` sync processes (else
+    web_workers()), one request at a time each, on one shared socket.
+
+    A sync process accepts a connection only when it is free, so the shared
+    socket hands each request to an idle process. With a socket per process
+    (--reuse-port) or gthread's kept connections, the kernel's spread left one
+    process with more clients than the other, and the pages' p99 was 1.8-2.2x
+    the plain sync floor's against 1.4-1.5x (docs/performance.md)."""
+    return _gunicorn(python, "controlplane.wsgi:application", "sync", bind, port, workers, reuse_port=False)
 
 
-def _gunicorn(python: str, app: str, worker_class: str, bind: str, port: int, workers: int | None) -> list[str]:
+def _gunicorn(
+    python: str, app: str, worker_class: str, bind: str, port: int, workers: int | None, *, reuse_port: bool = True
+) -> list[str]:
     """gunicorn's command line for ``app`` on ``bind``:``port``.
 
     Each process listens on a socket of its own (``--reuse-port``), and the
@@ -193,7 +193,7 @@ def _gunicorn(python: str, app: str, worker_class: str, bind: str, port: int, wo
     return [
         python, "-m", "gunicorn", app,
         "--worker-class", worker_class, "--workers", str(workers or web_workers()),
-        "--bind", f"{bind}:{port}", "--reuse-port", "--access-logfile", "-",
+        "--bind", f"{bind}:{port}", *(["--reuse-port"] if reuse_port else []), "--access-logfile", "-",
         # A streamed generation may be silent for long: uvicorn workers heartbeat
         # on their own, so this only catches a worker that is truly stuck.
         "--timeout", "120", "--graceful-timeout", "30",

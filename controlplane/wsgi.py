@@ -1,7 +1,7 @@
 """WSGI entry point of the pages server: pages, the REST API and the admin on
-gunicorn's threaded sync workers (controlplane.serving.pages_argv). Each thread
-keeps its own PostgreSQL connection between requests (DATABASE_CONN_MAX_AGE,
-60 s unless a pool is asked for), as a plain Django deployment does."""
+gunicorn's sync workers (controlplane.serving.pages_argv). Each process keeps
+its PostgreSQL connection between requests (DATABASE_CONN_MAX_AGE, 60 s unless
+a pool is asked for), as a plain Django deployment does."""
 
 import os
 

@@ -1,6 +1,6 @@
 """One address in front of the three servers, as production runs them: nginx
 with the configuration `gantry proxy-config` writes, the pages server (gunicorn
-gthread, WSGI), the web server (gunicorn + uvicorn, ASGI) and the live server
+sync workers, WSGI), the web server (gunicorn + uvicorn, ASGI) and the live server
 (daphne). Each request is followed to the server whose access log has it."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from websockets.sync.client import connect
 
 from access.services import token_create
 from controlplane.proxy import nginx_config
-from controlplane.serving import PAGE_THREADS, live_argv, pages_argv, web_argv
+from controlplane.serving import live_argv, pages_argv, web_argv
 from core.events import DASHBOARD_GROUP, publish
 from gateway.services import key_create
 from tests.integration.conftest import _spawn, free_port, healthz_answers, stop_process, wait_for
@@ -108,8 +108,8 @@ def test_pages_api_and_admin_go_to_the_pages_server_and_keep_their_connection(fr
     kept = _pages_sessions()
     for _ in range(20):
         assert http.get(f"{front.url}/api/hosts/", timeout=10).status_code == 200
-    # One connection per thread, kept between requests (none opened per request).
-    assert 1 <= len(kept) <= PAGE_THREADS and _pages_sessions() == kept
+    # Its one process's connection, kept between requests (none opened per request).
+    assert len(kept) == 1 and _pages_sessions() == kept
     assert requests.get(f"{front.url}/", timeout=10, allow_redirects=False).status_code == 302  # to the login page
     assert requests.get(f"{front.url}/admin/login/", timeout=10).status_code == 200
     wait_for(lambda: _served_by(front, '"GET /admin/login/ HTTP/1.1"'), 10, "the access lines")
