@@ -171,7 +171,7 @@ lint: venv
 
 test: venv lint frontend aiperf docs
 	scripts/ensure-services.sh
-	scripts/ensure-packages.sh chromium gcc docker-compose prometheus docker-registry
+	scripts/ensure-packages.sh chromium gcc docker-compose prometheus docker-registry nginx
 	scripts/ensure-docker.sh
 	scripts/build-triton-test-image.sh $(PY) > .triton-test-image
 	tests/fixtures/build-builder-image.sh $(PY) $$(cat .triton-test-image) 0.16.0 > .builder-test-image

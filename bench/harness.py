@@ -75,10 +75,11 @@ def setup_postgres(database_url: str) -> None:
 
 
 @contextmanager
-def server(argv: list[str], port: int) -> Iterator[None]:
-    """Run ``argv`` (a server) until the block ends, once ``port`` answers."""
+def server(argv: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[None]:
+    """Run ``argv`` (a server, with ``env`` added to this environment) until the
+    block ends, once ``port`` answers."""
     process = subprocess.Popen(
-        argv, cwd=ROOT, env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        argv, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
     import socket

@@ -57,7 +57,7 @@ def _exec(argv: list[str], where: str) -> int:
     return 0  # never reached
 
 
-def _web_or_live(args: argparse.Namespace) -> int:
+def _server(args: argparse.Namespace) -> int:
     argv = ["gantry_serve", args.command, "--bind", args.bind]
     if args.port:
         argv += ["--port", str(args.port)]
@@ -255,7 +255,8 @@ def socket_name() -> str:
 
 
 UNIT_WHAT = {
-    "web": "web server (pages, REST API, gateway)",
+    "web": "web server (gateway, generate streams, /metrics; every other door too)",
+    "pages": "pages server (pages, REST API, admin)",
     "live": "live server (websockets)",
     "worker": "GPU-host worker",
     "beat": "periodic work",
@@ -319,17 +320,30 @@ def _unit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _proxy_config(args: argparse.Namespace) -> int:
+    from controlplane.proxy import nginx_config
+
+    try:
+        sys.stdout.write(nginx_config(listen=args.listen, pages=args.pages, web=args.web, live=args.live))
+    except ValueError as exc:
+        sys.stderr.write(f"gantry proxy-config: {exc}\n")
+        return 2
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="gantry", description="Gantry: Triton deployments from a web control plane.")
     top.add_argument("--version", action="version", version=f"gantry {gantry_version()}")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, what in (("web", "pages, REST API, admin, gateway"), ("live", "the websockets")):
-        server = commands.add_parser(name, help=f"run the {name} server ({what})")
+    for name, what in UNIT_WHAT.items():
+        if name in ("worker", "beat"):
+            continue
+        server = commands.add_parser(name, help=f"run the {what}")
         server.add_argument("--bind", default=os.environ.get("GANTRY_WEB_BIND", "127.0.0.1"))
-        server.add_argument("--port", type=int, help="default 8000 (web), 8001 (live)")
-        if name == "web":
+        server.add_argument("--port", type=int, help="default 8000 (web), 8001 (live), 8002 (pages)")
+        if name != "live":
             server.add_argument("--workers", type=int, help="processes (GANTRY_WEB_WORKERS)")
-        server.set_defaults(run=_web_or_live)
+        server.set_defaults(run=_server)
     worker = commands.add_parser("worker", help="run this GPU host's worker (control and jobs)")
     worker.add_argument("host", nargs="?", help="the host's name (GANTRY_HOST_NAME)")
     worker.set_defaults(run=_worker)
@@ -341,8 +355,8 @@ def parser() -> argparse.ArgumentParser:
     admin.add_argument("username", nargs="?", default=os.environ.get("GANTRY_ADMIN_USER", "admin"))
     admin.set_defaults(run=_createadmin)
     demo = commands.add_parser("demo", help="the whole product on this machine; Ctrl-C stops it")
-    demo.add_argument("--port", type=int, help="the web server's (GANTRY_WEB_PORT; live takes +1, Redis +2)")
-    demo.add_argument("--bind", help="the address the web and live servers listen on (GANTRY_WEB_BIND)")
+    demo.add_argument("--port", type=int, help="the one port it serves on (GANTRY_WEB_PORT; its own Redis takes +2)")
+    demo.add_argument("--bind", help="the address it serves on (GANTRY_WEB_BIND)")
     demo.add_argument("--no-stack", action="store_true", help="the control plane only: no demo models, no demo-stack")
     demo.set_defaults(run=_demo)
     token = commands.add_parser("token", help="a personal API token, printed once")
@@ -378,6 +392,12 @@ def parser() -> argparse.ArgumentParser:
     join.add_argument("--no-start", dest="start", action="store_false", help="write everything, start nothing")
     join.add_argument("--allow-http", action="store_true", help="join over plain HTTP (a network you trust)")
     join.set_defaults(run=_join)
+    proxy = commands.add_parser("proxy-config", help="nginx's configuration for one address in front of the servers")
+    proxy.add_argument("--listen", default="8080", help="nginx's [address:]port (default 8080)")
+    proxy.add_argument("--web", default="127.0.0.1:8000", help="the web server's host:port")
+    proxy.add_argument("--pages", default="127.0.0.1:8002", help="the pages server's host:port")
+    proxy.add_argument("--live", default="127.0.0.1:8001", help="the live server's host:port")
+    proxy.set_defaults(run=_proxy_config)
     unit = commands.add_parser("unit", help="a systemd unit that keeps one of these running")
     unit.add_argument("what", choices=sorted(UNIT_WHAT))
     unit.add_argument("--env-file", default="/etc/gantry/gantry.env", help="its settings, KEY=value lines")
@@ -389,7 +409,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.command not in ("unit", "join"):  # the host has no settings before it joins
+    if args.command not in ("unit", "join", "proxy-config"):  # the host has no settings before it joins
         _environment()
     return args.run(args)
 

@@ -1,15 +1,20 @@
-"""How Gantry's two servers run, in one place (the demo, the tests, the
-benchmarks and docker-compose.yml all start them from here).
+"""How Gantry's servers run, in one place (the demo, the tests, the benchmarks
+and docker-compose.yml all start them from here). Each door is on the kind of
+server that fits it:
 
-- web: pages, REST API, admin, the generate action and the OpenAI gateway,
-  on gunicorn with several uvicorn worker processes. A slow request (a
-  10 000-row page, a long generation) holds one worker's loop or thread, not
-  the whole server.
+- pages: the pages, the REST API and the admin, plain sync Django on gunicorn's
+  sync workers, each with its own kept database connection. A request runs on
+  the process that read it: no hop to an event loop and back.
+- web: the doors that stream or wait on Triton (the OpenAI gateway under /v1/,
+  the generate action, /metrics) on gunicorn with uvicorn worker processes. It
+  answers every other path too (pages in WSGI mode on a thread pool), so one
+  web server alone is a whole control plane: the demo runs it that way, with
+  the websockets on the same port.
 - live: the websockets (Channels) on their own daphne process, so a busy web
   tier cannot delay the live updates.
 
-Behind one address, a proxy routes /ws/ to live; without one, the browser
-reaches live on GANTRY_LIVE_PORT of the same host.
+Behind one address, a proxy routes each path to its server (``gantry
+proxy-config`` writes nginx's configuration for it: controlplane.proxy).
 """
 
 from __future__ import annotations
@@ -51,7 +56,12 @@ class HttpWorker(UvicornWorker):
         super().load_wsgi()
         # gunicorn's own access logger: with access_log off, uvicorn empties "uvicorn.access".
         self.wsgi = AccessLog(self.wsgi, self.log.access_log)
-        settle_heap()
+
+
+class DemoWorker(HttpWorker):
+    """The web worker with websockets on: the demo serves every door on one port."""
+
+    CONFIG_KWARGS = {**HttpWorker.CONFIG_KWARGS, "ws": "websockets"}
 
 
 def settle_heap() -> None:
@@ -145,8 +155,33 @@ def web_workers() -> int:
 KEEP_ALIVE_S = 75
 
 
-def web_argv(python: str, *, bind: str, port: int, workers: int | None = None) -> list[str]:
-    """The web server's command line (``workers`` processes, else web_workers()).
+def web_argv(python: str, *, bind: str, port: int, workers: int | None = None, websockets: bool = False) -> list[str]:
+    """The web (ASGI) server's command line (``workers`` processes, else
+    web_workers()); with ``websockets``, the Channels consumers on the same
+    port (the demo's one address)."""
+    if websockets:
+        app, worker_class = "controlplane.asgi:application", "controlplane.serving.DemoWorker"
+    else:
+        app, worker_class = "controlplane.asgi:http_application", "controlplane.serving.HttpWorker"
+    return _gunicorn(python, app, worker_class, bind, port, workers)
+
+
+def pages_argv(python: str, *, bind: str, port: int, workers: int | None = None) -> list[str]:
+    """The pages (WSGI) server's command line: ``workers`` sync processes (else
+    web_workers()), one request at a time each, on one shared socket.
+
+    A sync process accepts a connection only when it is free, so the shared
+    socket hands each request to an idle process. With a socket per process
+    (--reuse-port) or gthread's kept connections, the kernel's spread left one
+    process with more clients than the other, and the pages' p99 was 1.8-2.2x
+    the plain sync floor's against 1.4-1.5x (docs/performance.md)."""
+    return _gunicorn(python, "controlplane.wsgi:application", "sync", bind, port, workers, reuse_port=False)
+
+
+def _gunicorn(
+    python: str, app: str, worker_class: str, bind: str, port: int, workers: int | None, *, reuse_port: bool = True
+) -> list[str]:
+    """gunicorn's command line for ``app`` on ``bind``:``port``.
 
     Each process listens on a socket of its own (``--reuse-port``), and the
     kernel spreads new connections over them. On one shared socket, the process
@@ -156,9 +191,9 @@ def web_argv(python: str, *, bind: str, port: int, workers: int | None = None) -
     the port: port_taken() says whether one is there before a command starts.
     """
     return [
-        python, "-m", "gunicorn", "controlplane.asgi:http_application",
-        "--worker-class", "controlplane.serving.HttpWorker", "--workers", str(workers or web_workers()),
-        "--bind", f"{bind}:{port}", "--reuse-port", "--access-logfile", "-",
+        python, "-m", "gunicorn", app,
+        "--worker-class", worker_class, "--workers", str(workers or web_workers()),
+        "--bind", f"{bind}:{port}", *(["--reuse-port"] if reuse_port else []), "--access-logfile", "-",
         # A streamed generation may be silent for long: uvicorn workers heartbeat
         # on their own, so this only catches a worker that is truly stuck.
         "--timeout", "120", "--graceful-timeout", "30",
@@ -166,7 +201,8 @@ def web_argv(python: str, *, bind: str, port: int, workers: int | None = None) -
         # (aiohttp 15 s, httpx 5 s): at gunicorn's 2 s, a client reusing one as the
         # server closed it lost that request ("Cannot write to closing transport").
         "--keep-alive", str(KEEP_ALIVE_S),
-        # on_starting and child_exit below: the processes' shared metrics folder.
+        # on_starting, post_worker_init and child_exit below: the processes' shared
+        # metrics folder, their heap.
         "--config", "python:controlplane.serving",
         "--control-socket", str(control_socket_path(bind, port)),
     ]  # fmt: skip
@@ -188,6 +224,11 @@ def control_socket_path(bind: str, port: int) -> Path:
 def on_starting(server: object) -> None:
     """gunicorn's master, before its workers start: their metrics folder."""
     metrics_folder.prepare("gantry-web-metrics-")
+
+
+def post_worker_init(worker: object) -> None:
+    """A gunicorn worker process, once it has loaded its application."""
+    settle_heap()
 
 
 def when_ready(server: Any) -> None:

@@ -208,7 +208,13 @@ DATABASES = {
             0,
             minimum=0,
             help="seconds to keep database connections open (must stay 0 with a pool)",
+            shown="`60` in the pages server, `0` elsewhere",
         ),
+        # A kept connection is checked before a request reuses it: after a
+        # PostgreSQL restart the next request opens a new one instead of failing.
+        # (Not with a pool: Django then has the pool check each connection it
+        # lends, and with the database away a request waited the pool's timeout.)
+        conn_health_checks=not DATABASE_POOL_SIZE,
     )
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
@@ -242,10 +248,10 @@ GANTRY_LIVE_PORT = env_str(
     "GANTRY_LIVE_PORT",
     "",
     help=(
-        "where the browser reaches the live server: empty when a proxy routes `/ws/` of the pages' own "
-        "address to it, or a port of the same host"
+        "where the browser reaches the live server: empty when `/ws/` of the pages' own address reaches it "
+        "(a proxy routes it there, or the demo's one port serves it), or a port of the same host"
     ),
-    shown="empty (`make demo`: web port + 1; compose: `8001`)",
+    shown="empty",
 )
 if GANTRY_LIVE_PORT and not (GANTRY_LIVE_PORT.isdigit() and 1 <= int(GANTRY_LIVE_PORT) <= 65535):
     raise ImproperlyConfigured("GANTRY_LIVE_PORT: must be a port number (1-65535) or empty")

