@@ -193,7 +193,7 @@ DATABASE_POOL_SIZE = env_int(
         "PostgreSQL connections each server process borrows from its own pool (also the threads a web "
         "process runs pages and API calls on); `0`: no pool"
     ),
-    shown="`4` in the web and live servers, `0` elsewhere",
+    shown="`4` in the web and live servers, `0` elsewhere (the pages server never pools)",
 )
 DATABASES = {
     "default": dj_database_url.parse(
