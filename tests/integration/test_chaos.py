@@ -281,7 +281,7 @@ def test_postgres_restarted_under_a_running_deployment_is_survived(
         # The connection pool retries with a doubling delay (1, 2, 4, 8, 16 s after the first
         # failure), so on a busy machine its next try may come some 30 s after the return.
         wait_for(lambda: healthz_answers(base) and get(url).status_code == 200, 60, "the API to answer again")
-        assert http.get(f"{pages_base}{url}", timeout=10).status_code == 200
+        wait_for(lambda: http.get(f"{pages_base}{url}", timeout=10).ok, 30, "the pages server to answer again")
         events = lambda: [e["kind"] for e in get(f"/api/events/?host={host}&limit=100").json()["results"]]  # noqa: E731
         wait_for(lambda: "host.agent_recovered" in events(), 60, "the agent to say it recovered")
         assert get(url).json()["status"] == "ready"
