@@ -107,6 +107,14 @@ def built_image(variable: str) -> str:
     return tag
 
 
+def spawned_database_url() -> str:
+    """This test process's PostgreSQL database, for the servers and workers a test starts."""
+    db = settings.DATABASES["default"]
+    database_url = f"postgres://{db['USER']}:{db.get('PASSWORD') or ''}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
+    assert dj_database_url.parse(database_url)["NAME"].startswith("test_")
+    return database_url
+
+
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2):  # noqa: ANN001
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -368,9 +376,7 @@ def make_stack(
 ) -> Iterator[Stack]:
     """A Stack; with ``beat``, the control plane's periodic work runs beside it
     (controlplane.celery.beat_argv: host sweeps, run reaping, key revocation)."""
-    db = settings.DATABASES["default"]
-    database_url = f"postgres://{db['USER']}:{db.get('PASSWORD') or ''}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
-    assert dj_database_url.parse(database_url)["NAME"].startswith("test_")
+    database_url = spawned_database_url()
     host_name = f"e2e-{uuid.uuid4().hex[:8]}"
     data_dir = tmp_path / "data"
     data_dir.mkdir()

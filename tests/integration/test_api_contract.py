@@ -16,13 +16,20 @@ import pytest
 from access.services import token_create
 from controlplane.serving import web_argv
 from tests import factories
-from tests.integration.conftest import ROOT, _spawn, free_port, healthz_answers, stop_process, wait_for
+from tests.integration.conftest import (
+    ROOT,
+    _spawn,
+    free_port,
+    healthz_answers,
+    spawned_database_url,
+    stop_process,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
 
 def test_the_api_keeps_its_openapi_contract_under_fuzzing(transactional_db, tmp_path: Path, minilm_path: Path):  # noqa: ANN001
-    from django.conf import settings
     from django.contrib.auth.models import User
 
     host = factories.cpu_host("fuzz-host")
@@ -31,10 +38,9 @@ def test_the_api_keeps_its_openapi_contract_under_fuzzing(transactional_db, tmp_
     factories.deployment(host=host, user=admin)
     secret = token_create(user=admin, name="fuzzing").secret
 
-    db = settings.DATABASES["default"]
     env = {
         **os.environ,
-        "DATABASE_URL": f"postgres://{db['USER']}:{db.get('PASSWORD') or ''}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        "DATABASE_URL": spawned_database_url(),
         "GANTRY_API_THROTTLE": "off",  # the fuzzer is one client sending thousands of requests
     }
     port = free_port()

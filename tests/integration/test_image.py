@@ -17,7 +17,15 @@ from django.conf import settings
 
 from access.services import token_create
 from hosts.models import GpuHost
-from tests.integration.conftest import _other_sessions, built_image, free_port, free_ports, healthz_answers, wait_for
+from tests.integration.conftest import (
+    _other_sessions,
+    built_image,
+    free_port,
+    free_ports,
+    healthz_answers,
+    spawned_database_url,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -30,13 +38,12 @@ def product_image() -> str:
 def test_web_live_and_a_worker_from_the_image_serve_a_deployment_through_v1(
     product_image: str, operator, tmp_path: Path, minilm_path: Path
 ):
-    db = settings.DATABASES["default"]
     host = f"img-{uuid.uuid4().hex[:8]}"
     web_port, live_port, triton = free_port(), free_port(), free_ports(30)
     data = tmp_path / "data"
     data.mkdir()
     env = {
-        "DATABASE_URL": f"postgres://{db['USER']}:{db.get('PASSWORD') or ''}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        "DATABASE_URL": spawned_database_url(),
         "REDIS_URL": settings.REDIS_URL,
         "SECRET_KEY": "the-image-test-key",
         "GANTRY_PLAIN_HTTP": "1",

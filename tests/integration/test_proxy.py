@@ -14,10 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import dj_database_url
 import pytest
 import requests
-from django.conf import settings
 from django.db import connection
 from websockets.sync.client import connect
 
@@ -26,9 +24,16 @@ from controlplane.proxy import nginx_config
 from controlplane.serving import live_argv, pages_argv, web_argv
 from core.events import DASHBOARD_GROUP, publish
 from gateway.services import key_create
-from tests.integration.conftest import _spawn, free_port, healthz_answers, stop_process, wait_for
+from tests.integration.conftest import (
+    _spawn,
+    free_port,
+    healthz_answers,
+    spawned_database_url,
+    stop_process,
+    wait_for,
+)
 
-NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None)
+NGINX = shutil.which("nginx") or shutil.which("/usr/sbin/nginx")  # sbin is not on every PATH
 pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (make test installs it)")
 METRICS_TOKEN = "proxy-test-metrics-token"
 PAGES_APPLICATION = "gantry-proxy-test-pages"
@@ -44,17 +49,9 @@ class Front:
         return (self.logs / f"{server}.log").read_text(errors="replace")
 
 
-def _database_url() -> str:
-    """The test database, for the servers this test starts."""
-    db = settings.DATABASES["default"]
-    database_url = f"postgres://{db['USER']}:{db.get('PASSWORD') or ''}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
-    assert dj_database_url.parse(database_url)["NAME"].startswith("test_")
-    return database_url
-
-
 @pytest.fixture
 def front(transactional_db, tmp_path: Path, operator) -> Iterator[Front]:  # noqa: ANN001
-    database_url = _database_url()
+    database_url = spawned_database_url()
     ports = {name: free_port() for name in ("proxy", "pages", "web", "live")}
     env = {**os.environ, "DATABASE_URL": database_url, "GANTRY_METRICS_TOKEN": METRICS_TOKEN, "GANTRY_LIVE_PORT": ""}
     logs = tmp_path / "logs"
@@ -151,7 +148,7 @@ def test_websockets_go_to_the_live_server_through_the_same_address(front: Front)
 
 def test_the_demos_one_port_serves_pages_the_gateway_and_websockets(transactional_db, tmp_path: Path, operator):  # noqa: ANN001
     """Without a proxy (make demo), the web server with websockets on answers every door."""
-    env = {**os.environ, "GANTRY_LIVE_PORT": "", "DATABASE_URL": _database_url()}
+    env = {**os.environ, "GANTRY_LIVE_PORT": "", "DATABASE_URL": spawned_database_url()}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     web = _spawn(web_argv(sys.executable, bind="127.0.0.1", port=port, workers=1, websockets=True), env,
