@@ -17,7 +17,7 @@ if _worker.startswith("gw") and os.environ.get("REDIS_URL"):
     os.environ["REDIS_URL"] = f"{_base[1]}{int(_base[2]) - int(_worker[2:])}"
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
     """Each test file's time (set-up, call and tear-down summed) and each
     worker's, beside --durations' slowest tests: with --dist loadfile a file is
     the unit a worker takes, so these say where the run's length is."""

@@ -249,13 +249,13 @@ def test_postgres_restarted_under_a_running_deployment_is_survived(
 
         assert embed(seen).status_code == 200
 
-        assert http.get(f"{pages_base}{url}", timeout=10).status_code == 200  # its thread's connection, kept
+        assert http.get(f"{pages_base}{url}", timeout=10).status_code == 200  # its process's connection, kept
 
         own_postgres.stop()
         down = get(url)
         assert down.status_code == 503, down.text
         assert down.json()["code"] == "database_unavailable" and down.headers["Retry-After"] == "5"
-        # The pages server (one kept connection per thread) says the same, not a 500.
+        # The pages server (one kept connection per process) says the same, not a 500.
         down = http.get(f"{pages_base}{url}", timeout=10)
         assert down.status_code == 503 and down.json()["code"] == "database_unavailable", down.text
         assert process.is_running(server, repository)  # Triton does not need the database to serve
