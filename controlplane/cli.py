@@ -15,6 +15,7 @@ from pathlib import Path
 
 from common.paths import default_data_dir
 from common.version import gantry_version
+from controlplane.proxy import DEFAULT_PORTS, PORTS_HELP
 
 
 def _data_dir() -> Path:
@@ -340,7 +341,7 @@ def parser() -> argparse.ArgumentParser:
             continue
         server = commands.add_parser(name, help=f"run the {what}")
         server.add_argument("--bind", default=os.environ.get("GANTRY_WEB_BIND", "127.0.0.1"))
-        server.add_argument("--port", type=int, help="default 8000 (web), 8001 (live), 8002 (pages)")
+        server.add_argument("--port", type=int, help=f"default {PORTS_HELP}")
         if name != "live":
             server.add_argument("--workers", type=int, help="processes (GANTRY_WEB_WORKERS)")
         server.set_defaults(run=_server)
@@ -394,9 +395,9 @@ def parser() -> argparse.ArgumentParser:
     join.set_defaults(run=_join)
     proxy = commands.add_parser("proxy-config", help="nginx's configuration for one address in front of the servers")
     proxy.add_argument("--listen", default="8080", help="nginx's [address:]port (default 8080)")
-    proxy.add_argument("--web", default="127.0.0.1:8000", help="the web server's host:port")
-    proxy.add_argument("--pages", default="127.0.0.1:8002", help="the pages server's host:port")
-    proxy.add_argument("--live", default="127.0.0.1:8001", help="the live server's host:port")
+    proxy.add_argument("--web", default=f"127.0.0.1:{DEFAULT_PORTS['web']}", help="the web server's host:port")
+    proxy.add_argument("--pages", default=f"127.0.0.1:{DEFAULT_PORTS['pages']}", help="the pages server's host:port")
+    proxy.add_argument("--live", default=f"127.0.0.1:{DEFAULT_PORTS['live']}", help="the live server's host:port")
     proxy.set_defaults(run=_proxy_config)
     unit = commands.add_parser("unit", help="a systemd unit that keeps one of these running")
     unit.add_argument("what", choices=sorted(UNIT_WHAT))

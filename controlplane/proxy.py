@@ -35,6 +35,9 @@ ROUTES = (
     Route("/", "pages", "pages, the REST API, the admin, static files"),
 )
 SERVERS = ("pages", "web", "live")
+# Where each server listens unless told (gantry web|pages|live, and the proxy's defaults).
+DEFAULT_PORTS = {"web": 8000, "live": 8001, "pages": 8002}
+PORTS_HELP = ", ".join(f"{port} ({name})" for name, port in DEFAULT_PORTS.items())
 # How long a streamed answer or a websocket may stay silent before nginx gives up on it.
 STREAM_READ_TIMEOUT_S = 3600
 KEEPALIVE_CONNECTIONS = 64

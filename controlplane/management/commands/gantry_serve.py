@@ -10,9 +10,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from controlplane.proxy import DEFAULT_PORTS, PORTS_HELP
 from controlplane.serving import live_argv, pages_argv, port_taken, web_argv
-
-DEFAULT_PORTS = {"web": 8000, "live": 8001, "pages": 8002}
 
 
 class Command(BaseCommand):
@@ -21,7 +20,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("server", choices=sorted(DEFAULT_PORTS))
         parser.add_argument("--bind", default="127.0.0.1")
-        parser.add_argument("--port", type=int, default=None, help="default 8000 (web), 8001 (live), 8002 (pages)")
+        parser.add_argument("--port", type=int, default=None, help=f"default {PORTS_HELP}")
         parser.add_argument("--workers", type=int, default=None, help="web or pages processes (GANTRY_WEB_WORKERS)")
 
     def handle(self, *args: Any, server: str, bind: str, port: int | None, workers: int | None, **options: Any) -> None:
