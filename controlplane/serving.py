@@ -183,12 +183,14 @@ def _gunicorn(
 ) -> list[str]:
     """gunicorn's command line for ``app`` on ``bind``:``port``.
 
-    Each process listens on a socket of its own (``--reuse-port``), and the
-    kernel spreads new connections over them. On one shared socket, the process
-    that woke first took every connection waiting: at times all of a client's
-    keep-alive connections landed on one of two processes, which then served
-    half as much. SO_REUSEPORT also lets another server of the same user bind
-    the port: port_taken() says whether one is there before a command starts.
+    With ``reuse_port`` (the web server), each process listens on a socket of
+    its own (``--reuse-port``), and the kernel spreads new connections over
+    them. On one shared socket, the event-loop process that woke first took
+    every connection waiting: at times all of a client's keep-alive connections
+    landed on one of two processes, which then served half as much. (The pages
+    server's sync processes take one at a time, so they share one: pages_argv.)
+    SO_REUSEPORT also lets another server of the same user bind the port:
+    port_taken() says whether one is there before a command starts.
     """
     return [
         python, "-m", "gunicorn", app,
