@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import add_database_argument, percentile, server, setup_postgres  # noqa: E402
+from bench.harness import add_database_argument, in_turn, percentile, server, setup_postgres  # noqa: E402
 
 BUILDS, EVENTS = 10_000, 100_000
 
@@ -206,9 +206,8 @@ def main() -> None:
             for target in targets.values():  # warm every process's code paths and connections
                 _wrk(target, token, 2, args.connections)
             got: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
-            order = list(sides)
             for round_ in range(args.rounds):
-                for side in order[round_ % 3 :] + order[: round_ % 3]:
+                for side in in_turn(list(sides), round_):
                     figures = _wrk(targets[side], token, args.seconds, args.connections)
                     got[side].append(figures)
                     print(f"  round {round_ + 1} {side:<22}{figures['rps']:9.0f}{figures['p50']:9.1f}"

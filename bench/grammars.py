@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import percentile  # noqa: E402
+from bench.harness import in_turn, percentile  # noqa: E402
 
 SCHEMAS = {
     "flat": {
@@ -222,8 +222,7 @@ def main() -> None:
             print(f"{kind.name}: not installed ({exc}); `make bench-grammars` installs it")
     results: dict[tuple[str, str], list[dict]] = {}
     for round_ in range(args.rounds):
-        order = libraries[round_ % len(libraries) :] + libraries[: round_ % len(libraries)]
-        for library in order:
+        for library in in_turn(libraries, round_):
             for schema_name in SCHEMAS:
                 figures = run(library, schema_name, args, random.Random(round_), tokenizer)
                 results.setdefault((library.name, schema_name), []).append(figures)

@@ -24,6 +24,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def in_turn(sides: list, round_: int) -> list:
+    """``sides`` in the order of round ``round_``: each round starts one side
+    later, so no side always runs first (or right after another)."""
+    shift = round_ % len(sides)
+    return [*sides[shift:], *sides[:shift]]
+
+
 def added_interval(ours: list[float], floor: list[float], q: float, draws: int = 2000) -> tuple[float, float]:
     """A 95% bootstrap interval for percentile(ours, q) - percentile(floor, q): how far
     that difference may move by the luck of the samples alone (a p99 of 1000 samples

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness import percentile
+from bench.harness import in_turn, percentile
 
 
 @dataclass
@@ -130,7 +130,7 @@ def rotated(
     sides rotating every round: each side's figures over all its rounds."""
     collected = {side: {"samples": [], "wall": 0.0} for side in sides}
     for round_ in range(rounds):
-        for side in sides[round_ % len(sides) :] + sides[: round_ % len(sides)]:
+        for side in in_turn(sides, round_):
             samples, wall = run(side, level, seconds)
             collected[side]["samples"] += samples
             collected[side]["wall"] += wall
