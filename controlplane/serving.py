@@ -33,6 +33,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from gunicorn import glogging
 from uvicorn_worker import UvicornWorker
 
 from common import metrics_folder
@@ -64,22 +65,35 @@ class DemoWorker(HttpWorker):
     CONFIG_KWARGS = {**HttpWorker.CONFIG_KWARGS, "ws": "websockets"}
 
 
-def settle_heap() -> None:
+def settle_heap(*, event_loop: bool = True) -> None:
     """Keep the garbage collector off what the process loaded once (Django, its
-    URL resolver and models: most of the heap), and run it less often.
+    URL resolver and models: most of the heap); in an ``event_loop`` process,
+    run it less often too.
 
     A 50-row page allocates tens of thousands of short-lived objects; with
     Python's default thresholds that set off collections that walked the whole
     heap in the middle of requests, and the pages' p99 latency was 2-3x what it
     is with this (docs/performance.md). Cycles are still collected.
+
+    A sync worker (the pages server) keeps the default thresholds: it serves one
+    request at a time, and a young generation of 50 000 objects only made each
+    collection longer, inside whichever request set it off (events list p99
+    57-72 ms against 39-43 ms, docs/performance.md).
     """
     gc.collect()
     gc.freeze()
+    if not event_loop:
+        return
     gc.set_threshold(*GC_THRESHOLDS)
     # The gateway's helper threads (its caches' database reads, the usage counts'
     # write, the log writer below) run Python for a millisecond or more at a time;
     # with the default interval each could keep a request's answer waiting up to 5 ms.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
+# One access line per request on every server: client, request line, status,
+# body bytes sent, seconds.
+ACCESS_LINE = '%s - "%s %s HTTP/%s" %d %d %.3f'
 
 
 class AccessLog:
@@ -137,9 +151,25 @@ class AccessLog:
         if scope["query_string"]:
             path = f"{path}?{scope['query_string'].decode('ascii', 'replace')}"
         self.logger.info(
-            '%s - "%s %s HTTP/%s" %d %d %.3f',
+            ACCESS_LINE,
             f"{client[0]}:{client[1]}" if client else "-", scope["method"], path, scope["http_version"],
             status or 500, sent, seconds,
+        )  # fmt: skip
+
+
+class SyncAccessLog(glogging.Logger):
+    """gunicorn's logger for the pages server, with the web server's access line
+    (ACCESS_LINE). gunicorn's own line gathers every request header and environ
+    entry into a dict first, for any format one might ask: on a 50-row page that
+    cost 9 % of the sync worker's requests per second (docs/performance.md)."""
+
+    def access(self, resp: Any, req: Any, environ: dict[str, Any], request_time: Any) -> None:
+        if not self.access_log_enabled:
+            return
+        address, version = environ.get("REMOTE_ADDR"), "{}.{}".format(*req.version)
+        self.access_log.info(
+            ACCESS_LINE, f"{address}:{environ.get('REMOTE_PORT')}" if address else "-", environ["REQUEST_METHOD"],
+            environ["RAW_URI"], version, resp.status_code or 500, resp.sent, request_time.total_seconds(),
         )  # fmt: skip
 
 
@@ -175,7 +205,11 @@ def pages_argv(python: str, *, bind: str, port: int, workers: int | None = None)
     (--reuse-port) or gthread's kept connections, the kernel's spread left one
     process with more clients than the other, and the pages' p99 was 1.8-2.2x
     the plain sync floor's against 1.4-1.5x (docs/performance.md)."""
-    return _gunicorn(python, "controlplane.wsgi:application", "sync", bind, port, workers, reuse_port=False)
+    return [
+        *_gunicorn(python, "controlplane.wsgi:application", "sync", bind, port, workers, reuse_port=False),
+        "--logger-class",
+        "controlplane.serving.SyncAccessLog",
+    ]
 
 
 def _gunicorn(
@@ -230,7 +264,7 @@ def on_starting(server: object) -> None:
 
 def post_worker_init(worker: object) -> None:
     """A gunicorn worker process, once it has loaded its application."""
-    settle_heap()
+    settle_heap(event_loop=isinstance(worker, UvicornWorker))
 
 
 def when_ready(server: Any) -> None:

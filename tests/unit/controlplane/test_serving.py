@@ -31,6 +31,39 @@ def test_a_web_process_keeps_the_collector_off_what_it_loaded():
         sys.setswitchinterval(interval)
 
 
+def test_a_sync_worker_freezes_what_it_loaded_and_keeps_the_default_collector():
+    """The pages server's processes serve one request at a time: a larger young
+    generation would only make each collection longer, inside a request."""
+    thresholds, interval = gc.get_threshold(), sys.getswitchinterval()
+    try:
+        serving.settle_heap(event_loop=False)
+        assert gc.get_freeze_count() > 10_000
+        assert gc.get_threshold() == thresholds and sys.getswitchinterval() == interval
+    finally:
+        gc.unfreeze()
+
+
+def test_the_pages_servers_access_line_is_the_web_servers(tmp_path):
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from gunicorn.config import Config
+
+    config = Config()
+    config.set("accesslog", str(tmp_path / "access.log"))
+    log = serving.SyncAccessLog(config)
+    environ = {"REMOTE_ADDR": "127.0.0.1", "REMOTE_PORT": "5", "REQUEST_METHOD": "GET",
+               "RAW_URI": "/api/builds/?limit=50", "HTTP_AUTHORIZATION": "Bearer secret"}  # fmt: skip
+    response = SimpleNamespace(status_code=200, sent=23, headers=[])
+    log.access(response, SimpleNamespace(version=(1, 1)), environ, timedelta(milliseconds=12))
+    for handler in log.access_log.handlers:
+        handler.flush()
+    line = (tmp_path / "access.log").read_text()
+    assert line == '127.0.0.1:5 - "GET /api/builds/?limit=50 HTTP/1.1" 200 23 0.012\n'
+    argv = serving.pages_argv("python", bind="127.0.0.1", port=1)
+    assert argv[argv.index("--logger-class") + 1] == "controlplane.serving.SyncAccessLog"
+
+
 def test_an_access_line_is_written_by_a_thread_once_the_request_has_ended(tmp_path):
     """The loop only queues what the request did, when it is over (a streamed answer's
     first token waits on no log line); the file's handler runs on another thread."""
