@@ -62,7 +62,7 @@ def test_the_fast_build_rows_equal_drfs_own(api, llama, host, operator):  # noqa
         assert dict(fast) == dict(generic) and list(fast) == list(generic)
         # The list writes the same from the values it reads (selectors.build_rows).
         listed = next(b for b in api.get("/api/builds/").data["results"] if b["id"] == row.pk)
-        assert listed == dict(generic)
+        assert listed == dict(generic) and list(listed) == list(generic)
 
 
 def test_preflight_says_which_build_an_identical_request_would_reuse_and_writes_nothing(api, llama):
