@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -121,9 +122,8 @@ def _celery_queues() -> Iterator[GaugeMetricFamily]:
         "How long the oldest task in a host's queue has waited since the broker took it (0: none).",
         labels=["queue"],
     )
-    client = redis.Redis.from_url(settings.CELERY_BROKER_URL, socket_connect_timeout=1, socket_timeout=1)
     try:
-        with client.pipeline(transaction=False) as pipe:
+        with _broker().pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.llen(name)
                 pipe.lindex(name, -1)
@@ -131,8 +131,6 @@ def _celery_queues() -> Iterator[GaugeMetricFamily]:
     except redis.RedisError as exc:
         log.warning("metrics: the broker did not answer: %s", exc)
         return
-    finally:
-        client.close()
     now = time.time()
     for index, name in enumerate(names):
         waiting, oldest = answers[2 * index], answers[2 * index + 1]
@@ -140,6 +138,25 @@ def _celery_queues() -> Iterator[GaugeMetricFamily]:
         age.add_metric([name], max(0.0, now - _sent_at(oldest)) if oldest else 0.0)
     yield length
     yield age
+
+
+_brokers: dict[str, redis.Redis] = {}
+
+
+def _broker() -> redis.Redis:
+    """The broker's client, kept between scrapes (its pool reconnects after an outage),
+    named for its process in the broker's CLIENT LIST."""
+    url = settings.CELERY_BROKER_URL
+    client = _brokers.get(url)
+    if client is None:
+        client = _brokers[url] = redis.Redis.from_url(
+            url, socket_connect_timeout=1, socket_timeout=1, client_name=broker_client_name()
+        )
+    return client
+
+
+def broker_client_name() -> str:
+    return f"gantry-metrics-{os.getpid()}"
 
 
 def _sent_at(message: bytes) -> float:

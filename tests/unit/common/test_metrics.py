@@ -138,6 +138,23 @@ def test_the_control_plane_counts_the_fleet_the_outbox_and_the_host_queues_at_sc
     message.delete()
 
 
+def test_scrapes_keep_one_broker_connection(transactional_db, metrics_on, host):  # noqa: ANN001
+    """Each scrape reads the host queues over the connection the first one opened."""
+    from controlplane import metrics as control_plane_metrics
+
+    broker = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    name = control_plane_metrics.broker_client_name()
+
+    def connections() -> set[int]:
+        return {client["id"] for client in broker.client_list() if client["name"] == name}
+
+    assert _asgi_get(None, "/metrics", f"Bearer {TOKEN}")[0] == 200
+    kept = connections()
+    for _ in range(5):
+        assert _asgi_get(None, "/metrics", f"Bearer {TOKEN}")[0] == 200
+    assert len(kept) == 1 and connections() == kept
+
+
 def test_a_door_request_is_counted_with_its_labels_and_timed(metrics_on):  # noqa: ANN001
     before = metrics.REQUESTS.labels("gateway", "chat", "7", "llm", "200", "ok")._value.get()
     metrics.observe_door(door="gateway", alias="chat", key="7", model="llm", code=200, duration_s=0.2,
