@@ -4,6 +4,7 @@ var/screenshots/ (git-ignored): look at them."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -233,14 +234,21 @@ def test_chat_streams_tokens_and_stop_cancels_inside_triton(stack: Stack, chat_d
     assert page.locator(".turn.assistant").first.inner_text().strip()
 
     # A long one is stopped midway: the page stops, and so does the model inside Triton.
+    # The tiny model writes 400 tokens in about two seconds: on a loaded machine an answer
+    # may end before the click lands, and then it is asked again (at most three times).
     page.fill("#chat-max-tokens", "400")
     page.fill("#chat-temperature", "1.5")
-    page.fill("#chat-input", "Tell me everything")
-    page.click("#chat-send")
-    answer = page.locator(".turn.assistant").nth(1)
-    expect(answer).not_to_be_empty(timeout=60_000)
-    page.click("#chat-stop")
-    expect(page.locator("#chat-figures")).to_contain_text("stopped after", timeout=10_000)
+    figures = page.locator("#chat-figures")
+    for attempt in range(3):
+        page.fill("#chat-input", "Tell me everything")
+        page.click("#chat-send")
+        answer = page.locator(".turn.assistant").nth(1 + attempt)
+        expect(answer).not_to_be_empty(timeout=60_000)
+        page.click("#chat-stop")
+        expect(figures).to_contain_text(re.compile(r"stopped after|\(length\)"), timeout=10_000)
+        if "stopped after" in figures.inner_text():
+            break
+    expect(figures).to_contain_text("stopped after")
     expect(page.locator("#chat-send")).to_be_enabled()
     screenshot("chat-stopped")
 
