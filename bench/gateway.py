@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import in_turn, percentile, served, setup_django  # noqa: E402
+from bench.harness import in_turn, served, setup_django, tail_percentile  # noqa: E402
 from bench.streams import p99_text  # noqa: E402
 
 SENTENCES = ["Gantry serves every model it deploys through one gateway.", "The cat sat on the mat."]
@@ -119,22 +119,19 @@ def _print(results: dict) -> None:
             return
         print(f"{name:48} {ours:10.2f} {floor:15.2f} {ours / floor:7.3f} {ours - floor:8.2f} {samples:8d}")
 
-    def quantile(values: list[float], q: float) -> float | None:
-        # A p99 rests on its largest 1 %: below 1000 samples that is a handful of requests.
-        return percentile(values, q) if q < 0.99 or len(values) >= 1000 else None
-
     for clients in (1, 16):
         g, t = results[("embed", "gateway", clients)], results[("embed", "triton", clients)]
         n = min(len(g["latencies"]), len(t["latencies"]))
         for q in (0.5, 0.99):
             row(f"embedding latency p{int(q * 100)} (ms), {clients} client(s)",
-                quantile(g["latencies"], q), quantile(t["latencies"], q), n)  # fmt: skip
+                tail_percentile(g["latencies"], q), tail_percentile(t["latencies"], q), n)  # fmt: skip
         row(f"embedding requests/s, {clients} client(s)", len(g["latencies"]) / g["wall"],
             len(t["latencies"]) / t["wall"], n)  # fmt: skip
     g, t = results[("chat", "gateway")], results[("chat", "triton")]
+    firsts = [s[0] for s in g], [s[0] for s in t]
     for q in (0.5, 0.99):
         row(f"chat time to first token p{int(q * 100)} (ms), 1 stream",
-            quantile([s[0] for s in g], q), quantile([s[0] for s in t], q), min(len(g), len(t)))  # fmt: skip
+            tail_percentile(firsts[0], q), tail_percentile(firsts[1], q), min(len(g), len(t)))  # fmt: skip
 
     def rate(samples: list) -> float:
         return statistics.median([(n - 1) / span for _, n, span in samples if n > 1 and span > 0])

@@ -24,6 +24,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+# A p99 rests on its largest 1 %: below this many samples that is a handful of requests.
+P99_SAMPLES = 1000
+
+
+def tail_percentile(values: list[float], q: float) -> float | None:
+    """percentile(values, q), or None for a q of 0.99 and up from fewer than P99_SAMPLES values."""
+    return percentile(values, q) if q < 0.99 or len(values) >= P99_SAMPLES else None
+
+
 def in_turn(sides: list, round_: int) -> list:
     """``sides`` in the order of round ``round_``: each round starts one side
     later, so no side always runs first (or right after another)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness import in_turn, percentile
+from bench.harness import P99_SAMPLES, in_turn, percentile, tail_percentile
 
 
 @dataclass
@@ -107,6 +107,7 @@ def figures(samples: list[dict], wall: float) -> dict:
     tails = [s["tail_ms"] for s in samples if "tail_ms" in s]
     rates = [(s["tokens"] - 1) / s["decode_s"] for s in samples if s["tokens"] > 1 and s["decode_s"] > 0]
     busy = sum(s.get("busy_s", 0.0) for s in samples)
+    p99 = tail_percentile(ttfts, 0.99)
     return {
         "samples": len(samples),
         "tokens_per_s": round(sum(s["tokens"] for s in samples) / wall, 1),
@@ -116,7 +117,7 @@ def figures(samples: list[dict], wall: float) -> dict:
         "per_stream_tokens_per_s": round(statistics.median(rates), 1) if rates else None,
         "ttft_p50_ms": round(percentile(ttfts, 0.5), 2),
         "ttft_p90_ms": round(percentile(ttfts, 0.9), 2),
-        "ttft_p99_ms": round(percentile(ttfts, 0.99), 2) if len(ttfts) >= 1000 else None,
+        "ttft_p99_ms": round(p99, 2) if p99 is not None else None,
         # From the last text to the stream's end: what a side adds after the last token.
         "tail_p50_ms": round(percentile(tails, 0.5), 3) if tails else None,
     }
@@ -138,7 +139,7 @@ def rotated(
 
 
 def p99_text(value: float | None, width: int = 8) -> str:
-    return f"{value:{width}.1f}" if value is not None else f"{'n<1000':>{width}}"
+    return f"{value:{width}.1f}" if value is not None else f"{f'n<{P99_SAMPLES}':>{width}}"
 
 
 class Floor:
