@@ -8,6 +8,7 @@ grouped queries and one Redis pipeline), never kept in the processes.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -123,7 +124,7 @@ def _celery_queues() -> Iterator[GaugeMetricFamily]:
         labels=["queue"],
     )
     try:
-        with _broker().pipeline(transaction=False) as pipe:
+        with _broker(settings.CELERY_BROKER_URL).pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.llen(name)
                 pipe.lindex(name, -1)
@@ -140,19 +141,11 @@ def _celery_queues() -> Iterator[GaugeMetricFamily]:
     yield age
 
 
-_brokers: dict[str, redis.Redis] = {}
-
-
-def _broker() -> redis.Redis:
+@functools.cache
+def _broker(url: str) -> redis.Redis:
     """The broker's client, kept between scrapes (its pool reconnects after an outage),
     named for its process in the broker's CLIENT LIST."""
-    url = settings.CELERY_BROKER_URL
-    client = _brokers.get(url)
-    if client is None:
-        client = _brokers[url] = redis.Redis.from_url(
-            url, socket_connect_timeout=1, socket_timeout=1, client_name=broker_client_name()
-        )
-    return client
+    return redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1, client_name=broker_client_name())
 
 
 def broker_client_name() -> str:
