@@ -7,9 +7,10 @@ as a Gantry load test configures it. Load up: one replica holds about twelve,
 twice the target, and the autoscaler adds the second within the stated
 number of cooldowns. Load off: four streams on two replicas are a third of
 the target, so it removes one replica, and only one, which leaves balancing
-and answers the streams it holds before its server stops. AIPerf counts no
-error, and every stream of ours ends with its finish_reason and [DONE]. The
-model's page lists both hosts as holding its files."""
+and drains before its server stops (test_drain fills a retired replica's
+queue on purpose; here whether one still runs then is chance). AIPerf counts
+no error, and every stream of ours ends with its finish_reason and [DONE].
+The model's page lists both hosts as holding its files."""
 
 from __future__ import annotations
 
@@ -116,13 +117,14 @@ def test_load_adds_a_replica_and_its_end_removes_one_drained_with_no_failed_or_c
         assert up["message"].startswith("replicas 1 → 2"), up
         assert down["message"].startswith("replicas 2 → 1"), down
         assert datetime.fromisoformat(up["at"]) - load_seen < timedelta(seconds=COOLDOWNS_TO_ADD * COOLDOWN_S)
-        # The replica removed left balancing with streams in flight, answered them, then stopped.
+        # The replica removed left balancing, answered what it held, then stopped. Whether it still
+        # held a stream when its drain began is the balancer's and the clock's (the tiny model ends
+        # a stream in about a second): test_drain fills the retired replica's queue first and checks
+        # that its drain counted and answered them.
         rows = plane.get(path)["replica_set"]
         assert len(rows) == 1 and rows[0]["status"] == "ready", rows
         drained = [e["message"] for e in timeline if e["kind"] == "replica.draining"]
         assert any(" drained in " in m for m in drained), drained
-        held = [int(m.split("): ")[1].split()[0]) for m in drained if "): " in m and "request(s) in flight" in m]
-        assert held and max(held) > 0, drained
         assert not any("cut" in m for m in drained), drained
 
         # The model's page says which hosts hold its files (where its replicas may go).
