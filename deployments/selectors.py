@@ -9,11 +9,12 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Exists, OuterRef, Prefetch, Q, QuerySet, prefetch_related_objects
+from django.db.models import Exists, JSONField, OuterRef, Prefetch, Q, QuerySet, prefetch_related_objects
 from django.utils import timezone
 
 from common.errors import NotFound
 from core import events
+from core.fields import stored_json
 from core.models import Event
 from deployments.gpu_plan import Holder, host_plan, replica_gpus, share_of
 from deployments.models import (
@@ -55,9 +56,19 @@ def build_list(**filters: str) -> QuerySet[EngineBuild]:
 def build_rows(columns: list[str]) -> QuerySet[EngineBuild]:
     """Builds as the API lists them: ``columns`` as values (lookups such as
     ``model__name`` join), no model instances: on a 50-row page building them
-    cost more than the query. ``deployed`` says whether any deployment places
-    the build (see builds_deployed_in)."""
+    cost more than the query. A JSON column comes as its stored text (an
+    orjson.Fragment, core.fields.StoredJSON), under build_row_key's key.
+    ``deployed`` says whether any deployment places the build (see
+    builds_deployed_in)."""
     return _resolved_build_rows(tuple(columns)).all()
+
+
+_BUILD_JSON = frozenset(f.name for f in EngineBuild._meta.concrete_fields if isinstance(f, JSONField))
+
+
+def build_row_key(column: str) -> str:
+    """The key of ``column`` in a build_rows row."""
+    return f"{column}_stored" if column in _BUILD_JSON else column
 
 
 # Turning 30 names into columns and joins cost 0.34 ms a request, more than
@@ -66,7 +77,9 @@ def build_rows(columns: list[str]) -> QuerySet[EngineBuild]:
 @functools.cache
 def _resolved_build_rows(columns: tuple[str, ...]) -> QuerySet[EngineBuild]:
     placed = DeploymentModel.objects.filter(engine_build=OuterRef("pk"))
-    return EngineBuild.objects.values(*columns, deployed=Exists(placed))
+    stored = {build_row_key(c): stored_json(c) for c in columns if c in _BUILD_JSON}
+    plain = [c for c in columns if c not in _BUILD_JSON]
+    return EngineBuild.objects.values(*plain, **stored, deployed=Exists(placed))
 
 
 def builds_deployed_in(build_ids: list[int]) -> dict[int, list[dict[str, Any]]]:

@@ -88,10 +88,15 @@ class BuildOut(serializers.ModelSerializer):
     def _layout(cls) -> tuple[tuple[str, ...], Any]:
         """The output's names of a row's columns, and what takes those columns from a row, in order."""
         names = tuple(name for name in cls.Meta.fields if name not in cls.DERIVED)
-        return names, operator.itemgetter(*cls.row_columns())
+        return names, operator.itemgetter(*map(selectors.build_row_key, cls.row_columns()))
 
     def row_of(self, build: EngineBuild) -> dict[str, Any]:
-        row = {name: getattr(build, name) for name in self.row_columns() if name not in self.RELATED.values()}
+        """A model instance as a list row (selectors.build_rows), its JSON columns parsed."""
+        row = {
+            selectors.build_row_key(name): getattr(build, name)
+            for name in self.row_columns()
+            if name not in self.RELATED.values()
+        }
         row["model__name"], row["host__name"] = build.model.name, build.host.name
         row["created_by__username"] = build.created_by.username if build.created_by_id else None
         return row

@@ -60,9 +60,14 @@ def test_the_fast_build_rows_equal_drfs_own(api, llama, host, operator):  # noqa
         fast = BuildOut(loaded).data
         generic = serializers.ModelSerializer.to_representation(BuildOut(loaded), loaded)
         assert dict(fast) == dict(generic) and list(fast) == list(generic)
-        # The list writes the same from the values it reads (selectors.build_rows).
-        listed = next(b for b in api.get("/api/builds/").data["results"] if b["id"] == row.pk)
+        # The list writes the same from the values it reads (selectors.build_rows), its JSON
+        # columns copied as stored (core.fields.StoredJSON): compared as the client reads them.
+        listed = next(b for b in api.get("/api/builds/").json()["results"] if b["id"] == row.pk)
         assert listed == dict(generic) and list(listed) == list(generic)
+        indented = api.get("/api/builds/", HTTP_ACCEPT="application/json; indent=2")
+        assert b"\n" in indented.content and next(b for b in indented.json()["results"] if b["id"] == row.pk) == dict(
+            generic
+        )
 
 
 def test_preflight_says_which_build_an_identical_request_would_reuse_and_writes_nothing(api, llama):

@@ -7,6 +7,7 @@ import decimal
 import json
 import uuid
 
+import orjson
 from django.utils.translation import gettext_lazy
 from rest_framework.exceptions import ErrorDetail
 from rest_framework.renderers import JSONRenderer as DRFRenderer
@@ -40,8 +41,19 @@ def test_what_orjson_refuses_is_left_to_drf():
 
 def test_an_indented_rendering_is_drfs():
     media = "application/json; indent=2"
-    assert JSONRenderer().render({"a": [1]}, media) == DRFRenderer().render({"a": [1]}, media)
+    for payload in PAYLOADS:
+        assert JSONRenderer().render(payload, media) == DRFRenderer().render(payload, media), payload
     assert b"\n" in JSONRenderer().render({"a": [1]}, media)
+
+
+def test_stored_json_is_written_as_stored_and_indented_as_parsed():
+    # What a StoredJSON column reads (core.fields): the database's own text, digits beyond 64 bits kept.
+    stored = '{"tp": [0, 1], "seed": 123456789012345678901234}'
+    payload = {"id": 1, "spec": orjson.Fragment(stored), "none": None}
+    assert JSONRenderer().render(payload) == b'{"id":1,"spec":' + stored.encode() + b',"none":null}'
+    media = "application/json; indent=2"
+    expected = DRFRenderer().render({"id": 1, "spec": json.loads(stored), "none": None}, media)
+    assert JSONRenderer().render(payload, media) == expected
 
 
 def test_a_float_that_is_not_a_number_is_null():
