@@ -69,14 +69,23 @@ def inspect_model(model_id: int) -> None:
     inspect(model_id)
 
 
-# A build enforces its own time limit (and may run for hours): no Celery limit.
-@shared_task(name=queues.RUN_BUILD, soft_time_limit=None, time_limit=None)
+# Tasks that bound themselves (a build's own time limit, a download's cancel, a load test's
+# steps, a tuning run's budget) run under this Celery limit, a month, instead of the
+# worker's default (CELERY_TASK_SOFT_TIME_LIMIT, minutes). Not None: Celery reads a task's
+# None as "the worker's default" (billiard's `soft_timeout or self.soft_timeout`), which
+# cut a tuning run at its fifth minute.
+_MONTH_S = 30 * 24 * 3600
+SELF_BOUNDED = {"soft_time_limit": _MONTH_S, "time_limit": _MONTH_S + 60}
+
+
+# A build enforces its own time limit (and may run for hours).
+@shared_task(name=queues.RUN_BUILD, **SELF_BOUNDED)
 def run_build(build_id: int) -> None:
     run.run_build(build_id)
 
 
-# A download may take hours for a large model; it ends itself on a cancel: no Celery limit.
-@shared_task(name=queues.RUN_DOWNLOAD, soft_time_limit=None, time_limit=None)
+# A download may take hours for a large model; it ends itself on a cancel.
+@shared_task(name=queues.RUN_DOWNLOAD, **SELF_BOUNDED)
 def run_download(download_id: int) -> None:
     downloads.run_download(download_id)
 
@@ -86,13 +95,13 @@ def remove_copy(model_id: int) -> None:
     cache.remove_asked(model_id)
 
 
-# A load test bounds each of its steps itself (loadtests.workload): no Celery limit.
-@shared_task(name=queues.RUN_LOADTEST, soft_time_limit=None, time_limit=None)
+# A load test bounds each of its steps itself (loadtests.workload).
+@shared_task(name=queues.RUN_LOADTEST, **SELF_BOUNDED)
 def run_loadtest(run_id: int, key: str = "") -> None:
     loadtest_runs.run(run_id, key)
 
 
-# A tuning run bounds itself by its budget (loadtests.tuning): no Celery limit.
-@shared_task(name=queues.RUN_TUNING, soft_time_limit=None, time_limit=None)
+# A tuning run bounds itself by its budget (loadtests.tuning).
+@shared_task(name=queues.RUN_TUNING, **SELF_BOUNDED)
 def run_tuning(run_id: int, key: str = "") -> None:
     loadtest_tuning.run(run_id, key)
